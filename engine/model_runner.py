@@ -1,0 +1,150 @@
+# T=tokens (new, all sequences), B=sequences, L=layers, P=pages, S=page_size, K=kv heads,
+# D=head_dim, V=vocab
+"""The model step prefill and decode share: a batch of sequences' new tokens in, logits out.
+
+`ModelRunner` owns the weights (engine/models/llama.py) and the page-major KV cache; callers own
+page allocation (kvstore) and scheduling, and describe each sequence of a step as a
+`ForwardItem`: its new tokens, how many tokens its pages already hold, and its page ids.
+A step may mix prefill items (many new tokens, maybe after a cached prefix) and decode items
+(one new token), as in vLLM's unified scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from engine.config import ModelConfig
+from engine.loader import ModelFiles, load_config
+from engine.models.llama import LlamaModel
+from kernels import build_attention_metadata, rope_table
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """One sequence's share of a model step."""
+
+    token_ids: Sequence[int]
+    """New tokens to compute, len >= 1; the logits returned are those after the last one."""
+    num_computed_tokens: int
+    """Tokens of this sequence already in its KV pages; the new tokens' positions start here."""
+    block_ids: Sequence[int]
+    """Page ids covering num_computed_tokens + len(token_ids) tokens, in order."""
+
+
+class ModelRunner:
+    """Weights plus a paged KV cache `[P, L, 2, S, K, D]`, and the batched forward step.
+
+    The cache is page-major so one page (all layers, K and V, S token slots) is one contiguous
+    buffer of `page_nbytes` bytes: the KV transfer sends and receives whole pages through
+    `page_buffer`. Pages hold garbage until a forward writes them.
+    """
+
+    def __init__(self, files: ModelFiles, num_pages: int, page_size: int = 16,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """Load `files` (config.json, *.safetensors) and allocate `num_pages` pages of KV.
+
+        Raises ValueError for a non-Llama checkpoint, num_pages < 1, page_size < 1, or a
+        dtype that is not floating point.
+        """
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be >= 1, "
+                             f"got {num_pages} and {page_size}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        start = time.monotonic()
+        arch = json.loads((files.checkpoint_dir / "config.json").read_text()).get("architectures")
+        if not arch or arch[0] not in _SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"model {files.name!r} has architectures {arch}; supported: "
+                             f"{list(_SUPPORTED_ARCHITECTURES)}")
+        self.config: ModelConfig = load_config(files)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dtype = dtype
+        weights: dict[str, torch.Tensor] = {}
+        for path in sorted(files.checkpoint_dir.glob("*.safetensors")):
+            weights.update(safetensors.torch.load_file(path))
+        self.model = LlamaModel(self.config, weights, dtype)
+        del weights
+        c = self.config
+        self.kv_cache = torch.zeros(num_pages, c.num_layers, 2, page_size, c.num_kv_heads,
+                                    c.head_dim, dtype=dtype)  # [P, L, 2, S, K, D]
+        self.page_nbytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
+        self._cos, self._sin_rot = rope_table(c.max_position_embeddings, c.head_dim,
+                                              c.rope_theta, dtype)  # [max_pos, D] each
+        logger.info("loaded %s in %.1f s: %d pages x %d tokens, %d bytes a page, dtype %s",
+                    c.name, time.monotonic() - start, num_pages, page_size, self.page_nbytes, dtype)
+
+    def page_buffer(self, page_id: int) -> np.ndarray:
+        """Zero-copy, writable 1-D uint8 numpy view of page `page_id` (page_nbytes bytes).
+
+        Only write whole pages of K/V bytes from another ModelRunner of the same model, page
+        size and dtype: attention reads unused slots too (then masks them), so they must stay
+        finite. Raises ValueError when page_id is not in [0, num_pages).
+        """
+        if not 0 <= page_id < self.num_pages:
+            raise ValueError(f"page_id must be in [0, {self.num_pages}), got {page_id}")
+        return self.kv_cache[page_id].view(-1).view(torch.uint8).numpy()
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """One model step over a batch of sequences; returns fp32 logits [len(items), V].
+
+        Row b holds the logits after the last new token of items[b]. K/V of every new token are
+        written into the item's pages at positions num_computed_tokens... Raises ValueError for
+        an empty batch, an item without new tokens, a token id outside the vocabulary, too few
+        pages, a page id out of range, or a position beyond max_position_embeddings.
+        """
+        if not items:
+            raise ValueError("forward needs at least one ForwardItem")
+        max_pos = self.config.max_position_embeddings
+        ids: list[int] = []
+        positions: list[int] = []
+        num_new: list[int] = []
+        for b, it in enumerate(items):
+            n, nc = len(it.token_ids), it.num_computed_tokens
+            if nc + n > max_pos:
+                raise ValueError(f"item {b}: {nc + n} tokens exceed max_position_embeddings "
+                                 f"({max_pos}) of {self.config.name}")
+            ids.extend(it.token_ids)
+            positions.extend(range(nc, nc + n))
+            num_new.append(n)
+        if min(ids, default=0) < 0 or max(ids, default=0) >= self.config.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, "
+                             f"{self.config.vocab_size}) of {self.config.name}")
+        meta = build_attention_metadata(
+            [it.num_computed_tokens for it in items], num_new, [it.block_ids for it in items],
+            self.page_size, self.config.num_layers, self.num_pages)
+        pos = torch.tensor(positions)  # [T]
+        cos = self._cos.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
+        sin_rot = self._sin_rot.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
+        logits_index = None
+        if len(ids) != len(items):  # some item has several new tokens: pick each one's last
+            logits_index = torch.tensor(np.cumsum(num_new) - 1)  # [B]
+        return self.model.forward(torch.tensor(ids), cos, sin_rot, meta, self.kv_cache,
+                                  logits_index)
+
+    def warmup(self) -> None:
+        """Run a tiny prefill and decode on page 0 so the first request pays no one-time costs.
+
+        Leaves garbage in page 0, which callers treat as garbage until they write it anyway.
+        """
+        start = time.monotonic()
+        tok = self.config.bos_token_id or 0
+        span = min(2, self.page_size)
+        self.forward([ForwardItem([tok] * span, 0, [0])])
+        if span < self.page_size:
+            self.forward([ForwardItem([tok], span, [0])])
+        logger.info("warmup took %.2f s", time.monotonic() - start)

@@ -1,0 +1,102 @@
+# B=sequences, V=vocab
+"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus, Holtzman et al. 2019).
+
+Filtering follows transformers' logits warpers in generate's order: temperature, then
+`TopKLogitsWarper` (keeps every token tied with the k-th logit), then `TopPLogitsWarper` (drops
+the smallest tokens whose cumulative probability stays <= 1 - top_p, always keeping the top one).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its next tokens."""
+
+    temperature: float = 0.0
+    """Softmax temperature, >= 0; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 keeps every token."""
+    top_k: int = 0
+    """Keep the k most likely tokens (and ties); 0 turns it off."""
+    seed: int | None = None
+    """Seed of the request's own generator (see `make_generator`); None uses torch's global RNG."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """A CPU generator seeded with params.seed, or None (global RNG) when there is no seed."""
+    if params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> list[int]:
+    """Pick one token per row.
+
+    logits [B, V] fp32; params and generators have B entries (generator None = global RNG).
+    Greedy rows take the first index of the max; the others apply temperature, top-k, top-p and
+    draw with `torch.multinomial` from their own generator. Returns B token ids.
+    Raises ValueError when the lengths disagree.
+    """
+    B = logits.shape[0]
+    if len(params) != B or len(generators) != B:
+        raise ValueError(f"need one SamplingParams and one generator per row: {B} rows, "
+                         f"{len(params)} params, {len(generators)} generators")
+    out = logits.argmax(dim=-1).tolist()  # greedy for every row; sampled rows overwrite below
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    probs = _filtered_probs(logits[rows], [params[b] for b in rows])  # [b, V]
+    for i, b in enumerate(rows):
+        out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
+    return out
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k and top-p over rows [b, V], then softmax -> probabilities [b, V]."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    scores = logits / temps[:, None]  # [b, V]
+    V = scores.shape[-1]
+    ks = [min(p.top_k, V) for p in params]
+    if any(ks):
+        kmax = max(ks)
+        top = scores.topk(kmax, dim=-1).values  # [b, kmax], descending
+        kth = top.gather(-1, torch.tensor([[k - 1 if k else kmax - 1] for k in ks]))  # [b, 1]
+        use_k = torch.tensor([[k > 0] for k in ks])
+        scores = scores.masked_fill(use_k & (scores < kth), float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=scores.dtype)
+    if bool((top_p < 1).any()):
+        sorted_scores, order = scores.sort(dim=-1)  # ascending, as TopPLogitsWarper
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1 - top_p)[:, None]
+        drop_sorted[:, -1] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)

@@ -1,0 +1,1 @@
+"""The client-facing gateway: tokenizer, prefix-aware router, decode picker, streaming."""

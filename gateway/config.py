@@ -1,0 +1,80 @@
+"""Configuration of the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Settings of a gateway, built once in main() from flags and KVMESH_* variables."""
+
+    prefill_addresses: tuple[str, ...]
+    """gRPC addresses (host:port) of the prefill instances."""
+    decode_addresses: tuple[str, ...]
+    """gRPC addresses (host:port) of the decode instances."""
+    model: str | None = None
+    """Model name or path whose tokenizer the gateway uses; None is the default model."""
+    host: str = "127.0.0.1"
+    port: int = 50051
+    redis_url: str = ""
+    """Redis holding the prefix index; empty routes by load alone."""
+    page_size: int = 16
+    """Tokens per block; must equal the services' page size (block hashes depend on it)."""
+    default_max_tokens: int = 256
+    """max_tokens when a request leaves it unset."""
+    max_tokens_limit: int = 4096
+    """Largest max_tokens a request may ask for."""
+    cache_threshold: float = 0.5
+    """Fraction of the prompt a cached prefix must cover to steer routing (SGLang's cache_threshold)."""
+    load_weight: float = 1.0
+    """Weight of in-flight prefill tokens against uncached prompt tokens in the routing cost."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of the small control RPCs (Reserve, Release, GetStats)."""
+    prefill_timeout_s: float = 300.0
+    """Deadline of one Prefill call (queueing + compute + KV push)."""
+    stats_interval_s: float = 0.5
+    """How often instances' load and health are polled."""
+
+    def __post_init__(self) -> None:
+        if not self.prefill_addresses:
+            raise ValueError("at least one prefill address is required (--prefill host:port)")
+        if not self.decode_addresses:
+            raise ValueError("at least one decode address is required (--decode host:port)")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}")
+
+
+def _addresses(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvmesh serve gateway`; each defaults to its KVMESH_* variable when set."""
+    env = os.environ.get
+    parser.add_argument("--model", default=env("KVMESH_MODEL"), help="model name or path (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default=env("KVMESH_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("KVMESH_PORT", "50051")))
+    parser.add_argument("--prefill", action="append", default=None, metavar="HOST:PORT",
+                        help="a prefill instance (repeat or comma-separate; env KVMESH_PREFILL)")
+    parser.add_argument("--decode", action="append", default=None, metavar="HOST:PORT",
+                        help="a decode instance (repeat or comma-separate; env KVMESH_DECODE)")
+    parser.add_argument("--redis-url", default=env("REDIS_URL", ""), help="Redis of the prefix index")
+    parser.add_argument("--page-size", type=int, default=int(env("KVMESH_PAGE_SIZE", "16")))
+    parser.add_argument("--default-max-tokens", type=int, default=int(env("KVMESH_DEFAULT_MAX_TOKENS", "256")))
+    parser.add_argument("--max-tokens-limit", type=int, default=int(env("KVMESH_MAX_TOKENS_LIMIT", "4096")))
+    parser.add_argument("--cache-threshold", type=float, default=float(env("KVMESH_CACHE_THRESHOLD", "0.5")),
+                        help="fraction of the prompt a cached prefix must cover to steer routing")
+    parser.add_argument("--load-weight", type=float, default=float(env("KVMESH_LOAD_WEIGHT", "1.0")),
+                        help="weight of queued prefill tokens against uncached prompt tokens")
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    prefill = [a for v in (args.prefill or [os.environ.get("KVMESH_PREFILL", "")]) for a in _addresses(v)]
+    decode = [a for v in (args.decode or [os.environ.get("KVMESH_DECODE", "")]) for a in _addresses(v)]
+    return GatewayConfig(prefill_addresses=tuple(prefill), decode_addresses=tuple(decode), model=args.model,
+                         host=args.host, port=args.port, redis_url=args.redis_url, page_size=args.page_size,
+                         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
+                         cache_threshold=args.cache_threshold, load_weight=args.load_weight)

@@ -1,0 +1,50 @@
+"""`kvmesh serve gateway`: the client-facing gRPC service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from engine.loader import load_config, load_tokenizer, resolve_model
+from gateway.config import GatewayConfig, config_from_args
+from gateway.pool import InstancePool
+from gateway.requests import PromptBuilder
+from gateway.servicer import GatewayServicer
+from kvmesh import service
+from kvstore.redis_index import AsyncRedisKVIndexReader
+from protos.kvmesh.v1 import gateway_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
+    """Load the tokenizer, connect to the instances, serve until stop is set."""
+    files = resolve_model(config.model)
+    model_config = load_config(files)
+    tokenizer = await asyncio.to_thread(load_tokenizer, files)
+    builder = PromptBuilder(tokenizer, files.name, model_config.max_position_embeddings,
+                            config.default_max_tokens, config.max_tokens_limit)
+    index = AsyncRedisKVIndexReader(config.redis_url, model=files.name) if config.redis_url else None
+    pool = InstancePool(config.prefill_addresses, config.decode_addresses, config.page_size, index,
+                        config.cache_threshold, config.load_weight, config.rpc_timeout_s)
+    svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(
+        GatewayServicer(builder, pool, frozenset(model_config.eos_token_ids), config.rpc_timeout_s,
+                        config.prefill_timeout_s), svc.server)
+    await pool.poll_once()
+    pool.start_polling(config.stats_interval_s)
+    await svc.start()
+    await svc.mark_serving()
+    print(f"gateway serving {files.name} on {svc.address}", flush=True)
+    await stop.wait()
+    logger.info("shutting down")
+    await svc.stop(grace_s=5.0)
+    await pool.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    service.setup_logging("gateway")
+    config = config_from_args(args)
+    service.run(lambda stop: serve(config, stop))

@@ -1,0 +1,18 @@
+"""Kernels: a PyTorch path that runs on CPU, with a plain reference for each in `kernels.ref`."""
+
+from kernels.attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    paged_attention,
+)
+from kernels.ops import apply_rotary, rms_norm, rope_table, silu_and_mul
+
+__all__ = [
+    "AttentionMetadata",
+    "apply_rotary",
+    "build_attention_metadata",
+    "paged_attention",
+    "rms_norm",
+    "rope_table",
+    "silu_and_mul",
+]

@@ -1,0 +1,104 @@
+"""`kvmesh bench`: decode speed of the mesh next to transformers, in one run.
+
+Measures on the default model (or --model), greedy, EOS ignored so every request decodes
+exactly --new-tokens tokens:
+- transformers `generate` single-stream decode tokens/s (time of N new tokens minus the
+  time of 1, over N-1, so prefill is excluded), in this process, before the mesh starts;
+- kvmesh single-stream decode tokens/s ((generated-1) / (e2e - TTFT) per request);
+- kvmesh aggregate tokens/s with 4 and 16 concurrent requests (all tokens / wall time);
+- TTFT p50 / p90 over every kvmesh request of the run.
+Run it on an otherwise idle machine; it prints the ratios the README quotes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how rainbows form.",
+           "Describe a busy market in the morning.", "Write about a journey across the mountains."]
+
+
+def _hf_tokens_per_s(model_name: str | None, new_tokens: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import load_tokenizer, resolve_model
+
+    files = resolve_model(model_name)
+    tok = load_tokenizer(files)
+    model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
+
+    timed(4)  # warm-up
+    best = min(timed(new_tokens) - timed(1) for _ in range(2))
+    del model
+    return (new_tokens - 1) / best
+
+
+async def _round(address: str, concurrency: int, new_tokens: int, ttfts: list[float]) -> tuple[float, float]:
+    """(aggregate tokens/s, mean per-request decode tokens/s) for `concurrency` requests at once."""
+    from kvmesh.client import GatewayClient, make_request
+
+    async with GatewayClient(address) as client:
+        reqs = [make_request(PROMPTS[i % len(PROMPTS)] + f" (variant {i})", chat=True, max_tokens=new_tokens,
+                             ignore_eos=True) for i in range(concurrency)]
+        start = time.perf_counter()
+        outs = await asyncio.gather(*[client.complete(r, timeout_s=900) for r in reqs])
+        wall = time.perf_counter() - start
+    ttfts.extend(o.final.ttft_s for o in outs)
+    total = sum(o.final.generated_tokens for o in outs)
+    per_request = [(o.final.generated_tokens - 1) / (o.final.e2e_s - o.final.ttft_s) for o in outs]
+    return total / wall, statistics.mean(per_request)
+
+
+def run_bench(args) -> int:
+    from kvmesh.client import GatewayClient, make_request
+    from kvmesh.launcher import start_mesh
+    from kvmesh.redis_server import free_port
+
+    n = args.new_tokens
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    say(f"transformers generate, single stream, {n} new tokens ...")
+    hf = _hf_tokens_per_s(args.model, n)
+    say("starting the mesh (1 prefill, 1 decode) ...")
+    with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-", suffix=".log") as log:
+        mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""})
+        try:
+            async def measure() -> dict[str, float]:
+                ttfts: list[float] = []
+                async with GatewayClient(mesh.gateway_address) as client:  # warm-up
+                    await client.complete(make_request("Hello", chat=True, max_tokens=8))
+                singles = [(await _round(mesh.gateway_address, 1, n, ttfts))[1] for _ in range(3)]
+                c4, _ = await _round(mesh.gateway_address, 4, n, ttfts)
+                c16, _ = await _round(mesh.gateway_address, 16, n, ttfts)
+                q = statistics.quantiles(ttfts, n=10)
+                return {"hf_tokens_per_s": hf, "single_tokens_per_s": max(singles), "c4_tokens_per_s": c4,
+                        "c16_tokens_per_s": c16, "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": q[8]}
+
+            result = asyncio.run(measure())
+        finally:
+            mesh.stop()
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"\n{'measure':<42}{'value':>12}{'vs transformers':>18}")
+    rows = [("transformers generate, single stream (tok/s)", result["hf_tokens_per_s"]),
+            ("kvmesh single stream decode (tok/s)", result["single_tokens_per_s"]),
+            ("kvmesh 4 concurrent, aggregate (tok/s)", result["c4_tokens_per_s"]),
+            ("kvmesh 16 concurrent, aggregate (tok/s)", result["c16_tokens_per_s"])]
+    for name, value in rows:
+        print(f"{name:<42}{value:>12.1f}{value / result['hf_tokens_per_s']:>17.2f}x")
+    print(f"{'TTFT p50 / p90 (ms)':<42}{result['ttft_p50_s'] * 1000:>7.0f} / {result['ttft_p90_s'] * 1000:.0f}")
+    return 0

@@ -1,0 +1,123 @@
+"""The `kvmesh` command: up, generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import grpc
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvmesh.client import GatewayClient, make_request
+
+    async def run() -> int:
+        async with GatewayClient(args.gateway) as client:
+            chat = args.chat
+            if chat is None:
+                chat = (await client.list_models()).has_chat_template
+            request = make_request(args.prompt, chat=chat, max_tokens=args.max_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [],
+                                   model=args.model or "")
+            async for msg in client.stream(request):
+                if msg.HasField("delta"):
+                    sys.stdout.write(msg.delta.text)
+                    sys.stdout.flush()
+                elif args.verbose:
+                    f = msg.final
+                    print(f"\n[{f.finish_reason}: {f.prompt_tokens} prompt ({f.cached_tokens} cached), "
+                          f"{f.generated_tokens} generated, TTFT {f.ttft_s * 1000:.0f} ms, "
+                          f"ITL {f.itl_s * 1000:.1f} ms, prefill {f.prefill_instance}, decode {f.decode_instance}]",
+                          file=sys.stderr)
+            print()
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except grpc.aio.AioRpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvmesh.launcher import run_up
+
+    try:
+        return run_up(args.prefill, args.decode, args.model, args.port)
+    except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    try:
+        importlib.import_module(f"{args.service_module}.main").main(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvmesh.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (also used by tests to check compose's commands)."""
+    from decode_svc import config as decode_config
+    from gateway import config as gateway_config
+    from prefill_svc import config as prefill_config
+
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a local mesh (Redis, prefill, decode, gateway) until Ctrl-C")
+    up.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    up.add_argument("--decode", type=int, default=1, help="decode instances")
+    up.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
+    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.set_defaults(func=_cmd_up)
+
+    gen = sub.add_parser("generate", help="stream an answer from a gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--gateway", default=os.environ.get("KVMESH_GATEWAY", "127.0.0.1:50051"))
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--model", default=None)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the chat template (default: on when the model has one)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print token counts and timings")
+    gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="run one service (for compose and real deployments)")
+    kinds = serve.add_subparsers(dest="service", required=True)
+    for name, module in (("gateway", gateway_config), ("prefill", prefill_config), ("decode", decode_config)):
+        p = kinds.add_parser(name, help=f"the {name} service")
+        module.add_arguments(p)
+        p.set_defaults(func=_cmd_serve, service_module=module.__package__)
+
+    bench = sub.add_parser("bench", help="decode speed vs transformers, TTFT, at 1/4/16 concurrent requests")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--model", default=None)
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""A small client of the Gateway service (used by `kvmesh generate`, the demo and the tests)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvmesh.service import GRPC_OPTIONS
+from protos.kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+@dataclass
+class Completion:
+    """A whole answer: text, token ids and the gateway's Final message."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    final: gateway_pb2.Final | None = None
+
+
+def make_request(prompt: str | bytes = b"", *, messages: list[tuple[str, str]] | None = None, chat: bool = False,
+                 max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
+                 top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+                 ignore_eos: bool = False, model: str = "", request_id: str = "") -> gateway_pb2.GenerateRequest:
+    """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes."""
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=stop or [],
+                                         ignore_eos=ignore_eos)
+    if top_p is not None:
+        sampling.top_p = top_p
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if seed is not None:
+        sampling.seed = seed
+    return gateway_pb2.GenerateRequest(
+        request_id=request_id, model=model, prompt=prompt.encode() if isinstance(prompt, str) else prompt,
+        messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in (messages or [])], chat=chat,
+        sampling=sampling)
+
+
+class GatewayClient:
+    """Async client; use as `async with GatewayClient(addr) as c: ...`."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    async def __aenter__(self) -> "GatewayClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+
+    async def list_models(self, timeout_s: float = 10.0) -> gateway_pb2.ListModelsResponse:
+        return await self.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout_s)
+
+    async def stream(self, request: gateway_pb2.GenerateRequest,
+                     timeout_s: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Yield the gateway's messages as they arrive; raises grpc.aio.AioRpcError on failure."""
+        async for msg in self.stub.Generate(request, timeout=timeout_s):
+            yield msg
+
+    async def complete(self, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None) -> Completion:
+        """The whole answer at once."""
+        out = Completion()
+        async for msg in self.stream(request, timeout_s):
+            if msg.HasField("delta"):
+                out.text += msg.delta.text
+                out.token_ids.extend(msg.delta.token_ids)
+            else:
+                out.final = msg.final
+        return out

@@ -1,0 +1,158 @@
+"""`kvmesh up`: a whole local mesh on loopback (Redis, N prefill, M decode, the gateway).
+
+Children are tied to the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves
+no orphans; on Ctrl-C or SIGTERM they are stopped in order: gateway first (stop
+admitting), then prefill and decode, then Redis.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvmesh.redis_server import RedisProcess, free_port, ping
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Mesh:
+    """Handles on a running local mesh."""
+
+    gateway_address: str
+    redis_url: str
+    prefill_addresses: list[str]
+    decode_addresses: list[str]
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    redis: RedisProcess | None = None
+
+    def stop(self) -> None:
+        """Stop every child: SIGTERM in order (gateway first), SIGKILL after 15 s."""
+        for _name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for _name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def _serve(kind: str, args: list[str], env: dict[str, str], log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvmesh.cli", "serve", kind, *args]
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+
+
+def start_mesh(num_prefill: int = 1, num_decode: int = 1, model: str | None = None, port: int = 50051,
+               host: str = "127.0.0.1", extra_prefill_args: list[str] | None = None,
+               extra_decode_args: list[str] | None = None, extra_gateway_args: list[str] | None = None,
+               env: dict[str, str] | None = None, log=None, ready_timeout_s: float = 600.0) -> Mesh:
+    """Start Redis (unless REDIS_URL answers), the instances and the gateway; wait until all are SERVING.
+
+    Raises ValueError for an unknown model, RuntimeError when a child exits during start-up,
+    TimeoutError when one is not ready within ready_timeout_s seconds.
+    """
+    from engine.loader import resolve_model
+
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"need at least one prefill and one decode, got {num_prefill} and {num_decode}")
+    resolve_model(model)  # converts the GGUF once here, before the children race for it
+    env = {**os.environ, **(env or {})}
+    if model:
+        env["KVMESH_MODEL"] = model
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    redis_proc = None
+    redis_url = env.get("REDIS_URL", "")
+    if redis_url:
+        if not ping(redis_url):
+            raise RuntimeError(f"REDIS_URL={redis_url} does not answer; unset it to start a private redis-server")
+    else:
+        redis_proc = RedisProcess(preexec_fn=_die_with_parent)
+        redis_url = redis_proc.url
+    mesh = Mesh(gateway_address=f"{host}:{port}", redis_url=redis_url, prefill_addresses=[],
+                decode_addresses=[], redis=redis_proc)
+    try:
+        for i in range(num_decode):
+            p = free_port(host)
+            mesh.decode_addresses.append(f"{host}:{p}")
+            mesh.procs.append((f"decode-{i}", _serve("decode", ["--host", host, "--port", str(p),
+                                                                *(extra_decode_args or [])], env, log)))
+        for i in range(num_prefill):
+            p = free_port(host)
+            mesh.prefill_addresses.append(f"{host}:{p}")
+            mesh.procs.append((f"prefill-{i}", _serve("prefill", ["--host", host, "--port", str(p), "--redis-url",
+                                                                  redis_url, *(extra_prefill_args or [])], env, log)))
+        _wait_ready(mesh, mesh.prefill_addresses + mesh.decode_addresses, ready_timeout_s)
+        gw_args = ["--host", host, "--port", str(port), "--redis-url", redis_url,
+                   *[a for d in mesh.prefill_addresses for a in ("--prefill", d)],
+                   *[a for d in mesh.decode_addresses for a in ("--decode", d)], *(extra_gateway_args or [])]
+        mesh.procs.append(("gateway", _serve("gateway", gw_args, env, log)))
+        _wait_ready(mesh, [mesh.gateway_address], 120.0)
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
+def _wait_ready(mesh: Mesh, addresses: list[str], timeout_s: float) -> None:
+    import asyncio
+
+    from kvmesh.service import wait_for_health
+
+    async def all_ready() -> None:
+        tasks = [asyncio.ensure_future(wait_for_health(a, timeout_s)) for a in addresses]
+        try:
+            while not all(t.done() for t in tasks):
+                dead = [n for n, p in mesh.procs if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited during start-up (see its log above)")
+                await asyncio.sleep(0.2)
+            for t in tasks:
+                t.result()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    asyncio.run(all_ready())
+
+
+def run_up(num_prefill: int, num_decode: int, model: str | None, port: int) -> int:
+    """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
+    mesh = start_mesh(num_prefill, num_decode, model, port)
+    print(f"kvmesh is up: gateway {mesh.gateway_address} (prefill {', '.join(mesh.prefill_addresses)}; "
+          f"decode {', '.join(mesh.decode_addresses)}; redis {mesh.redis_url})", flush=True)
+    print(f"try: kvmesh generate --gateway {mesh.gateway_address} \"What is the capital of France?\"", flush=True)
+    code = 0
+    try:
+        while not stop.wait(0.5):
+            dead = [n for n, p in mesh.procs if p.poll() is not None]
+            if dead:
+                print(f"{', '.join(dead)} exited; stopping the mesh", file=sys.stderr, flush=True)
+                code = 1
+                break
+    finally:
+        print("stopping kvmesh ...", flush=True)
+        mesh.stop()
+    return code

@@ -1,0 +1,43 @@
+"""kvstore: paged KV block pool, block hashing, KV events, the Redis prefix index and the UCX KV transport.
+
+The Redis and UCX parts load on first use (`import ucxx` alone takes ~0.6 s), so a
+process that only hashes blocks or manages a pool does not pay for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from kvstore.block_hash import BlockHash, BlockHasher, hash_block, hash_blocks
+from kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
+from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:
+    from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
+    from kvstore.ucx_transfer import KVReceiver, KVSender, TransferError, TransferResult
+
+_LAZY = {
+    "RedisKVIndex": "kvstore.redis_index",
+    "AsyncRedisKVIndexReader": "kvstore.redis_index",
+    "KVReceiver": "kvstore.ucx_transfer",
+    "KVSender": "kvstore.ucx_transfer",
+    "TransferError": "kvstore.ucx_transfer",
+    "TransferResult": "kvstore.ucx_transfer",
+}
+
+__all__ = [
+    "BlockHash", "BlockHasher", "hash_block", "hash_blocks",
+    "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent",
+    "BlockPool", "PrefixMatch", "Allocation", "NoFreeBlocksError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,137 @@
+"""Chained block hashes: the one key the gateway, the Redis index and every pool agree on.
+
+A prompt is cut into blocks of `block_size` tokens. Block i's hash covers its own
+token ids and block i-1's hash, so equal hashes mean equal prefixes, not just equal
+blocks. Only full blocks are hashed: a trailing partial block can still grow, so it
+has no stable identity yet.
+
+The hash is blake2b with a 16-byte digest over the parent hash (16 zero bytes for the
+first block) followed by the token ids as little-endian int64. It never uses Python's
+`hash()`, so it is the same in every process and on every machine.
+
+Reference: vLLM v1 prefix caching (`vllm/v1/core/kv_cache_utils.py`,
+`hash_block_tokens` and the incremental request block hasher).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NewType
+
+import numpy as np
+
+BlockHash = NewType("BlockHash", bytes)
+"""16 bytes identifying a full block of tokens together with everything before it."""
+
+HASH_NBYTES = 16
+_NO_PARENT = bytes(HASH_NBYTES)
+
+
+def _as_token_array(token_ids: Sequence[int]) -> np.ndarray:
+    """Token ids as a contiguous little-endian int64 array (1-D)."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"token_ids must be integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype="<i8")
+
+
+def _check_parent(parent: BlockHash | None) -> bytes:
+    if parent is None:
+        return _NO_PARENT
+    if len(parent) != HASH_NBYTES:
+        raise ValueError(f"parent must be a {HASH_NBYTES}-byte BlockHash or None, got {len(parent)} bytes")
+    return parent
+
+
+def _digest(parent: bytes, tokens: np.ndarray) -> BlockHash:
+    h = hashlib.blake2b(parent, digest_size=HASH_NBYTES)
+    h.update(tokens)  # contiguous int64 slice, hashed through the buffer protocol
+    return BlockHash(h.digest())
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Hash one block of tokens chained onto its parent block's hash.
+
+    Args:
+        parent: hash of the previous block, or None for the first block of a sequence.
+        token_ids: the block's token ids (any integer sequence: list, tuple, numpy array).
+
+    Returns:
+        a 16-byte BlockHash, identical in every process and on every machine.
+
+    Raises:
+        ValueError: token_ids is empty, or parent is not 16 bytes.
+        TypeError: token_ids are not integers.
+    """
+    tokens = _as_token_array(token_ids)
+    if tokens.size == 0:
+        raise ValueError("token_ids must not be empty: a block holds at least one token")
+    return _digest(_check_parent(parent), tokens)
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None) -> list[BlockHash]:
+    """Chained hashes of every FULL block of `token_ids`.
+
+    Args:
+        token_ids: the sequence's token ids.
+        block_size: tokens per block (page size), >= 1.
+        parent: hash the first block chains onto (None at the start of a sequence).
+
+    Returns:
+        len(token_ids) // block_size hashes; a trailing partial block gets none.
+
+    Raises:
+        ValueError: block_size < 1, or parent is not 16 bytes.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    tokens = _as_token_array(token_ids)
+    prev = _check_parent(parent)
+    hashes: list[BlockHash] = []
+    for start in range(0, tokens.size - block_size + 1, block_size):
+        prev = _digest(prev, tokens[start:start + block_size])
+        hashes.append(prev)
+    return hashes
+
+
+class BlockHasher:
+    """Incremental block hashing as tokens arrive (prompt first, then generated tokens).
+
+    `extend` hashes each block as soon as it fills, so a request's hashes never have
+    to be recomputed from the start. The result equals `hash_blocks` over all the
+    tokens passed so far (vLLM's request block hasher works the same way).
+
+    Attributes:
+        block_size: tokens per block.
+        hashes: the hash of every full block seen so far, in order.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.hashes: list[BlockHash] = []
+        self._pending = np.empty(0, dtype="<i8")  # tokens of the block still filling
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens seen so far (hashed and pending)."""
+        return len(self.hashes) * self.block_size + self._pending.size
+
+    def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Add tokens; return the hashes of the blocks this call completed (maybe none).
+
+        Raises:
+            TypeError: token_ids are not integers.
+        """
+        tokens = _as_token_array(token_ids)
+        if self._pending.size:
+            tokens = np.concatenate([self._pending, tokens])
+        parent = self.hashes[-1] if self.hashes else None
+        new = hash_blocks(tokens, self.block_size, parent)
+        self.hashes.extend(new)
+        self._pending = tokens[len(new) * self.block_size:].copy()
+        return new

@@ -1,0 +1,175 @@
+"""The prefix index in Redis: which prefill instance holds which block hash.
+
+Prefill instances write it from their pools' KV events; gateways read it to send a
+prompt where its longest prefix is already cached. Keys, for namespace `ns` and model
+`model` (hashes in lowercase hex):
+
+    {ns}:{model}:block:{hash}              set of instance ids holding the block
+    {ns}:{model}:instance:{id}:blocks      set of hashes an instance holds (for clears)
+    {ns}:{model}:kv_events                 stream of every event (instance, type, hashes)
+
+Redis deletes a set when its last member goes, so no empty block set lingers. The
+AllBlocksCleared path runs a small Lua script (it must read the instance's set to
+know which block sets to touch), so the index targets a single Redis, not a cluster.
+
+Reference: vLLM's KV events published to an external indexer (llm-d's KV cache
+manager / Dynamo's KV router follow the same scheme).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+import redis.asyncio
+
+from kvstore.block_hash import BlockHash
+from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+STREAM_MAXLEN = 100_000
+
+# KEYS[1] = the instance's set of hashes; ARGV = block-key prefix, instance id.
+_CLEAR_INSTANCE_LUA = """
+local hashes = redis.call('SMEMBERS', KEYS[1])
+for _, h in ipairs(hashes) do
+    redis.call('SREM', ARGV[1] .. h, ARGV[2])
+end
+redis.call('DEL', KEYS[1])
+return #hashes
+"""
+
+
+class _Keys:
+    def __init__(self, namespace: str, model: str) -> None:
+        if not namespace or not model:
+            raise ValueError(f"namespace and model must be non-empty, got {namespace!r}, {model!r}")
+        self.prefix = f"{namespace}:{model}"
+        self.block_prefix = f"{self.prefix}:block:"
+        self.stream = f"{self.prefix}:kv_events"
+
+    def block(self, block_hash: BlockHash | str) -> str:
+        return self.block_prefix + (block_hash if isinstance(block_hash, str) else block_hash.hex())
+
+    def instance(self, instance_id: str) -> str:
+        return f"{self.prefix}:instance:{instance_id}:blocks"
+
+
+def _leading_runs(rows: Sequence[Sequence[int]], instance_ids: Sequence[str]) -> dict[str, int]:
+    """rows[i][j] = 1 when instance j holds block i; count each instance's leading 1s."""
+    counts = dict.fromkeys(instance_ids, 0)
+    alive = set(range(len(instance_ids)))
+    for row in rows:
+        alive = {j for j in alive if row[j]}
+        if not alive:
+            break
+        for j in alive:
+            counts[instance_ids[j]] += 1
+    return counts
+
+
+class RedisKVIndex:
+    """Synchronous writer (and reader) of the prefix index; prefill instances and tests use it.
+
+    Args:
+        redis_url: e.g. "redis://127.0.0.1:6379/0"; timeouts can ride in the query
+            string (`?socket_timeout=0.5&socket_connect_timeout=0.5`).
+        model: model name; each model has its own index.
+        namespace: key prefix shared by the mesh.
+
+    Every method raises redis.exceptions.RedisError (ConnectionError when Redis is down).
+    """
+
+    def __init__(self, redis_url: str, model: str, namespace: str = "kvmesh") -> None:
+        self.model = model
+        self.namespace = namespace
+        self._keys = _Keys(namespace, model)
+        self._redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
+
+    def publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
+        """Append `events` to the stream and apply them to the index, in order, in ONE transaction.
+
+        Raises:
+            TypeError: an event is not a KVEvent.
+        """
+        if not events:
+            return
+        keys = self._keys
+        pipe = self._redis.pipeline(transaction=True)
+        for event in events:
+            if isinstance(event, BlockStored):
+                kind, hexes = "stored", [h.hex() for h in event.block_hashes]
+            elif isinstance(event, BlockRemoved):
+                kind, hexes = "removed", [h.hex() for h in event.block_hashes]
+            elif isinstance(event, AllBlocksCleared):
+                kind, hexes = "cleared", []
+            else:
+                raise TypeError(f"not a KV event: {event!r}")
+            pipe.xadd(keys.stream, {"instance": instance_id, "type": kind, "hashes": ",".join(hexes)},
+                      maxlen=STREAM_MAXLEN, approximate=True)
+            if kind == "cleared":
+                self._clear_script(keys=[keys.instance(instance_id)], args=[keys.block_prefix, instance_id],
+                                   client=pipe)
+            elif hexes:
+                op = pipe.sadd if kind == "stored" else pipe.srem
+                for h in hexes:
+                    op(keys.block(h), instance_id)
+                op(keys.instance(instance_id), *hexes)
+        pipe.execute()
+
+    def clear_instance(self, instance_id: str) -> None:
+        """Forget every block of `instance_id` (at start-up and shutdown); recorded as a `cleared` event."""
+        self.publish(instance_id, [AllBlocksCleared()])
+
+    def instances_holding(self, block_hash: BlockHash) -> set[str]:
+        """Ids of the instances holding `block_hash`."""
+        return set(self._redis.smembers(self._keys.block(block_hash)))
+
+    def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:
+        """For each instance, how many consecutive leading blocks of `block_hashes` it holds.
+
+        One pipelined round trip (SMISMEMBER per block, Redis >= 6.2).
+
+        Returns:
+            {instance_id: number of leading blocks held} for every id in instance_ids.
+        """
+        instance_ids = list(instance_ids)
+        if not instance_ids or not block_hashes:
+            return dict.fromkeys(instance_ids, 0)
+        pipe = self._redis.pipeline(transaction=False)
+        for h in block_hashes:
+            pipe.smismember(self._keys.block(h), instance_ids)
+        return _leading_runs(pipe.execute(), instance_ids)
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._redis.close()
+
+
+class AsyncRedisKVIndexReader:
+    """Asyncio reader of the prefix index, for the gateway's event loop.
+
+    Errors are not wrapped: redis.exceptions.ConnectionError (and TimeoutError when the
+    URL sets socket timeouts) reach the caller, which routes by load alone meanwhile.
+    """
+
+    def __init__(self, redis_url: str, model: str, namespace: str = "kvmesh") -> None:
+        self.model = model
+        self.namespace = namespace
+        self._keys = _Keys(namespace, model)
+        self._redis = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+
+    async def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:
+        """Same as RedisKVIndex.longest_prefix, one pipelined round trip."""
+        instance_ids = list(instance_ids)
+        if not instance_ids or not block_hashes:
+            return dict.fromkeys(instance_ids, 0)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for h in block_hashes:
+                pipe.smismember(self._keys.block(h), instance_ids)
+            rows = await pipe.execute()
+        return _leading_runs(rows, instance_ids)
+
+    async def close(self) -> None:
+        """Release the connection pool."""
+        await self._redis.aclose()

@@ -1,0 +1,159 @@
+"""The prefill engine: prefix-cache lookup, compute of the uncached suffix, first token.
+
+Every pool operation and every forward runs on ONE worker thread (a single-thread
+executor), so the prefix cache needs no lock and requests are computed in arrival
+order. A request's pages stay referenced until its KV push is done, then full prompt
+blocks stay in the prefix cache (evictable, LRU) and the rest go back to the free list.
+KV events (blocks stored / removed / cleared) are published to the Redis index as the
+pool emits them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.sampler import SamplingParams, sample
+from kvstore.block_hash import hash_blocks
+from kvstore.block_pool import BlockPool
+from kvstore.kv_events import KVEvent
+
+logger = logging.getLogger(__name__)
+
+
+class Cancelled(Exception):
+    """The request was cancelled before its compute started."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What one prefill produced; the caller must call release(block_ids) after the push."""
+
+    first_token: int
+    block_ids: tuple[int, ...]
+    num_cached_tokens: int
+    num_computed_tokens: int
+    queue_s: float
+    compute_s: float
+
+
+class PrefillJob:
+    """Handle on a submitted prefill; cancel() stops it if compute has not started."""
+
+    def __init__(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> None:
+        self.request_id = request_id
+        self.token_ids = list(token_ids)
+        self.sampling = sampling
+        self.seed = seed
+        self.cancelled = threading.Event()
+        self.submitted_at = time.perf_counter()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class PrefillEngine:
+    """Prefix cache + model runner for one prefill instance."""
+
+    def __init__(self, runner: ModelRunner, page_size: int, num_pages: int, enable_prefix_caching: bool,
+                 publish=None) -> None:
+        """`publish(events)` is called on the worker thread with each batch of KV events."""
+        self.runner = runner
+        self.page_size = page_size
+        self._publish = publish
+        self.pool = BlockPool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching,
+                              on_events=self._on_events)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self._count_lock = threading.Lock()
+        self.num_queued_tokens = 0
+        self.num_active = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_prompt_tokens_cached = 0
+
+    def _on_events(self, events: list[KVEvent]) -> None:
+        if self._publish is None:
+            return
+        try:
+            self._publish(events)
+        except Exception as exc:  # the index lags; serving goes on
+            logger.warning("could not publish %d KV events: %s", len(events), exc)
+
+    def submit(self, job: PrefillJob) -> concurrent.futures.Future:
+        """Queue a job; the future resolves to PrefillResult or raises Cancelled / NoFreeBlocksError."""
+        with self._count_lock:
+            self.num_queued_tokens += len(job.token_ids)
+            self.num_active += 1
+        return self._executor.submit(self._run, job)
+
+    def release(self, block_ids: Sequence[int]) -> concurrent.futures.Future:
+        """Drop the request's references (on the worker thread); full blocks stay cached."""
+        return self._executor.submit(self.pool.free, list(block_ids))
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Run fn(*args) on the worker thread (for stats and integrity checks)."""
+        return self._executor.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self, job: PrefillJob) -> PrefillResult:
+        try:
+            if job.cancelled.is_set():
+                raise Cancelled(job.request_id)
+            return self._compute(job)
+        finally:
+            with self._count_lock:
+                self.num_queued_tokens -= len(job.token_ids)
+                self.num_active -= 1
+
+    def _compute(self, job: PrefillJob) -> PrefillResult:
+        started = time.perf_counter()
+        tokens, size = job.token_ids, self.page_size
+        hashes = hash_blocks(tokens, size)
+        # recompute at least the last prompt token so its logits exist
+        match = self.pool.match_prefix(hashes[: (len(tokens) - 1) // size])
+        num_pages = math.ceil(len(tokens) / size)
+        try:
+            new = self.pool.allocate(num_pages - len(match.block_ids))
+        except Exception:
+            self.pool.free(match.block_ids)
+            raise
+        block_ids = (*match.block_ids, *new.block_ids)
+        cached = match.num_cached_tokens
+        try:
+            logits = self.runner.forward([ForwardItem(tokens[cached:], cached, block_ids)])  # [1, V]
+            generator = torch.Generator().manual_seed(job.seed) if job.sampling.temperature > 0 else None
+            first_token = sample(logits, [job.sampling], [generator])[0]
+        except Exception:
+            self.pool.free(block_ids)
+            raise
+        self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
+        self.num_prompt_tokens_computed += len(tokens) - cached
+        self.num_prompt_tokens_cached += cached
+        done = time.perf_counter()
+        logger.info("[%s] prefill %d tokens (%d cached) in %.3f s", job.request_id, len(tokens), cached, done - started)
+        return PrefillResult(first_token, block_ids, cached, len(tokens) - cached,
+                             queue_s=started - job.submitted_at, compute_s=done - started)
+
+    def stats(self) -> dict[str, int | str]:
+        """Pool figures; call through call() so it runs on the worker thread."""
+        try:
+            self.pool.check_integrity()
+            error = ""
+        except AssertionError as exc:
+            error = str(exc) or "check_integrity failed"
+        return {
+            "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
+            "num_cached_pages": self.pool.num_cached_blocks, "num_referenced_pages": self.pool.num_referenced_blocks,
+            "num_active_requests": self.num_active, "num_queued_tokens": self.num_queued_tokens,
+            "integrity_error": error, "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "num_prompt_tokens_cached": self.num_prompt_tokens_cached,
+        }

@@ -1,0 +1,63 @@
+"""`kvmesh serve prefill`: one prefill instance (gRPC server + prefix cache + KV pusher)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from engine.loader import load_config, resolve_model
+from engine.model_runner import ModelRunner
+from kvmesh import service
+from kvstore.redis_index import RedisKVIndex
+from kvstore.ucx_transfer import KVSender
+from prefill_svc.config import PrefillConfig, config_from_args
+from prefill_svc.engine import PrefillEngine
+from prefill_svc.servicer import PrefillServicer
+from protos.kvmesh.v1 import prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
+    """Load the model, clear this instance's old index entries, serve until stop is set."""
+    files = resolve_model(config.model)
+    model_config = load_config(files)
+    svc = service.Service(["kvmesh.v1.Prefill"], config.host, config.port)
+    instance_id = config.instance_id or svc.address
+    index = None
+    if config.redis_url:
+        index = RedisKVIndex(config.redis_url, model=files.name)
+        try:
+            index.clear_instance(instance_id)  # a restart starts with an empty cache
+        except Exception as exc:
+            logger.warning("Redis index unreachable at start (%s); KV events will be retried per request", exc)
+    publish = (lambda events: index.publish(instance_id, events)) if index else None
+    runner = await asyncio.to_thread(ModelRunner, files, config.num_pages, config.page_size)
+    engine = PrefillEngine(runner, config.page_size, config.num_pages, config.enable_prefix_caching, publish)
+    sender = KVSender()
+    servicer = PrefillServicer(engine, sender, instance_id, model_config.vocab_size,
+                               model_config.max_position_embeddings, config.push_timeout_s, config.kv_digest)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
+    await svc.start()
+    await asyncio.to_thread(runner.warmup)
+    await svc.mark_serving()
+    print(f"prefill {instance_id} serving on {svc.address}", flush=True)
+    await stop.wait()
+    logger.info("shutting down")
+    await svc.stop(grace_s=5.0)
+    engine.shutdown()
+    await sender.close()
+    if index is not None:
+        try:
+            index.clear_instance(instance_id)
+        except Exception as exc:
+            logger.warning("could not clear index entries at shutdown: %s", exc)
+        index.close()
+
+
+def main(args: argparse.Namespace) -> None:
+    service.setup_logging("prefill")
+    config = config_from_args(args)
+    service.run(lambda stop: serve(config, stop))

@@ -1,0 +1,109 @@
+"""gRPC adapter for the prefill engine: Prefill (compute + KV push) and GetStats."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+
+import grpc
+
+from kvmesh.wire import sampling_from_pb
+from kvstore.block_pool import NoFreeBlocksError
+from kvstore.ucx_transfer import KVSender, TransferError
+from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
+from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    """Runs each prefill on the engine's worker thread, then pushes the request's pages
+    to the decode instance in one scatter-gather UCX transfer."""
+
+    def __init__(self, engine: PrefillEngine, sender: KVSender, instance_id: str, vocab_size: int,
+                 max_context: int, push_timeout_s: float, kv_digest: bool) -> None:
+        self.engine = engine
+        self.sender = sender
+        self.instance_id = instance_id
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.push_timeout_s = push_timeout_s
+        self.kv_digest = kv_digest
+
+    def _validate(self, request) -> None:
+        n = len(request.token_ids)
+        if n == 0:
+            raise ValueError("token_ids is empty; send at least one prompt token")
+        if n > self.max_context:
+            raise ValueError(f"prompt has {n} tokens, the context holds {self.max_context}")
+        bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+
+    async def Prefill(self, request, context):
+        rid = request.request_id
+        try:
+            self._validate(request)
+            sampling = sampling_from_pb(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
+        seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
+        job = PrefillJob(rid, request.token_ids, sampling, seed)
+        cfut = self.engine.submit(job)
+        try:
+            # shield: a cancelled caller must not cancel the executor future (the job
+            # flag stops it instead, and a finished compute still releases its pages)
+            result: PrefillResult = await asyncio.shield(asyncio.wrap_future(cfut))
+        except asyncio.CancelledError:
+            job.cancel()
+            cfut.add_done_callback(self._release_if_computed)
+            logger.info("[%s] cancelled by the caller", rid)
+            raise
+        except Cancelled:
+            await context.abort(grpc.StatusCode.CANCELLED, f"[{rid}] cancelled")
+        except NoFreeBlocksError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"[{rid}] {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
+
+        push = asyncio.ensure_future(self._push_and_release(request, result))
+        try:
+            nbytes, seconds, digest = await asyncio.shield(push)
+        except asyncio.CancelledError:
+            raise  # the push finishes (or fails) on its own and releases the pages
+        except (TransferError, asyncio.TimeoutError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"[{rid}] KV push to decode {request.decode_kv_address} failed: {exc}")
+        return prefill_pb2.PrefillResponse(
+            first_token=result.first_token, num_cached_tokens=result.num_cached_tokens,
+            num_computed_tokens=result.num_computed_tokens, num_pages=len(result.block_ids),
+            page_nbytes=self.engine.runner.page_nbytes, nbytes_sent=nbytes, transfer_s=seconds,
+            queue_s=result.queue_s, compute_s=result.compute_s, instance_id=self.instance_id, kv_digest=digest)
+
+    def _release_if_computed(self, cfut) -> None:
+        if not cfut.cancelled() and cfut.exception() is None:
+            self.engine.release(cfut.result().block_ids)
+
+    async def _push_and_release(self, request, result: PrefillResult) -> tuple[int, float, str]:
+        """Push the prompt's pages to decode (if an address is given), then drop our references."""
+        try:
+            if not request.decode_kv_address:
+                return 0, 0.0, ""
+            buffers = [self.engine.runner.page_buffer(b) for b in result.block_ids]
+            digest = ""
+            if self.kv_digest:
+                h = hashlib.sha256()
+                for buf in buffers:
+                    h.update(memoryview(buf))
+                digest = h.hexdigest()
+            sent = await asyncio.wait_for(
+                self.sender.push(request.decode_kv_address, request.transfer_id, buffers), self.push_timeout_s)
+            return sent.nbytes, sent.seconds, digest
+        finally:
+            self.engine.release(result.block_ids)
+
+    async def GetStats(self, request, context):
+        stats = await asyncio.wrap_future(self.engine.call(self.engine.stats))
+        return common_pb2.InstanceStats(instance_id=self.instance_id, **stats)

@@ -1,0 +1,48 @@
+from protos.kvmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "decode_kv_address", "transfer_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    decode_kv_address: str
+    transfer_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_kv_address: _Optional[str] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "num_pages", "page_nbytes", "nbytes_sent", "transfer_s", "queue_s", "compute_s", "instance_id", "kv_digest")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    num_pages: int
+    page_nbytes: int
+    nbytes_sent: int
+    transfer_s: float
+    queue_s: float
+    compute_s: float
+    instance_id: str
+    kv_digest: str
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes_sent: _Optional[int] = ..., transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., kv_digest: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,149 @@
+"""The whole mesh on the real model: gateway, prefill and decode in separate processes,
+KV pushed over UCX, prefix index in a real Redis, all over loopback gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.loader import load_config, load_tokenizer, resolve_model
+from kvmesh.client import GatewayClient, make_request
+from tests.conftest import instance_stats
+from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the moon.",
+    "List three fruits.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "Explain what a CPU does in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with running_mesh(1, 1) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers on the same checkpoint: the numbers every answer is checked against."""
+    files = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()
+    return model, load_tokenizer(files), load_config(files)
+
+
+def hf_greedy(reference, prompt: str, new_tokens: int) -> list[int]:
+    model, tok, _ = reference
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False)
+    return out[0, ids["input_ids"].shape[1]:].tolist()
+
+
+def test_greedy_tokens_equal_transformers_generate(mesh, reference):
+    # 6 prompts, 32 new tokens each: the mesh's greedy tokens equal transformers' generate
+    for prompt in PROMPTS:
+        got = complete(mesh, prompt, chat=True, max_tokens=32)
+        want = hf_greedy(reference, prompt, 32)
+        assert got.token_ids == want, (prompt, got.text)
+        assert got.final.generated_tokens == len(want)
+        assert got.final.finish_reason == ("stop" if len(want) < 32 else "length")
+    wait_idle(mesh)
+
+
+def test_kv_moved_bitwise_over_ucx(mesh, reference):
+    _, _, config = reference
+    out = complete(mesh, "Tell me about the history of Paris in a few words.", chat=True, max_tokens=4)
+    kv = out.final.kv_transfer
+    # one page holds page_size tokens of K and V for every layer, fp32
+    page_nbytes = 16 * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+    assert kv.page_nbytes == page_nbytes
+    assert kv.num_pages == math.ceil(out.final.prompt_tokens / 16)
+    assert kv.nbytes == kv.num_pages * kv.page_nbytes
+    # SHA-256 of the prompt's pages as prefill sent them and as decode found them
+    assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
+    assert out.final.prefill_instance != out.final.decode_instance
+
+
+def test_sixteen_concurrent_equal_sequential_and_share_steps(mesh):
+    prompts = [f"Give me fact number {i} about {topic}." for i, topic in
+               enumerate(["cats", "dogs", "rivers", "stars"] * 4)]
+    sequential = [complete(mesh, p, chat=True, max_tokens=24).token_ids for p in prompts]
+    before = instance_stats(mesh.decode_addresses[0], "decode")
+    concurrent = complete_many(mesh, [dict(prompt=p, chat=True, max_tokens=24) for p in prompts])
+    assert [c.token_ids for c in concurrent] == sequential
+    after = instance_stats(mesh.decode_addresses[0], "decode")
+    # requests ran in shared steps: a batch above 1, and fewer steps than tokens decoded
+    assert after.max_batch_size > 1
+    decoded = sum(len(t) - 1 for t in sequential)
+    assert after.num_steps - before.num_steps < decoded
+    wait_idle(mesh)
+
+
+def _status(mesh, prompt=b"", **kwargs) -> tuple[grpc.StatusCode, str, float]:
+    start = time.monotonic()
+    try:
+        complete(mesh, prompt, **kwargs)
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details(), time.monotonic() - start
+    return grpc.StatusCode.OK, "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(prompt=b""), "prompt is empty"),
+    (dict(prompt="   "), "prompt is empty"),
+    (dict(prompt=b"caf\xc3 ok \xff"), "not valid UTF-8"),
+    (dict(prompt="hello " * 9000), "context"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens must be in"),
+    (dict(prompt="hi", max_tokens=-3), "max_tokens must be in"),
+    (dict(prompt="hi", max_tokens=100000), "max_tokens must be in"),
+    (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),
+    (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
+    (dict(prompt="hi", model="gpt-4"), "unknown model"),
+])
+def test_bad_input_is_invalid_argument_and_mesh_keeps_serving(mesh, kwargs, needle):
+    code, details, _ = _status(mesh, **kwargs)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert needle in details
+    # the mesh still answers, and nothing leaked
+    assert complete(mesh, "Say hi.", chat=True, max_tokens=3).final.generated_tokens >= 1
+    wait_idle(mesh)
+
+
+def test_cancelled_stream_frees_pages(mesh):
+    async def cancel_after_three() -> int:
+        async with GatewayClient(mesh.gateway_address) as client:
+            call = client.stub.Generate(make_request("Count from one to one thousand.", chat=True,
+                                                     max_tokens=400, ignore_eos=True))
+            seen = 0
+            async for _msg in call:
+                seen += 1
+                if seen == 3:
+                    call.cancel()
+                    break
+            return seen
+
+    assert asyncio.run(cancel_after_three()) == 3
+    # decode dropped the request and freed its pages; prefill holds no reference
+    wait_idle(mesh)
+
+
+def test_stop_string_and_sampling(mesh):
+    out = complete(mesh, "What is the capital of France?", chat=True, max_tokens=32, stop=["Paris"])
+    assert "Paris" not in out.text and out.final.finish_reason == "stop"
+    a = complete(mesh, "Write a word.", chat=True, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    b = complete(mesh, "Write a word.", chat=True, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    assert a.token_ids == b.token_ids  # same seed, same sample, across prefill and decode
+    wait_idle(mesh)

@@ -1,0 +1,99 @@
+"""Prefix reuse across two prefill instances, the Redis index, and the load guard."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+import pytest
+
+from engine.loader import load_tokenizer, resolve_model
+from kvstore.block_hash import hash_blocks
+from kvstore.redis_index import RedisKVIndex
+from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.conftest import instance_stats
+from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
+
+PAGE = 16
+# 48 pages per prefill instance, so a few long prompts force LRU eviction
+PREFILL_PAGES = 48
+
+DOC = ("The history of the river town begins with a mill, a bridge and a market square. " * 12).strip()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with running_mesh(2, 1, prefill_args=["--num-pages", str(PREFILL_PAGES)]) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+def _by_id(mesh) -> dict[str, str]:
+    return {instance_stats(a, "prefill").instance_id: a for a in mesh.prefill_addresses}
+
+
+def _prefill_only(address: str, token_ids: list[int]) -> prefill_pb2.PrefillResponse:
+    async def call():
+        async with grpc.aio.insecure_channel(address) as ch:
+            return await prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                prefill_pb2.PrefillRequest(request_id="evict", token_ids=token_ids,
+                                           sampling=common_pb2.SamplingParams()), timeout=120)
+    return asyncio.run(call())
+
+
+def test_shared_first_block_does_not_pile_onto_one_instance(mesh):
+    # every chat prompt shares the template's system block. A burst of short questions
+    # must spread over both instances: the gateway counts its own in-flight prefill
+    # tokens, so the holder of the shared block soon costs more than the other one.
+    # runs first in this module, while the gateway has routed nothing yet.
+    # One after another, prompts whose shared part is under the cache threshold (half
+    # the prompt) cost the same everywhere; ties go to the instance sent fewer tokens,
+    # so they alternate instead of all going to the shared block's holder.
+    used = [complete(mesh, f"{i}: please describe, in two or three sentences, the main idea behind this "
+                           f"number and why someone curious might care about it at all.", chat=True,
+                     max_tokens=2).final.prefill_instance for i in range(4)]
+    assert used[0] != used[1] and used[0] == used[2] and used[1] == used[3], used
+    burst = complete_many(mesh, [dict(prompt=f"Question {i}: name a color.", chat=True, max_tokens=2)
+                                 for i in range(8)])
+    counts = Counter(c.final.prefill_instance for c in burst)
+    assert len(counts) == 2 and min(counts.values()) >= 2, counts
+    wait_idle(mesh)
+
+
+def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer):
+    first = DOC + " Question: who built the mill?"
+    second = DOC + " Question: when was the bridge repaired?"
+    a = complete(mesh, first, max_tokens=2)
+    ids_a = tokenizer.encode(first, add_special_tokens=False)
+    ids_b = tokenizer.encode(second, add_special_tokens=False)
+    common = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
+    expected_cached = min(common, len(ids_a)) // PAGE * PAGE
+    assert expected_cached >= 0.5 * len(ids_b)  # long enough to steer routing
+
+    holder = _by_id(mesh)[a.final.prefill_instance]
+    before = instance_stats(holder, "prefill").num_prompt_tokens_computed
+    b = complete(mesh, second, max_tokens=2)
+    assert b.final.prefill_instance == a.final.prefill_instance
+    assert b.final.cached_tokens == expected_cached
+    after = instance_stats(holder, "prefill").num_prompt_tokens_computed
+    assert after - before == len(ids_b) - expected_cached  # only the uncached suffix was computed
+
+    # the index lists every full block of the first prompt under the holder
+    index = RedisKVIndex(mesh.redis_url, model=resolve_model(None).name)
+    hashes = hash_blocks(ids_a, PAGE)
+    assert all(a.final.prefill_instance in index.instances_holding(h) for h in hashes)
+    assert index.longest_prefix(hashes, [a.final.prefill_instance])[a.final.prefill_instance] == len(hashes)
+
+    # fill the holder's cache with other prompts: LRU evicts the first prompt's blocks,
+    # and the KV events take them out of the index
+    for i in range(6):
+        filler = tokenizer.encode(f"Unrelated filler text number {i}. " * 30, add_special_tokens=False)
+        _prefill_only(holder, filler)
+    assert not any(a.final.prefill_instance in index.instances_holding(h) for h in hashes)
+    index.close()
+    wait_idle(mesh)

@@ -1,0 +1,169 @@
+"""The Redis prefix index against a real Redis: events in, longest prefixes out.
+
+Each test writes under a random namespace and deletes every key of it afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import redis
+
+from kvstore.block_hash import hash_blocks
+from kvstore.block_pool import BlockPool
+from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+MODEL = "tiny-model"
+BS = 4
+
+
+@pytest.fixture
+def ns():
+    """A random key namespace; every key under it is deleted after the test."""
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    try:
+        client.ping()
+    except redis.exceptions.ConnectionError as exc:
+        pytest.skip(f"no Redis at {REDIS_URL}: {exc}")
+    namespace = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
+    yield namespace
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    assert not list(client.scan_iter(match=f"{namespace}:*")), "test keys left behind"
+    client.close()
+
+
+@pytest.fixture
+def raw():
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def index(ns):
+    idx = RedisKVIndex(REDIS_URL, MODEL, namespace=ns)
+    yield idx
+    idx.close()
+
+
+PROMPT = hash_blocks(list(range(6 * BS)), BS)  # 6 chained block hashes
+
+
+def test_stored_removed_cleared_update_sets_and_stream(index, ns, raw):
+    index.publish("p0", [BlockStored(tuple(PROMPT[:3]))])
+    assert index.instances_holding(PROMPT[0]) == {"p0"}
+    assert raw.smembers(f"{ns}:{MODEL}:instance:p0:blocks") == {h.hex() for h in PROMPT[:3]}
+
+    # p0 evicts block 2; the block set empties and Redis deletes it
+    index.publish("p0", [BlockRemoved((PROMPT[2],))])
+    assert index.instances_holding(PROMPT[2]) == set()
+    assert not raw.exists(f"{ns}:{MODEL}:block:{PROMPT[2].hex()}")
+    assert raw.smembers(f"{ns}:{MODEL}:instance:p0:blocks") == {h.hex() for h in PROMPT[:2]}
+
+    # p1 holds block 0 too; p0 clears its cache: block 0 keeps p1 only, block 1 is gone
+    index.publish("p1", [BlockStored((PROMPT[0],))])
+    index.publish("p0", [AllBlocksCleared()])
+    assert index.instances_holding(PROMPT[0]) == {"p1"}
+    assert not raw.exists(f"{ns}:{MODEL}:block:{PROMPT[1].hex()}")
+    assert not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
+
+    # the stream recorded every event in order with its fields
+    entries = raw.xrange(f"{ns}:{MODEL}:kv_events")
+    assert [(e["instance"], e["type"]) for _, e in entries] == [
+        ("p0", "stored"), ("p0", "removed"), ("p1", "stored"), ("p0", "cleared")]
+    assert entries[0][1]["hashes"] == ",".join(h.hex() for h in PROMPT[:3])
+    assert entries[3][1]["hashes"] == ""
+
+
+def test_events_in_one_batch_apply_in_order(index):
+    # stored then removed then stored again in one publish: the last one wins
+    index.publish("p0", [BlockStored((PROMPT[0], PROMPT[1])), BlockRemoved((PROMPT[0],)),
+                         AllBlocksCleared(), BlockStored((PROMPT[1],))])
+    assert index.instances_holding(PROMPT[0]) == set()
+    assert index.instances_holding(PROMPT[1]) == {"p0"}
+
+
+def test_longest_prefix_for_two_instances(index):
+    # p0 holds blocks 0..3; p1 holds 0, 1 and 3 (2 was evicted: the run stops there)
+    index.publish("p0", [BlockStored(tuple(PROMPT[:4]))])
+    index.publish("p1", [BlockStored((PROMPT[0], PROMPT[1], PROMPT[3]))])
+    assert index.longest_prefix(PROMPT, ["p0", "p1", "p2"]) == {"p0": 4, "p1": 2, "p2": 0}
+    # a different prompt sharing nothing
+    other = hash_blocks(list(range(1000, 1000 + 3 * BS)), BS)
+    assert index.longest_prefix(other, ["p0", "p1"]) == {"p0": 0, "p1": 0}
+    assert index.longest_prefix([], ["p0"]) == {"p0": 0}
+    assert index.longest_prefix(PROMPT, []) == {}
+
+
+def test_clear_instance_removes_every_entry(index, ns, raw):
+    index.publish("p0", [BlockStored(tuple(PROMPT))])
+    index.publish("p1", [BlockStored(tuple(PROMPT[:2]))])
+    index.clear_instance("p0")
+    assert index.longest_prefix(PROMPT, ["p0", "p1"]) == {"p0": 0, "p1": 2}
+    assert not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
+    # only p1's two blocks remain as block sets
+    assert len(list(raw.scan_iter(match=f"{ns}:{MODEL}:block:*"))) == 2
+    index.clear_instance("p0")  # idempotent
+
+
+def test_models_are_separate(ns):
+    a = RedisKVIndex(REDIS_URL, "model-a", namespace=ns)
+    b = RedisKVIndex(REDIS_URL, "model-b", namespace=ns)
+    try:
+        a.publish("p0", [BlockStored(tuple(PROMPT[:2]))])
+        assert b.longest_prefix(PROMPT, ["p0"]) == {"p0": 0}
+        assert a.longest_prefix(PROMPT, ["p0"]) == {"p0": 2}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_pool_events_drive_the_index(index):
+    # a real pool publishing through the index: what the index says == what the pool holds
+    pool = BlockPool(4, BS, on_events=lambda events: index.publish("p0", events))
+    ids = pool.allocate(3).block_ids
+    pool.cache_blocks(ids, PROMPT[:3])
+    pool.free(reversed(ids))          # eviction queue [2, 1, 0]
+    pool.allocate(3)                  # block 3, then evicts 2 and 1
+    assert index.longest_prefix(PROMPT, ["p0"]) == {"p0": 1}
+    held = {h for h in PROMPT if index.instances_holding(h)}
+    assert held == pool.cached_hashes() == {PROMPT[0]}
+    pool.check_integrity()
+
+
+def test_async_reader_agrees_with_sync(index, ns):
+    index.publish("p0", [BlockStored(tuple(PROMPT[:5]))])
+    index.publish("p1", [BlockStored(tuple(PROMPT[:1]))])
+    index.publish("p2", [BlockStored(tuple(PROMPT[1:]))])  # no block 0: matches nothing
+    ids = ["p0", "p1", "p2", "p3"]
+
+    async def read():
+        reader = AsyncRedisKVIndexReader(REDIS_URL, MODEL, namespace=ns)
+        try:
+            return await reader.longest_prefix(PROMPT, ids), await reader.longest_prefix([], ids)
+        finally:
+            await reader.close()
+
+    got, empty = asyncio.run(read())
+    assert got == index.longest_prefix(PROMPT, ids) == {"p0": 5, "p1": 1, "p2": 0, "p3": 0}
+    assert empty == dict.fromkeys(ids, 0)
+
+
+def test_async_reader_raises_connection_error_when_redis_is_down():
+    async def read():
+        # nothing listens on port 1
+        reader = AsyncRedisKVIndexReader("redis://127.0.0.1:1/0", MODEL)
+        try:
+            await reader.longest_prefix(PROMPT, ["p0"])
+        finally:
+            await reader.close()
+
+    with pytest.raises(redis.exceptions.ConnectionError):
+        asyncio.run(read())

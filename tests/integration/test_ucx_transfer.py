@@ -1,0 +1,366 @@
+"""KV page push over real UCX between processes (tcp / shared memory on loopback).
+
+The receiver (decode side) runs in a spawned process with a KV pool of NUM_PAGES pages;
+the test process is the prefill side. UCX prints "UCX WARN unused environment
+variable" noise on stderr; it is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import numpy as np
+import pytest
+import uvloop
+
+from kvstore.ucx_transfer import (MAGIC, VERSION, KVReceiver, KVSender, TransferError, _TAG_ACK, _TAG_HEADER,
+                                  _TAG_SIZES)
+from tests.integration.ucx_peer import Peer, page_data, receiver_main, sender_main
+
+NUM_PAGES = 16
+PAGE = 32 * 1024  # bytes per page: above UCX's 8 KiB rendezvous threshold, so pages go zero-copy
+
+
+def run(coro):
+    return uvloop.run(coro)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    """One receiver process shared by the tests that do not kill it."""
+    peer = Peer(receiver_main, NUM_PAGES, PAGE)
+    yield peer
+    peer.close()
+
+
+@pytest.fixture
+def doomed_decode():
+    """A receiver process of its own, for tests that stop or kill it."""
+    peer = Peer(receiver_main, NUM_PAGES, PAGE)
+    yield peer
+    peer.kill()
+
+
+async def call(peer: Peer, *cmd, timeout: float = 30):
+    """Ask the peer without blocking this event loop (pushes may be in flight)."""
+    return await asyncio.to_thread(peer.call, *cmd, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_pages_land_bitwise_in_the_reserved_pages(decode):
+    before = decode.call("pool")
+    pages = page_data(seed=1, num_pages=3, page_nbytes=PAGE)
+    # decode reserved pages 5, 2, 9 of its pool (out of order, not contiguous)
+    decode.call("expect", 101, [5, 2, 9])
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            return await tx.push(decode.hello, 101, [pages[0], pages[1], pages[2]])
+        finally:
+            await tx.close()
+
+    result = run(scenario())
+    assert (result.transfer_id, result.num_buffers, result.nbytes) == (101, 3, 3 * PAGE)
+    assert result.seconds > 0
+    # the receiver's future resolved with the same byte count
+    assert decode.call("wait", 101, 5) == ("ok", 3 * PAGE, 3)
+    pool = decode.call("pool")
+    assert np.array_equal(pool[5], pages[0])
+    assert np.array_equal(pool[2], pages[1])
+    assert np.array_equal(pool[9], pages[2])
+    # no other page was touched
+    others = [p for p in range(NUM_PAGES) if p not in (5, 2, 9)]
+    assert np.array_equal(pool[others], before[others])
+
+
+def test_unknown_id_and_size_mismatch_are_nacked_and_the_receiver_keeps_serving(decode):
+    good = page_data(seed=2, num_pages=2, page_nbytes=PAGE)
+    decode.call("expect", 202, [0, 1])     # 2 pages expected
+    decode.call("expect", 203, [3, 4])
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            # nobody expects transfer 999: the receiver drains the pages and NACKs
+            with pytest.raises(TransferError, match="unknown or cancelled transfer id") as err:
+                await tx.push(decode.hello, 999, list(page_data(seed=9, num_pages=2, page_nbytes=PAGE)))
+            assert decode.hello in str(err.value)
+            # transfer 202 expects 2 pages; 3 arrive: NACK, and decode's future fails
+            with pytest.raises(TransferError, match="size mismatch"):
+                await tx.push(decode.hello, 202, list(page_data(seed=9, num_pages=3, page_nbytes=PAGE)))
+            # the same endpoint (cached) still serves a good push afterwards
+            return await tx.push(decode.hello, 203, [good[0], good[1]])
+        finally:
+            await tx.close()
+
+    assert run(scenario()).nbytes == 2 * PAGE
+    status, message = decode.call("wait", 202, 5)
+    assert status == "error" and "size mismatch" in message
+    assert decode.call("wait", 203, 5) == ("ok", 2 * PAGE, 2)
+    pool = decode.call("pool")
+    assert np.array_equal(pool[3], good[0]) and np.array_equal(pool[4], good[1])
+
+
+def test_cancelled_transfer_is_refused_and_pages_stay_untouched(decode):
+    decode.call("expect", 303, [7])
+    before = decode.call("pool")[7].copy()
+    # the request was aborted before prefill pushed: cancel resolves the future at once
+    assert decode.call("cancel", 303) is True
+    assert decode.call("wait", 303, 1) == ("cancelled",)
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            await tx.push(decode.hello, 303, [page_data(seed=3, num_pages=1, page_nbytes=PAGE)[0]])
+        finally:
+            await tx.close()
+
+    with pytest.raises(TransferError, match="unknown or cancelled"):
+        run(scenario())
+    assert np.array_equal(decode.call("pool")[7], before)
+
+
+def test_cancel_during_a_push_waits_for_the_pages_to_land(decode):
+    """Protocol level: header and sizes arrive, decode cancels, then the pages arrive.
+
+    The future must stay pending until the last byte landed (the pages are still being
+    written, so they must not be freed), then end cancelled.
+    """
+    import ucxx
+
+    pages = page_data(seed=4, num_pages=2, page_nbytes=PAGE)
+    decode.call("expect", 404, [10, 11])
+    host, port = decode.hello.split(":")
+
+    async def scenario():
+        ucxx.init(progress_mode="thread", enable_python_future=True)
+        ep = None
+        try:
+            ep = await ucxx.create_endpoint(host, int(port))
+            await ep.send(np.array([MAGIC, VERSION, 404, 2], dtype="<u8"), tag=_TAG_HEADER)
+            await ep.send(np.array([PAGE, PAGE], dtype="<u8"), tag=_TAG_SIZES)
+            for _ in range(100):  # until the receiver has posted the page receives
+                if await call(decode, "started", 404):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("receiver never started transfer 404")
+            assert await call(decode, "cancel", 404) is False  # not done: pages are in flight
+            assert await call(decode, "wait", 404, 0.3) == ("pending",)
+            await asyncio.gather(ep.send(pages[0], tag=0), ep.send(pages[1], tag=1))
+            ack = np.empty(1, dtype=np.uint8)
+            await ep.recv(ack, tag=_TAG_ACK)
+            return int(ack[0])
+        finally:
+            if ep is not None:
+                ep.abort()
+            ucxx.reset()
+
+    assert run(scenario()) == 0
+    assert decode.call("wait", 404, 5) == ("cancelled",)
+    pool = decode.call("pool")
+    assert np.array_equal(pool[10], pages[0]) and np.array_equal(pool[11], pages[1])
+
+
+def test_receiver_close_fails_a_push_in_progress(doomed_decode):
+    """Header and sizes arrived, pages have not: close() fails the future (it does not
+    resolve it, and does not leave it pending), after UCX let go of the pages."""
+    import ucxx
+
+    decode = doomed_decode
+    decode.call("expect", 505, [0, 1])
+    decode.call("expect", 506, [2])
+    host, port = decode.hello.split(":")
+
+    async def scenario():
+        ucxx.init(progress_mode="thread", enable_python_future=True)
+        ep = None
+        try:
+            ep = await ucxx.create_endpoint(host, int(port))
+            await ep.send(np.array([MAGIC, VERSION, 505, 2], dtype="<u8"), tag=_TAG_HEADER)
+            await ep.send(np.array([PAGE, PAGE], dtype="<u8"), tag=_TAG_SIZES)
+            for _ in range(100):
+                if await call(decode, "started", 505):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("receiver never started transfer 505")
+            await call(decode, "close_receiver")
+        finally:
+            if ep is not None:
+                ep.abort()
+            ucxx.reset()
+
+    run(scenario())
+    status, message = decode.call("wait", 505, 5)
+    assert status == "error" and "broke off" in message
+    assert decode.call("wait", 506, 5) == ("cancelled",)  # registered, never started
+
+
+def test_concurrent_pushes_from_two_sender_processes(decode):
+    # prefill 1: another process, 3 transfers at once; prefill 2: this process, 3 at once
+    remote = Peer(sender_main)
+    try:
+        remote_jobs = [(500 + i, 50 + i, 2, PAGE) for i in range(3)]   # (tid, seed, pages, bytes)
+        local_jobs = [(600 + i, 60 + i, 1, PAGE) for i in range(3)]
+        layout = {500: [0, 1], 501: [2, 3], 502: [4, 5], 600: [6], 601: [7], 602: [8]}
+        for tid, page_ids in layout.items():
+            decode.call("expect", tid, page_ids)
+
+        async def scenario():
+            tx = KVSender()
+            try:
+                remote_push = asyncio.create_task(call(remote, "push_many", decode.hello, remote_jobs))
+                local = await asyncio.gather(*(
+                    tx.push(decode.hello, tid, list(page_data(seed, n, nbytes))) for tid, seed, n, nbytes in local_jobs))
+                return [r.nbytes for r in local], await remote_push
+            finally:
+                await tx.close()
+
+        local_nbytes, (remote_nbytes, _) = run(scenario())
+        assert local_nbytes == [PAGE] * 3 and remote_nbytes == [2 * PAGE] * 3
+    finally:
+        remote.close()
+    pool = decode.call("pool")
+    for tid, seed, n, nbytes in remote_jobs + local_jobs:
+        assert decode.call("wait", tid, 5) == ("ok", n * nbytes, n)
+        assert np.array_equal(pool[layout[tid]], page_data(seed, n, nbytes)), f"transfer {tid} landed wrong"
+
+
+def test_nobody_listening_fails_within_the_connect_timeout():
+    # ucxx (with Python futures) only reports a refused connect when its peer-info
+    # exchange times out, so this takes connect_timeout_s, and no longer
+    address = f"127.0.0.1:{free_port()}"
+
+    async def scenario():
+        tx = KVSender(connect_timeout_s=1.5)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransferError, match="cannot connect") as err:
+                await tx.push(address, 1, [np.zeros(PAGE, dtype=np.uint8)])
+            assert address in str(err.value)
+            return time.monotonic() - started
+        finally:
+            await tx.close()
+
+    assert run(scenario()) < 1.5 + 1.0
+
+
+def test_peer_killed_between_pushes_and_mid_push(doomed_decode):
+    decode = doomed_decode
+    pages = list(page_data(seed=7, num_pages=NUM_PAGES, page_nbytes=PAGE))
+    decode.call("expect", 1, [0])
+    decode.call("expect", 2, list(range(NUM_PAGES)))
+
+    async def scenario():
+        tx = KVSender(connect_timeout_s=1.5)
+        try:
+            await tx.push(decode.hello, 1, pages[:1])  # connected, endpoint cached
+            # decode hangs (SIGSTOP) while a push is in flight, then dies (SIGKILL)
+            decode.stop_process()
+            push = asyncio.create_task(tx.push(decode.hello, 2, pages))
+            await asyncio.sleep(0.5)
+            assert not push.done(), "a push to a stopped peer cannot have been acked"
+            decode.kill()
+            started = time.monotonic()
+            with pytest.raises(TransferError, match=decode.hello):
+                await push
+            mid_push_s = time.monotonic() - started
+            # the next push finds nobody: a fresh connect fails within connect_timeout_s
+            started = time.monotonic()
+            with pytest.raises(TransferError):
+                await tx.push(decode.hello, 3, pages[:1])
+            return mid_push_s, time.monotonic() - started
+        finally:
+            await tx.close()
+
+    mid_push_s, next_push_s = run(scenario())
+    # UCX reports the reset of an established connection at once; no timeout involved
+    assert mid_push_s < 1.0
+    assert next_push_s < 1.5 + 1.0
+
+
+def test_stalled_peer_times_out(doomed_decode):
+    decode = doomed_decode
+    decode.call("expect", 1, [0])
+    decode.call("expect", 2, [1])
+    page = page_data(seed=8, num_pages=1, page_nbytes=PAGE)[0]
+
+    async def scenario():
+        tx = KVSender(connect_timeout_s=2.0, transfer_timeout_s=1.5)
+        try:
+            await tx.push(decode.hello, 1, [page])
+            decode.stop_process()  # alive but silent: UCX sees no error
+            started = time.monotonic()
+            with pytest.raises(TransferError, match="timed out"):
+                await tx.push(decode.hello, 2, [page])
+            return time.monotonic() - started
+        finally:
+            await tx.close()
+
+    assert 1.4 < run(scenario()) < 3.5
+
+
+def test_bad_arguments():
+    async def scenario():
+        tx = KVSender()
+        try:
+            with pytest.raises(ValueError, match="host:port"):
+                await tx.push("no-port", 1, [])
+            with pytest.raises(ValueError, match="C-contiguous"):
+                await tx.push("127.0.0.1:1", 1, [np.zeros((4, 4), dtype=np.uint8)[:, ::2]])
+            with pytest.raises(ValueError, match="transfer_id"):
+                await tx.push("127.0.0.1:1", -1, [])
+        finally:
+            await tx.close()
+
+    run(scenario())
+
+
+def test_receiver_contract_in_process():
+    """expect() validation, cancel before any push, close() cancelling what is still open."""
+    pool = np.zeros((4, PAGE), dtype=np.uint8)
+
+    async def scenario():
+        rx = KVReceiver("127.0.0.1", 0)
+        with pytest.raises(RuntimeError, match="started"):
+            rx.expect(1, [pool[0]])
+        await rx.start()
+        host, port = rx.address.split(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        try:
+            read_only = pool[0].copy()
+            read_only.flags.writeable = False
+            with pytest.raises(ValueError, match="read-only"):
+                rx.expect(1, [read_only])
+            with pytest.raises(ValueError, match="C-contiguous"):
+                rx.expect(1, [pool[:, ::2]])
+            with pytest.raises(ValueError, match="transfer_id"):
+                rx.expect(-5, [pool[0]])
+            kept = rx.expect(1, [pool[0], pool[1]])
+            with pytest.raises(ValueError, match="already expected"):
+                rx.expect(1, [pool[2]])
+            # future.cancel() before any push is the same as rx.cancel(): done at once
+            dropped = rx.expect(2, [pool[2]])
+            assert dropped.cancel() is True and dropped.cancelled()
+            await asyncio.sleep(0)
+            rx.expect(2, [pool[3]])  # the id is free again
+            rx.cancel(2)
+            rx.cancel(12345)  # unknown ids are ignored
+        finally:
+            await rx.close()
+        # close cancels what was still expected; nothing can be registered afterwards
+        assert kept.cancelled()
+        with pytest.raises(RuntimeError, match="closed"):
+            rx.expect(3, [pool[0]])
+        await rx.close()  # idempotent
+
+    run(scenario())

@@ -1,0 +1,129 @@
+"""The decode loop's scheduling: reservations, admission limits, batching, aborts.
+
+The model runner is a test double here (this tests the loop around it): its "model"
+predicts token (last + 1) so every expectation is exact.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+import torch
+
+from decode_svc.config import DecodeConfig
+from decode_svc.engine import CapacityError, DecodeEngine
+from engine.sampler import SamplingParams
+
+VOCAB = 100
+
+
+class CountingRunner:
+    """Returns logits whose argmax is last token + 1; records each forward's batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int, int]]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def forward(self, items):
+        self.gate.wait()
+        self.batches.append([(it.token_ids[0], it.num_computed_tokens, len(it.block_ids)) for it in items])
+        logits = torch.zeros(len(items), VOCAB)
+        for row, it in enumerate(items):
+            logits[row, (it.token_ids[-1] + 1) % VOCAB] = 1.0
+        return logits
+
+
+def _engine(**kw) -> tuple[DecodeEngine, CountingRunner]:
+    runner = CountingRunner()
+    engine = DecodeEngine(DecodeConfig(num_pages=kw.pop("num_pages", 32), page_size=4, **kw), runner)
+    return engine, runner
+
+
+def _start(engine, rid, prompt, first, max_tokens, stop=frozenset()):
+    res = engine.reserve(rid, len(prompt), max_tokens)
+    out: queue.Queue = queue.Queue()
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, stop, lambda t, f: out.put((t, f)))
+    return res, out
+
+
+def _drain(out: queue.Queue) -> tuple[list[int], str]:
+    tokens = []
+    while True:
+        t, f = out.get(timeout=10)
+        tokens += t
+        if f is not None:
+            return tokens, f
+
+
+def test_reserve_sizes_pages_for_prompt_and_answer():
+    engine, _ = _engine()
+    # 10 prompt tokens + 7 answer tokens, the last without KV: 16 tokens = 4 pages of 4
+    res = engine.reserve("r", 10, 7)
+    assert len(res.block_ids) == 4 and res.num_prompt_pages == 3
+    assert engine.pool.num_free_blocks == 28
+    assert engine.release(res.transfer_id) and engine.pool.num_free_blocks == 32
+    engine.pool.check_integrity()
+
+
+def test_capacity_errors_say_what_is_short():
+    engine, _ = _engine(num_pages=4, max_batch_size=1)
+    with pytest.raises(CapacityError, match="needs 5 KV pages"):
+        engine.reserve("big", 16, 5)
+    engine.reserve("one", 4, 1)
+    with pytest.raises(CapacityError, match="batch is full"):
+        engine.reserve("two", 4, 1)
+
+
+def test_tokens_continue_from_first_token_and_stop_at_length_or_eos():
+    engine, runner = _engine()
+    engine.start()
+    try:
+        _, out = _start(engine, "a", [1, 2, 3], first=10, max_tokens=4)
+        assert _drain(out) == ([11, 12, 13], "length")  # the first token counts toward max_tokens
+        # decode started at position 3 (after the prompt) with the first token as input
+        assert runner.batches[0] == [(10, 3, 2)]
+        _, out = _start(engine, "b", [5], first=20, max_tokens=50, stop=frozenset({22}))
+        assert _drain(out) == ([21, 22], "stop")
+    finally:
+        engine.shutdown()
+    assert engine.pool.num_free_blocks == 32
+    engine.pool.check_integrity()
+
+
+def test_admission_is_bounded_per_step_and_requests_share_steps():
+    engine, runner = _engine(max_admit_per_step=2)
+    runner.gate.clear()  # hold the first step until every request is queued
+    outs = [_start(engine, f"r{i}", [i], first=i * 10, max_tokens=3)[1] for i in range(5)]
+    engine.start()
+    runner.gate.set()
+    try:
+        results = [_drain(o) for o in outs]
+    finally:
+        engine.shutdown()
+    assert results == [([i * 10 + 1, i * 10 + 2], "length") for i in range(5)]
+    # 2 admitted in step 1, 2 more in step 2 (4 running), the last in step 3
+    assert [len(b) for b in runner.batches[:3]] == [2, 4, 3]
+    assert engine.max_batch_size_seen == 4
+    engine.pool.check_integrity()
+    assert engine.pool.num_free_blocks == 32
+
+
+def test_release_of_a_running_request_frees_its_pages_between_steps():
+    engine, runner = _engine()
+    engine.start()
+    try:
+        res, out = _start(engine, "long", [1], first=1, max_tokens=40)
+        out.get(timeout=10)
+        assert engine.release(res.transfer_id)
+        for _ in range(100):
+            if engine.pool.num_free_blocks == 32:
+                break
+            threading.Event().wait(0.02)
+    finally:
+        engine.shutdown()
+    assert engine.pool.num_free_blocks == 32
+    assert engine.stats()["num_active_requests"] == 0
+    engine.pool.check_integrity()

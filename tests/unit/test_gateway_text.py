@@ -1,0 +1,51 @@
+"""Incremental detokenization and stop strings, on the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.loader import load_tokenizer, resolve_model
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.mark.parametrize("text", ["Paris is the capital of France.", "naïve café — 東京タワー 🎉🎉 ok",
+                                  "emoji 👩‍👩‍👧 and math ∑ x²"])
+def test_one_token_at_a_time_rebuilds_the_text_without_broken_characters(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    # no delta ever carries a replacement character from a split multi-byte sequence
+    assert all("\ufffd" not in d for d in deltas)
+    # multi-byte characters span several byte-level tokens: some steps emit nothing
+    if any(ord(c) > 127 for c in text):
+        assert "" in deltas[:-1]
+
+
+def test_eos_adds_no_text(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(tokenizer.encode("Hi", add_special_tokens=False)) == "Hi"
+    assert detok.add([tokenizer.convert_tokens_to_ids("<|im_end|>")]) == ""
+
+
+def test_stop_string_cuts_before_it_and_holds_back_partial_matches():
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("Hello ST") == ("Hello ", False)  # "ST" might start STOP: held back
+    assert m.feed("O") == ("", False)
+    assert m.feed("P and more") == ("", True)  # cut right before STOP
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("a ST") == ("a ", False)
+    assert m.feed("AR") == ("STAR", False)  # not a stop string after all: released
+    m = StopStringMatcher(["\n\n", "END"])
+    assert m.feed("a\n") == ("a", False)
+    assert m.feed("b", final=True) == ("\nb", False)  # at the end everything held is released
+
+
+def test_no_stop_strings_streams_everything():
+    m = StopStringMatcher([])
+    assert m.feed("abc") == ("abc", False)
