@@ -1,0 +1,1 @@
+"""Model definitions the engine runs: `llama.LlamaModel` (Llama-family decoders)."""

@@ -1,5 +1,5 @@
 # T=tokens (new, all sequences), B=sequences, H=hidden, I=intermediate, V=vocab, Q=query heads,
-# K=kv heads, D=head_dim
+# K=kv heads, D=head_dim, L=layers, P=pages, S=page_size
 """Llama decoder (Touvron et al. 2023) over a paged KV cache, number for number transformers'
 `LlamaForCausalLM` (modeling_llama.py), laid out for speed on CPU:
 
@@ -58,17 +58,17 @@ class LlamaModel:
             return t.to(dtype)
 
         H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
-        Q, K = c.num_heads * D, c.num_kv_heads * D
+        q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, H))  # [V, H]
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(_Layer(
                 input_norm=take(p + "input_layernorm.weight", (H,)),
-                w_qkv=torch.cat([take(p + "self_attn.q_proj.weight", (Q, H)),
-                                 take(p + "self_attn.k_proj.weight", (K, H)),
-                                 take(p + "self_attn.v_proj.weight", (K, H))]),
-                w_o=take(p + "self_attn.o_proj.weight", (H, Q)),
+                w_qkv=torch.cat([take(p + "self_attn.q_proj.weight", (q_out, H)),
+                                 take(p + "self_attn.k_proj.weight", (kv_out, H)),
+                                 take(p + "self_attn.v_proj.weight", (kv_out, H))]),
+                w_o=take(p + "self_attn.o_proj.weight", (H, q_out)),
                 post_norm=take(p + "post_attention_layernorm.weight", (H,)),
                 w_gate_up=torch.cat([take(p + "mlp.gate_proj.weight", (I, H)),
                                      take(p + "mlp.up_proj.weight", (I, H))]),

@@ -2,7 +2,7 @@
 
 The receiver (decode side) runs in a spawned process with a KV pool of NUM_PAGES pages;
 the test process is the prefill side. UCX prints "UCX WARN unused environment
-variable" noise on stderr; it is harmless.
+variable" noise (on stdout) in every process; it is harmless.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_peer_killed_between_pushes_and_mid_push(doomed_decode):
 
     mid_push_s, next_push_s = run(scenario())
     # UCX reports the reset of an established connection at once; no timeout involved
-    assert mid_push_s < 1.0
+    assert mid_push_s < 2.0
     assert next_push_s < 1.5 + 1.0
 
 
