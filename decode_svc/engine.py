@@ -10,6 +10,7 @@ one lock; the forward itself runs outside it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import random
@@ -81,16 +82,30 @@ class DecodeEngine:
         self._stopping = False
         self.max_batch_size_seen = 0
         self.num_steps = 0
-        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self._loop_done: concurrent.futures.Future | None = None
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, executor: concurrent.futures.Executor | None = None) -> None:
+        """Run the batch loop on `executor` (the service passes the main-thread executor,
+        where torch is fastest) or, without one, on a new thread."""
+        if executor is None:
+            self._loop_done = concurrent.futures.Future()
+            threading.Thread(target=self._run_to, args=(self._loop_done,), name="decode-loop", daemon=True).start()
+        else:
+            self._loop_done = executor.submit(self.run_loop)
+
+    def _run_to(self, done: concurrent.futures.Future) -> None:
+        try:
+            done.set_result(self.run_loop())
+        except BaseException as exc:
+            done.set_exception(exc)
 
     def shutdown(self) -> None:
+        """Stop the loop after its current step and wait for it (30 s at most)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=30)
+        if self._loop_done is not None:
+            self._loop_done.result(timeout=30)
 
     # --- called from the gRPC side -------------------------------------------------
 
@@ -221,7 +236,8 @@ class DecodeEngine:
             admitted += 1
         return list(self._running)
 
-    def _loop(self) -> None:
+    def run_loop(self) -> None:
+        """The batch loop; returns after shutdown()."""
         while True:
             with self._cond:
                 while not self._stopping and not self._waiting and not self._running:

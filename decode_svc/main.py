@@ -19,12 +19,13 @@ from protos.kvmesh.v1 import decode_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
+async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
     files = resolve_model(config.model)
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
     instance_id = config.instance_id or f"decode@{svc.address}"
-    runner = await asyncio.to_thread(ModelRunner, files, config.num_pages, config.page_size)
+    # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
+    runner = await asyncio.wrap_future(executor.submit(ModelRunner, files, config.num_pages, config.page_size))
     engine = DecodeEngine(config, runner)
     receiver = KVReceiver(config.host, config.kv_port)
     await receiver.start()
@@ -32,8 +33,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
     servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids))
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     await svc.start()
-    await asyncio.to_thread(runner.warmup)
-    engine.start()
+    await asyncio.wrap_future(executor.submit(runner.warmup))
+    engine.start(executor)  # the batch loop occupies the main thread
     await svc.mark_serving()
     print(f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})", flush=True)
     await stop.wait()
@@ -46,4 +47,4 @@ async def serve(config: DecodeConfig, stop: asyncio.Event) -> None:
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("decode")
     config = config_from_args(args)
-    service.run(lambda stop: serve(config, stop))
+    service.run(lambda stop, executor: serve(config, stop, executor))

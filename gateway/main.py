@@ -47,4 +47,4 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("gateway")
     config = config_from_args(args)
-    service.run(lambda stop: serve(config, stop))
+    service.run(lambda stop, _executor: serve(config, stop))

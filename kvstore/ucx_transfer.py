@@ -29,6 +29,7 @@ first used it; it is reset when the last KVSender/KVReceiver closes, so close th
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import threading
 import time
@@ -99,6 +100,8 @@ class _UcxRuntime:
             except RuntimeError:  # someone else initialized ucxx: use it as it is
                 self._owned = False
             self._loop = loop
+            if self._owned:
+                _slow_down_progress_thread(loop)
             if not self._atexit_registered:
                 # ucxx's notifier thread is not a daemon: stop it before interpreter exit
                 # joins threads, or a process that never closed us hangs on exit.
@@ -121,6 +124,22 @@ class _UcxRuntime:
 
 
 _runtime = _UcxRuntime()
+
+# ucxx's progress thread waits on the worker's epoll fd with a 1 ms timeout, so it wakes
+# ~1000 times a second even when idle. Each wake-up preempts a model thread: on a small
+# machine the decode step's OpenMP regions then stall at their barriers (measured on 2
+# cores, default model: single-stream decode ITL 30.7 ms with 1 ms, 28.1 ms with 100 ms). UCX events (and ucxx's
+# delayed submissions, which signal the worker) wake the epoll wait at once, so the
+# timeout only bounds how long a missed event can go unnoticed.
+EPOLL_TIMEOUT_MS = int(os.environ.get("KVMESH_UCX_EPOLL_TIMEOUT_MS", "100"))
+
+
+def _slow_down_progress_thread(loop: asyncio.AbstractEventLoop) -> None:
+    """Start ucxx's progress for `loop`, then restart its thread with EPOLL_TIMEOUT_MS."""
+    ctx = ucxx.core._get_ctx()
+    ctx.continuous_ucx_progress(loop)
+    ctx.worker.stop_progress_thread()
+    ctx.worker.start_progress_thread(polling_mode=False, epoll_timeout=EPOLL_TIMEOUT_MS)
 
 
 def _as_buffer(buf: Any, index: int, writable: bool) -> Array:

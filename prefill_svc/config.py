@@ -28,6 +28,8 @@ class PrefillConfig:
     """Name under which this instance's blocks are indexed; empty means host:port of its gRPC server."""
     kv_digest: bool = False
     """Hash each pushed request's KV pages (SHA-256) and report it, for tests."""
+    max_batch_tokens: int = 4096
+    """Most prompt tokens prefilled together in one forward (queued requests batch up)."""
     push_timeout_s: float = 30.0
     """Seconds one KV push to decode may take before it fails with UNAVAILABLE."""
 
@@ -36,6 +38,8 @@ class PrefillConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=int(env("KVMESH_PORT", "0")), help="gRPC port (0: any free)")
     parser.add_argument("--num-pages", type=int, default=int(env("KVMESH_NUM_PAGES", "1024")))
     parser.add_argument("--page-size", type=int, default=int(env("KVMESH_PAGE_SIZE", "16")))
+    parser.add_argument("--max-batch-tokens", type=int, default=int(env("KVMESH_MAX_BATCH_TOKENS", "4096")),
+                        help="most prompt tokens prefilled together in one forward")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not keep prompt blocks after a request")
     parser.add_argument("--redis-url", default=env("REDIS_URL", ""), help="Redis for the prefix index (KV events)")
     parser.add_argument("--instance-id", default=env("KVMESH_INSTANCE_ID", ""),
@@ -55,5 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=args.model, host=args.host, port=args.port, num_pages=args.num_pages,
                          page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
+                         max_batch_tokens=args.max_batch_tokens,
                          redis_url=args.redis_url, instance_id=args.instance_id,
                          kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1")

@@ -1,7 +1,7 @@
 """The prefill engine: prefix-cache lookup, compute of the uncached suffix, first token.
 
-Every pool operation and every forward runs on ONE worker thread (a single-thread
-executor), so the prefix cache needs no lock and requests are computed in arrival
+Every pool operation and every forward runs on ONE worker thread (the service passes
+its main-thread executor, where torch is fastest), so the prefix cache needs no lock and requests are computed in arrival
 order. A request's pages stay referenced until its KV push is done, then full prompt
 blocks stay in the prefix cache (evictable, LRU) and the rest go back to the free list.
 KV events (blocks stored / removed / cleared) are published to the Redis index as the
@@ -15,6 +15,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ class PrefillJob:
         self.seed = seed
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
+        self.future: concurrent.futures.Future | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -64,14 +66,23 @@ class PrefillEngine:
     """Prefix cache + model runner for one prefill instance."""
 
     def __init__(self, runner: ModelRunner, page_size: int, num_pages: int, enable_prefix_caching: bool,
-                 publish=None) -> None:
-        """`publish(events)` is called on the worker thread with each batch of KV events."""
+                 publish=None, executor: concurrent.futures.Executor | None = None,
+                 max_batch_tokens: int = 4096) -> None:
+        """`publish(events)` is called on the worker thread with each batch of KV events.
+
+        `executor` must run one callable at a time; None makes a single-thread executor.
+        `max_batch_tokens` bounds the prompt tokens computed in one forward (a longer
+        prompt still runs, alone).
+        """
         self.runner = runner
         self.page_size = page_size
         self._publish = publish
         self.pool = BlockPool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching,
                               on_events=self._on_events)
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self._owns_executor = executor is None
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self.max_batch_tokens = max_batch_tokens
+        self._pending: deque[PrefillJob] = deque()
         self._count_lock = threading.Lock()
         self.num_queued_tokens = 0
         self.num_active = 0
@@ -87,11 +98,18 @@ class PrefillEngine:
             logger.warning("could not publish %d KV events: %s", len(events), exc)
 
     def submit(self, job: PrefillJob) -> concurrent.futures.Future:
-        """Queue a job; the future resolves to PrefillResult or raises Cancelled / NoFreeBlocksError."""
+        """Queue a job; the future resolves to PrefillResult or raises Cancelled / NoFreeBlocksError.
+
+        Jobs queued while the worker is busy are computed together in one forward
+        (up to max_batch_tokens prompt tokens), as vLLM and SGLang batch prefills.
+        """
+        job.future = concurrent.futures.Future()
         with self._count_lock:
             self.num_queued_tokens += len(job.token_ids)
             self.num_active += 1
-        return self._executor.submit(self._run, job)
+            self._pending.append(job)
+        self._executor.submit(self._drain)
+        return job.future
 
     def release(self, block_ids: Sequence[int]) -> concurrent.futures.Future:
         """Drop the request's references (on the worker thread); full blocks stay cached."""
@@ -102,46 +120,74 @@ class PrefillEngine:
         return self._executor.submit(fn, *args)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _run(self, job: PrefillJob) -> PrefillResult:
+    def _take_batch(self) -> list[PrefillJob]:
+        with self._count_lock:
+            batch, tokens = [], 0
+            while self._pending and (not batch or tokens + len(self._pending[0].token_ids) <= self.max_batch_tokens):
+                job = self._pending.popleft()
+                batch.append(job)
+                tokens += len(job.token_ids)
+            return batch
+
+    def _drain(self) -> None:
+        """On the worker thread: prefill every queued job that fits the token budget at once."""
+        batch = self._take_batch()
         try:
-            if job.cancelled.is_set():
-                raise Cancelled(job.request_id)
-            return self._compute(job)
+            ready = []
+            for job in batch:
+                if job.cancelled.is_set():
+                    job.future.set_exception(Cancelled(job.request_id))
+                    continue
+                try:
+                    ready.append((job, *self._allocate(job)))
+                except Exception as exc:  # NoFreeBlocksError: this job fails, the others go on
+                    job.future.set_exception(exc)
+            if ready:
+                self._compute(ready)
         finally:
             with self._count_lock:
-                self.num_queued_tokens -= len(job.token_ids)
-                self.num_active -= 1
+                for job in batch:
+                    self.num_queued_tokens -= len(job.token_ids)
+                    self.num_active -= 1
 
-    def _compute(self, job: PrefillJob) -> PrefillResult:
-        started = time.perf_counter()
+    def _allocate(self, job: PrefillJob) -> tuple[list, tuple[int, ...], int]:
+        """Reuse the cached prefix and allocate pages for the rest: (hashes, block ids, cached tokens)."""
         tokens, size = job.token_ids, self.page_size
         hashes = hash_blocks(tokens, size)
         # recompute at least the last prompt token so its logits exist
         match = self.pool.match_prefix(hashes[: (len(tokens) - 1) // size])
-        num_pages = math.ceil(len(tokens) / size)
         try:
-            new = self.pool.allocate(num_pages - len(match.block_ids))
+            new = self.pool.allocate(math.ceil(len(tokens) / size) - len(match.block_ids))
         except Exception:
             self.pool.free(match.block_ids)
             raise
-        block_ids = (*match.block_ids, *new.block_ids)
-        cached = match.num_cached_tokens
+        return hashes, (*match.block_ids, *new.block_ids), match.num_cached_tokens
+
+    def _compute(self, ready: list) -> None:
+        started = time.perf_counter()
+        items = [ForwardItem(job.token_ids[cached:], cached, block_ids) for job, _, block_ids, cached in ready]
         try:
-            logits = self.runner.forward([ForwardItem(tokens[cached:], cached, block_ids)])  # [1, V]
-            generator = torch.Generator().manual_seed(job.seed) if job.sampling.temperature > 0 else None
-            first_token = sample(logits, [job.sampling], [generator])[0]
-        except Exception:
-            self.pool.free(block_ids)
-            raise
-        self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
-        self.num_prompt_tokens_computed += len(tokens) - cached
-        self.num_prompt_tokens_cached += cached
+            logits = self.runner.forward(items)  # [B, V]
+            first_tokens = sample(logits, [job.sampling for job, *_ in ready],
+                                  [torch.Generator().manual_seed(job.seed) if job.sampling.temperature > 0 else None
+                                   for job, *_ in ready])
+        except Exception as exc:
+            for job, _, block_ids, _ in ready:
+                self.pool.free(block_ids)
+                job.future.set_exception(exc)
+            return
         done = time.perf_counter()
-        logger.info("[%s] prefill %d tokens (%d cached) in %.3f s", job.request_id, len(tokens), cached, done - started)
-        return PrefillResult(first_token, block_ids, cached, len(tokens) - cached,
-                             queue_s=started - job.submitted_at, compute_s=done - started)
+        for (job, hashes, block_ids, cached), first_token in zip(ready, first_tokens):
+            self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
+            self.num_prompt_tokens_computed += len(job.token_ids) - cached
+            self.num_prompt_tokens_cached += cached
+            logger.info("[%s] prefill %d tokens (%d cached) in %.3f s, batch of %d", job.request_id,
+                        len(job.token_ids), cached, done - started, len(ready))
+            job.future.set_result(PrefillResult(first_token, block_ids, cached, len(job.token_ids) - cached,
+                                                queue_s=started - job.submitted_at, compute_s=done - started))
 
     def stats(self) -> dict[str, int | str]:
         """Pool figures; call through call() so it runs on the worker thread."""

@@ -20,7 +20,7 @@ from protos.kvmesh.v1 import prefill_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
+async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, clear this instance's old index entries, serve until stop is set."""
     files = resolve_model(config.model)
     model_config = load_config(files)
@@ -34,14 +34,16 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
         except Exception as exc:
             logger.warning("Redis index unreachable at start (%s); KV events will be retried per request", exc)
     publish = (lambda events: index.publish(instance_id, events)) if index else None
-    runner = await asyncio.to_thread(ModelRunner, files, config.num_pages, config.page_size)
-    engine = PrefillEngine(runner, config.page_size, config.num_pages, config.enable_prefix_caching, publish)
+    # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
+    runner = await asyncio.wrap_future(executor.submit(ModelRunner, files, config.num_pages, config.page_size))
+    engine = PrefillEngine(runner, config.page_size, config.num_pages, config.enable_prefix_caching, publish,
+                           executor=executor, max_batch_tokens=config.max_batch_tokens)
     sender = KVSender()
     servicer = PrefillServicer(engine, sender, instance_id, model_config.vocab_size,
                                model_config.max_position_embeddings, config.push_timeout_s, config.kv_digest)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     await svc.start()
-    await asyncio.to_thread(runner.warmup)
+    await asyncio.wrap_future(executor.submit(runner.warmup))
     await svc.mark_serving()
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
     await stop.wait()
@@ -60,4 +62,4 @@ async def serve(config: PrefillConfig, stop: asyncio.Event) -> None:
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("prefill")
     config = config_from_args(args)
-    service.run(lambda stop: serve(config, stop))
+    service.run(lambda stop, executor: serve(config, stop, executor))
