@@ -193,11 +193,7 @@ class DecodeEngine:
     def stats(self) -> dict[str, int | str]:
         """Pool and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
         with self._cond:
-            try:
-                self.pool.check_integrity()
-                error = ""
-            except AssertionError as exc:
-                error = str(exc) or "check_integrity failed"
+            error = self.pool.integrity_error()
             return {
                 "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
                 "num_cached_pages": self.pool.num_cached_blocks,

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 
 import grpc
 
 from decode_svc.engine import CapacityError, DecodeEngine
 from kvmesh.wire import sampling_from_pb
-from kvstore.ucx_transfer import KVReceiver
+from kvstore.ucx_transfer import KVReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-def kv_digest(buffers) -> str:
-    """SHA-256 (hex) over the given page buffers in order."""
-    h = hashlib.sha256()
-    for buf in buffers:
-        h.update(memoryview(buf))
-    return h.hexdigest()
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
@@ -98,7 +89,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             digest = ""
             if self.engine.config.kv_digest:
                 seq_pages = future.result().num_buffers
-                digest = kv_digest(self.engine.runner.page_buffer(b)
+                digest = pages_digest(self.engine.runner.page_buffer(b)
                                    for b in self.engine.reserved_pages(tid)[:seq_pages])
             sampling = sampling_from_pb(request.sampling)
             seed = request.sampling.seed if request.sampling.HasField("seed") else 0

@@ -141,7 +141,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                    prefill_digest=pre.kv_digest, decode_digest=decode_digest)))
         except grpc.aio.AioRpcError as exc:
             code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-            if code == grpc.StatusCode.UNAVAILABLE:
+            if code == grpc.StatusCode.UNAVAILABLE and "KV push" not in (exc.details() or ""):
+                # the instance itself is unreachable (a failed push blames decode, not prefill;
+                # the stats poller finds out about decode within stats_interval_s)
                 self.pool.mark_failed(where)
             logger.warning("[%s] %s failed: %s %s", rid, where, exc.code().name, exc.details())
             await context.abort(code, f"[{rid}] {where}: {exc.details()}")

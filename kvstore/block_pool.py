@@ -240,6 +240,14 @@ class BlockPool:
         self._by_hash.clear()
         self._emit([AllBlocksCleared()])
 
+    def integrity_error(self) -> str:
+        """'' when check_integrity() passes, else its message (for stats endpoints)."""
+        try:
+            self.check_integrity()
+        except AssertionError as exc:
+            return str(exc) or "check_integrity failed"
+        return ""
+
     def check_integrity(self) -> None:
         """Assert the pool's invariants (tests call it after every scenario).
 

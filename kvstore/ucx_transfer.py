@@ -29,6 +29,7 @@ first used it; it is reset when the last KVSender/KVReceiver closes, so close th
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import logging
 import threading
@@ -124,6 +125,14 @@ class _UcxRuntime:
 
 
 _runtime = _UcxRuntime()
+
+
+def pages_digest(buffers) -> str:
+    """SHA-256 (hex) over page buffers in order: proves pages arrived bitwise equal."""
+    h = hashlib.sha256()
+    for buf in buffers:
+        h.update(memoryview(buf))
+    return h.hexdigest()
 
 # ucxx's progress thread waits on the worker's epoll fd with a 1 ms timeout, so it wakes
 # ~1000 times a second even when idle. Each wake-up preempts a model thread: on a small

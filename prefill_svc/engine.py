@@ -191,11 +191,7 @@ class PrefillEngine:
 
     def stats(self) -> dict[str, int | str]:
         """Pool figures; call through call() so it runs on the worker thread."""
-        try:
-            self.pool.check_integrity()
-            error = ""
-        except AssertionError as exc:
-            error = str(exc) or "check_integrity failed"
+        error = self.pool.integrity_error()
         return {
             "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
             "num_cached_pages": self.pool.num_cached_blocks, "num_referenced_pages": self.pool.num_referenced_blocks,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 
@@ -11,7 +10,7 @@ import grpc
 
 from kvmesh.wire import sampling_from_pb
 from kvstore.block_pool import NoFreeBlocksError
-from kvstore.ucx_transfer import KVSender, TransferError
+from kvstore.ucx_transfer import KVSender, TransferError, pages_digest
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -92,12 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if not request.decode_kv_address:
                 return 0, 0.0, ""
             buffers = [self.engine.runner.page_buffer(b) for b in result.block_ids]
-            digest = ""
-            if self.kv_digest:
-                h = hashlib.sha256()
-                for buf in buffers:
-                    h.update(memoryview(buf))
-                digest = h.hexdigest()
+            digest = pages_digest(buffers) if self.kv_digest else ""
             sent = await asyncio.wait_for(
                 self.sender.push(request.decode_kv_address, request.transfer_id, buffers), self.push_timeout_s)
             return sent.nbytes, sent.seconds, digest

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 import torch
@@ -26,8 +27,10 @@ class CountingRunner:
         self.batches: list[list[tuple[int, int, int]]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()
 
     def forward(self, items):
+        self.entered.set()
         self.gate.wait()
         self.batches.append([(it.token_ids[0], it.num_computed_tokens, len(it.block_ids)) for it in items])
         logits = torch.zeros(len(items), VOCAB)
@@ -113,17 +116,21 @@ def test_admission_is_bounded_per_step_and_requests_share_steps():
 
 def test_release_of_a_running_request_frees_its_pages_between_steps():
     engine, runner = _engine()
+    runner.gate.clear()  # the first step will block inside the forward
+    res, out = _start(engine, "long", [1], first=1, max_tokens=20)
     engine.start()
     try:
-        res, out = _start(engine, "long", [1], first=1, max_tokens=40)
-        out.get(timeout=10)
+        assert runner.entered.wait(10)  # the request is in the batch being computed
         assert engine.release(res.transfer_id)
-        for _ in range(100):
-            if engine.pool.num_free_blocks == 32:
-                break
-            threading.Event().wait(0.02)
+        assert engine.pool.num_free_blocks == 32 - 5  # not freed under a running forward
+        runner.gate.set()
+        deadline = time.monotonic() + 10
+        while engine.pool.num_free_blocks != 32 and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
+        runner.gate.set()
         engine.shutdown()
-    assert engine.pool.num_free_blocks == 32
+    assert engine.pool.num_free_blocks == 32  # freed between steps
+    assert out.empty()  # the aborted request got no token from the step it was dropped in
     assert engine.stats()["num_active_requests"] == 0
     engine.pool.check_integrity()
