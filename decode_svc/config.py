@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from kvmesh.flags import env_flag
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -31,6 +33,8 @@ class DecodeConfig:
     """A reservation whose Generate call never comes is freed after this many seconds."""
     kv_digest: bool = False
     """Hash each request's received KV pages (SHA-256) and report it, for tests."""
+    torch_threads: int = 0
+    """Intra-op threads of the model; 0 keeps torch's default (every core)."""
     instance_id: str = ""
     """Name in logs and stats; empty means decode@host:port."""
 
@@ -46,22 +50,22 @@ class DecodeConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `kvmesh serve decode`; each defaults to its KVMESH_* variable when set."""
-    env = os.environ.get
-    parser.add_argument("--model", default=env("KVMESH_MODEL"), help="model name or path (default SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default=env("KVMESH_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("KVMESH_PORT", "0")), help="gRPC port (0: any free)")
-    parser.add_argument("--kv-port", type=int, default=int(env("KVMESH_KV_PORT", "0")), help="UCX listener port")
-    parser.add_argument("--num-pages", type=int, default=int(env("KVMESH_NUM_PAGES", "1024")))
-    parser.add_argument("--page-size", type=int, default=int(env("KVMESH_PAGE_SIZE", "16")))
-    parser.add_argument("--max-batch-size", type=int, default=int(env("KVMESH_MAX_BATCH_SIZE", "64")))
-    parser.add_argument("--max-admit-per-step", type=int, default=int(env("KVMESH_MAX_ADMIT_PER_STEP", "4")),
-                        help="new KV loads admitted into the running batch per step")
-    parser.add_argument("--instance-id", default=env("KVMESH_INSTANCE_ID", ""))
+    """Flags of `kvmesh serve decode`; each falls back to its KVMESH_* variable."""
+    env_flag(parser, "--model", "KVMESH_MODEL", None, "model name or path (none: SmolLM2-135M-Instruct)")
+    env_flag(parser, "--host", "KVMESH_HOST", "127.0.0.1", "address the gRPC server and UCX listener bind to")
+    env_flag(parser, "--port", "KVMESH_PORT", 0, "gRPC port (0: any free port)", int)
+    env_flag(parser, "--kv-port", "KVMESH_KV_PORT", 0, "UCX listener port for KV pushes (0: any free port)", int)
+    env_flag(parser, "--num-pages", "KVMESH_NUM_PAGES", 1024, "KV pages in the pool", int)
+    env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per page (same on every service)", int)
+    env_flag(parser, "--max-batch-size", "KVMESH_MAX_BATCH_SIZE", 64, "most requests reserved or running", int)
+    env_flag(parser, "--max-admit-per-step", "KVMESH_MAX_ADMIT_PER_STEP", 4,
+             "new KV loads admitted into the running batch per step", int)
+    env_flag(parser, "--torch-threads", "KVMESH_TORCH_THREADS", 0, "intra-op threads of the model (0: all cores)", int)
+    env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "", "name in logs and stats (empty: decode@host:port)")
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(model=args.model, host=args.host, port=args.port, kv_port=args.kv_port,
                         num_pages=args.num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
-                        max_admit_per_step=args.max_admit_per_step,
+                        max_admit_per_step=args.max_admit_per_step, torch_threads=args.torch_threads,
                         kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id)

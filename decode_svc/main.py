@@ -25,6 +25,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
     instance_id = config.instance_id or f"decode@{svc.address}"
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
+    await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(executor.submit(ModelRunner, files, config.num_pages, config.page_size))
     engine = DecodeEngine(config, runner)
     receiver = KVReceiver(config.host, config.kv_port)

@@ -2,8 +2,8 @@
 
 GGUF files are converted by transformers (dequantized to fp32) into a cache folder
 `$KVMESH_CACHE_DIR/<name>-<key>/` (default `~/.cache/kvmesh`), where key is the first 12 hex
-digits of sha256(size, mtime, path) of the GGUF file. Several services start at once, so the
-conversion runs under a file lock and lands through an atomic rename of a temporary folder.
+digits of a content fingerprint of the GGUF file (size, first and last 8 MiB), so every
+clone and venv shares one conversion. Several services start at once, so the conversion runs under a file lock and lands through an atomic rename of a temporary folder.
 """
 
 from __future__ import annotations
@@ -105,10 +105,22 @@ def _has_default() -> bool:
     return importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE) is not None
 
 
+_FINGERPRINT_BYTES = 8 * 1024 * 1024
+
+
 def _cache_key(gguf: Path) -> str:
-    st = gguf.stat()
-    text = f"{st.st_size}:{st.st_mtime_ns}:{gguf.resolve()}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    """A content fingerprint: sha256 of the size and the first and last 8 MiB.
+
+    The same file in another clone, venv or path maps to the same cache folder; reading
+    16 MiB keeps it cheap for multi-GB files.
+    """
+    size = gguf.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(_FINGERPRINT_BYTES))
+        f.seek(max(0, size - _FINGERPRINT_BYTES))
+        h.update(f.read(_FINGERPRINT_BYTES))
+    return h.hexdigest()[:12]
 
 
 def _from_gguf(gguf: Path, name: str) -> ModelFiles:

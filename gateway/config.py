@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from kvmesh.flags import env_flag
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -52,23 +54,23 @@ def _addresses(value: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `kvmesh serve gateway`; each defaults to its KVMESH_* variable when set."""
-    env = os.environ.get
-    parser.add_argument("--model", default=env("KVMESH_MODEL"), help="model name or path (default SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default=env("KVMESH_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("KVMESH_PORT", "50051")))
+    """Flags of `kvmesh serve gateway`; each falls back to its KVMESH_* variable."""
+    env_flag(parser, "--model", "KVMESH_MODEL", None, "model name or path whose tokenizer to use "
+             "(none: SmolLM2-135M-Instruct)")
+    env_flag(parser, "--host", "KVMESH_HOST", "127.0.0.1", "address the gRPC server binds to")
+    env_flag(parser, "--port", "KVMESH_PORT", 50051, "gRPC port clients connect to", int)
     parser.add_argument("--prefill", action="append", default=None, metavar="HOST:PORT",
-                        help="a prefill instance (repeat or comma-separate; env KVMESH_PREFILL)")
+                        help="a prefill instance, required (repeat or comma-separate; env KVMESH_PREFILL)")
     parser.add_argument("--decode", action="append", default=None, metavar="HOST:PORT",
-                        help="a decode instance (repeat or comma-separate; env KVMESH_DECODE)")
-    parser.add_argument("--redis-url", default=env("REDIS_URL", ""), help="Redis of the prefix index")
-    parser.add_argument("--page-size", type=int, default=int(env("KVMESH_PAGE_SIZE", "16")))
-    parser.add_argument("--default-max-tokens", type=int, default=int(env("KVMESH_DEFAULT_MAX_TOKENS", "256")))
-    parser.add_argument("--max-tokens-limit", type=int, default=int(env("KVMESH_MAX_TOKENS_LIMIT", "4096")))
-    parser.add_argument("--cache-threshold", type=float, default=float(env("KVMESH_CACHE_THRESHOLD", "0.5")),
-                        help="fraction of the prompt a cached prefix must cover to steer routing")
-    parser.add_argument("--load-weight", type=float, default=float(env("KVMESH_LOAD_WEIGHT", "1.0")),
-                        help="weight of queued prefill tokens against uncached prompt tokens")
+                        help="a decode instance, required (repeat or comma-separate; env KVMESH_DECODE)")
+    env_flag(parser, "--redis-url", "REDIS_URL", "", "Redis of the prefix index (empty: route by load alone)")
+    env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per block (same on every service)", int)
+    env_flag(parser, "--default-max-tokens", "KVMESH_DEFAULT_MAX_TOKENS", 256, "max_tokens when a request leaves it unset", int)
+    env_flag(parser, "--max-tokens-limit", "KVMESH_MAX_TOKENS_LIMIT", 4096, "largest max_tokens a request may ask", int)
+    env_flag(parser, "--cache-threshold", "KVMESH_CACHE_THRESHOLD", 0.5,
+             "fraction of the prompt a cached prefix must cover to steer routing", float)
+    env_flag(parser, "--load-weight", "KVMESH_LOAD_WEIGHT", 1.0,
+             "weight of in-flight prefill tokens against uncached prompt tokens", float)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:

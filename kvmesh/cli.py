@@ -9,22 +9,36 @@ import sys
 
 import grpc
 
+from kvmesh.flags import env_flag
+
+
+def _seed(value: str) -> int:
+    seed = int(value)
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**63), got {seed}")
+    return seed
+
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvmesh.client import GatewayClient, make_request
+
+    state = {"printed": False}
 
     async def run() -> int:
         async with GatewayClient(args.gateway) as client:
             chat = args.chat
             if chat is None:
                 chat = (await client.list_models()).has_chat_template
-            request = make_request(args.prompt, chat=chat, max_tokens=args.max_tokens, temperature=args.temperature,
+            # argv that is not UTF-8 travels as its raw bytes; the gateway says what is wrong
+            prompt = args.prompt.encode("utf-8", "surrogateescape")
+            request = make_request(prompt, chat=chat, max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [],
                                    model=args.model or "")
             async for msg in client.stream(request):
                 if msg.HasField("delta"):
                     sys.stdout.write(msg.delta.text)
                     sys.stdout.flush()
+                    state["printed"] = True
                 elif args.verbose:
                     f = msg.final
                     print(f"\n[{f.finish_reason}: {f.prompt_tokens} prompt ({f.cached_tokens} cached), "
@@ -37,7 +51,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(run())
     except grpc.aio.AioRpcError as exc:
-        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = ""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
+            hint = f"\nno gateway answers at {args.gateway}: start one with `kvmesh up` or pass --gateway HOST:PORT"
+        lead = "\n" if state["printed"] else ""  # a stream cut mid-answer: start a new line
+        print(f"{lead}error: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
 
 
@@ -74,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway import config as gateway_config
     from prefill_svc import config as prefill_config
 
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvmesh", description="kvmesh: an LLM serving mesh with disaggregated prefill and decode. "
+        "Start a local mesh with `kvmesh up`, then ask it with `kvmesh generate PROMPT`.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local mesh (Redis, prefill, decode, gateway) until Ctrl-C")
@@ -86,20 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream an answer from a gateway")
     gen.add_argument("prompt")
-    gen.add_argument("--gateway", default=os.environ.get("KVMESH_GATEWAY", "127.0.0.1:50051"))
-    gen.add_argument("--max-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    env_flag(gen, "--gateway", "KVMESH_GATEWAY", "127.0.0.1:50051", "gateway address HOST:PORT")
+    gen.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: the gateway's, 256)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default 1)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default 0)")
+    gen.add_argument("--seed", type=_seed, default=None, help="sampling seed in [0, 2**63)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--model", default=None)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: on when the model has one)")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print token counts and timings")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print token counts and timings (to stderr)")
     gen.set_defaults(func=_cmd_generate)
 
-    serve = sub.add_parser("serve", help="run one service (for compose and real deployments)")
+    serve = sub.add_parser("serve", help="run one service (for deployments across machines)")
     kinds = serve.add_subparsers(dest="service", required=True)
     for name, module in (("gateway", gateway_config), ("prefill", prefill_config), ("decode", decode_config)):
         p = kinds.add_parser(name, help=f"the {name} service")

@@ -14,7 +14,7 @@ PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
     "Write a haiku about the sea.",
-    "What is 12 times 12?",
+    "What is the boiling point of water in Celsius?",
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -74,6 +75,8 @@ def start_mesh(num_prefill: int = 1, num_decode: int = 1, model: str | None = No
 
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need at least one prefill and one decode, got {num_prefill} and {num_decode}")
+    if not _port_free(host, port):
+        raise RuntimeError(f"port {port} on {host} is in use (another kvmesh?): pick another with --port")
     resolve_model(model)  # converts the GGUF once here, before the children race for it
     env = {**os.environ, **(env or {})}
     if model:
@@ -112,6 +115,15 @@ def start_mesh(num_prefill: int = 1, num_decode: int = 1, model: str | None = No
     return mesh
 
 
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _wait_ready(mesh: Mesh, addresses: list[str], timeout_s: float) -> None:
     import asyncio
 
@@ -136,11 +148,22 @@ def _wait_ready(mesh: Mesh, addresses: list[str], timeout_s: float) -> None:
 
 def run_up(num_prefill: int, num_decode: int, model: str | None, port: int) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt  # start_mesh stops what it started on the way out
+
+    # during start-up Ctrl-C and SIGTERM abort at once (even when the shell started us with
+    # SIGINT ignored, as it does for background jobs); afterwards they stop the loop below
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
+    try:
+        mesh = start_mesh(num_prefill, num_decode, model, port)
+    except KeyboardInterrupt:
+        print("start-up interrupted; stopped everything it started", file=sys.stderr, flush=True)
+        return 130
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
-    mesh = start_mesh(num_prefill, num_decode, model, port)
     print(f"kvmesh is up: gateway {mesh.gateway_address} (prefill {', '.join(mesh.prefill_addresses)}; "
           f"decode {', '.join(mesh.decode_addresses)}; redis {mesh.redis_url})", flush=True)
     print(f"try: kvmesh generate --gateway {mesh.gateway_address} \"What is the capital of France?\"", flush=True)

@@ -28,6 +28,20 @@ GRPC_OPTIONS = [
 ]
 
 
+def set_torch_threads(num_threads: int) -> None:
+    """Intra-op threads for this process's model (0 keeps torch's default: every core).
+
+    Call on the main thread. Several services on one machine share its cores; giving
+    each fewer threads keeps OpenMP teams from stalling on each other.
+    """
+    if num_threads < 0:
+        raise ValueError(f"torch threads must be >= 0 (0 = all cores), got {num_threads}")
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
+
+
 def setup_logging(name: str) -> None:
     """Configure root logging once per process (level from KVMESH_LOG_LEVEL, default INFO)."""
     level = os.environ.get("KVMESH_LOG_LEVEL", "INFO").upper()
@@ -43,13 +57,17 @@ class Service:
     """
 
     def __init__(self, serving_names: list[str], host: str, port: int) -> None:
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
+        self.server = grpc.aio.server(options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.serving_names = serving_names
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {host}:{port}")
+            raise OSError(f"could not bind {host}:{port}: is another kvmesh service using it? pick another --port")
         self.address = f"{host}:{self.port}"
 
     async def start(self) -> None:

@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from kvmesh.flags import env_flag
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -24,6 +26,8 @@ class PrefillConfig:
     """Keep full prompt blocks after a request and reuse them for later prompts."""
     redis_url: str = ""
     """Redis holding the prefix index; empty disables KV event publishing."""
+    torch_threads: int = 0
+    """Intra-op threads of the model; 0 keeps torch's default (every core)."""
     instance_id: str = ""
     """Name under which this instance's blocks are indexed; empty means host:port of its gRPC server."""
     kv_digest: bool = False
@@ -43,24 +47,24 @@ class PrefillConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `kvmesh serve prefill`; each defaults to its KVMESH_* variable when set."""
-    env = os.environ.get
-    parser.add_argument("--model", default=env("KVMESH_MODEL"), help="model name or path (default SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default=env("KVMESH_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("KVMESH_PORT", "0")), help="gRPC port (0: any free)")
-    parser.add_argument("--num-pages", type=int, default=int(env("KVMESH_NUM_PAGES", "1024")))
-    parser.add_argument("--page-size", type=int, default=int(env("KVMESH_PAGE_SIZE", "16")))
-    parser.add_argument("--max-batch-tokens", type=int, default=int(env("KVMESH_MAX_BATCH_TOKENS", "4096")),
-                        help="most prompt tokens prefilled together in one forward")
+    """Flags of `kvmesh serve prefill`; each falls back to its KVMESH_* variable."""
+    env_flag(parser, "--model", "KVMESH_MODEL", None, "model name or path (none: SmolLM2-135M-Instruct)")
+    env_flag(parser, "--host", "KVMESH_HOST", "127.0.0.1", "address the gRPC server binds to")
+    env_flag(parser, "--port", "KVMESH_PORT", 0, "gRPC port (0: any free port)", int)
+    env_flag(parser, "--num-pages", "KVMESH_NUM_PAGES", 1024, "KV pages in the pool (the rest hold the prefix cache)", int)
+    env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per page (same on every service)", int)
+    env_flag(parser, "--max-batch-tokens", "KVMESH_MAX_BATCH_TOKENS", 4096,
+             "most prompt tokens prefilled together in one forward", int)
+    env_flag(parser, "--torch-threads", "KVMESH_TORCH_THREADS", 0, "intra-op threads of the model (0: all cores)", int)
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not keep prompt blocks after a request")
-    parser.add_argument("--redis-url", default=env("REDIS_URL", ""), help="Redis for the prefix index (KV events)")
-    parser.add_argument("--instance-id", default=env("KVMESH_INSTANCE_ID", ""),
-                        help="name in the prefix index (default host:port; the gateway learns it from GetStats)")
+    env_flag(parser, "--redis-url", "REDIS_URL", "", "Redis of the prefix index, fed by KV events (empty: no index)")
+    env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "",
+             "name in the prefix index (empty: host:port; the gateway learns it from GetStats)")
 
 
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=args.model, host=args.host, port=args.port, num_pages=args.num_pages,
                          page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
-                         max_batch_tokens=args.max_batch_tokens,
+                         max_batch_tokens=args.max_batch_tokens, torch_threads=args.torch_threads,
                          redis_url=args.redis_url, instance_id=args.instance_id,
                          kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1")

@@ -35,6 +35,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
             logger.warning("Redis index unreachable at start (%s); KV events will be retried per request", exc)
     publish = (lambda events: index.publish(instance_id, events)) if index else None
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
+    await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(executor.submit(ModelRunner, files, config.num_pages, config.page_size))
     engine = PrefillEngine(runner, config.page_size, config.num_pages, config.enable_prefix_caching, publish,
                            executor=executor, max_batch_tokens=config.max_batch_tokens)

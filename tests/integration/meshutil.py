@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 from contextlib import contextmanager
@@ -27,6 +28,11 @@ def running_mesh(num_prefill: int = 1, num_decode: int = 1, prefill_args=None, d
         raise
     try:
         yield mesh
+    except BaseException:
+        print(f"service logs kept in {log.name}")
+        raise
+    else:
+        os.unlink(log.name)
     finally:
         mesh.stop()
         log.close()
