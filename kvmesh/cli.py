@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="decode speed vs transformers, TTFT, at 1/4/16 concurrent requests")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
+    bench.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level; the median counts")
     bench.add_argument("--model", default=None)
     bench.set_defaults(func=_cmd_bench)
     return parser
