@@ -1,0 +1,182 @@
+"""What both ends of the UCX KV push share: the wire constants, errors, the
+process-wide ucxx runtime and buffer helpers (the protocol is described in
+kvstore/ucx_transfer.py).
+
+UCX runtime: ucxx keeps one process-wide context. kvstore initializes it on first use
+in "thread" progress mode with Python futures (a notifier thread completes asyncio
+futures). The default mode busy-polls the event loop while a receive is pending, which
+costs about a core per idle process. The context is bound to the event loop that
+first used it; it is reset when the last KVSender/KVReceiver closes, so close them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ucxx
+from ucxx._lib.arr import Array
+from ucxx.exceptions import UCXError
+
+
+logger = logging.getLogger(__name__)
+
+MAGIC = 0x4B564D4553485055  # "KVMESHPU"
+VERSION = 1
+MAX_BUFFERS = 1 << 20  # pages per push; also keeps control tags clear of page tags
+_TAG_HEADER = 1 << 60
+_TAG_SIZES = _TAG_HEADER + 1
+_TAG_ACK = _TAG_HEADER + 2
+ACK_OK, ACK_UNKNOWN, ACK_SIZE_MISMATCH, ACK_PROTOCOL = 0, 1, 2, 3
+_ACK_MEANING = {ACK_UNKNOWN: "unknown or cancelled transfer id", ACK_SIZE_MISMATCH: "page size mismatch",
+                ACK_PROTOCOL: "protocol mismatch"}
+
+
+class TransferError(Exception):
+    """A push failed: peer down, refused, timed out, or a protocol / size mismatch.
+
+    The message names the address and the cause; servicers map it to gRPC UNAVAILABLE.
+    """
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A completed push.
+
+    Attributes:
+        transfer_id: the id decode registered the pages under.
+        num_buffers: pages moved.
+        nbytes: bytes moved (sum of the page sizes).
+        seconds: sender: connect (if needed) to ack; receiver: receives posted to last byte landed.
+    """
+
+    transfer_id: int
+    num_buffers: int
+    nbytes: int
+    seconds: float
+
+
+class _UcxRuntime:
+    """Reference-counted ownership of ucxx's process-wide context (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._owned = False
+        self._atexit_registered = False
+
+    def acquire(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._users and loop is not self._loop:
+            raise RuntimeError("kvstore's UCX transport is already bound to another event loop; "
+                               "use one event loop per process (or close every KVSender/KVReceiver first)")
+        if self._users == 0:
+            try:
+                ucxx.init(progress_mode="thread", enable_python_future=True)
+                self._owned = True
+            except RuntimeError:  # someone else initialized ucxx: use it as it is
+                self._owned = False
+            self._loop = loop
+            if self._owned:
+                _slow_down_progress_thread(loop)
+            if not self._atexit_registered:
+                # ucxx's notifier thread is not a daemon: stop it before interpreter exit
+                # joins threads, or a process that never closed us hangs on exit.
+                register = getattr(threading, "_register_atexit", None)
+                if register is not None:
+                    register(ucxx.stop_notifier_thread)
+                self._atexit_registered = True
+        self._users += 1
+
+    def release(self) -> None:
+        assert self._users > 0, "UCX runtime released more often than acquired"
+        self._users -= 1
+        if self._users or not self._owned:
+            return
+        self._owned, self._loop = False, None
+        try:
+            ucxx.reset()  # stops the notifier and progress threads
+        except UCXError as exc:  # an object still references the context; it lingers
+            logger.warning("UCX context not fully released: %s", exc)
+
+
+_runtime = _UcxRuntime()
+
+
+def pages_digest(buffers) -> str:
+    """SHA-256 (hex) over page buffers in order: proves pages arrived bitwise equal."""
+    h = hashlib.sha256()
+    for buf in buffers:
+        h.update(memoryview(buf))
+    return h.hexdigest()
+
+# ucxx's progress thread waits on the worker's epoll fd with a 1 ms timeout, so it wakes
+# ~1000 times a second even when idle. Each wake-up preempts a model thread: on a small
+# machine the decode step's OpenMP regions then stall at their barriers (measured on 2
+# cores, default model: single-stream decode ITL 30.7 ms with 1 ms, 28.1 ms with 100 ms). UCX events (and ucxx's
+# delayed submissions, which signal the worker) wake the epoll wait at once, so the
+# timeout only bounds how long a missed event can go unnoticed.
+EPOLL_TIMEOUT_MS = int(os.environ.get("KVMESH_UCX_EPOLL_TIMEOUT_MS", "100"))
+
+
+def _slow_down_progress_thread(loop: asyncio.AbstractEventLoop) -> None:
+    """Start ucxx's progress for `loop`, then restart its thread with EPOLL_TIMEOUT_MS."""
+    ctx = ucxx.core._get_ctx()
+    ctx.continuous_ucx_progress(loop)
+    ctx.worker.stop_progress_thread()
+    ctx.worker.start_progress_thread(polling_mode=False, epoll_timeout=EPOLL_TIMEOUT_MS)
+
+
+def _as_buffer(buf: Any, index: int, writable: bool) -> Array:
+    """ucxx Array over a page buffer, zero-copy; numpy arrays or any C-contiguous buffer
+    (buffer protocol or __cuda_array_interface__)."""
+    arr = buf if isinstance(buf, Array) else Array(buf)
+    if not arr.c_contiguous:
+        raise ValueError(f"buffer {index} must be C-contiguous: pages move zero-copy, got strides {arr.strides}")
+    if writable and getattr(arr, "readonly", False):
+        raise ValueError(f"buffer {index} is read-only; decode must register writable page views")
+    return arr
+
+
+def _check_transfer_id(transfer_id: int) -> int:
+    if not isinstance(transfer_id, (int, np.integer)) or not 0 <= int(transfer_id) < 1 << 64:
+        raise ValueError(f"transfer_id must be an int in [0, 2**64), got {transfer_id!r}")
+    return int(transfer_id)
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"KV receiver address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+_REFILL_EVERY = 32  # ucxx keeps 100 request futures ready and refills below 50
+
+
+def _post_all(ep, op, buffers: Sequence[Array]) -> list:
+    """Coroutines posting one tagged send/recv per page (tag = page index).
+
+    gather() starts them all in one loop iteration, so every request is posted before
+    any completes. Each request takes a future from ucxx's pool, which the notifier
+    thread refills only now and then; topping it up here keeps a push of thousands of
+    pages from draining it (ucxx then warns once per request and refills inline).
+    """
+    worker = ep._ctx.worker
+    refill = worker.enable_python_future
+
+    async def post(i: int, buf: Array):
+        if refill and i % _REFILL_EVERY == 0:
+            worker.populate_python_futures_pool()  # releases the GIL; thread-safe
+        return await op(buf, tag=i)
+
+    return [post(i, buf) for i, buf in enumerate(buffers)]
+
+

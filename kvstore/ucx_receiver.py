@@ -1,0 +1,281 @@
+"""Decode side of the UCX KV push: `KVReceiver` lands pushed pages in reserved buffers
+(protocol in kvstore/ucx_transfer.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ucxx
+from ucxx._lib.arr import Array
+from ucxx.exceptions import UCXError
+
+from kvstore.ucx_common import (ACK_OK, ACK_PROTOCOL, ACK_SIZE_MISMATCH, ACK_UNKNOWN, MAGIC, MAX_BUFFERS,
+                                 VERSION, TransferError, TransferResult, _as_buffer, _check_transfer_id,
+                                 _post_all, _runtime, _TAG_ACK, _TAG_HEADER, _TAG_SIZES)
+
+logger = logging.getLogger(__name__)
+
+class _TransferFuture(asyncio.Future):
+    """The future `KVReceiver.expect` returns; cancel() never lets pages be freed early.
+
+    Before the push starts, cancel() cancels at once. While pages are landing it
+    returns False and the future is cancelled once the last byte landed, so code that
+    awaits it (asyncio.wait_for, task.cancel) never resumes while UCX still writes.
+    """
+
+    def __init__(self, entry: _Expected, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self._entry = entry
+
+    def cancel(self, msg: Any = None) -> bool:
+        if self._entry.started and not self.done():
+            self._entry.cancel_requested = True
+            return False
+        return super().cancel(msg)
+
+    def _cancel_now(self) -> None:
+        super().cancel()
+
+
+@dataclass(eq=False)
+class _Expected:
+    transfer_id: int
+    buffers: list[Array]
+    future: _TransferFuture | None = None
+    started: bool = False
+    cancel_requested: bool = False
+    sizes: list[int] = field(default_factory=list)
+
+
+class KVReceiver:
+    """Decode side: one UCX listener per decode process, receiving pushes into reserved pages.
+
+    Args:
+        host: address advertised to senders in `address` (UCX listens on all interfaces).
+        port: port to listen on; 0 picks a free one.
+
+    Call `expect`, `cancel` and `close` from the event loop thread that ran `start`.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listener = None
+        self._closed = False
+        self._pending: dict[int, _Expected] = {}  # registered, push not started
+        self._active: dict[int, _Expected] = {}  # pages landing now
+        self._conns: dict[asyncio.Task, Any] = {}  # receive loop -> its ucxx Endpoint
+        self._num_conns = 0
+
+    async def start(self) -> None:
+        """Start listening.
+
+        Raises:
+            RuntimeError: already started or closed.
+            ucxx.exceptions.UCXError: the port is taken (UCXBusyError) or UCX failed to listen.
+        """
+        if self._loop is not None or self._closed:
+            raise RuntimeError("KVReceiver.start() may be called once")
+        _runtime.acquire()
+        try:
+            self._listener = ucxx.create_listener(self._serve, port=self.port)
+        except BaseException:
+            _runtime.release()
+            raise
+        self._loop = asyncio.get_running_loop()
+        self.port = self._listener.port
+        logger.info("KV receiver listening on %s", self.address)
+
+    @property
+    def address(self) -> str:
+        """"host:port" senders push to."""
+        return f"{self.host}:{self.port}"
+
+    def expect(self, transfer_id: int, buffers: Sequence[np.ndarray]) -> asyncio.Future:
+        """Register the destination pages of one transfer.
+
+        Args:
+            transfer_id: id the sender will push under, unique among open transfers.
+            buffers: the reserved pages in push order: writable, C-contiguous views
+                (uint8 1-D views of the KV pool; any dtype/shape is taken as raw bytes).
+
+        Returns:
+            a future resolving to TransferResult once every byte landed, or raising
+            TransferError (size mismatch, sender died mid-way, receiver closed).
+
+        Freeing pages: only once the future is done. Use `cancel(transfer_id)` (or
+        `future.cancel()`, which behaves the same) when the pages are no longer wanted:
+        an unstarted push is then refused (NACK), a push in progress finishes into the
+        buffers first. A late push never writes into pages given to another request.
+
+        Raises:
+            RuntimeError: not started, or closed.
+            ValueError: transfer_id already registered, or a buffer not writable / contiguous.
+        """
+        if self._loop is None or self._closed:
+            raise RuntimeError("KVReceiver must be started (and not closed) before expect()")
+        tid = _check_transfer_id(transfer_id)
+        if tid in self._pending or tid in self._active:
+            raise ValueError(f"transfer {tid} is already expected")
+        entry = _Expected(tid, [_as_buffer(b, i, writable=True) for i, b in enumerate(buffers)])
+        entry.sizes = [b.nbytes for b in entry.buffers]
+        entry.future = _TransferFuture(entry, self._loop)
+        entry.future.add_done_callback(lambda _f: self._forget(entry))
+        self._pending[tid] = entry
+        return entry.future
+
+    def cancel(self, transfer_id: int) -> None:
+        """The pages of `transfer_id` are no longer wanted (request aborted or expired).
+
+        Not started: forgotten now, the future is cancelled, a later push gets NACK 1.
+        In progress: the push finishes into the buffers, then the future is cancelled.
+        Unknown or finished ids are ignored. Free the pages when the future is done.
+        """
+        entry = self._pending.get(transfer_id) or self._active.get(transfer_id)
+        if entry is not None:
+            entry.future.cancel()
+
+    async def close(self) -> None:
+        """Stop listening, drop every connection, fail or cancel every open transfer.
+
+        Unstarted transfers are cancelled; transfers in progress fail with TransferError
+        once UCX has let go of their buffers. Releases the UCX context when last.
+        """
+        if self._closed:
+            return
+        self._closed = True  # from now on new connections are aborted on arrival
+        for entry in list(self._pending.values()):
+            entry.future._cancel_now()
+        tasks = list(self._conns)
+        for ep in list(self._conns.values()):
+            ep.abort()  # cancels posted receives: the loops end with errors
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            for task in stuck:
+                task.cancel()
+            if stuck:
+                await asyncio.wait(stuck, timeout=5.0)
+        if self._listener is not None:
+            # ucxx keeps the port open until the UCX context goes (the last KVSender /
+            # KVReceiver of the process closes): until then a connect hangs, then times out
+            self._listener.close()
+            self._listener = None
+        if self._loop is not None:
+            self._loop = None
+            _runtime.release()
+
+    # --- per-connection receive loop -----------------------------------------------
+
+    async def _serve(self, ep) -> None:
+        """Listener callback: serve one sender's endpoint until it goes away."""
+        if self._closed:
+            ep.abort()
+            return
+        self._num_conns += 1
+        peer = f"conn#{self._num_conns}"
+        task = asyncio.current_task()
+        self._conns[task] = ep
+        logger.debug("KV receiver %s: %s connected", self.address, peer)
+        try:
+            await self._serve_loop(ep, peer)
+        except UCXError as exc:
+            logger.debug("KV receiver %s: %s ended: %r", self.address, peer, exc)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logger.exception("KV receiver %s: %s failed", self.address, peer)
+        finally:
+            self._conns.pop(task, None)
+            # even when the peer closed it (ep.closed is then True): abort() also drops the
+            # endpoint's reference to the UCX context, which must go before ucxx.reset()
+            ep.abort()
+
+    async def _serve_loop(self, ep, peer: str) -> None:
+        header = np.empty(4, dtype="<u8")
+        while True:
+            await ep.recv(header, tag=_TAG_HEADER)  # idle here between pushes
+            magic, version, tid, n = (int(x) for x in header)
+            if magic != MAGIC or version != VERSION or n > MAX_BUFFERS:
+                logger.warning("KV receiver %s: %s sent a bad header (magic %#x, version %d, n %d); dropping it",
+                               self.address, peer, magic, version, n)
+                await self._ack(ep, ACK_PROTOCOL)
+                return
+            sizes = np.empty(n, dtype="<u8")
+            if n:
+                await ep.recv(sizes, tag=_TAG_SIZES)
+            entry = self._pending.pop(tid, None)
+            if entry is None or entry.future.done():
+                logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: draining %d pages",
+                               tid, peer, n)
+                await self._drain(ep, sizes)
+                await self._ack(ep, ACK_UNKNOWN)
+                continue
+            if sizes.tolist() != entry.sizes:
+                msg = (f"[transfer {tid}] size mismatch: pushed {n} pages of {sizes.tolist()[:4]}... bytes, "
+                       f"expected {len(entry.sizes)} pages of {entry.sizes[:4]}... bytes")
+                logger.warning("%s (from %s)", msg, peer)
+                self._finish(entry, error=TransferError(f"{msg} at {self.address}"))
+                await self._drain(ep, sizes)
+                await self._ack(ep, ACK_SIZE_MISMATCH)
+                continue
+            await self._land(ep, peer, entry, n)
+            await self._ack(ep, ACK_OK)
+
+    async def _land(self, ep, peer: str, entry: _Expected, n: int) -> None:
+        """Receive every page of `entry` into its buffers, all receives posted at once."""
+        entry.started = True
+        self._active[entry.transfer_id] = entry
+        started = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            results = await asyncio.gather(*_post_all(ep, ep.recv, entry.buffers), return_exceptions=True)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+        except BaseException as exc:  # cancelled by close()
+            error = exc
+        if error is not None:
+            ep.abort()  # no receive may stay posted into pages once the future is done
+            self._finish(entry, error=TransferError(
+                f"[transfer {entry.transfer_id}] push from {peer} to {self.address} broke off: {error!r}"))
+            raise error
+        seconds = time.perf_counter() - started
+        self._finish(entry, result=TransferResult(entry.transfer_id, n, sum(entry.sizes), seconds))
+        logger.debug("[transfer %d] %d pages, %d bytes landed in %.6f s", entry.transfer_id, n,
+                     sum(entry.sizes), seconds)
+
+    async def _drain(self, ep, sizes: np.ndarray) -> None:
+        """Receive and discard a push nobody wants, so the endpoint stays in step."""
+        if not sizes.size:
+            return
+        scratch = np.empty(int(sizes.max()), dtype=np.uint8)
+        for i, size in enumerate(sizes.tolist()):
+            await ep.recv(scratch[:size], tag=i)
+
+    async def _ack(self, ep, code: int) -> None:
+        await ep.send(np.array([code], dtype=np.uint8), tag=_TAG_ACK)
+
+    def _finish(self, entry: _Expected, result: TransferResult | None = None,
+                error: BaseException | None = None) -> None:
+        self._active.pop(entry.transfer_id, None)
+        entry.started = False
+        future = entry.future
+        if future.done():
+            return
+        if entry.cancel_requested:
+            future._cancel_now()
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _forget(self, entry: _Expected) -> None:
+        if self._pending.get(entry.transfer_id) is entry:
+            del self._pending[entry.transfer_id]
+
+
