@@ -28,8 +28,17 @@ from kvstore.block_pool import BlockPool
 
 logger = logging.getLogger(__name__)
 
-# Called from the engine thread with (new token ids, finish reason or None).
+# Receives (new token ids, finish reason or None) for one request.
 EmitFn = Callable[[list[int], "str | None"], None]
+# Runs one step's deliveries [(emit, token ids, finish)] where the emit functions may run
+# (the servicer hands the whole list to its event loop in one call_soon_threadsafe).
+DispatchFn = Callable[[list[tuple[EmitFn, list[int], "str | None"]]], None]
+
+
+def deliver_all(deliveries) -> None:
+    """Run each (emit, token ids, finish) delivery in order, here."""
+    for emit, tokens, finish in deliveries:
+        emit(tokens, finish)
 
 
 class CapacityError(RuntimeError):
@@ -83,6 +92,7 @@ class DecodeEngine:
         self.max_batch_size_seen = 0
         self.num_steps = 0
         self._loop_done: concurrent.futures.Future | None = None
+        self.dispatch: DispatchFn = deliver_all
 
     def start(self, executor: concurrent.futures.Executor | None = None) -> None:
         """Run the batch loop on `executor` (the service passes the main-thread executor,
@@ -253,13 +263,14 @@ class DecodeEngine:
                             self._running.remove(seq)
                             self._free(seq)
                             if seq.emit is not None:
-                                seq.emit([], f"error: {exc}")
+                                self.dispatch([(seq.emit, [], f"error: {exc}")])
 
     def _step(self, batch: list[DecodeSequence]) -> None:
         items = [ForwardItem(token_ids=[s.token_ids[-1]], num_computed_tokens=s.num_computed_tokens,
                              block_ids=s.block_ids) for s in batch]
         logits = self.runner.forward(items)  # [B, V]
         tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
+        deliveries = []
         with self._cond:
             self.num_steps += 1
             self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))
@@ -270,7 +281,10 @@ class DecodeEngine:
                 seq.token_ids.append(token)
                 finish = self._finish_reason(seq, token)
                 assert seq.emit is not None, seq.request_id
-                seq.emit([token], finish)
+                deliveries.append((seq.emit, [token], finish))
                 if finish is not None:
                     self._running.remove(seq)
                     self._free(seq)
+        # one hand-off per step, not one per request: each wake-up of the event loop
+        # thread competes with this thread for the GIL between ops
+        self.dispatch(deliveries)

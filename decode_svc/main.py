@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 from decode_svc.config import DecodeConfig, config_from_args
 from decode_svc.engine import DecodeEngine

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from decode_svc.engine import CapacityError, DecodeEngine
+from decode_svc.engine import CapacityError, DecodeEngine, deliver_all
 from kvmesh.wire import sampling_from_pb
 from kvstore.ucx_transfer import KVReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -26,6 +26,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.instance_id = instance_id
         self.stop_token_ids = stop_token_ids
         self._landed: dict[int, asyncio.Future] = {}
+        loop = asyncio.get_running_loop()
+        # the engine thread hands each step's tokens to this loop in one call
+        engine.dispatch = lambda deliveries: loop.call_soon_threadsafe(deliver_all, deliveries)
 
     async def Reserve(self, request, context):
         try:
@@ -71,7 +74,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if future is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"[{rid}] no reservation for transfer {tid:x}")
         queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         finished = False
         try:
             try:
@@ -95,7 +97,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             seed = request.sampling.seed if request.sampling.HasField("seed") else 0
             stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
             self.engine.begin(tid, list(request.prompt_token_ids), request.first_token, sampling, seed, stop_ids,
-                              lambda toks, fin: loop.call_soon_threadsafe(queue.put_nowait, (toks, fin)))
+                              lambda toks, fin: queue.put_nowait((toks, fin)))  # runs on this loop
             first = True
             while True:
                 tokens, finish = await queue.get()

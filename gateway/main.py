@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 from engine.loader import load_config, load_tokenizer, resolve_model
 from gateway.config import GatewayConfig, config_from_args

@@ -179,7 +179,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 def _decode(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, g: DecodeGroup) -> torch.Tensor:
-    B, (_, S, K, D) = g.num_seqs, kv_blocks.shape
+    B, (_, _S, K, D) = g.num_seqs, kv_blocks.shape
     kv = kv_blocks.index_select(0, g.read_blocks[layer].view(-1)).view(2, B, -1, K, D)  # N = M*S
     # the R query heads sharing a kv head act as R query rows against it: no K/V repeat
     qg = q.reshape(B, K, -1, D)  # [B, K, R, D]

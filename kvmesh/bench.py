@@ -46,7 +46,6 @@ def _hf_tokens_per_s(model_name: str | None, new_tokens: int) -> float:
 
     timed(4)  # warm-up
     best = min(timed(new_tokens) - timed(1) for _ in range(2))
-    del model
     return (new_tokens - 1) / best
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 
 from engine.loader import load_config, resolve_model
 from engine.model_runner import ModelRunner
