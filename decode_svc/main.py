@@ -30,7 +30,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     receiver = KVReceiver(config.host, config.kv_port)
     await receiver.start()
     model_config = load_config(files)
-    servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids))
+    servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids),
+                              model_config.vocab_size, model_config.max_position_embeddings)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))

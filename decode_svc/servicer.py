@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import grpc
 
@@ -20,19 +21,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     once no push can still land in them."""
 
     def __init__(self, engine: DecodeEngine, receiver: KVReceiver, instance_id: str,
-                 stop_token_ids: frozenset[int]) -> None:
+                 stop_token_ids: frozenset[int], vocab_size: int, max_context: int) -> None:
         self.engine = engine
         self.receiver = receiver
         self.instance_id = instance_id
         self.stop_token_ids = stop_token_ids
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        # transfers whose KV may still land: their pages are freed only once it cannot
         self._landed: dict[int, asyncio.Future] = {}
+        self._claimed: set[int] = set()  # transfers a Generate call is attached to
         loop = asyncio.get_running_loop()
         # the engine thread hands each step's tokens to this loop in one call
         engine.dispatch = lambda deliveries: loop.call_soon_threadsafe(deliver_all, deliveries)
 
     async def Reserve(self, request, context):
+        n, m = request.num_prompt_tokens, request.max_tokens
         try:
-            res = self.engine.reserve(request.request_id, request.num_prompt_tokens, request.max_tokens)
+            if n + m > self.max_context:
+                raise ValueError(f"num_prompt_tokens ({n}) + max_tokens ({m}) exceeds the context of "
+                                 f"{self.max_context} tokens")
+            res = self.engine.reserve(request.request_id, n, m)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityError as exc:
@@ -47,14 +56,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             instance_id=self.instance_id)
 
     def _expire(self, transfer_id: int, request_id: str) -> None:
-        if transfer_id in self._landed:  # Generate never claimed it
+        if transfer_id in self._landed and transfer_id not in self._claimed:
             logger.warning("[%s] reservation expired unused", request_id)
             self._abort(transfer_id)
 
     def _abort(self, transfer_id: int) -> None:
         """Stop expecting the push, then free the pages once it can no longer land."""
         future = self._landed.pop(transfer_id, None)
-        if future is None:
+        if future is None:  # the KV landed already (or was never expected): free now
             self.engine.release(transfer_id)
             return
         self.receiver.cancel(transfer_id)
@@ -64,40 +73,61 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             future.add_done_callback(lambda _f: self.engine.release(transfer_id))
 
     async def Release(self, request, context):
-        known = request.transfer_id in self._landed
+        known = request.transfer_id in self._landed or request.transfer_id in self._claimed
         self._abort(request.transfer_id)
         return decode_pb2.ReleaseResponse(released=known)
 
+    def _check(self, request) -> tuple:
+        """Sampling settings of a Generate call; ValueError says what is wrong."""
+        if not 0 <= request.first_token < self.vocab_size:
+            raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {request.first_token}")
+        if not (math.isfinite(request.kv_timeout_s) and request.kv_timeout_s >= 0):
+            raise ValueError(f"kv_timeout_s must be a finite number >= 0, got {request.kv_timeout_s}")
+        sampling = sampling_from_pb(request.sampling)
+        seed = request.sampling.seed if request.sampling.HasField("seed") else 0
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        return sampling, seed
+
     async def Generate(self, request, context):
         rid, tid = request.request_id, request.transfer_id
-        future = self._landed.pop(tid, None)
-        if future is None:
+        future = self._landed.get(tid)
+        if future is None or tid in self._claimed:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"[{rid}] no reservation for transfer {tid:x}")
+        self._claimed.add(tid)
         queue: asyncio.Queue = asyncio.Queue()
         finished = False
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(future), timeout=request.kv_timeout_s or 60.0)
+                sampling, seed = self._check(request)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
+            timeout = request.kv_timeout_s or 60.0
+            try:
+                await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
             except asyncio.TimeoutError:
-                self._landed[tid] = future
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"[{rid}] KV push did not land within {request.kv_timeout_s or 60.0:.0f} s")
+                                    f"[{rid}] KV push did not land within {timeout:.0f} s")
             except asyncio.CancelledError:
-                if not future.done():  # the client went away before the push landed
-                    self._landed[tid] = future
+                if future.cancelled():  # released while waiting, not a cancelled call
+                    await context.abort(grpc.StatusCode.CANCELLED, f"[{rid}] reservation released")
                 raise
             except Exception as exc:  # the push failed on the receiving side
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"[{rid}] KV push failed: {exc}")
+            self._landed.pop(tid, None)  # landed: nothing can write into these pages any more
             digest = ""
             if self.engine.config.kv_digest:
                 seq_pages = future.result().num_buffers
                 digest = pages_digest(self.engine.runner.page_buffer(b)
-                                   for b in self.engine.reserved_pages(tid)[:seq_pages])
-            sampling = sampling_from_pb(request.sampling)
-            seed = request.sampling.seed if request.sampling.HasField("seed") else 0
+                                      for b in self.engine.reserved_pages(tid)[:seq_pages])
             stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
-            self.engine.begin(tid, list(request.prompt_token_ids), request.first_token, sampling, seed, stop_ids,
-                              lambda toks, fin: queue.put_nowait((toks, fin)))  # runs on this loop
+            try:
+                self.engine.begin(tid, list(request.prompt_token_ids), request.first_token, sampling, seed,
+                                  stop_ids, lambda toks, fin: queue.put_nowait((toks, fin)))  # runs on this loop
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
+            except KeyError:  # released in the moment between landing and here
+                await context.abort(grpc.StatusCode.CANCELLED, f"[{rid}] reservation released")
             first = True
             while True:
                 tokens, finish = await queue.get()
@@ -113,6 +143,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     finished = True
                     return
         finally:
+            self._claimed.discard(tid)
             if not finished:
                 self._abort(tid)
 

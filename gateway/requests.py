@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from engine.sampler import SamplingParams
 
 
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     """A validated request: prompt token ids and how to generate."""
@@ -36,6 +39,11 @@ class PromptBuilder:
         self.max_context = max_context
         self.default_max_tokens = default_max_tokens
         self.max_tokens_limit = max_tokens_limit
+        # no prompt that fits the context can be longer than context x the longest token
+        # (x4: a token's characters are at most 4 UTF-8 bytes each); longer ones are
+        # refused before tokenizing, which would cost seconds and gigabytes on huge input
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_bytes = max_context * longest * 4
 
     def check_model(self, model: str) -> None:
         if model and model.lower() != self.model_name.lower():
@@ -45,6 +53,13 @@ class PromptBuilder:
         """Token ids of the prompt; messages (role, content) or chat=True use the chat template."""
         if prompt and messages:
             raise ValueError("send either prompt or messages, not both")
+        size = len(prompt) + sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
+        if size > self.max_prompt_bytes:
+            raise ValueError(f"prompt is {size} bytes, more than the context of {self.max_context} tokens can "
+                             f"hold (at most {self.max_prompt_bytes} bytes); shorten the prompt")
+        bad_roles = sorted({r for r, _ in messages} - CHAT_ROLES)
+        if bad_roles:
+            raise ValueError(f"message roles must be one of {sorted(CHAT_ROLES)}, got {bad_roles}")
         try:
             text = prompt.decode("utf-8")
         except UnicodeDecodeError as exc:

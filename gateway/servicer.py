@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 # Statuses passed through from a service as they are; anything else means the peer failed.
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED}
+                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
 
 
 def _sampling_pb(inp: GenerateInput) -> common_pb2.SamplingParams:
@@ -141,7 +141,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                    prefill_digest=pre.kv_digest, decode_digest=decode_digest)))
         except grpc.aio.AioRpcError as exc:
             code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-            if code == grpc.StatusCode.UNAVAILABLE and "KV push" not in (exc.details() or ""):
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "KV push" not in (exc.details() or ""):
                 # the instance itself is unreachable (a failed push blames decode, not prefill;
                 # the stats poller finds out about decode within stats_interval_s)
                 self.pool.mark_failed(where)

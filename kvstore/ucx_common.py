@@ -151,7 +151,8 @@ def _check_transfer_id(transfer_id: int) -> int:
     return int(transfer_id)
 
 
-def _parse_address(address: str) -> tuple[str, int]:
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' (IPv6 hosts in brackets) -> (host, port); ValueError naming the bad address."""
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"KV receiver address must be 'host:port', got {address!r}")

@@ -36,12 +36,12 @@ from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
 from kvstore.ucx_common import (MAGIC, MAX_BUFFERS, VERSION, TransferError, TransferResult, _as_buffer,
-                                 _check_transfer_id, _parse_address, _post_all, _runtime, _TAG_ACK, _TAG_HEADER,
+                                 _check_transfer_id, parse_address, _post_all, _runtime, _TAG_ACK, _TAG_HEADER,
                                  _TAG_SIZES, _ACK_MEANING, ACK_OK, ACK_SIZE_MISMATCH, ACK_UNKNOWN,
                                  pages_digest)
 from kvstore.ucx_receiver import KVReceiver
 
-__all__ = ["KVReceiver", "KVSender", "TransferError", "TransferResult", "pages_digest"]
+__all__ = ["KVReceiver", "KVSender", "TransferError", "TransferResult", "pages_digest", "parse_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class KVSender:
         """
         if self._closed:
             raise RuntimeError("KVSender is closed")
-        host, port = _parse_address(address)
+        host, port = parse_address(address)
         tid = _check_transfer_id(transfer_id)
         arrays = [_as_buffer(b, i, writable=False) for i, b in enumerate(buffers)]
         if len(arrays) > MAX_BUFFERS:

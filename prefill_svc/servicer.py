@@ -10,7 +10,7 @@ import grpc
 
 from kvmesh.wire import sampling_from_pb
 from kvstore.block_pool import NoFreeBlocksError
-from kvstore.ucx_transfer import KVSender, TransferError, pages_digest
+from kvstore.ucx_transfer import KVSender, TransferError, pages_digest, parse_address
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -40,6 +40,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if request.decode_kv_address:
+            parse_address(request.decode_kv_address)  # fail before computing, not at push time
+        if request.sampling.HasField("seed") and not 0 <= request.sampling.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {request.sampling.seed}")
 
     async def Prefill(self, request, context):
         rid = request.request_id
@@ -51,13 +55,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
         job = PrefillJob(rid, request.token_ids, sampling, seed)
         cfut = self.engine.submit(job)
+        outcome = asyncio.wrap_future(cfut)
         try:
             # shield: a cancelled caller must not cancel the executor future (the job
             # flag stops it instead, and a finished compute still releases its pages)
-            result: PrefillResult = await asyncio.shield(asyncio.wrap_future(cfut))
+            result: PrefillResult = await asyncio.shield(outcome)
         except asyncio.CancelledError:
             job.cancel()
             cfut.add_done_callback(self._release_if_computed)
+            outcome.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no log noise
             logger.info("[%s] cancelled by the caller", rid)
             raise
         except Cancelled:

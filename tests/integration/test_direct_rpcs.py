@@ -1,0 +1,125 @@
+"""Prefill and Decode called directly with bad arguments (what an adversarial peer or a
+buggy gateway could send): each gets a clear status and nothing else is lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from kvmesh.client import GatewayClient, make_request
+from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.integration.meshutil import complete, running_mesh, wait_idle
+
+PROMPT = [1, 9690, 198, 2683, 359, 253]  # six real token ids of the default model
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with running_mesh(1, 1) as m:
+        yield m
+
+
+def _run(mesh, body):
+    async def main():
+        async with grpc.aio.insecure_channel(mesh.decode_addresses[0]) as dch, \
+                grpc.aio.insecure_channel(mesh.prefill_addresses[0]) as pch:
+            return await body(decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch))
+    return asyncio.run(main())
+
+
+async def _reserve_and_push(decode, prefill, max_tokens=8):
+    res = await decode.Reserve(decode_pb2.ReserveRequest(request_id="t", num_prompt_tokens=len(PROMPT),
+                                                         max_tokens=max_tokens), timeout=10)
+    pre = await prefill.Prefill(prefill_pb2.PrefillRequest(
+        request_id="t", token_ids=PROMPT, sampling=common_pb2.SamplingParams(), decode_kv_address=res.kv_address,
+        transfer_id=res.transfer_id), timeout=60)
+    return res, pre
+
+
+async def _code(call) -> grpc.StatusCode:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_bad_generate_is_invalid_argument_and_other_streams_go_on(mesh):
+    async def body(decode, prefill):
+        async with GatewayClient(mesh.gateway_address) as client:
+            # a long answer decoding in the batch while the bad call arrives
+            victim = asyncio.ensure_future(client.complete(make_request(
+                "Count slowly from one to fifty.", chat=True, max_tokens=60, ignore_eos=True)))
+            await asyncio.sleep(1.0)
+            res, pre = await _reserve_and_push(decode, prefill)
+
+            async def bad_generate():
+                async for _ in decode.Generate(decode_pb2.DecodeRequest(
+                        request_id="t", transfer_id=res.transfer_id, prompt_token_ids=PROMPT,
+                        first_token=10**6, sampling=common_pb2.SamplingParams())):
+                    pass
+
+            code = await _code(bad_generate())
+            out = await victim
+            return code, out
+
+    code, out = _run(mesh, body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert out.final.generated_tokens == 60  # the other request never noticed
+    wait_idle(mesh)
+
+
+def test_reserve_beyond_the_context_is_invalid_argument(mesh):
+    async def body(decode, prefill):
+        return await _code(decode.Reserve(decode_pb2.ReserveRequest(
+            request_id="t", num_prompt_tokens=9000, max_tokens=1), timeout=10))
+
+    assert _run(mesh, body) == grpc.StatusCode.INVALID_ARGUMENT
+    wait_idle(mesh)
+
+
+@pytest.mark.parametrize("address", ["garbage", "127.0.0.1:0", "127.0.0.1:99999", ":123"])
+def test_malformed_kv_address_is_invalid_argument(mesh, address):
+    async def body(decode, prefill):
+        return await _code(prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="t", token_ids=PROMPT, sampling=common_pb2.SamplingParams(), decode_kv_address=address,
+            transfer_id=1), timeout=30))
+
+    assert _run(mesh, body) == grpc.StatusCode.INVALID_ARGUMENT
+    wait_idle(mesh)
+
+
+def test_release_while_generate_waits_keeps_pages_until_no_push_can_land(mesh):
+    async def body(decode, prefill):
+        res = await decode.Reserve(decode_pb2.ReserveRequest(request_id="a", num_prompt_tokens=len(PROMPT),
+                                                             max_tokens=8), timeout=10)
+        call = decode.Generate(decode_pb2.DecodeRequest(
+            request_id="a", transfer_id=res.transfer_id, prompt_token_ids=PROMPT, first_token=5,
+            sampling=common_pb2.SamplingParams(), kv_timeout_s=30))
+        waiting = asyncio.ensure_future(_code(call.read()))
+        await asyncio.sleep(0.5)  # Generate is now waiting for the push
+        await decode.Release(decode_pb2.ReleaseRequest(request_id="a", transfer_id=res.transfer_id), timeout=10)
+        # a late push for the released transfer is refused, never written into pages
+        late = await _code(prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id="a", token_ids=PROMPT, sampling=common_pb2.SamplingParams(),
+            decode_kv_address=res.kv_address, transfer_id=res.transfer_id), timeout=30))
+        return await waiting, late
+
+    generate_code, late_code = _run(mesh, body)
+    assert generate_code == grpc.StatusCode.CANCELLED
+    assert late_code == grpc.StatusCode.UNAVAILABLE
+    wait_idle(mesh)
+    assert "Paris" in complete(mesh, "What is the capital of France?", chat=True, max_tokens=16).text
+
+
+def test_unknown_chat_role_and_oversized_prompt_are_invalid_argument(mesh):
+    for prompt, kwargs in ((b"", dict(messages=[("", "hi")])), (b"", dict(messages=[("wizard", "hi")])),
+                           (b"a" * 3_000_000, {})):
+        try:
+            complete(mesh, prompt, **kwargs, max_tokens=2)
+            raise AssertionError(f"accepted {list(kwargs)}")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+    wait_idle(mesh)
