@@ -96,18 +96,13 @@ class DecodeEngine:
 
     def start(self, executor: concurrent.futures.Executor | None = None) -> None:
         """Run the batch loop on `executor` (the service passes the main-thread executor,
-        where torch is fastest) or, without one, on a new thread."""
-        if executor is None:
-            self._loop_done = concurrent.futures.Future()
-            threading.Thread(target=self._run_to, args=(self._loop_done,), name="decode-loop", daemon=True).start()
-        else:
-            self._loop_done = executor.submit(self.run_loop)
-
-    def _run_to(self, done: concurrent.futures.Future) -> None:
-        try:
-            done.set_result(self.run_loop())
-        except BaseException as exc:
-            done.set_exception(exc)
+        where torch is fastest) or, without one, on a thread of its own."""
+        own = executor is None
+        if own:
+            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-loop")
+        self._loop_done = executor.submit(self.run_loop)
+        if own:
+            executor.shutdown(wait=False)  # its thread ends when the loop returns
 
     def shutdown(self) -> None:
         """Stop the loop after its current step and wait for it (30 s at most)."""

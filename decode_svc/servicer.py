@@ -83,11 +83,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {request.first_token}")
         if not (math.isfinite(request.kv_timeout_s) and request.kv_timeout_s >= 0):
             raise ValueError(f"kv_timeout_s must be a finite number >= 0, got {request.kv_timeout_s}")
-        sampling = sampling_from_pb(request.sampling)
-        seed = request.sampling.seed if request.sampling.HasField("seed") else 0
-        if not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
-        return sampling, seed
+        sampling = sampling_from_pb(request.sampling)  # checks the seed's range too
+        return sampling, request.sampling.seed if request.sampling.HasField("seed") else 0
 
     async def Generate(self, request, context):
         rid, tid = request.request_id, request.transfer_id

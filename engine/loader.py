@@ -3,7 +3,8 @@
 GGUF files are converted by transformers (dequantized to fp32) into a cache folder
 `$KVMESH_CACHE_DIR/<name>-<key>/` (default `~/.cache/kvmesh`), where key is the first 12 hex
 digits of a content fingerprint of the GGUF file (size, first and last 8 MiB), so every
-clone and venv shares one conversion. Several services start at once, so the conversion runs under a file lock and lands through an atomic rename of a temporary folder.
+clone and venv shares one conversion. Several services start at once, so the conversion
+runs under a file lock and lands through an atomic rename of a temporary folder.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +24,6 @@ import numpy as np
 import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
-
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +116,13 @@ def pages_digest(buffers) -> str:
         h.update(memoryview(buf))
     return h.hexdigest()
 
+
 # ucxx's progress thread waits on the worker's epoll fd with a 1 ms timeout, so it wakes
 # ~1000 times a second even when idle. Each wake-up preempts a model thread: on a small
 # machine the decode step's OpenMP regions then stall at their barriers (measured on 2
-# cores, default model: single-stream decode ITL 30.7 ms with 1 ms, 28.1 ms with 100 ms). UCX events (and ucxx's
-# delayed submissions, which signal the worker) wake the epoll wait at once, so the
-# timeout only bounds how long a missed event can go unnoticed.
+# cores, default model: single-stream decode ITL 30.7 ms with 1 ms, 28.1 ms with 100 ms).
+# UCX events (and ucxx's delayed submissions, which signal the worker) wake the epoll
+# wait at once, so the timeout only bounds how long a missed event can go unnoticed.
 EPOLL_TIMEOUT_MS = int(os.environ.get("KVMESH_UCX_EPOLL_TIMEOUT_MS", "100"))
 
 

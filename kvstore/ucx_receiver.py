@@ -21,6 +21,7 @@ from kvstore.ucx_common import (ACK_OK, ACK_PROTOCOL, ACK_SIZE_MISMATCH, ACK_UNK
 
 logger = logging.getLogger(__name__)
 
+
 class _TransferFuture(asyncio.Future):
     """The future `KVReceiver.expect` returns; cancel() never lets pages be freed early.
 

@@ -1,8 +1,8 @@
 """The prefill engine: prefix-cache lookup, compute of the uncached suffix, first token.
 
 Every pool operation and every forward runs on ONE worker thread (the service passes
-its main-thread executor, where torch is fastest), so the prefix cache needs no lock and requests are computed in arrival
-order. A request's pages stay referenced until its KV push is done, then full prompt
+its main-thread executor, where torch is fastest), so the prefix cache needs no lock and
+requests are computed in arrival order. A request's pages stay referenced until its KV push is done, then full prompt
 blocks stay in the prefix cache (evictable, LRU) and the rest go back to the free list.
 KV events (blocks stored / removed / cleared) are published to the Redis index as the
 pool emits them.

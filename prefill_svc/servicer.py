@@ -42,8 +42,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if request.decode_kv_address:
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
-        if request.sampling.HasField("seed") and not 0 <= request.sampling.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {request.sampling.seed}")
 
     async def Prefill(self, request, context):
         rid = request.request_id
