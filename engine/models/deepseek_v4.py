@@ -1,0 +1,323 @@
+# T=tokens (new, all sequences), n=new tokens of one sequence, B=sequences, H=hidden, N=hc_mult
+# streams, V=vocab, Hq=query heads, D=head_dim, rd=rope dims, qr=q_lora_rank, g=o_groups,
+# E=routed experts, K=experts per token, Hi/Di=indexer heads/head dim, r=compress rate,
+# W=sliding window, C=compressed entries, P=pages, S=page_size
+"""DeepSeek-V4 (DeepSeek-AI 2026) over kvmesh's paged state, number for number transformers'
+`DeepseekV4ForCausalLM` (modeling_deepseek_v4.py, transformers 5.24).
+
+- attention per `layer_types`: a sliding window of W K=V entries in every layer, plus
+  compressed entries in CSA layers (rate 4, two overlapping series, Lightning Indexer top-k,
+  paper §2.3.1) and HCA layers (rate 128, all entries, §2.3.2); shared-KV MQA, partial
+  interleaved RoPE ("main" rope for sliding layers, the YaRN "compress" rope elsewhere), a
+  per-head sink, grouped low-rank output projection;
+- MLP per `mlp_layer_types`: hash-MoE (frozen token -> expert table, §2.1) or top-k MoE, plus
+  the shared expert, with `swiglu_limit` clamping (kernels/moe);
+- manifold-constrained hyper-connections: N residual streams, Sinkhorn-Knopp mixing (§2.2).
+
+State lives in pages and per-request slots (engine/models/deepseek_v4_state.py). Matmuls run
+over every sequence's new tokens at once; the compressors and attention run per sequence.
+Token ties in the indexer's top-k go to the lower entry index (kernels/indexer).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.deepseek_v4_state import CSA, HCA, SLIDING, V4StateLayout
+from engine.models.deepseek_v4_weights import check_and_take
+from kernels.indexer import indexer_scores, indexer_topk
+from kernels.moe import moe_experts, route_hash, route_topk
+from kernels.sparse_attention import sink_attention, window_bias
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class V4Item:
+    """One sequence's share of a forward."""
+
+    token_ids: Sequence[int]
+    """New tokens (>= 1); logits are returned for the last."""
+    num_computed_tokens: int
+    """Tokens already in this sequence's pages and slot."""
+    block_ids: Sequence[int]
+    """Page ids covering num_computed_tokens + len(token_ids) tokens."""
+    slot: int
+    """This sequence's state slot."""
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32 as `DeepseekV4RMSNorm` (weight) / `DeepseekV4UnweightedRMSNorm` (None)."""
+    x = x.float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x if weight is None else weight * x
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing rd channels: x [T, X, Dh], cos/sin [T, rd/2] -> [T, X, Dh]."""
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(1)  # [T, 1, rd]
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    rd = cos.shape[-1]
+    nope, rope = x[..., :-rd], x[..., -rd:]
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)  # rotate_half
+    return torch.cat([nope, rope * cos + rotated * sin], dim=-1)
+
+
+def _boundary_ties(scores: torch.Tensor, num_valid: torch.Tensor, k: int) -> int:
+    """Queries whose k-th and (k+1)-th best selectable scores are equal: the tie-break decides
+    their top-k set. scores [n, C], num_valid [n]."""
+    masked = scores.masked_fill(torch.arange(scores.shape[1])[None, :] >= num_valid[:, None], float("-inf"))
+    if masked.shape[1] <= k:
+        return 0
+    best = masked.topk(k + 1, dim=-1).values  # [n, k+1]
+    return int(((best[:, k - 1] == best[:, k]) & (num_valid > k)).sum())
+
+
+class _Rope:
+    """cos/sin rows of one rope type at given positions (`DeepseekV4RotaryEmbedding`)."""
+
+    def __init__(self, config, rope_type: str) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = config.rope_parameters[rope_type]
+        rd = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+        kind = params.get("rope_type", "default")
+        if kind == "default":
+            self.inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
+            self.scaling = 1.0
+        else:  # the table (e.g. YaRN's) is config arithmetic; transformers' is the reference
+            self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[kind](config, None, layer_type=rope_type)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rd/2]
+        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
+
+
+class DeepseekV4Model:
+    """DeepSeek-V4 weights and the batched forward over pages and slots; holds no state itself."""
+
+    def __init__(self, config, tensors: dict[str, torch.Tensor], layout: V4StateLayout,
+                 name: str = "deepseek_v4") -> None:
+        """config: transformers `DeepseekV4Config`; tensors: the checkpoint's (either naming).
+
+        Raises ValueError naming a missing, misshapen or unused tensor, or an unknown layer type.
+        """
+        self.config = c = config
+        self.layout = layout
+        self.w = check_and_take(tensors, config, name)
+        self.eps, self.hc_eps = c.rms_norm_eps, c.hc_eps
+        self.rope = {"main": _Rope(c, "main"), "compress": _Rope(c, "compress")}
+        self.topk_boundary_ties = 0
+        """Indexer queries so far whose top-k set a tie decided (tests use it to stay tie-free)."""
+        g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
+        # o_a_proj as [g, in_per_group, o_lora_rank] for one bmm (DeepseekV4GroupedLinear)
+        self.o_a = [self.w[f"model.layers.{i}.self_attn.o_a_proj.weight"].view(g, -1, nh * D // g)
+                    .transpose(1, 2).contiguous() for i in range(c.num_hidden_layers)]
+
+    # -- hyper-connections ------------------------------------------------------------------
+    def _hc(self, streams: torch.Tensor, p: str):
+        """`DeepseekV4HyperConnection`: streams [T, N, H] -> post [T, N], comb [T, N, N], collapsed [T, H]."""
+        N, eps = self.config.hc_mult, self.hc_eps
+        flat = _rms(streams.flatten(1), None, self.eps)
+        mixes = F.linear(flat, self.w[p + ".fn"])  # [T, (2+N)N]
+        pre_w, post_w, comb_w = mixes.split([N, N, N * N], dim=-1)
+        pre_b, post_b, comb_b = self.w[p + ".base"].split([N, N, N * N])
+        s_pre, s_post, s_comb = self.w[p + ".scale"].unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(-1, N, N) * s_comb + comb_b.view(N, N), dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(self.config.hc_sinkhorn_iters - 1):  # Sinkhorn-Knopp
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1)
+        return post, comb, collapsed
+
+    @staticmethod
+    def _mix(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        return post.unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+
+    # -- MLP --------------------------------------------------------------------------------
+    def _mlp(self, x: torch.Tensor, ids: torch.Tensor, i: int) -> torch.Tensor:
+        c, p = self.config, f"model.layers.{i}.mlp."
+        logits = F.linear(x, self.w[p + "gate.weight"])  # [T, E]
+        if c.mlp_layer_types[i] == "hash_moe":
+            weights, experts = route_hash(logits, c.scoring_func, self.w[p + "gate.tid2eid"], ids,
+                                          c.routed_scaling_factor)
+        else:
+            weights, experts = route_topk(logits, c.scoring_func, c.num_experts_per_tok,
+                                          self.w[p + "gate.e_score_correction_bias"], c.routed_scaling_factor)
+        routed = moe_experts(x, self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"],
+                             weights, experts, c.swiglu_limit)
+        lim = c.swiglu_limit
+        gate = F.linear(x, self.w[p + "shared_experts.gate_proj.weight"]).clamp(max=lim)
+        up = F.linear(x, self.w[p + "shared_experts.up_proj.weight"]).clamp(min=-lim, max=lim)
+        return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"])
+
+    # -- compressors ------------------------------------------------------------------------
+    def _compress(self, i: int, prefix: str, x: torch.Tensor, item: V4Item, pages: torch.Tensor,
+                  slots: torch.Tensor, overlap: bool, names: tuple[str, ...]) -> None:
+        """Run one compressor (`DeepseekV4CSACompressor`, `DeepseekV4HCACompressor` or the
+        indexer's) over one sequence's new tokens x [n, H]: extend the open window in the slot,
+        emit an entry per closed window into the pages, keep the CSA overlap state.
+
+        names = (entries field, buf_kv, buf_gate, ov_kv, ov_gate) in the layout.
+        """
+        lay, S = self.layout, self.layout.page_size
+        r = lay.rates[i]
+        ent_name, bk, bg, ok, og = names
+        kv = F.linear(x, self.w[prefix + "kv_proj.weight"])  # [n, Wd]
+        gate = F.linear(x, self.w[prefix + "gate_proj.weight"])
+        nc = item.num_computed_tokens
+        nb, e0 = nc % r, nc // r
+        buf_kv, buf_gate = lay.slot_view(slots, item.slot, bk, i), lay.slot_view(slots, item.slot, bg, i)
+        kv = torch.cat([buf_kv[:nb], kv])
+        gate = torch.cat([buf_gate[:nb], gate])
+        usable = kv.shape[0] // r * r
+        rest = kv.shape[0] - usable
+        buf_kv[:rest] = kv[usable:]
+        buf_gate[:rest] = gate[usable:]
+        n_win = usable // r
+        if not n_win:
+            return
+        ck = kv[:usable].view(n_win, r, -1)
+        cg = gate[:usable].view(n_win, r, -1) + self.w[prefix + "position_bias"]
+        if overlap:  # CSA: window w pools window w-1's Ca half with its own Cb half
+            d = ck.shape[-1] // 2
+            new_kv = ck.new_zeros(n_win, 2 * r, d)
+            new_gate = cg.new_full((n_win, 2 * r, d), float("-inf"))
+            new_kv[:, r:], new_gate[:, r:] = ck[..., d:], cg[..., d:]
+            new_kv[1:, :r], new_gate[1:, :r] = ck[:-1, :, :d], cg[:-1, :, :d]
+            ov_kv, ov_gate = lay.slot_view(slots, item.slot, ok, i), lay.slot_view(slots, item.slot, og, i)
+            if e0 > 0:
+                new_kv[0, :r], new_gate[0, :r] = ov_kv, ov_gate
+            ov_kv.copy_(ck[-1, :, :d])
+            ov_gate.copy_(cg[-1, :, :d])
+            pooled = (new_kv * new_gate.softmax(dim=1)).sum(dim=1)  # [n_win, d]
+        else:
+            pooled = (ck * cg.softmax(dim=1)).sum(dim=1)
+        pooled = _rms(pooled, self.w[prefix + "kv_norm.weight"], self.eps)
+        wins = torch.arange(e0, e0 + n_win)
+        cos, sin = self.rope["compress"](wins * r)
+        pooled = _rope(pooled.unsqueeze(1), cos, sin).squeeze(1)  # [n_win, d]
+        per_page = S // r
+        page_of = torch.tensor([item.block_ids[w // per_page] for w in wins.tolist()])
+        lay.page_view(pages, ent_name, i)[page_of, wins % per_page] = pooled
+        if overlap:  # windows that end a page leave their Ca half there for prefix-cache hits
+            for j, w in enumerate(wins.tolist()):
+                if (w + 1) % per_page == 0:
+                    p = item.block_ids[w // per_page]
+                    lay.page_view(pages, ok, i)[p] = ck[j, :, :d]
+                    lay.page_view(pages, og, i)[p] = cg[j, :, :d]
+
+    def _entries(self, name: str, i: int, item: V4Item, count: int, pages: torch.Tensor) -> torch.Tensor:
+        """The first `count` entries of field `name` of layer i of one sequence: [count, d]."""
+        per_page = self.layout.page_size // self.layout.rates[i]
+        idx = torch.arange(count)
+        pg = torch.tensor(list(item.block_ids))[idx // per_page]
+        return self.layout.page_view(pages, name, i)[pg, idx % per_page]
+
+    # -- attention --------------------------------------------------------------------------
+    def _attention(self, i: int, x: torch.Tensor, items: Sequence[V4Item], starts: list[int],
+                   positions: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        c, lay, p = self.config, self.layout, f"model.layers.{i}.self_attn."
+        kind = c.layer_types[i]
+        T, nh, D, S, W = x.shape[0], c.num_attention_heads, c.head_dim, lay.page_size, c.sliding_window
+        cos, sin = self.rope["main" if kind == SLIDING else "compress"](positions)
+        q_res = _rms(F.linear(x, self.w[p + "q_a_proj.weight"]), self.w[p + "q_a_norm.weight"], self.eps)
+        q = _rms(F.linear(q_res, self.w[p + "q_b_proj.weight"]).view(T, nh, D), None, self.eps)
+        q = _rope(q, cos, sin)  # [T, Hq, D]
+        kv = _rms(F.linear(x, self.w[p + "kv_proj.weight"]), self.w[p + "kv_norm.weight"], self.eps)
+        kv = _rope(kv.unsqueeze(1), cos, sin).squeeze(1)  # [T, D]
+        swa = lay.page_view(pages, "swa", i)  # [P, S, D]
+        for b, it in enumerate(items):
+            pos = torch.arange(it.num_computed_tokens, it.num_computed_tokens + len(it.token_ids))
+            swa[torch.tensor(list(it.block_ids))[pos // S], pos % S] = kv[starts[b]:starts[b + 1]]
+        if kind == CSA:
+            ip = p + "compressor.indexer."
+            Hi, Di = c.index_n_heads, c.index_head_dim
+            ic, isn = self.rope["compress"](positions)
+            iq = _rope(F.linear(q_res, self.w[ip + "q_b_proj.weight"]).view(T, Hi, Di), ic, isn)
+            iw = F.linear(x, self.w[ip + "scorer.weights_proj.weight"]) * Hi ** -0.5  # [T, Hi]
+        out = torch.empty(T, nh, D)
+        sinks = self.w[p + "sinks"]
+        for b, it in enumerate(items):
+            lo, hi = starts[b], starts[b + 1]
+            nc, n = it.num_computed_tokens, hi - lo
+            qpos = positions[lo:hi]
+            kpos = torch.arange(max(0, nc - W + 1), nc + n)  # the window of every new token
+            table = torch.tensor(list(it.block_ids))
+            keys = [swa[table[kpos // S], kpos % S]]  # [Ws, D]
+            bias = [window_bias(qpos, kpos, W)]
+            if kind != SLIDING:
+                r = lay.rates[i]
+                self._compress(i, p + "compressor.", x[lo:hi], it, pages, slots, kind == CSA,
+                               ("entries", "buf_kv", "buf_gate", "ov_kv", "ov_gate"))
+                if kind == CSA:
+                    self._compress(i, ip, x[lo:hi], it, pages, slots, True,
+                                   ("ikeys", "ibuf_kv", "ibuf_gate", "iov_kv", "iov_gate"))
+                count = (nc + n) // r
+                if count:
+                    num_valid = (qpos + 1) // r  # [n] entries whose window has closed
+                    visible = torch.arange(count)[None, :] < num_valid[:, None]  # [n, C]
+                    if kind == CSA:
+                        ikeys = self._entries("ikeys", i, it, count, pages)  # [C, Di]
+                        scores = indexer_scores(iq[lo:hi], ikeys, iw[lo:hi], Di ** -0.5)  # [n, C]
+                        k = min(c.index_topk, count)
+                        top = indexer_topk(scores, k, num_valid)  # [n, k], -1 = none
+                        self.topk_boundary_ties += _boundary_ties(scores, num_valid, k)
+                        chosen = torch.zeros(n, count + 1, dtype=torch.bool)
+                        chosen.scatter_(1, torch.where(top >= 0, top, count), True)
+                        visible = visible & chosen[:, :count]
+                    keys.append(self._entries("entries", i, it, count, pages))
+                    bias.append(torch.zeros(n, count).masked_fill_(~visible, float("-inf")))
+            out[lo:hi] = sink_attention(q[lo:hi], torch.cat(keys), torch.cat(bias, dim=1), sinks, D ** -0.5)
+        out = _rope(out, cos, -sin)  # undo the rope V carried (K=V), at the query's position
+        g = c.o_groups
+        grouped = torch.bmm(out.view(T, g, -1).transpose(0, 1), self.o_a[i]).transpose(0, 1)  # [T, g, olr]
+        return F.linear(grouped.flatten(1), self.w[p + "o_b_proj.weight"])  # [T, H]
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, items: Sequence[V4Item], pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One step over a batch of sequences; returns fp32 logits [B, V] after each one's last token.
+
+        pages [P, layout.page_floats] and slots [R, layout.slot_floats] fp32 are updated in place.
+        Raises ValueError for an empty batch or an item without new tokens or with too few pages.
+        """
+        if not items:
+            raise ValueError("forward needs at least one item")
+        c, S = self.config, self.layout.page_size
+        starts, ids, pos = [0], [], []
+        for b, it in enumerate(items):
+            n, nc = len(it.token_ids), it.num_computed_tokens
+            if n < 1 or len(it.block_ids) * S < nc + n:
+                raise ValueError(f"item {b}: needs >= 1 new token and pages for {nc + n} tokens, "
+                                 f"got {n} new and {len(it.block_ids)} pages of {S}")
+            ids.extend(it.token_ids)
+            pos.extend(range(nc, nc + n))
+            starts.append(starts[-1] + n)
+        ids_t, positions = torch.tensor(ids), torch.tensor(pos)
+        h = F.embedding(ids_t, self.w["model.embed_tokens.weight"])  # [T, H]
+        streams = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, H]
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            post, comb, collapsed = self._hc(streams, p + "attn_hc")
+            x = _rms(collapsed, self.w[p + "input_layernorm.weight"], self.eps)
+            attn = self._attention(i, x, items, starts, positions, pages, slots)
+            streams = self._mix(post, comb, attn, streams)
+            post, comb, collapsed = self._hc(streams, p + "ffn_hc")
+            x = _rms(collapsed, self.w[p + "post_attention_layernorm.weight"], self.eps)
+            streams = self._mix(post, comb, self._mlp(x, ids_t, i), streams)
+        last = torch.tensor(starts[1:]) - 1
+        streams = streams.index_select(0, last)  # [B, N, H]
+        flat = _rms(streams.flatten(1), None, self.eps)
+        pre = torch.sigmoid(F.linear(flat, self.w["model.hc_head.hc_fn"]) * self.w["model.hc_head.hc_scale"]
+                            + self.w["model.hc_head.hc_base"]) + self.hc_eps  # [B, N]
+        h = _rms((pre.unsqueeze(-1) * streams).sum(dim=1), self.w["model.norm.weight"], self.eps)
+        return F.linear(h, self.w["lm_head.weight"]).float()  # [B, V]

@@ -1,0 +1,152 @@
+"""DeepSeek-V4 checkpoint tensors: upstream names to transformers' names, checked against the config.
+
+A checkpoint may use transformers' parameter names (`model.layers.0.self_attn.q_a_proj.weight`,
+`...mlp.experts.gate_up_proj`) or the upstream DeepSeek names that transformers' own
+`save_pretrained` writes and its loader renames (`layers.0.attn.wq_a.weight`,
+`...ffn.experts.3.w1.weight`); `normalize_names` maps the second to the first, following
+transformers' conversion mapping for `deepseek_v4` (conversion_mapping.py). `expected_shapes`
+lists every tensor the config implies, so loading names the first missing, misshapen or
+unknown tensor instead of failing deep inside a forward.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from engine.models.deepseek_v4_state import CSA, HCA, SLIDING
+
+# (pattern, replacement) applied in order to keys under model.layers.
+_LAYER_RENAMES = [
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]
+_TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+                "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
+                "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def normalize_names(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Rename upstream DeepSeek keys to transformers' and stack per-expert weights.
+
+    Returns a new dict keyed by transformers' names; keys already in that form pass through.
+    Multi-token-prediction tensors (`mtp.*`), which transformers does not instantiate either,
+    are dropped. Raises ValueError when an expert's w1/w2/w3 set is incomplete.
+    """
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        if re.match(r"^(model\.)?mtp\.", key):
+            continue
+        key = _TOP_RENAMES.get(key, key)
+        if key.startswith("layers."):
+            key = "model." + key
+        if key.startswith("model.layers."):
+            for pat, rep in _LAYER_RENAMES:
+                key = re.sub(pat, rep, key)
+        m = _EXPERT.match(key)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            continue
+        out[key] = t
+    for prefix, per_expert in experts.items():
+        ids = sorted(per_expert)
+        if ids != list(range(num_experts)) or any(len(per_expert[e]) != 3 for e in ids):
+            raise ValueError(f"checkpoint tensors {prefix}.N.w1/w2/w3 must cover experts 0..{num_experts - 1} "
+                             f"with all three weights, got experts {ids}")
+        out[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([per_expert[e]["w1"], per_expert[e]["w3"]]) for e in ids])
+        out[prefix + ".down_proj"] = torch.stack([per_expert[e]["w2"] for e in ids])
+    return out
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name (transformers' naming) a `DeepseekV4Config` implies, with its shape.
+
+    Raises ValueError for a layer or MLP type this model does not know.
+    """
+    c = config
+    H, D, V, N = c.hidden_size, c.head_dim, c.vocab_size, c.hc_mult
+    E, I, K = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    nh, qr, g, olr = c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
+    Hi, Di = c.index_n_heads, c.index_head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "model.norm.weight": (H,),
+        "model.hc_head.hc_fn": (N, N * H), "model.hc_head.hc_base": (N,), "model.hc_head.hc_scale": (1,),
+    }
+    mix = (2 + N) * N
+    for i, (attn, mlp) in enumerate(zip(c.layer_types, c.mlp_layer_types)):
+        p = f"model.layers.{i}."
+        if attn not in (SLIDING, CSA, HCA):
+            raise ValueError(f"layer_types[{i}] is {attn!r}; known: {[SLIDING, CSA, HCA]}")
+        if mlp not in ("hash_moe", "moe"):
+            raise ValueError(f"mlp_layer_types[{i}] is {mlp!r}; known: ['hash_moe', 'moe']")
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "attn_hc.fn": (mix, N * H), p + "attn_hc.base": (mix,), p + "attn_hc.scale": (3,),
+            p + "ffn_hc.fn": (mix, N * H), p + "ffn_hc.base": (mix,), p + "ffn_hc.scale": (3,),
+            p + "self_attn.q_a_proj.weight": (qr, H), p + "self_attn.q_a_norm.weight": (qr,),
+            p + "self_attn.q_b_proj.weight": (nh * D, qr), p + "self_attn.kv_proj.weight": (D, H),
+            p + "self_attn.kv_norm.weight": (D,), p + "self_attn.o_a_proj.weight": (g * olr, nh * D // g),
+            p + "self_attn.o_b_proj.weight": (H, g * olr), p + "self_attn.sinks": (nh,),
+            p + "mlp.gate.weight": (E, H), p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
+            p + "mlp.experts.down_proj": (E, H, I), p + "mlp.shared_experts.gate_proj.weight": (I, H),
+            p + "mlp.shared_experts.up_proj.weight": (I, H), p + "mlp.shared_experts.down_proj.weight": (H, I),
+        })
+        if mlp == "hash_moe":
+            shapes[p + "mlp.gate.tid2eid"] = (V, K)
+        else:
+            shapes[p + "mlp.gate.e_score_correction_bias"] = (E,)
+        cp = p + "self_attn.compressor."
+        if attn == HCA:
+            r = c.compress_rates[HCA]
+            shapes.update({cp + "kv_proj.weight": (D, H), cp + "gate_proj.weight": (D, H),
+                           cp + "position_bias": (r, D), cp + "kv_norm.weight": (D,)})
+        elif attn == CSA:
+            r = c.compress_rates[CSA]
+            ip = cp + "indexer."
+            shapes.update({cp + "kv_proj.weight": (2 * D, H), cp + "gate_proj.weight": (2 * D, H),
+                           cp + "position_bias": (r, 2 * D), cp + "kv_norm.weight": (D,),
+                           ip + "kv_proj.weight": (2 * Di, H), ip + "gate_proj.weight": (2 * Di, H),
+                           ip + "position_bias": (r, 2 * Di), ip + "kv_norm.weight": (Di,),
+                           ip + "q_b_proj.weight": (Hi * Di, qr), ip + "scorer.weights_proj.weight": (Hi, H)})
+    return shapes
+
+
+def check_and_take(tensors: dict[str, torch.Tensor], config, name: str) -> dict[str, torch.Tensor]:
+    """Normalize names and check every tensor against the config; fp32 copies of float tensors.
+
+    Raises ValueError naming the first missing tensor, the first with a wrong shape, or the
+    first the config does not use.
+    """
+    tensors = normalize_names(tensors, config.n_routed_experts)
+    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    out = {}
+    for key, shape in expected_shapes(config).items():
+        t = tensors.pop(key, None)
+        if t is None:
+            raise ValueError(f"checkpoint of {name!r} lacks tensor {key!r}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor {key!r} of {name!r} has shape {tuple(t.shape)}, expected {shape} "
+                             f"from its config.json")
+        out[key] = t.float() if t.is_floating_point() else t.long()
+    if tensors:
+        raise ValueError(f"checkpoint of {name!r} has tensors its config does not use, e.g. {sorted(tensors)[:3]}")
+    return out

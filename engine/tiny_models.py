@@ -1,0 +1,85 @@
+"""Small random checkpoints for tests and benchmarks: `kvmesh make-tiny-model --arch deepseek_v4 OUT`.
+
+transformers builds and saves the model (config.json + model.safetensors, its own parameter
+names), seeded so the same call writes the same weights; the tokenizer is the default model's
+(SmolLM2, vocab 49152), so text prompts work through the mesh. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = ("deepseek_v4",)
+
+
+def deepseek_v4_tiny_config(**overrides):
+    """A DeepSeek-V4 config small enough for CPU tests that still exercises every part.
+
+    4 layers: sliding, CSA, HCA, CSA attention (compress rates 4 and 16, sliding window 8, so
+    a 20-token prompt already crosses windows of every kind); hash-MoE then top-k MoE with 8
+    routed experts (top 2) and a shared expert; 2 hyper-connection streams; YaRN on the
+    compress rope. `overrides` replace any field (e.g. index_topk=64 to cover every entry).
+    """
+    from transformers import DeepseekV4Config
+
+    fields = dict(
+        vocab_size=49152, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
+        partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
+        scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, max_position_embeddings=4096,
+        rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+        layer_types=["sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention", "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        hc_mult=2, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=8,
+        o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=4,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return DeepseekV4Config(**fields)
+
+
+def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a random `arch` checkpoint plus SmolLM2's tokenizer into `out_dir`; return it.
+
+    Weights are drawn with std 0.02 like the models' own init, except what init leaves at
+    zero and would make the test blind: attention sinks, compressor position biases, the
+    hyper-connection biases, router correction biases and the hash-MoE table get random
+    values too. Raises ValueError for an unknown arch.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; known: {list(ARCHITECTURES)}")
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    from engine.loader import load_tokenizer, resolve_model
+
+    out = Path(out_dir)
+    config = deepseek_v4_tiny_config(**overrides)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+            elif name.endswith(("hc.scale", "hc_scale")):
+                t.copy_(1.0 + torch.randn(t.shape, generator=gen) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+            elif name.endswith("tid2eid"):
+                # distinct experts per token, as the real table has
+                b.copy_(torch.stack([torch.randperm(config.n_routed_experts, generator=gen)[:b.shape[1]]
+                                     for _ in range(b.shape[0])]))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    load_tokenizer(resolve_model(None)).save_pretrained(out)
+    logger.info("wrote a tiny %s checkpoint to %s", arch, out)
+    return out
