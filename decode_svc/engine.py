@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decode_svc.config import DecodeConfig
-from engine.model_runner import ForwardItem, ModelRunner
+from engine.model_runner import ForwardItem, ModelRunner, StateSlots
 from engine.sampler import SamplingParams, sample
 from kvstore.block_pool import BlockPool
 
@@ -54,6 +54,7 @@ class DecodeSequence:
     block_ids: list[int]
     num_prompt_tokens: int
     max_tokens: int
+    state_slot: int | None = None
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -75,6 +76,8 @@ class Reservation:
     transfer_id: int
     block_ids: tuple[int, ...]
     num_prompt_pages: int
+    state_slot: int | None = None
+    """The request's state slot (DeepSeek-V4), received after the prompt pages."""
 
 
 class DecodeEngine:
@@ -84,6 +87,7 @@ class DecodeEngine:
         self.config = config
         self.runner = runner
         self.pool = BlockPool(config.num_pages, config.page_size, enable_prefix_caching=False)
+        self.slots = StateSlots(runner.num_state_slots)
         self._cond = threading.Condition()
         self._by_transfer: dict[int, DecodeSequence] = {}
         self._waiting: deque[DecodeSequence] = deque()
@@ -132,15 +136,18 @@ class DecodeEngine:
                 raise CapacityError(
                     f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
                     f"{self.pool.num_blocks} are free; lower max_tokens or retry later")
+            if self.slots.num_slots and not self.slots.num_free:
+                raise CapacityError(f"all {self.slots.num_slots} state slots are in use; retry later")
             block_ids = list(self.pool.allocate(num_pages).block_ids)
+            state_slot = self.slots.allocate()
             transfer_id = random.getrandbits(63)
             while transfer_id in self._by_transfer:
                 transfer_id = random.getrandbits(63)
             self._by_transfer[transfer_id] = DecodeSequence(
                 request_id=request_id, transfer_id=transfer_id, block_ids=block_ids,
-                num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens)
+                num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, state_slot=state_slot)
         logger.info("[%s] reserved %d pages (transfer %x)", request_id, num_pages, transfer_id)
-        return Reservation(transfer_id, tuple(block_ids), math.ceil(num_prompt_tokens / size))
+        return Reservation(transfer_id, tuple(block_ids), math.ceil(num_prompt_tokens / size), state_slot)
 
     def begin(self, transfer_id: int, prompt_token_ids: Sequence[int], first_token: int,
               sampling: SamplingParams, seed: int, stop_token_ids: frozenset[int], emit: EmitFn) -> None:
@@ -190,15 +197,21 @@ class DecodeEngine:
             logger.info("[%s] released", seq.request_id)
             return True
 
-    def reserved_pages(self, transfer_id: int) -> tuple[int, ...]:
-        """Page ids reserved for a transfer, in token order (KeyError if unknown)."""
+    def transfer_buffers(self, transfer_id: int) -> list:
+        """The buffers a push for this transfer lands in: the prompt's pages, then the state
+        slot (DeepSeek-V4). KeyError if unknown."""
         with self._cond:
-            return tuple(self._by_transfer[transfer_id].block_ids)
+            seq = self._by_transfer[transfer_id]
+            prompt_pages = seq.block_ids[:math.ceil(seq.num_prompt_tokens / self.config.page_size)]
+            return [self.runner.page_buffer(b) for b in prompt_pages] + self.runner.state_buffers(seq.state_slot)
 
     def stats(self) -> dict[str, int | str]:
         """Pool and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
         with self._cond:
             error = self.pool.integrity_error()
+            if not error and self.slots.num_slots - self.slots.num_free != len(self._by_transfer):
+                error = (f"{self.slots.num_slots - self.slots.num_free} state slots held, "
+                         f"{len(self._by_transfer)} requests")
             return {
                 "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
                 "num_cached_pages": self.pool.num_cached_blocks,
@@ -220,6 +233,7 @@ class DecodeEngine:
     def _free(self, seq: DecodeSequence) -> None:
         seq.state = "finished"
         self.pool.free(seq.block_ids)
+        self.slots.free(seq.state_slot)
         del self._by_transfer[seq.transfer_id]
 
     def _schedule(self) -> list[DecodeSequence]:
@@ -262,7 +276,7 @@ class DecodeEngine:
 
     def _step(self, batch: list[DecodeSequence]) -> None:
         items = [ForwardItem(token_ids=[s.token_ids[-1]], num_computed_tokens=s.num_computed_tokens,
-                             block_ids=s.block_ids) for s in batch]
+                             block_ids=s.block_ids, state_slot=s.state_slot) for s in batch]
         logits = self.runner.forward(items)  # [B, V]
         tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
         deliveries = []

@@ -10,7 +10,7 @@ from decode_svc.config import DecodeConfig, config_from_args
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
 from engine.loader import load_config, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import create_runner
 from kvmesh import service
 from kvstore.ucx_transfer import KVReceiver
 from protos.kvmesh.v1 import decode_pb2_grpc
@@ -25,7 +25,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     instance_id = config.instance_id or f"decode@{svc.address}"
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
-    runner = await asyncio.wrap_future(executor.submit(ModelRunner, files, config.num_pages, config.page_size))
+    runner = await asyncio.wrap_future(executor.submit(create_runner, files, config.num_pages, config.page_size,
+                                                          config.max_batch_size))
     engine = DecodeEngine(config, runner)
     receiver = KVReceiver(config.host, config.kv_port)
     await receiver.start()

@@ -46,8 +46,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityError as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        buffers = [self.engine.runner.page_buffer(b) for b in res.block_ids[:res.num_prompt_pages]]
-        self._landed[res.transfer_id] = self.receiver.expect(res.transfer_id, buffers)
+        self._landed[res.transfer_id] = self.receiver.expect(res.transfer_id,
+                                                             self.engine.transfer_buffers(res.transfer_id))
         asyncio.get_running_loop().call_later(
             self.engine.config.reservation_timeout_s, self._expire, res.transfer_id, request.request_id)
         return decode_pb2.ReserveResponse(
@@ -114,9 +114,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self._landed.pop(tid, None)  # landed: nothing can write into these pages any more
             digest = ""
             if self.engine.config.kv_digest:
-                seq_pages = future.result().num_buffers
-                digest = pages_digest(self.engine.runner.page_buffer(b)
-                                      for b in self.engine.reserved_pages(tid)[:seq_pages])
+                digest = pages_digest(self.engine.transfer_buffers(tid))
             stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
             try:
                 self.engine.begin(tid, list(request.prompt_token_ids), request.first_token, sampling, seed,

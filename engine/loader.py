@@ -99,6 +99,14 @@ def load_config(files: ModelFiles) -> ModelConfig:
                 if e not in eos:
                     eos.append(e)
             d = {**d, "eos_token_id": eos}
+    if d.get("model_type") == "deepseek_v4":
+        # transformers validates the architecture's own fields; ModelConfig keeps what the
+        # services share (vocabulary, context, special tokens)
+        from engine.models.deepseek_v4_weights import load_config as load_v4_config
+
+        c = load_v4_config(files.checkpoint_dir, files.name)
+        d = {**d, "intermediate_size": c.moe_intermediate_size, "rope_parameters": None,
+             "rope_scaling": None, "rope_theta": c.rope_parameters["main"]["rope_theta"]}
     return ModelConfig.from_hf_dict(d, files.name)
 
 

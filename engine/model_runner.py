@@ -41,6 +41,8 @@ class ForwardItem:
     """Tokens of this sequence already in its KV pages; the new tokens' positions start here."""
     block_ids: Sequence[int]
     """Page ids covering num_computed_tokens + len(token_ids) tokens, in order."""
+    state_slot: int | None = None
+    """The sequence's state slot, for models with per-request state beyond pages (DeepSeek-V4)."""
 
 
 class ModelRunner:
@@ -85,6 +87,16 @@ class ModelRunner:
                                               c.rope_theta, dtype)  # [max_pos, D] each
         logger.info("loaded %s in %.1f s: %d pages x %d tokens, %d bytes a page, dtype %s",
                     c.name, time.monotonic() - start, num_pages, page_size, self.page_nbytes, dtype)
+
+    num_state_slots = 0
+    """Llama keeps all of a request's state in its pages: no slots."""
+
+    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+        """Buffers a KV push sends after the pages: none for Llama."""
+        return []
+
+    def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
+        """Nothing to resume: pages hold everything."""
 
     def page_buffer(self, page_id: int) -> np.ndarray:
         """Zero-copy, writable 1-D uint8 numpy view of page `page_id` (page_nbytes bytes).
@@ -148,3 +160,45 @@ class ModelRunner:
         if span < self.page_size:
             self.forward([ForwardItem([tok], span, [0])])
         logger.info("warmup took %.2f s", time.monotonic() - start)
+
+
+def create_runner(files: ModelFiles, num_pages: int, page_size: int = 16, num_state_slots: int = 64):
+    """The runner for the checkpoint's architecture: `ModelRunner` (Llama) or `DeepseekV4Runner`.
+
+    Both offer forward(items), page_buffer, page_nbytes, state_buffers(slot), num_state_slots,
+    resume_state_slot and warmup. Raises ValueError for an unsupported architecture.
+    """
+    arch = json.loads((files.checkpoint_dir / "config.json").read_text()).get("architectures") or [None]
+    if arch[0] == "DeepseekV4ForCausalLM":
+        from engine.v4_runner import DeepseekV4Runner
+
+        return DeepseekV4Runner(files, num_pages, page_size, num_state_slots)
+    return ModelRunner(files, num_pages, page_size)
+
+
+class StateSlots:
+    """Free list of a runner's state slots; `allocate()` gives None for runners without slots.
+
+    Not thread-safe: each engine calls it under its own lock or on its one worker thread.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def allocate(self) -> int | None:
+        """A free slot id (None when the runner has none); RuntimeError when all are taken."""
+        if not self.num_slots:
+            return None
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} state slots are in use; retry later")
+        return self._free.pop()
+
+    def free(self, slot: int | None) -> None:
+        if slot is not None:
+            assert slot not in self._free, f"state slot {slot} freed twice"
+            self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)

@@ -71,6 +71,7 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) 
                 t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
             elif name.endswith(("hc.scale", "hc_scale")):
                 t.copy_(1.0 + torch.randn(t.shape, generator=gen) * 0.1)
+        model.lm_head.weight.mul_(5.0)  # wider logit gaps: greedy picks that rounding cannot flip
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.05)

@@ -92,6 +92,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from engine.tiny_models import make_tiny_model
+
+    try:
+        print(make_tiny_model(args.arch, args.out_dir, seed=args.seed))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (also used by tests to check compose's commands)."""
     from decode_svc import config as decode_config
@@ -138,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level; the median counts")
     bench.add_argument("--model", default=None)
     bench.set_defaults(func=_cmd_bench)
+    tiny = sub.add_parser("make-tiny-model", help="write a small random checkpoint (tests, benchmarks)")
+    tiny.add_argument("--arch", required=True, choices=["deepseek_v4"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("out_dir")
+    tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ForwardItem, ModelRunner
+from engine.model_runner import ForwardItem, ModelRunner, StateSlots
 from engine.sampler import SamplingParams, sample
 from kvstore.block_hash import hash_blocks
-from kvstore.block_pool import BlockPool
+from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.kv_events import KVEvent
 
 logger = logging.getLogger(__name__)
@@ -36,10 +36,12 @@ class Cancelled(Exception):
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """What one prefill produced; the caller must call release(block_ids) after the push."""
+    """What one prefill produced; the caller must call release(block_ids, state_slot) after the push."""
 
     first_token: int
     block_ids: tuple[int, ...]
+    state_slot: int | None
+    """The request's state slot (models with state beyond pages, e.g. DeepSeek-V4), pushed after the pages."""
     num_cached_tokens: int
     num_computed_tokens: int
     queue_s: float
@@ -79,6 +81,7 @@ class PrefillEngine:
         self._publish = publish
         self.pool = BlockPool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching,
                               on_events=self._on_events)
+        self.slots = StateSlots(runner.num_state_slots)
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.max_batch_tokens = max_batch_tokens
@@ -111,9 +114,13 @@ class PrefillEngine:
         self._executor.submit(self._drain)
         return job.future
 
-    def release(self, block_ids: Sequence[int]) -> concurrent.futures.Future:
-        """Drop the request's references (on the worker thread); full blocks stay cached."""
-        return self._executor.submit(self.pool.free, list(block_ids))
+    def release(self, block_ids: Sequence[int], state_slot: int | None = None) -> concurrent.futures.Future:
+        """Drop the request's references and its state slot (on the worker thread); full blocks stay cached."""
+        return self._executor.submit(self._release, list(block_ids), state_slot)
+
+    def _release(self, block_ids: list[int], state_slot: int | None) -> None:
+        self.pool.free(block_ids)
+        self.slots.free(state_slot)
 
     def call(self, fn, *args) -> concurrent.futures.Future:
         """Run fn(*args) on the worker thread (for stats and integrity checks)."""
@@ -153,10 +160,13 @@ class PrefillEngine:
                     self.num_queued_tokens -= len(job.token_ids)
                     self.num_active -= 1
 
-    def _allocate(self, job: PrefillJob) -> tuple[list, tuple[int, ...], int]:
-        """Reuse the cached prefix and allocate pages for the rest: (hashes, block ids, cached tokens)."""
+    def _allocate(self, job: PrefillJob) -> tuple[list, tuple[int, ...], int, int | None]:
+        """Reuse the cached prefix and allocate pages for the rest, plus a state slot:
+        (hashes, block ids, cached tokens, slot)."""
         tokens, size = job.token_ids, self.page_size
         hashes = hash_blocks(tokens, size)
+        if self.slots.num_slots and not self.slots.num_free:
+            raise NoFreeBlocksError(f"all {self.slots.num_slots} state slots are in use; retry later")
         # recompute at least the last prompt token so its logits exist
         match = self.pool.match_prefix(hashes[: (len(tokens) - 1) // size])
         try:
@@ -164,34 +174,40 @@ class PrefillEngine:
         except Exception:
             self.pool.free(match.block_ids)
             raise
-        return hashes, (*match.block_ids, *new.block_ids), match.num_cached_tokens
+        slot = self.slots.allocate()
+        if slot is not None and match.block_ids:  # continue from the end of the cached prefix
+            self.runner.resume_state_slot(slot, match.block_ids[-1])
+        return hashes, (*match.block_ids, *new.block_ids), match.num_cached_tokens, slot
 
     def _compute(self, ready: list) -> None:
         started = time.perf_counter()
-        items = [ForwardItem(job.token_ids[cached:], cached, block_ids) for job, _, block_ids, cached in ready]
+        items = [ForwardItem(job.token_ids[cached:], cached, block_ids, slot)
+                 for job, _, block_ids, cached, slot in ready]
         try:
             logits = self.runner.forward(items)  # [B, V]
             first_tokens = sample(logits, [job.sampling for job, *_ in ready],
                                   [torch.Generator().manual_seed(job.seed) if job.sampling.temperature > 0 else None
                                    for job, *_ in ready])
         except Exception as exc:
-            for job, _, block_ids, _ in ready:
-                self.pool.free(block_ids)
+            for job, _, block_ids, _, slot in ready:
+                self._release(list(block_ids), slot)
                 job.future.set_exception(exc)
             return
         done = time.perf_counter()
-        for (job, hashes, block_ids, cached), first_token in zip(ready, first_tokens):
+        for (job, hashes, block_ids, cached, slot), first_token in zip(ready, first_tokens):
             self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
             self.num_prompt_tokens_computed += len(job.token_ids) - cached
             self.num_prompt_tokens_cached += cached
             logger.info("[%s] prefill %d tokens (%d cached) in %.3f s, batch of %d", job.request_id,
                         len(job.token_ids), cached, done - started, len(ready))
-            job.future.set_result(PrefillResult(first_token, block_ids, cached, len(job.token_ids) - cached,
+            job.future.set_result(PrefillResult(first_token, block_ids, slot, cached, len(job.token_ids) - cached,
                                                 queue_s=started - job.submitted_at, compute_s=done - started))
 
     def stats(self) -> dict[str, int | str]:
         """Pool figures; call through call() so it runs on the worker thread."""
         error = self.pool.integrity_error()
+        if not error and not self.pool.num_referenced_blocks and self.slots.num_free != self.slots.num_slots:
+            error = f"{self.slots.num_slots - self.slots.num_free} state slots held by no request"
         return {
             "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
             "num_cached_pages": self.pool.num_cached_blocks, "num_referenced_pages": self.pool.num_referenced_blocks,

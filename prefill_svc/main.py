@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from engine.loader import load_config, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import create_runner
 from kvmesh import service
 from kvstore.redis_index import RedisKVIndex
 from kvstore.ucx_transfer import KVSender
@@ -18,6 +18,9 @@ from protos.kvmesh.v1 import prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+
+# requests between compute and the end of their push, for models with per-request state
+PREFILL_STATE_SLOTS = 64
 
 async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, clear this instance's old index entries, serve until stop is set."""
@@ -35,7 +38,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     publish = (lambda events: index.publish(instance_id, events)) if index else None
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
-    runner = await asyncio.wrap_future(executor.submit(ModelRunner, files, config.num_pages, config.page_size))
+    runner = await asyncio.wrap_future(executor.submit(create_runner, files, config.num_pages, config.page_size,
+                                                          PREFILL_STATE_SLOTS))
     engine = PrefillEngine(runner, config.page_size, config.num_pages, config.enable_prefix_caching, publish,
                            executor=executor, max_batch_tokens=config.max_batch_tokens)
     sender = KVSender()

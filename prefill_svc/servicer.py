@@ -87,20 +87,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     def _release_if_computed(self, cfut) -> None:
         if not cfut.cancelled() and cfut.exception() is None:
-            self.engine.release(cfut.result().block_ids)
+            self.engine.release(cfut.result().block_ids, cfut.result().state_slot)
 
     async def _push_and_release(self, request, result: PrefillResult) -> tuple[int, float, str]:
         """Push the prompt's pages to decode (if an address is given), then drop our references."""
         try:
             if not request.decode_kv_address:
                 return 0, 0.0, ""
-            buffers = [self.engine.runner.page_buffer(b) for b in result.block_ids]
+            runner = self.engine.runner
+            buffers = [runner.page_buffer(b) for b in result.block_ids] + runner.state_buffers(result.state_slot)
             digest = pages_digest(buffers) if self.kv_digest else ""
             sent = await asyncio.wait_for(
                 self.sender.push(request.decode_kv_address, request.transfer_id, buffers), self.push_timeout_s)
             return sent.nbytes, sent.seconds, digest
         finally:
-            self.engine.release(result.block_ids)
+            self.engine.release(result.block_ids, result.state_slot)
 
     async def GetStats(self, request, context):
         stats = await asyncio.wrap_future(self.engine.call(self.engine.stats))

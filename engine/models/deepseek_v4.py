@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.models.deepseek_v4_state import CSA, HCA, SLIDING, V4StateLayout
+from engine.models.deepseek_v4_state import CSA, SLIDING, V4StateLayout
 from engine.models.deepseek_v4_weights import check_and_take
 from kernels.indexer import indexer_scores, indexer_topk
 from kernels.moe import moe_experts, route_hash, route_topk

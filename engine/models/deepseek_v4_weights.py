@@ -42,6 +42,19 @@ _TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
+def load_config(checkpoint_dir, name: str):
+    """transformers' `DeepseekV4Config` from config.json; its validation failures (an unknown
+    layer type, lengths that disagree with num_hidden_layers, ...) raise ValueError naming
+    the field."""
+    from transformers import DeepseekV4Config
+
+    try:
+        return DeepseekV4Config.from_pretrained(checkpoint_dir)
+    except Exception as exc:  # huggingface_hub's StrictDataclass errors are not ValueErrors
+        cause = exc.__cause__ or exc
+        raise ValueError(f"config.json of {name!r} is not a valid DeepSeek-V4 config: {cause}") from exc
+
+
 def normalize_names(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     """Rename upstream DeepSeek keys to transformers' and stack per-expert weights.
 

@@ -23,7 +23,9 @@ VOCAB = 100
 class CountingRunner:
     """Returns logits whose argmax is last token + 1; records each forward's batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_state_slots: int = 0) -> None:
+        self.num_state_slots = num_state_slots
+        self.slots_seen: list[int | None] = []
         self.batches: list[list[tuple[int, int, int]]] = []
         self.gate = threading.Event()
         self.gate.set()
@@ -33,6 +35,7 @@ class CountingRunner:
         self.entered.set()
         self.gate.wait()
         self.batches.append([(it.token_ids[0], it.num_computed_tokens, len(it.block_ids)) for it in items])
+        self.slots_seen.extend(it.state_slot for it in items)
         logits = torch.zeros(len(items), VOCAB)
         for row, it in enumerate(items):
             logits[row, (it.token_ids[-1] + 1) % VOCAB] = 1.0
@@ -40,7 +43,7 @@ class CountingRunner:
 
 
 def _engine(**kw) -> tuple[DecodeEngine, CountingRunner]:
-    runner = CountingRunner()
+    runner = CountingRunner(kw.pop("num_state_slots", 0))
     engine = DecodeEngine(DecodeConfig(num_pages=kw.pop("num_pages", 32), page_size=4, **kw), runner)
     return engine, runner
 
@@ -50,6 +53,12 @@ def _start(engine, rid, prompt, first, max_tokens, stop=frozenset()):
     out: queue.Queue = queue.Queue()
     engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, stop, lambda t, f: out.put((t, f)))
     return res, out
+
+
+def _start_reserved(engine, res, prompt, first):
+    out: queue.Queue = queue.Queue()
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, frozenset(), lambda t, f: out.put((t, f)))
+    return out
 
 
 def _drain(out: queue.Queue) -> tuple[list[int], str]:
@@ -134,3 +143,28 @@ def test_release_of_a_running_request_frees_its_pages_between_steps():
     assert out.empty()  # the aborted request got no token from the step it was dropped in
     assert engine.stats()["num_active_requests"] == 0
     engine.pool.check_integrity()
+
+
+def test_state_slots_are_reserved_with_pages_and_freed_with_them():
+    # a runner with per-request state (DeepSeek-V4) gets one slot per reservation; the third
+    # reservation waits for a slot even though pages are free, and finishing frees the slot
+    engine, runner = _engine(num_state_slots=2)
+    a = engine.reserve("a", 3, 2)
+    b = engine.reserve("b", 3, 2)
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    with pytest.raises(CapacityError, match="state slots"):
+        engine.reserve("c", 3, 2)
+    assert engine.stats()["integrity_error"] == ""
+    engine.start()
+    try:
+        out = _start_reserved(engine, a, [1, 2, 3], 10)
+        assert _drain(out) == ([11], "length")
+        c = engine.reserve("c", 3, 2)
+        assert c.state_slot == a.state_slot
+        assert runner.slots_seen == [a.state_slot]
+        engine.release(b.transfer_id)
+        engine.release(c.transfer_id)
+        assert engine.stats()["integrity_error"] == ""
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    finally:
+        engine.shutdown()

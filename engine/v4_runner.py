@@ -1,0 +1,102 @@
+# P=pages, R=state slots, V=vocab, B=sequences
+"""The model step for DeepSeek-V4 checkpoints: `ModelRunner`'s interface over V4's paged state.
+
+Pages hold each token's sliding-window K=V and each window's compressed entries, indexer keys
+and (at a page's end) the CSA overlap (engine/models/deepseek_v4_state.py); a request also
+holds one state slot for its open windows. The KV push sends a request's pages and then its
+slot buffer, so decode continues exactly where prefill stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from engine.loader import ModelFiles
+from engine.model_runner import ForwardItem
+from engine.models.deepseek_v4 import DeepseekV4Model, V4Item
+from engine.models.deepseek_v4_state import V4StateLayout
+from engine.models.deepseek_v4_weights import load_config as load_v4_config
+
+logger = logging.getLogger(__name__)
+
+
+class DeepseekV4Runner:
+    """Weights, pages [P, page_floats] and slots [R, slot_floats] (fp32), and the batched step.
+
+    `page_nbytes` is one page's bytes; `state_buffers(slot)` the slot's buffer for the push.
+    """
+
+    def __init__(self, files: ModelFiles, num_pages: int, page_size: int = 16, num_state_slots: int = 64) -> None:
+        """Raises ValueError for a bad config or checkpoint (naming the field or tensor), a
+        page_size that is not a multiple of every compress rate, or num_pages / slots < 1."""
+        if num_pages < 1 or num_state_slots < 1:
+            raise ValueError(f"num_pages and num_state_slots must be >= 1, got {num_pages} and {num_state_slots}")
+        start = time.monotonic()
+        self.hf_config = load_v4_config(files.checkpoint_dir, files.name)
+        from engine.loader import load_config
+
+        self.config = load_config(files)
+        self.layout = V4StateLayout.from_config(self.hf_config, page_size)
+        tensors: dict[str, torch.Tensor] = {}
+        for path in sorted(files.checkpoint_dir.glob("*.safetensors")):
+            tensors.update(safetensors.torch.load_file(path))
+        self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name)
+        del tensors
+        self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
+        self.pages = torch.zeros(num_pages, self.layout.page_floats)  # [P, page_floats]
+        self.slots = torch.zeros(num_state_slots, self.layout.slot_floats)  # [R, slot_floats]
+        self.page_nbytes = self.layout.page_floats * 4
+        self.state_nbytes = self.layout.slot_floats * 4
+        logger.info("loaded %s (DeepSeek-V4) in %.1f s: %d pages x %d tokens, %d bytes a page, %d slots of %d bytes",
+                    files.name, time.monotonic() - start, num_pages, page_size, self.page_nbytes,
+                    num_state_slots, self.state_nbytes)
+
+    def page_buffer(self, page_id: int) -> np.ndarray:
+        """Zero-copy writable uint8 view of page `page_id` (ValueError when out of range)."""
+        if not 0 <= page_id < self.num_pages:
+            raise ValueError(f"page_id must be in [0, {self.num_pages}), got {page_id}")
+        return self.pages[page_id].view(torch.uint8).numpy()
+
+    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+        """The buffers a push sends after the pages: the slot's row (ValueError when out of range)."""
+        if slot is None or not 0 <= slot < self.num_state_slots:
+            raise ValueError(f"state slot must be in [0, {self.num_state_slots}), got {slot}")
+        return [self.slots[slot].view(torch.uint8).numpy()]
+
+    def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
+        """A prefix-cache hit: start `slot` from the end of the last cached page."""
+        self.layout.restore_slot(self.pages, last_cached_page, self.slots, slot)
+
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """One step over the batch; returns fp32 logits [B, V]. Every item needs a state_slot.
+
+        Raises ValueError for a missing slot, token ids outside the vocabulary, positions
+        past max_position_embeddings, or too few pages.
+        """
+        v4 = []
+        for b, it in enumerate(items):
+            if it.state_slot is None or not 0 <= it.state_slot < self.num_state_slots:
+                raise ValueError(f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), "
+                                 f"got {it.state_slot}")
+            if it.num_computed_tokens + len(it.token_ids) > self.config.max_position_embeddings:
+                raise ValueError(f"item {b}: {it.num_computed_tokens + len(it.token_ids)} tokens exceed "
+                                 f"max_position_embeddings ({self.config.max_position_embeddings})")
+            if any(not 0 <= t < self.config.vocab_size for t in it.token_ids):
+                raise ValueError(f"item {b}: token ids must be in [0, {self.config.vocab_size})")
+            v4.append(V4Item(it.token_ids, it.num_computed_tokens, it.block_ids, it.state_slot))
+        return self.model.forward(v4, self.pages, self.slots)
+
+    def warmup(self) -> None:
+        """A tiny prefill and decode on page 0 and slot 0 (left as garbage, written before read)."""
+        start = time.monotonic()
+        tok = self.config.bos_token_id or 0
+        n = min(self.page_size - 1, 5)
+        self.forward([ForwardItem([tok] * n, 0, [0], 0)])
+        self.forward([ForwardItem([tok], n, [0], 0)])
+        logger.info("warmup took %.2f s", time.monotonic() - start)

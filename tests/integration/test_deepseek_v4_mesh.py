@@ -1,0 +1,105 @@
+"""DeepSeek-V4 through the whole mesh: a tiny random checkpoint (made here with transformers,
+SmolLM2's tokenizer), prefill and decode in separate processes, the V4 state (pages of
+sliding-window K=V, compressed entries, indexer keys, and the request's state slot) pushed over
+UCX, Redis index, gRPC on loopback. transformers' `generate` on the same checkpoint is the
+reference for every token.
+
+Ties in the indexer's top-k cannot decide these comparisons: the tiny config has 8 indexer
+heads, and tests/unit/test_deepseek_v4_model.py shows the same prompts' shapes tie-free
+(`topk_boundary_ties == 0`); a tie would show here as a token mismatch, not a pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer, DeepseekV4ForCausalLM
+
+from engine.models.deepseek_v4_state import V4StateLayout
+from engine.models.deepseek_v4_weights import load_config as load_v4_config
+from engine.tiny_models import make_tiny_model
+from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
+
+WORDS = ("the lighthouse keeper walked along the cliff and counted every ship that passed "
+         "through the narrow channel before the storm ").split()
+
+
+def _text(n_words: int) -> str:
+    return " ".join(WORDS[i % len(WORDS)] for i in range(n_words))
+
+
+PROMPTS = [_text(3), _text(30), _text(110), _text(260)]  # ~4, ~35, ~125, ~290 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model("deepseek_v4", tmp_path_factory.mktemp("v4mesh"))
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny):
+    with running_mesh(1, 1, model=str(tiny)) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    model = DeepseekV4ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny)
+
+
+def hf_greedy(reference, prompt: str, new_tokens: int) -> list[int]:
+    model, tok = reference
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_64_tokens_equal_transformers_generate(mesh, reference):
+    # four prompt lengths crossing CSA (4), HCA (16) and sliding (8) windows and page ends
+    lengths = []
+    for prompt in PROMPTS:
+        got = complete(mesh, prompt, chat=False, max_tokens=64, ignore_eos=True)
+        assert got.token_ids == hf_greedy(reference, prompt, 64), prompt[:40]
+        assert got.final.prefill_instance != got.final.decode_instance
+        lengths.append(got.final.prompt_tokens)
+    assert len(set(lengths)) == 4 and max(lengths) > 256, lengths
+    wait_idle(mesh)
+
+
+def test_prefix_cache_hit_continues_exactly(mesh, reference):
+    # the second prompt shares the first's first ~120 tokens: prefill reuses those pages
+    # (compressed entries, indexer keys, end-of-page overlap) and computes only the rest
+    first = _text(100) + " and then the rain came"
+    second = _text(100) + " while the gulls circled over the harbour wall"
+    complete(mesh, first, chat=False, max_tokens=2, ignore_eos=True)
+    got = complete(mesh, second, chat=False, max_tokens=64, ignore_eos=True)
+    assert got.final.cached_tokens >= 96, got.final.cached_tokens
+    assert got.final.cached_tokens % 16 == 0
+    assert got.token_ids == hf_greedy(reference, second, 64)
+    wait_idle(mesh)
+
+
+def test_state_moved_bitwise_pages_plus_slot(mesh, tiny):
+    cfg = load_v4_config(tiny, "tiny")
+    layout = V4StateLayout.from_config(cfg, 16)
+    out = complete(mesh, PROMPTS[2], chat=False, max_tokens=4, ignore_eos=True)
+    kv = out.final.kv_transfer
+    assert kv.page_nbytes == layout.page_floats * 4
+    assert kv.num_pages == math.ceil(out.final.prompt_tokens / 16)
+    # the pages, then the request's state slot (open windows, CSA overlap)
+    assert kv.nbytes == kv.num_pages * kv.page_nbytes + layout.slot_floats * 4
+    assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
+    wait_idle(mesh)
+
+
+def test_eight_concurrent_equal_alone(mesh):
+    # different lengths decoded in shared steps give what each gets alone
+    prompts = [_text(5 + 17 * i) + f" number {i}" for i in range(8)]
+    alone = [complete(mesh, p, chat=False, max_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    together = complete_many(mesh, [dict(prompt=p, chat=False, max_tokens=24, ignore_eos=True) for p in prompts])
+    assert [c.token_ids for c in together] == alone
+    wait_idle(mesh)
