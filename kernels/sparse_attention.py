@@ -38,3 +38,34 @@ def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     d = q_pos[:, None] - k_pos[None, :]
     visible = (d >= 0) & (d < window)
     return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+
+
+def sparse_sink_attention(q: torch.Tensor, win_kv: torch.Tensor, win_bias: torch.Tensor,
+                          ent_kv: torch.Tensor | None, ent_bias: torch.Tensor | None, sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """The same softmax as `sink_attention`, over only the keys each query can see.
+
+    q [n, Hq, D]; win_kv [n, W, D] each query's own sliding window (gathered), win_bias [n, W];
+    ent_kv either [n, k, D] (CSA: each query's top-k compressed entries, gathered) or [C, D]
+    (HCA: every entry, shared), ent_bias [n, k] or [n, C] (0 / -inf), or both None (sliding
+    layers). Cost O(n (W + k)) instead of `sink_attention`'s O(n^2) over a whole prompt's keys;
+    masked keys contribute exactly zero in both, so only the summation order differs.
+    Returns [n, Hq, D] in q's dtype.
+    """
+    n, Hq, D = q.shape
+    parts = [torch.einsum("nhd,nwd->nhw", q, win_kv) * scale + win_bias[:, None, :]]  # [n, Hq, W]
+    if ent_kv is not None:
+        if ent_kv.dim() == 3:
+            parts.append(torch.einsum("nhd,nkd->nhk", q, ent_kv) * scale + ent_bias[:, None, :])
+        else:
+            parts.append(torch.matmul(q, ent_kv.t()) * scale + ent_bias[:, None, :])  # [n, Hq, C]
+    parts.append(sinks.view(1, Hq, 1).expand(n, Hq, 1).to(q.dtype))
+    logits = torch.cat(parts, dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)
+    W = win_kv.shape[1]
+    out = torch.einsum("nhw,nwd->nhd", probs[..., :W], win_kv)
+    if ent_kv is not None:
+        pe = probs[..., W:-1]
+        out = out + (torch.einsum("nhk,nkd->nhd", pe, ent_kv) if ent_kv.dim() == 3 else torch.matmul(pe, ent_kv))
+    return out

@@ -92,6 +92,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _cmd_bench_v4(args: argparse.Namespace) -> int:
+    from kvmesh.bench_v4 import run_bench_v4
+
+    return run_bench_v4(args)
+
+
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.tiny_models import make_tiny_model
 
@@ -149,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level; the median counts")
     bench.add_argument("--model", default=None)
     bench.set_defaults(func=_cmd_bench)
+    from kvmesh.bench_v4 import add_arguments as add_bench_v4_arguments
+
+    bench_v4 = sub.add_parser("bench-v4", help="DeepSeek-V4 tiny config: 8-concurrent decode and 2K prefill "
+                              "vs transformers")
+    add_bench_v4_arguments(bench_v4)
+    bench_v4.set_defaults(func=_cmd_bench_v4)
+
     tiny = sub.add_parser("make-tiny-model", help="write a small random checkpoint (tests, benchmarks)")
     tiny.add_argument("--arch", required=True, choices=["deepseek_v4"])
     tiny.add_argument("--seed", type=int, default=0)

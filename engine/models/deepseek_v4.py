@@ -32,7 +32,7 @@ from engine.models.deepseek_v4_state import CSA, SLIDING, V4StateLayout
 from engine.models.deepseek_v4_weights import check_and_take
 from kernels.indexer import indexer_scores, indexer_topk
 from kernels.moe import moe_experts, route_hash, route_topk
-from kernels.sparse_attention import sink_attention, window_bias
+from kernels.sparse_attention import sparse_sink_attention
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,22 @@ class V4Item:
     """Page ids covering num_computed_tokens + len(token_ids) tokens."""
     slot: int
     """This sequence's state slot."""
+
+
+@dataclass
+class _Plan:
+    """Indices one forward's layers share: where each new token's K=V goes, and for the
+    sequences with one new token (decode) their windows and compressed entries, batched."""
+
+    write_page: torch.Tensor  # [T] page of each new token
+    write_slot: torch.Tensor  # [T] its row in the page
+    dec: list[int]  # items with exactly one new token
+    dec_rows: torch.Tensor  # [Bd] their token rows
+    win_page: torch.Tensor  # [Bd, W] page / row of each window key (clamped where before 0)
+    win_slot: torch.Tensor
+    win_bias: torch.Tensor  # [Bd, W] 0 / -inf
+    entries: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """compress rate -> (page [Bd, Cmax], row [Bd, Cmax], count [Bd]) of each sequence's entries."""
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -112,8 +128,10 @@ class DeepseekV4Model:
         self.w = check_and_take(tensors, config, name)
         self.eps, self.hc_eps = c.rms_norm_eps, c.hc_eps
         self.rope = {"main": _Rope(c, "main"), "compress": _Rope(c, "compress")}
+        self.count_topk_ties = False
+        """When True, count in topk_boundary_ties the indexer queries whose top-k set a tie
+        decided (tests turn it on to prove their comparisons tie-free; it costs a top-k a layer)."""
         self.topk_boundary_ties = 0
-        """Indexer queries so far whose top-k set a tie decided (tests use it to stay tie-free)."""
         g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
         # o_a_proj as [g, in_per_group, o_lora_rank] for one bmm (DeepseekV4GroupedLinear)
         self.o_a = [self.w[f"model.layers.{i}.self_attn.o_a_proj.weight"].view(g, -1, nh * D // g)
@@ -160,10 +178,11 @@ class DeepseekV4Model:
         return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"])
 
     # -- compressors ------------------------------------------------------------------------
-    def _compress(self, i: int, prefix: str, x: torch.Tensor, item: V4Item, pages: torch.Tensor,
-                  slots: torch.Tensor, overlap: bool, names: tuple[str, ...]) -> None:
+    def _compress(self, i: int, prefix: str, kv: torch.Tensor, gate: torch.Tensor, item: V4Item,
+                  pages: torch.Tensor, slots: torch.Tensor, overlap: bool, names: tuple[str, ...]) -> None:
         """Run one compressor (`DeepseekV4CSACompressor`, `DeepseekV4HCACompressor` or the
-        indexer's) over one sequence's new tokens x [n, H]: extend the open window in the slot,
+        indexer's) over one sequence's new tokens' projections kv, gate [n, Wd] (kv_proj and
+        gate_proj of the attention input, computed for the whole batch): extend the open window in the slot,
         emit an entry per closed window into the pages, keep the CSA overlap state.
 
         names = (entries field, buf_kv, buf_gate, ov_kv, ov_gate) in the layout.
@@ -171,8 +190,6 @@ class DeepseekV4Model:
         lay, S = self.layout, self.layout.page_size
         r = lay.rates[i]
         ent_name, bk, bg, ok, og = names
-        kv = F.linear(x, self.w[prefix + "kv_proj.weight"])  # [n, Wd]
-        gate = F.linear(x, self.w[prefix + "gate_proj.weight"])
         nc = item.num_computed_tokens
         nb, e0 = nc % r, nc // r
         buf_kv, buf_gate = lay.slot_view(slots, item.slot, bk, i), lay.slot_view(slots, item.slot, bg, i)
@@ -224,7 +241,7 @@ class DeepseekV4Model:
 
     # -- attention --------------------------------------------------------------------------
     def _attention(self, i: int, x: torch.Tensor, items: Sequence[V4Item], starts: list[int],
-                   positions: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                   positions: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, plan: _Plan) -> torch.Tensor:
         c, lay, p = self.config, self.layout, f"model.layers.{i}.self_attn."
         kind = c.layer_types[i]
         T, nh, D, S, W = x.shape[0], c.num_attention_heads, c.head_dim, lay.page_size, c.sliding_window
@@ -235,52 +252,122 @@ class DeepseekV4Model:
         kv = _rms(F.linear(x, self.w[p + "kv_proj.weight"]), self.w[p + "kv_norm.weight"], self.eps)
         kv = _rope(kv.unsqueeze(1), cos, sin).squeeze(1)  # [T, D]
         swa = lay.page_view(pages, "swa", i)  # [P, S, D]
-        for b, it in enumerate(items):
-            pos = torch.arange(it.num_computed_tokens, it.num_computed_tokens + len(it.token_ids))
-            swa[torch.tensor(list(it.block_ids))[pos // S], pos % S] = kv[starts[b]:starts[b + 1]]
+        swa[plan.write_page, plan.write_slot] = kv
         if kind == CSA:
             ip = p + "compressor.indexer."
             Hi, Di = c.index_n_heads, c.index_head_dim
             ic, isn = self.rope["compress"](positions)
             iq = _rope(F.linear(q_res, self.w[ip + "q_b_proj.weight"]).view(T, Hi, Di), ic, isn)
             iw = F.linear(x, self.w[ip + "scorer.weights_proj.weight"]) * Hi ** -0.5  # [T, Hi]
+            i_kv = F.linear(x, self.w[ip + "kv_proj.weight"])  # [T, 2Di]
+            i_gate = F.linear(x, self.w[ip + "gate_proj.weight"])
+        if kind != SLIDING:
+            cp = p + "compressor."
+            c_kv = F.linear(x, self.w[cp + "kv_proj.weight"])  # [T, 2D] (CSA) or [T, D] (HCA)
+            c_gate = F.linear(x, self.w[cp + "gate_proj.weight"])
         out = torch.empty(T, nh, D)
         sinks = self.w[p + "sinks"]
+        if kind != SLIDING:  # extend every sequence's windows before anyone reads entries
+            for b, it in enumerate(items):
+                lo, hi = starts[b], starts[b + 1]
+                self._compress(i, cp, c_kv[lo:hi], c_gate[lo:hi], it, pages, slots, kind == CSA,
+                               ("entries", "buf_kv", "buf_gate", "ov_kv", "ov_gate"))
+                if kind == CSA:
+                    self._compress(i, ip, i_kv[lo:hi], i_gate[lo:hi], it, pages, slots, True,
+                                   ("ikeys", "ibuf_kv", "ibuf_gate", "iov_kv", "iov_gate"))
+        if plan.dec:
+            r = plan.dec_rows
+            out[r] = self._decode_attention(i, q[r], iq[r] if kind == CSA else None,
+                                            iw[r] if kind == CSA else None, plan, pages, sinks)
+        offsets = torch.arange(-W + 1, 1)  # [W] a query's window, oldest first
         for b, it in enumerate(items):
             lo, hi = starts[b], starts[b + 1]
             nc, n = it.num_computed_tokens, hi - lo
+            if n == 1:
+                continue  # done above, batched
             qpos = positions[lo:hi]
-            kpos = torch.arange(max(0, nc - W + 1), nc + n)  # the window of every new token
+            base = max(0, nc - W + 1)
+            kpos = torch.arange(base, nc + n)  # every key some new token's window holds
             table = torch.tensor(list(it.block_ids))
-            keys = [swa[table[kpos // S], kpos % S]]  # [Ws, D]
-            bias = [window_bias(qpos, kpos, W)]
+            win = swa[table[kpos // S], kpos % S]  # [Ws, D]
+            wpos = qpos[:, None] + offsets  # [n, W] window positions of each query
+            win_kv = win[(wpos - base).clamp(min=0)]  # [n, W, D]
+            win_bias = torch.zeros(n, W).masked_fill_(wpos < 0, float("-inf"))
+            ent_kv = ent_bias = None
             if kind != SLIDING:
                 r = lay.rates[i]
-                self._compress(i, p + "compressor.", x[lo:hi], it, pages, slots, kind == CSA,
-                               ("entries", "buf_kv", "buf_gate", "ov_kv", "ov_gate"))
-                if kind == CSA:
-                    self._compress(i, ip, x[lo:hi], it, pages, slots, True,
-                                   ("ikeys", "ibuf_kv", "ibuf_gate", "iov_kv", "iov_gate"))
                 count = (nc + n) // r
                 if count:
                     num_valid = (qpos + 1) // r  # [n] entries whose window has closed
-                    visible = torch.arange(count)[None, :] < num_valid[:, None]  # [n, C]
+                    entries = self._entries("entries", i, it, count, pages)  # [C, D]
                     if kind == CSA:
                         ikeys = self._entries("ikeys", i, it, count, pages)  # [C, Di]
                         scores = indexer_scores(iq[lo:hi], ikeys, iw[lo:hi], Di ** -0.5)  # [n, C]
                         k = min(c.index_topk, count)
                         top = indexer_topk(scores, k, num_valid)  # [n, k], -1 = none
-                        self.topk_boundary_ties += _boundary_ties(scores, num_valid, k)
-                        chosen = torch.zeros(n, count + 1, dtype=torch.bool)
-                        chosen.scatter_(1, torch.where(top >= 0, top, count), True)
-                        visible = visible & chosen[:, :count]
-                    keys.append(self._entries("entries", i, it, count, pages))
-                    bias.append(torch.zeros(n, count).masked_fill_(~visible, float("-inf")))
-            out[lo:hi] = sink_attention(q[lo:hi], torch.cat(keys), torch.cat(bias, dim=1), sinks, D ** -0.5)
+                        if self.count_topk_ties:
+                            self.topk_boundary_ties += _boundary_ties(scores, num_valid, k)
+                        ent_kv = entries[top.clamp(min=0)]  # [n, k, D]
+                        ent_bias = torch.zeros(n, k).masked_fill_(top < 0, float("-inf"))
+                    else:  # HCA: every closed window
+                        ent_kv = entries
+                        ent_bias = torch.zeros(n, count).masked_fill_(
+                            torch.arange(count)[None, :] >= num_valid[:, None], float("-inf"))
+            out[lo:hi] = sparse_sink_attention(q[lo:hi], win_kv, win_bias, ent_kv, ent_bias, sinks, D ** -0.5)
         out = _rope(out, cos, -sin)  # undo the rope V carried (K=V), at the query's position
         g = c.o_groups
         grouped = torch.bmm(out.view(T, g, -1).transpose(0, 1), self.o_a[i]).transpose(0, 1)  # [T, g, olr]
         return F.linear(grouped.flatten(1), self.w[p + "o_b_proj.weight"])  # [T, H]
+
+    def _plan(self, items: Sequence[V4Item], starts: list[int], positions: torch.Tensor) -> _Plan:
+        S, W = self.layout.page_size, self.config.sliding_window
+        tables = [torch.tensor(list(it.block_ids)) for it in items]
+        seq_of = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
+        width = max(len(t) for t in tables)
+        padded = torch.stack([torch.cat([t, t[:1].expand(width - len(t))]) for t in tables])  # [B, M]
+        write_page = padded[seq_of, positions // S]
+        dec = [b for b, it in enumerate(items) if len(it.token_ids) == 1]
+        dec_rows = torch.tensor([starts[b] for b in dec], dtype=torch.long)
+        qpos = positions[dec_rows]  # [Bd]
+        dtab = padded[dec] if dec else padded[:0]  # [Bd, M]
+        wpos = qpos[:, None] + torch.arange(-W + 1, 1)  # [Bd, W]
+        wc = wpos.clamp(min=0)
+        entries = {}
+        for r in sorted(set(x for x in self.layout.rates if x)):
+            count = (qpos + 1) // r  # [Bd] entries after this step's compress
+            cmax = max(int(count.max()) if dec else 0, 1)
+            e = torch.arange(cmax)[None, :].expand(len(dec), cmax)
+            entries[r] = (dtab.gather(1, (e * r) // S), e % (S // r), count)
+        return _Plan(write_page, positions % S, dec, dec_rows, dtab.gather(1, wc // S), wc % S,
+                     torch.zeros(wpos.shape).masked_fill_(wpos < 0, float("-inf")), entries)
+
+    def _decode_attention(self, i: int, q: torch.Tensor, iq, iw, plan: _Plan, pages: torch.Tensor,
+                          sinks: torch.Tensor) -> torch.Tensor:
+        """Every one-new-token sequence at once: q [Bd, Hq, D] -> [Bd, Hq, D]."""
+        c, lay = self.config, self.layout
+        kind, D = c.layer_types[i], c.head_dim
+        win_kv = lay.page_view(pages, "swa", i)[plan.win_page, plan.win_slot]  # [Bd, W, D]
+        ent_kv = ent_bias = None
+        if kind != SLIDING:
+            pg, row, count = plan.entries[lay.rates[i]]
+            valid = torch.arange(pg.shape[1])[None, :] < count[:, None]  # [Bd, Cmax]
+            if bool(valid.any()):
+                ent_kv = lay.page_view(pages, "entries", i)[pg, row]  # [Bd, Cmax, D]
+                ent_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+                if kind == CSA:
+                    Di = c.index_head_dim
+                    ikeys = lay.page_view(pages, "ikeys", i)[pg, row]  # [Bd, Cmax, Di]
+                    # indexer_scores per query: sum_h w_h * relu(q_h . k) * Di^-0.5
+                    scores = (torch.matmul(iq.float(), ikeys.transpose(1, 2).float()).relu() * Di ** -0.5
+                              * iw.float().unsqueeze(-1)).sum(dim=1)  # [Bd, Cmax]
+                    k = min(c.index_topk, pg.shape[1])
+                    top = indexer_topk(scores, k, count)  # [Bd, k], -1 = none
+                    if self.count_topk_ties:
+                        self.topk_boundary_ties += _boundary_ties(scores, count, min(k, int(count.max())))
+                    safe = top.clamp(min=0)
+                    ent_kv = ent_kv.gather(1, safe[..., None].expand(-1, -1, D))  # [Bd, k, D]
+                    ent_bias = torch.zeros(top.shape).masked_fill_(top < 0, float("-inf"))
+        return sparse_sink_attention(q, win_kv, plan.win_bias, ent_kv, ent_bias, sinks, D ** -0.5)
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -303,13 +390,14 @@ class DeepseekV4Model:
             pos.extend(range(nc, nc + n))
             starts.append(starts[-1] + n)
         ids_t, positions = torch.tensor(ids), torch.tensor(pos)
+        plan = self._plan(items, starts, positions)
         h = F.embedding(ids_t, self.w["model.embed_tokens.weight"])  # [T, H]
         streams = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, H]
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             post, comb, collapsed = self._hc(streams, p + "attn_hc")
             x = _rms(collapsed, self.w[p + "input_layernorm.weight"], self.eps)
-            attn = self._attention(i, x, items, starts, positions, pages, slots)
+            attn = self._attention(i, x, items, starts, positions, pages, slots, plan)
             streams = self._mix(post, comb, attn, streams)
             post, comb, collapsed = self._hc(streams, p + "ffn_hc")
             x = _rms(collapsed, self.w[p + "post_attention_layernorm.weight"], self.eps)

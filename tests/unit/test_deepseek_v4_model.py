@@ -24,7 +24,9 @@ def _load(path):
     cfg = DeepseekV4Config.from_pretrained(path)
     hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     lay = V4StateLayout.from_config(cfg, V4StateLayout.default_page_size(cfg))
-    return cfg, hf, lay, DeepseekV4Model(cfg, load_file(path / "model.safetensors"), lay)
+    model = DeepseekV4Model(cfg, load_file(path / "model.safetensors"), lay)
+    model.count_topk_ties = True
+    return cfg, hf, lay, model
 
 
 @pytest.fixture(scope="module")
