@@ -5,11 +5,9 @@ tie-break against a per-query sort, and the Triton scores under the interpreter 
 (KVMESH_TEST_DEVICE=cuda, as `python -m kernels.bench_gpu` sets it, runs them on a GPU).
 """
 
-import os
 
 import pytest
 import torch
-import triton
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
@@ -17,25 +15,11 @@ import kernels.indexer.ops as indexer_ops
 from kernels.indexer import indexer_scores, indexer_scores_triton, indexer_topk
 from kernels.indexer.ref import indexer_masked_scores_ref, indexer_scores_ref, indexer_topk_ref
 
-DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def triton_device():
-    """The interpreter on CPU unless KVMESH_TEST_DEVICE says cuda (kernels jit at first launch,
-    so switching it on here works after triton's import and leaks into no other module)."""
-    if DEVICE == "cpu":
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TRITON_INTERPRET", "1")
-            assert triton.knobs.runtime.interpret
-            yield DEVICE
-    else:
-        yield DEVICE
 
 
 def _inputs(T, Hi, Di, N, dtype=torch.float32):

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import triton
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Experts,
                                                                   DeepseekV4HashRouter,
@@ -21,29 +20,12 @@ from kernels.moe import moe_experts, moe_experts_triton, route_hash, route_topk
 from kernels.moe.ref import moe_experts_ref, route_hash_ref, route_topk_ref
 from kernels.moe.triton_moe import BlockSizes, align_block_size
 
-DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def triton_device():
-    """Where the Triton kernels run: the interpreter on CPU unless KVMESH_TEST_DEVICE says cuda.
-
-    The kernels are jitted at first launch, so switching the interpreter on here works even
-    though triton was imported above, and it does not leak into other test modules.
-    """
-    if DEVICE == "cpu":
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TRITON_INTERPRET", "1")
-            assert triton.knobs.runtime.interpret
-            yield DEVICE
-    else:
-        yield DEVICE
 
 
 def _config(**overrides) -> DeepseekV4Config:
