@@ -29,10 +29,12 @@ class GatewayConfig:
     """max_tokens when a request leaves it unset."""
     max_tokens_limit: int = 4096
     """Largest max_tokens a request may ask for."""
-    cache_threshold: float = 0.5
+    cache_threshold: float = 0.0
     """Fraction of the prompt a cached prefix must cover to steer routing (SGLang's cache_threshold)."""
-    load_weight: float = 1.0
-    """Weight of in-flight prefill tokens against uncached prompt tokens in the routing cost."""
+    load_weight: float = 0.05
+    """Weight of queued prefill tokens against uncached prompt tokens in the routing cost."""
+    routing_policy: str = "cache_aware"
+    """cache_aware (the default), round_robin, random, consistent_hash or least_load."""
     rpc_timeout_s: float = 10.0
     """Deadline of the small control RPCs (Reserve, Release, GetStats)."""
     prefill_timeout_s: float = 300.0
@@ -67,10 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per block (same on every service)", int)
     env_flag(parser, "--default-max-tokens", "KVMESH_DEFAULT_MAX_TOKENS", 256, "max_tokens when a request leaves it unset", int)
     env_flag(parser, "--max-tokens-limit", "KVMESH_MAX_TOKENS_LIMIT", 4096, "largest max_tokens a request may ask", int)
-    env_flag(parser, "--cache-threshold", "KVMESH_CACHE_THRESHOLD", 0.5,
+    env_flag(parser, "--cache-threshold", "KVMESH_CACHE_THRESHOLD", 0.0,
              "fraction of the prompt a cached prefix must cover to steer routing", float)
-    env_flag(parser, "--load-weight", "KVMESH_LOAD_WEIGHT", 1.0,
-             "weight of in-flight prefill tokens against uncached prompt tokens", float)
+    env_flag(parser, "--load-weight", "KVMESH_LOAD_WEIGHT", 0.05,
+             "weight of queued prefill tokens against uncached prompt tokens", float)
+    env_flag(parser, "--routing-policy", "KVMESH_ROUTING_POLICY", "cache_aware",
+             "prefill routing: cache_aware, round_robin, random, consistent_hash or least_load")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -79,4 +83,5 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(prefill_addresses=tuple(prefill), decode_addresses=tuple(decode), model=args.model,
                          host=args.host, port=args.port, redis_url=args.redis_url, page_size=args.page_size,
                          default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
-                         cache_threshold=args.cache_threshold, load_weight=args.load_weight)
+                         cache_threshold=args.cache_threshold, load_weight=args.load_weight,
+                         routing_policy=args.routing_policy)

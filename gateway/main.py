@@ -27,7 +27,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
                             config.default_max_tokens, config.max_tokens_limit)
     index = AsyncRedisKVIndexReader(config.redis_url, model=files.name) if config.redis_url else None
     pool = InstancePool(config.prefill_addresses, config.decode_addresses, config.page_size, index,
-                        config.cache_threshold, config.load_weight, config.rpc_timeout_s)
+                        config.cache_threshold, config.load_weight, config.rpc_timeout_s, config.routing_policy)
     svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port)
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(builder, pool, frozenset(model_config.eos_token_ids), config.rpc_timeout_s,

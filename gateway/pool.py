@@ -25,14 +25,16 @@ class InstancePool:
     """Stubs, load and health of the prefill and decode instances, and the routing calls."""
 
     def __init__(self, prefill_addresses, decode_addresses, page_size: int, index: AsyncRedisKVIndexReader | None,
-                 cache_threshold: float, load_weight: float, rpc_timeout_s: float) -> None:
+                 cache_threshold: float, load_weight: float, rpc_timeout_s: float,
+                 routing_policy: str = "cache_aware") -> None:
         self.page_size = page_size
         self.index = index
         self.index_ok = True
         self.rpc_timeout_s = rpc_timeout_s
         self.prefills = [InstanceLoad(a) for a in prefill_addresses]
         self.decodes = [InstanceLoad(a) for a in decode_addresses]
-        self.router = PrefillRouter(self.prefills, cache_threshold=cache_threshold, load_weight=load_weight)
+        self.router = PrefillRouter(self.prefills, cache_threshold=cache_threshold, load_weight=load_weight,
+                                    policy=routing_policy)
         self._channels = {a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
                           for a in (*prefill_addresses, *decode_addresses)}
         self._prefill_stubs = {a: prefill_pb2_grpc.PrefillStub(self._channels[a]) for a in prefill_addresses}
@@ -50,8 +52,8 @@ class InstancePool:
         """(prefill, decode, cached tokens the index reports on that prefill). LookupError if none is healthy."""
         cached_blocks: dict[str, int] = {}
         ids = [i.instance_id for i in self.prefills if i.healthy and i.instance_id]
+        hashes = hash_blocks(prompt_token_ids, self.page_size)
         if self.index is not None and ids:
-            hashes = hash_blocks(prompt_token_ids, self.page_size)
             try:
                 cached_blocks = await asyncio.wait_for(self.index.longest_prefix(hashes, ids), timeout=1.0)
                 if not self.index_ok:
@@ -61,7 +63,7 @@ class InstancePool:
                 if self.index_ok:
                     logger.warning("prefix index unreachable (%s); routing by load alone", exc)
                 self.index_ok = False
-        decision = self.router.choose(len(prompt_token_ids), cached_blocks, self.page_size)
+        decision = self.router.choose(len(prompt_token_ids), cached_blocks, self.page_size, hashes)
         prefill = next(i for i in self.prefills if i.address == decision.address)
         self._rr += 1
         decode = pick_decode(self.decodes, self._rr)

@@ -1,16 +1,22 @@
 """Choosing instances: prefill by cached prefix weighed against load, decode by least load.
 
-The prefill policy follows SGLang's cache-aware router: a cached prefix counts only
-when it covers at least `cache_threshold` of the prompt (so prompts that merely share a
-system-prompt block do not all pile onto one instance); then each instance costs the
-prefill tokens it would compute (prompt minus its cached prefix) plus the prefill
-tokens already in flight on it, times `load_weight`. Ties go to the instance that has
-been sent the fewest prefill tokens so far, so idle instances share the work.
+The default prefill policy, `cache_aware`, scores each instance by the prefill tokens it
+would compute for this request (prompt minus the prefix it holds, as the index says) plus
+`load_weight` times the prefill tokens already queued on it, and picks the lowest; a cached
+prefix counts only when it covers at least `cache_threshold` of the prompt (0 by default:
+every cached token counts, and the queued tokens keep a shared first block from pulling
+everything to one instance). Ties go to the instance sent the fewest prefill tokens so far.
+For comparison (`kvmesh routesim`), the same router also offers `round_robin`, `random`,
+`consistent_hash` (over the prompt's first `hash_blocks` block hashes, a ring with virtual
+nodes) and `least_load` (fewest queued tokens, cache ignored).
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -42,13 +48,23 @@ class RouteDecision:
     cost_tokens: float
 
 
+POLICIES = ("cache_aware", "round_robin", "random", "consistent_hash", "least_load")
+
+
 @dataclass
 class PrefillRouter:
-    """Prefix-aware prefill choice with a load guard (see the module docstring)."""
+    """Prefill choice by a named policy (see the module docstring)."""
 
     instances: list[InstanceLoad]
-    cache_threshold: float = 0.5
-    load_weight: float = 1.0
+    cache_threshold: float = 0.0
+    load_weight: float = 0.05
+    """Queued prefill tokens per uncached prompt token in the cost. Small: a conversation's
+    next turn stays where its prefix is unless that queue is long, which saves the whole mesh
+    work; `kvmesh routesim` on the Mooncake conversation trace (4 instances) measured 0.99 of
+    the oracle hit rate at 0.98-0.99 balancedness with 0.05, 0.82 / 0.996 with 1.0."""
+    policy: str = "cache_aware"
+    hash_blocks: int = 2
+    seed: int = 0
     _rr: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -56,29 +72,71 @@ class PrefillRouter:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.load_weight < 0:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        if self.hash_blocks < 1:
+            raise ValueError(f"hash_blocks must be >= 1, got {self.hash_blocks}")
+        self._random = random.Random(self.seed)
 
-    def choose(self, num_prompt_tokens: int, cached_blocks: Mapping[str, int], page_size: int) -> RouteDecision:
+    def choose(self, num_prompt_tokens: int, cached_blocks: Mapping[str, int], page_size: int,
+               block_hashes: Sequence[bytes] = ()) -> RouteDecision:
         """Pick a healthy prefill instance.
 
         cached_blocks maps instance_id -> leading prompt blocks it holds (from the index;
-        empty when the index is down). Raises LookupError when no instance is healthy.
+        empty when the index is down); block_hashes are the prompt's block hashes (only
+        consistent_hash reads them). Raises LookupError when no instance is healthy.
         """
         healthy = [i for i in self.instances if i.healthy]
         if not healthy:
             raise LookupError("no healthy prefill instance")
+
+        def decide(inst: InstanceLoad) -> RouteDecision:
+            cached = min(cached_blocks.get(inst.instance_id, 0) * page_size, num_prompt_tokens - 1)
+            return RouteDecision(inst.address, max(cached, 0), float(num_prompt_tokens - max(cached, 0)))
+
+        if self.policy == "round_robin":
+            self._rr += 1
+            return decide(healthy[self._rr % len(healthy)])
+        if self.policy == "random":
+            return decide(self._random.choice(healthy))
+        if self.policy == "least_load":
+            self._rr += 1
+            n = len(healthy)
+            return decide(min(enumerate(healthy), key=lambda p: (_queued(p[1]), (p[0] - self._rr) % n))[1])
+        if self.policy == "consistent_hash":
+            return decide(_ring_choice(healthy, b"".join(block_hashes[:self.hash_blocks])))
         best: tuple[float, int, int] | None = None
         choice: RouteDecision | None = None
         self._rr += 1
         for pos, inst in enumerate(healthy):
             cached = min(cached_blocks.get(inst.instance_id, 0) * page_size, num_prompt_tokens - 1)
             counted = cached if cached >= self.cache_threshold * num_prompt_tokens and cached > 0 else 0
-            load = max(inst.in_flight_tokens, inst.reported_queued_tokens)
+            load = _queued(inst)
             cost = (num_prompt_tokens - counted) + self.load_weight * load
             key = (cost, inst.total_routed_tokens, (pos - self._rr) % len(healthy))
             if best is None or key < best:
                 best, choice = key, RouteDecision(inst.address, cached, cost)
         assert choice is not None
         return choice
+
+
+def _queued(inst: InstanceLoad) -> int:
+    """Prefill tokens queued on an instance: the gateway's own count or the instance's report,
+    whichever is larger (the report lags a burst; the gateway does not see other gateways)."""
+    return max(inst.in_flight_tokens, inst.reported_queued_tokens)
+
+
+def _point(key: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+
+
+def _ring_choice(healthy: Sequence[InstanceLoad], key: bytes, vnodes: int = 64) -> InstanceLoad:
+    """Consistent hashing (Karger et al. 1997): the first instance clockwise of key's point,
+    each instance placed at `vnodes` points, so removing one moves only its own keys."""
+    ring = sorted((_point(f"{inst.instance_id or inst.address}#{v}".encode()), k)
+                  for k, inst in enumerate(healthy) for v in range(vnodes))
+    i = bisect.bisect(ring, (_point(key), len(healthy)))
+    return healthy[ring[i % len(ring)][1]]
 
 
 def pick_decode(instances: Sequence[InstanceLoad], rr: int) -> InstanceLoad:

@@ -76,7 +76,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         logger.info("[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s", rid,
                     len(inp.prompt_token_ids), prefill.address, cached_hint, decode.address)
         n_prompt = len(inp.prompt_token_ids)
-        self.pool.begin(prefill, decode, n_prompt)
+        n_queued = n_prompt - cached_hint  # the prefill tokens this request adds to the instance's queue
+        self.pool.begin(prefill, decode, n_queued)
         where = f"decode {decode.address}"
         reserve = None
         decode_done = False
@@ -92,7 +93,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                            sampling=_sampling_pb(inp), decode_kv_address=reserve.kv_address,
                                            transfer_id=reserve.transfer_id),
                 timeout=self.prefill_timeout_s)
-            self.pool.end_prefill(prefill, n_prompt)
+            self.pool.end_prefill(prefill, n_queued)
             prefill_done = True
             detok = IncrementalDetokenizer(self.builder.tokenizer)
             stops = StopStringMatcher(list(inp.stop))
@@ -151,7 +152,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if call is not None and not decode_done:
                 call.cancel()
             if not prefill_done:
-                self.pool.end_prefill(prefill, n_prompt)
+                self.pool.end_prefill(prefill, n_queued)
             self.pool.end_decode(decode)
             if reserve is not None and not decode_done and call is None:
                 # decode never started streaming: give the pages back now

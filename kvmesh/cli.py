@@ -98,6 +98,16 @@ def _cmd_bench_v4(args: argparse.Namespace) -> int:
     return run_bench_v4(args)
 
 
+def _cmd_routesim(args: argparse.Namespace) -> int:
+    from kvmesh.routesim import run
+
+    try:
+        return run(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.tiny_models import make_tiny_model
 
@@ -161,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "vs transformers")
     add_bench_v4_arguments(bench_v4)
     bench_v4.set_defaults(func=_cmd_bench_v4)
+
+    from kvmesh.routesim import add_arguments as add_routesim_arguments
+
+    routesim = sub.add_parser("routesim", help="replay a Mooncake trace against the routing policies (simulated "
+                              "instances): hit rate vs oracle, balancedness, queueing")
+    add_routesim_arguments(routesim)
+    routesim.set_defaults(func=_cmd_routesim)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random checkpoint (tests, benchmarks)")
     tiny.add_argument("--arch", required=True, choices=["deepseek_v4"])

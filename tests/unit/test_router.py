@@ -20,8 +20,8 @@ def test_long_cached_prefix_wins():
     assert d.address == "b:1" and d.cached_tokens == 192 and d.cost_tokens == 8
 
 
-def test_short_shared_prefix_does_not_steer_routing():
-    r = _router()
+def test_short_shared_prefix_does_not_steer_routing_under_a_threshold():
+    r = _router(cache_threshold=0.5)
     # A holds only the first block (a shared system prompt) of 100 tokens: below the
     # 0.5 threshold it counts for nothing, and ties go to the instance sent less so far
     r.instances[0].total_routed_tokens = 500
@@ -30,8 +30,11 @@ def test_short_shared_prefix_does_not_steer_routing():
 
 def test_load_outweighs_a_small_saving():
     r = _router()
-    # B caches 64 of 100 tokens but has 1000 prefill tokens queued
-    r.instances[1].in_flight_tokens = 1000
+    # B caches 64 of 100 tokens; at the default weight 0.05 a queue of 600 tokens costs it 30
+    # (36 + 30 < 100) but one of 2000 costs it 100 (36 + 100 > 100)
+    r.instances[1].in_flight_tokens = 600
+    assert r.choose(100, {"B": 4}, PAGE).address == "b:1"
+    r.instances[1].in_flight_tokens = 2000
     assert r.choose(100, {"B": 4}, PAGE).address == "a:1"
 
 
@@ -61,3 +64,42 @@ def test_decode_is_least_active_requests():
     assert pick_decode(ds, 0).address == "d1"
     ds[1].healthy = False
     assert pick_decode(ds, 0).address == "d2"
+
+
+def _four(**kw) -> PrefillRouter:
+    return PrefillRouter([InstanceLoad(f"h{k}:1", f"I{k}") for k in range(4)], **kw)
+
+
+def test_round_robin_cycles_and_least_load_takes_the_shortest_queue():
+    r = _four(policy="round_robin")
+    assert [r.choose(10, {"I0": 9}, PAGE).address for _ in range(5)] == ["h1:1", "h2:1", "h3:1", "h0:1", "h1:1"]
+    r = _four(policy="least_load")
+    for k, q in enumerate([50, 10, 30, 10]):
+        r.instances[k].in_flight_tokens = q
+    r.instances[3].reported_queued_tokens = 40  # the instance's own report counts too
+    assert r.choose(10, {"I0": 9}, PAGE).address == "h1:1"
+
+
+def test_random_is_seeded():
+    picks = [[_four(policy="random", seed=7).choose(10, {}, PAGE).address for _ in range(1)] for _ in range(3)]
+    assert picks[0] == picks[1] == picks[2]
+    r = _four(policy="random", seed=7)
+    assert len({r.choose(10, {}, PAGE).address for _ in range(40)}) == 4
+
+
+def test_consistent_hash_keeps_keys_when_another_instance_goes():
+    r = _four(policy="consistent_hash")
+    keys = [[bytes([a, b])] * 3 for a in range(10) for b in range(10)]
+    before = [r.choose(40, {}, PAGE, k).address for k in keys]
+    assert before == [r.choose(40, {}, PAGE, k).address for k in keys]  # stable
+    assert len(set(before)) == 4
+    r.instances[2].healthy = False
+    after = [r.choose(40, {}, PAGE, k).address for k in keys]
+    # only the keys that lived on the missing instance move
+    assert all(a == b for a, b in zip(before, after) if a != "h2:1")
+    assert all(a != "h2:1" for a in after)
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        _router(policy="fastest")

@@ -1,0 +1,225 @@
+"""`kvmesh routesim`: replay a Mooncake-format trace against the gateway's real router.
+
+Each simulated prefill instance has an LRU prefix cache of `capacity_blocks` blocks (0: no
+limit) and computes prefills one at a time, first come first served, at `tokens_per_s`
+uncached prompt tokens a second (prefill cost is proportional to the uncached tokens). A
+request arrives at its trace timestamp; the router (gateway/router.py, the code the gateway
+runs) sees each instance's leading run of cached blocks, as the Redis index would, and the
+prefill tokens queued on it, as the gateway's in-flight accounting would; the request then
+hits the chosen instance's cached prefix and its blocks become that instance's most recent.
+
+Printed per policy:
+- hit_rate: prompt blocks found in the chosen instance's cache / all prompt blocks;
+- oracle_hit_rate: the same for one cache of num_instances x capacity_blocks blocks that
+  sees every request (the best any routing can do with that much memory);
+- balancedness: mean / max prefill tokens computed per instance (1.0 = perfectly even);
+- queue_p50_s, queue_p90_s: time from arrival to the start of its prefill.
+Trace format: ../shared/traces/README.md (one block = 512 tokens, `hash_ids` per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import statistics
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.router import POLICIES, InstanceLoad, PrefillRouter
+
+BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One trace row: arrival (seconds from the trace's start), prompt tokens, block ids."""
+
+    arrival_s: float
+    input_tokens: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str) -> list[TraceRequest]:
+    """Read a Mooncake-format JSONL trace; ValueError names the first bad line."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                out.append(TraceRequest(row["timestamp"] / 1000.0, int(row["input_length"]),
+                                        tuple(int(h) for h in row["hash_ids"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a Mooncake trace row ({exc})") from exc
+    return out
+
+
+class LRUBlocks:
+    """A prefix cache of block ids with LRU eviction; capacity 0 means unlimited."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0 blocks, got {capacity}")
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def prefix_hits(self, hash_ids: Sequence[int]) -> int:
+        """Leading blocks of hash_ids held (a prefix cache reuses only a leading run)."""
+        n = 0
+        for h in hash_ids:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def touch(self, hash_ids: Sequence[int]) -> None:
+        """Insert or refresh the blocks, then evict least recently used ones over capacity."""
+        for h in hash_ids:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while self.capacity and len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    hit_rate: float
+    oracle_hit_rate: float
+    balancedness: float
+    queue_p50_s: float
+    queue_p90_s: float
+    tokens_per_instance: tuple[int, ...]
+
+
+def _block_key(h: int) -> bytes:
+    return h.to_bytes(8, "big", signed=False)
+
+
+def oracle_hit_rate(trace: Sequence[TraceRequest], capacity_blocks: int) -> float:
+    """Hit rate of one LRU cache of capacity_blocks blocks (0: unlimited) seeing every request."""
+    cache, hits, total = LRUBlocks(capacity_blocks), 0, 0
+    for r in trace:
+        hits += cache.prefix_hits(r.hash_ids)
+        total += len(r.hash_ids)
+        cache.touch(r.hash_ids)
+    return hits / max(total, 1)
+
+
+def simulate(trace: Sequence[TraceRequest], num_instances: int, capacity_blocks: int,
+             choose: Callable[[TraceRequest, list[InstanceLoad], list[LRUBlocks]], int],
+             tokens_per_s: float, policy: str = "") -> SimResult:
+    """Replay `trace` with `choose(request, loads, caches) -> instance index`; see the module docstring."""
+    caches = [LRUBlocks(capacity_blocks) for _ in range(num_instances)]
+    loads = [InstanceLoad(address=f"sim-{k}", instance_id=f"sim-{k}") for k in range(num_instances)]
+    free_at = [0.0] * num_instances
+    running: list[list[tuple[float, int]]] = [[] for _ in range(num_instances)]  # heaps of (finish, tokens)
+    computed = [0] * num_instances
+    hits = total = 0
+    delays = []
+    for r in trace:
+        for k in range(num_instances):  # prefills finished by now leave the queue
+            while running[k] and running[k][0][0] <= r.arrival_s:
+                loads[k].in_flight_tokens -= heapq.heappop(running[k])[1]
+        k = choose(r, loads, caches)
+        hit = caches[k].prefix_hits(r.hash_ids)
+        caches[k].touch(r.hash_ids)
+        hits += hit
+        total += len(r.hash_ids)
+        uncached = max(1, r.input_tokens - hit * BLOCK_TOKENS)  # the last token is always computed
+        start = max(r.arrival_s, free_at[k])
+        free_at[k] = start + uncached / tokens_per_s
+        delays.append(start - r.arrival_s)
+        heapq.heappush(running[k], (free_at[k], uncached))
+        loads[k].in_flight_tokens += uncached
+        loads[k].total_routed_tokens += uncached
+        computed[k] += uncached
+    q = statistics.quantiles(delays, n=10) if len(delays) > 1 else [delays[0]] * 9
+    return SimResult(policy, hits / max(total, 1), oracle_hit_rate(trace, capacity_blocks * num_instances),
+                     statistics.mean(computed) / max(max(computed), 1), statistics.median(delays), q[8],
+                     tuple(computed))
+
+
+def router_chooser(policy: str, **router_args) -> Callable:
+    """A `choose` that asks gateway.router.PrefillRouter, fed what the index and gateway would know."""
+    router: PrefillRouter | None = None
+
+    def choose(r: TraceRequest, loads: list[InstanceLoad], caches: list[LRUBlocks]) -> int:
+        nonlocal router
+        if router is None:
+            router = PrefillRouter(loads, policy=policy, **router_args)
+        cached = {inst.instance_id: c.prefix_hits(r.hash_ids) for inst, c in zip(loads, caches)}
+        d = router.choose(r.input_tokens, cached, BLOCK_TOKENS, [_block_key(h) for h in r.hash_ids])
+        return next(k for k, inst in enumerate(loads) if inst.address == d.address)
+
+    return choose
+
+
+def fixed_chooser(assignments: Sequence[int]) -> Callable:
+    """A `choose` that replays another router's recorded assignments, request by request."""
+    it = iter(assignments)
+    return lambda r, loads, caches: next(it)
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    if args.limit:
+        trace = trace[:args.limit]
+    policies = args.policy or list(POLICIES)
+    rows: list[SimResult] = []
+    for p in policies:
+        rows.append(simulate(trace, args.instances, args.capacity_blocks,
+                             router_chooser(p, cache_threshold=args.cache_threshold, load_weight=args.load_weight),
+                             args.tokens_per_s, policy=p))
+    if args.sglang:
+        from kvmesh.sglang_router import sglang_assignments
+
+        raw = [{"timestamp": r.arrival_s * 1000, "input_length": r.input_tokens, "hash_ids": list(r.hash_ids)}
+               for r in trace]
+        for p in ("cache_aware", "prefix_hash"):
+            rows.append(simulate(trace, args.instances, args.capacity_blocks,
+                                 fixed_chooser(sglang_assignments(raw, args.instances, p)),
+                                 args.tokens_per_s, policy=f"sglang:{p}"))
+    if args.json:
+        for row in rows:
+            print(json.dumps({"policy": row.policy, "hit_rate": row.hit_rate, "oracle_hit_rate": row.oracle_hit_rate,
+                              "balancedness": row.balancedness, "queue_p50_s": row.queue_p50_s,
+                              "queue_p90_s": row.queue_p90_s}))
+        return 0
+    cap = "unlimited" if not args.capacity_blocks else f"{args.capacity_blocks} blocks"
+    print(f"{len(trace)} requests, {args.instances} instances, capacity {cap} each, "
+          f"{args.tokens_per_s:.0f} prefill tok/s per instance")
+    print(f"{'policy':<20}{'hit rate':>10}{'oracle':>9}{'vs oracle':>11}{'balanced':>10}{'queue p50':>11}{'p90':>9}")
+    for row in rows:
+        print(f"{row.policy:<20}{row.hit_rate:>10.3f}{row.oracle_hit_rate:>9.3f}"
+              f"{row.hit_rate / max(row.oracle_hit_rate, 1e-9):>11.3f}{row.balancedness:>10.3f}"
+              f"{row.queue_p50_s:>10.2f}s{row.queue_p90_s:>8.2f}s")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="Mooncake-format JSONL trace")
+    p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--capacity-blocks", type=int, default=0, help="LRU blocks per instance (0: unlimited)")
+    p.add_argument("--policy", action="append", choices=POLICIES,
+                   help="policy to run (repeatable; default: every policy)")
+    p.add_argument("--tokens-per-s", type=float, default=10000.0, help="prefill tokens/s of one instance")
+    p.add_argument("--cache-threshold", type=float, default=PrefillRouter.cache_threshold)
+    p.add_argument("--load-weight", type=float, default=PrefillRouter.load_weight)
+    p.add_argument("--sglang", action="store_true", help="also replay through sglang-router (cache_aware, prefix_hash)")
+    p.add_argument("--limit", type=int, default=0, help="first N requests only")
+    p.add_argument("--json", action="store_true", help="one JSON object per policy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh routesim", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
