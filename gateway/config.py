@@ -29,7 +29,7 @@ class GatewayConfig:
     """max_tokens when a request leaves it unset."""
     max_tokens_limit: int = 4096
     """Largest max_tokens a request may ask for."""
-    cache_threshold: float = 0.0
+    cache_threshold: float = 0.3
     """Fraction of the prompt a cached prefix must cover to steer routing (SGLang's cache_threshold)."""
     load_weight: float = 0.05
     """Weight of queued prefill tokens against uncached prompt tokens in the routing cost."""
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per block (same on every service)", int)
     env_flag(parser, "--default-max-tokens", "KVMESH_DEFAULT_MAX_TOKENS", 256, "max_tokens when a request leaves it unset", int)
     env_flag(parser, "--max-tokens-limit", "KVMESH_MAX_TOKENS_LIMIT", 4096, "largest max_tokens a request may ask", int)
-    env_flag(parser, "--cache-threshold", "KVMESH_CACHE_THRESHOLD", 0.0,
+    env_flag(parser, "--cache-threshold", "KVMESH_CACHE_THRESHOLD", 0.3,
              "fraction of the prompt a cached prefix must cover to steer routing", float)
     env_flag(parser, "--load-weight", "KVMESH_LOAD_WEIGHT", 0.05,
              "weight of queued prefill tokens against uncached prompt tokens", float)

@@ -115,11 +115,28 @@ class InstancePool:
         await asyncio.gather(*[one(i, self._prefill_stubs[i.address]) for i in self.prefills],
                              *[one(i, self._decode_stubs[i.address]) for i in self.decodes])
 
-    def start_polling(self, interval_s: float) -> None:
+    async def reap_index(self) -> None:
+        """Drop the index entries of prefill instances whose lease lapsed (any gateway may)."""
+        if self.index is None:
+            return
+        try:
+            dead = await asyncio.wait_for(self.index.reap_expired(), timeout=2.0)
+        except Exception as exc:  # the index is down: route() already says so
+            logger.debug("index reap skipped: %s", exc)
+            return
+        for instance_id in dead:
+            logger.warning("prefill %s stopped renewing its index lease; its index entries are removed", instance_id)
+
+    def start_polling(self, interval_s: float, reap_every_s: float = 5.0) -> None:
         async def loop() -> None:
+            since_reap = reap_every_s
             while True:
                 await self.poll_once()
+                if since_reap >= reap_every_s:
+                    await self.reap_index()
+                    since_reap = 0.0
                 await asyncio.sleep(interval_s)
+                since_reap += interval_s
         self._poller = asyncio.ensure_future(loop())
 
     async def close(self) -> None:

@@ -2,10 +2,13 @@
 
 The default prefill policy, `cache_aware`, scores each instance by the prefill tokens it
 would compute for this request (prompt minus the prefix it holds, as the index says) plus
-`load_weight` times the prefill tokens already queued on it, and picks the lowest; a cached
-prefix counts only when it covers at least `cache_threshold` of the prompt (0 by default:
-every cached token counts, and the queued tokens keep a shared first block from pulling
-everything to one instance). Ties go to the instance sent the fewest prefill tokens so far.
+`load_weight` times its queue, and picks the lowest. The queue is the prefill tokens already
+queued on it plus `request_cost_tokens` for each request in flight there (a request costs a
+scheduling step and a KV push whatever its length, and this keeps a burst of short prompts
+from piling up where a shared block is cached). A cached prefix counts only when it covers
+at least `cache_threshold` of the prompt (SGLang's cache_threshold), so prompts that merely
+share a system block do not steer routing. Ties go to the instance sent the fewest prefill
+tokens so far.
 For comparison (`kvmesh routesim`), the same router also offers `round_robin`, `random`,
 `consistent_hash` (over the prompt's first `hash_blocks` block hashes, a ring with virtual
 nodes) and `least_load` (fewest queued tokens, cache ignored).
@@ -56,12 +59,15 @@ class PrefillRouter:
     """Prefill choice by a named policy (see the module docstring)."""
 
     instances: list[InstanceLoad]
-    cache_threshold: float = 0.0
+    cache_threshold: float = 0.3
     load_weight: float = 0.05
-    """Queued prefill tokens per uncached prompt token in the cost. Small: a conversation's
-    next turn stays where its prefix is unless that queue is long, which saves the whole mesh
-    work; `kvmesh routesim` on the Mooncake conversation trace (4 instances) measured 0.99 of
-    the oracle hit rate at 0.98-0.99 balancedness with 0.05, 0.82 / 0.996 with 1.0."""
+    """Weight of queued prefill tokens against this request's uncached tokens. Small: a
+    conversation's next turn stays where its prefix is unless that queue is long, which saves
+    the whole mesh work; `kvmesh routesim` on the Mooncake conversation trace (4 instances)
+    measured 0.98 of the oracle hit rate at 0.98-0.99 balancedness with 0.05 (threshold 0.3),
+    0.82 with 1.0."""
+    request_cost_tokens: int = 256
+    """Queue tokens each in-flight request adds on top of its prompt tokens."""
     policy: str = "cache_aware"
     hash_blocks: int = 2
     seed: int = 0
@@ -74,6 +80,8 @@ class PrefillRouter:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        if self.request_cost_tokens < 0:
+            raise ValueError(f"request_cost_tokens must be >= 0, got {self.request_cost_tokens}")
         if self.hash_blocks < 1:
             raise ValueError(f"hash_blocks must be >= 1, got {self.hash_blocks}")
         self._random = random.Random(self.seed)
@@ -111,7 +119,8 @@ class PrefillRouter:
         for pos, inst in enumerate(healthy):
             cached = min(cached_blocks.get(inst.instance_id, 0) * page_size, num_prompt_tokens - 1)
             counted = cached if cached >= self.cache_threshold * num_prompt_tokens and cached > 0 else 0
-            load = _queued(inst)
+            load = _queued(inst) + self.request_cost_tokens * max(inst.in_flight_requests,
+                                                                  inst.reported_active_requests)
             cost = (num_prompt_tokens - counted) + self.load_weight * load
             key = (cost, inst.total_routed_tokens, (pos - self._rr) % len(healthy))
             if best is None or key < best:

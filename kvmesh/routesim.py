@@ -125,6 +125,7 @@ def simulate(trace: Sequence[TraceRequest], num_instances: int, capacity_blocks:
         for k in range(num_instances):  # prefills finished by now leave the queue
             while running[k] and running[k][0][0] <= r.arrival_s:
                 loads[k].in_flight_tokens -= heapq.heappop(running[k])[1]
+                loads[k].in_flight_requests -= 1
         k = choose(r, loads, caches)
         hit = caches[k].prefix_hits(r.hash_ids)
         caches[k].touch(r.hash_ids)
@@ -136,6 +137,7 @@ def simulate(trace: Sequence[TraceRequest], num_instances: int, capacity_blocks:
         delays.append(start - r.arrival_s)
         heapq.heappush(running[k], (free_at[k], uncached))
         loads[k].in_flight_tokens += uncached
+        loads[k].in_flight_requests += 1
         loads[k].total_routed_tokens += uncached
         computed[k] += uncached
     q = statistics.quantiles(delays, n=10) if len(delays) > 1 else [delays[0]] * 9

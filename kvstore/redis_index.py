@@ -6,11 +6,18 @@ prompt where its longest prefix is already cached. Keys, for namespace `ns` and 
 
     {ns}:{model}:block:{hash}              set of instance ids holding the block
     {ns}:{model}:instance:{id}:blocks      set of hashes an instance holds (for clears)
-    {ns}:{model}:kv_events                 stream of every event (instance, type, hashes)
+    {ns}:{model}:kv_events                 stream of every event (instance, seq, type, hashes)
+    {ns}:{model}:lease:{id}                the instance's lease: exists while it heartbeats (TTL)
+    {ns}:{model}:instances                 set of instance ids that ever registered (for reaping)
 
-Redis deletes a set when its last member goes, so no empty block set lingers. The
-AllBlocksCleared path runs a small Lua script (it must read the instance's set to
-know which block sets to touch), so the index targets a single Redis, not a cluster.
+Each instance numbers its events 1, 2, ... (`seq` in the stream; a restart starts again at
+1 with an `cleared` event), so a consumer of the stream sees gaps and restarts. Readers count
+an instance's blocks only while its lease exists: an instance that stops heartbeating stops
+counting at once, and `reap_expired` (run by every gateway now and then; idempotent, so
+several gateways may) deletes its entries. Redis deletes a set when its last member goes,
+so no empty block set lingers. Clearing an instance runs a small Lua script (it must read
+the instance's set to know which block sets to touch), so the index targets a single Redis,
+not a cluster.
 
 Reference: vLLM's KV events published to an external indexer (llm-d's KV cache
 manager / Dynamo's KV router follow the same scheme).
@@ -46,6 +53,10 @@ class _Keys:
         self.prefix = f"{namespace}:{model}"
         self.block_prefix = f"{self.prefix}:block:"
         self.stream = f"{self.prefix}:kv_events"
+        self.instances = f"{self.prefix}:instances"
+
+    def lease(self, instance_id: str) -> str:
+        return f"{self.prefix}:lease:{instance_id}"
 
     def block(self, block_hash: BlockHash | str) -> str:
         return self.block_prefix + (block_hash if isinstance(block_hash, str) else block_hash.hex())
@@ -54,10 +65,14 @@ class _Keys:
         return f"{self.prefix}:instance:{instance_id}:blocks"
 
 
-def _leading_runs(rows: Sequence[Sequence[int]], instance_ids: Sequence[str]) -> dict[str, int]:
-    """rows[i][j] = 1 when instance j holds block i; count each instance's leading 1s."""
+def _leading_runs(rows: Sequence[Sequence[int]], instance_ids: Sequence[str],
+                  leases: Sequence[int | None] | None = None) -> dict[str, int]:
+    """rows[i][j] = 1 when instance j holds block i; count each instance's leading 1s.
+    Instances whose lease is missing (leases[j] falsy) count 0."""
     counts = dict.fromkeys(instance_ids, 0)
     alive = set(range(len(instance_ids)))
+    if leases is not None:
+        alive = {j for j in alive if leases[j]}
     for row in rows:
         alive = {j for j in alive if row[j]}
         if not alive:
@@ -85,6 +100,36 @@ class RedisKVIndex:
         self._keys = _Keys(namespace, model)
         self._redis = redis.Redis.from_url(redis_url, decode_responses=True)
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
+        self._seq: dict[str, int] = {}
+
+    def heartbeat(self, instance_id: str, ttl_s: float) -> None:
+        """Register `instance_id` and renew its lease for ttl_s seconds (call every ttl_s / 3)."""
+        if ttl_s <= 0:
+            raise ValueError(f"lease ttl must be > 0 s, got {ttl_s}")
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(self._keys.lease(instance_id), "1", px=max(1, int(ttl_s * 1000)))
+        pipe.sadd(self._keys.instances, instance_id)
+        pipe.execute()
+
+    def leave(self, instance_id: str) -> None:
+        """Clear the instance's entries and drop its lease and registration (clean shutdown)."""
+        self.clear_instance(instance_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._keys.lease(instance_id))
+        pipe.srem(self._keys.instances, instance_id)
+        pipe.execute()
+
+    def reap_expired(self) -> list[str]:
+        """Delete the entries of registered instances whose lease expired; return their ids."""
+        ids = sorted(self._redis.smembers(self._keys.instances))
+        if not ids:
+            return []
+        leases = self._redis.mget([self._keys.lease(i) for i in ids])
+        dead = [i for i, lease in zip(ids, leases) if not lease]
+        for i in dead:
+            self._clear_script(keys=[self._keys.instance(i)], args=[self._keys.block_prefix, i])
+            self._redis.srem(self._keys.instances, i)
+        return dead
 
     def publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
         """Append `events` to the stream and apply them to the index, in order, in ONE transaction.
@@ -105,7 +150,8 @@ class RedisKVIndex:
                 kind, hexes = "cleared", []
             else:
                 raise TypeError(f"not a KV event: {event!r}")
-            pipe.xadd(keys.stream, {"instance": instance_id, "type": kind, "hashes": ",".join(hexes)},
+            seq = self._seq[instance_id] = self._seq.get(instance_id, 0) + 1  # this writer's count
+            pipe.xadd(keys.stream, {"instance": instance_id, "seq": seq, "type": kind, "hashes": ",".join(hexes)},
                       maxlen=STREAM_MAXLEN, approximate=True)
             if kind == "cleared":
                 self._clear_script(keys=[keys.instance(instance_id)], args=[keys.block_prefix, instance_id],
@@ -125,10 +171,12 @@ class RedisKVIndex:
         """Ids of the instances holding `block_hash`."""
         return set(self._redis.smembers(self._keys.block(block_hash)))
 
-    def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:
+    def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str],
+                       require_lease: bool = True) -> dict[str, int]:
         """For each instance, how many consecutive leading blocks of `block_hashes` it holds.
 
-        One pipelined round trip (SMISMEMBER per block, Redis >= 6.2).
+        One pipelined round trip (the leases, then SMISMEMBER per block, Redis >= 6.2). With
+        require_lease, an instance without a live lease counts 0 blocks.
 
         Returns:
             {instance_id: number of leading blocks held} for every id in instance_ids.
@@ -137,9 +185,11 @@ class RedisKVIndex:
         if not instance_ids or not block_hashes:
             return dict.fromkeys(instance_ids, 0)
         pipe = self._redis.pipeline(transaction=False)
+        pipe.mget([self._keys.lease(i) for i in instance_ids])
         for h in block_hashes:
             pipe.smismember(self._keys.block(h), instance_ids)
-        return _leading_runs(pipe.execute(), instance_ids)
+        leases, *rows = pipe.execute()
+        return _leading_runs(rows, instance_ids, leases if require_lease else None)
 
     def close(self) -> None:
         """Release the connection pool."""
@@ -158,17 +208,32 @@ class AsyncRedisKVIndexReader:
         self.namespace = namespace
         self._keys = _Keys(namespace, model)
         self._redis = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
 
-    async def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:
+    async def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str],
+                             require_lease: bool = True) -> dict[str, int]:
         """Same as RedisKVIndex.longest_prefix, one pipelined round trip."""
         instance_ids = list(instance_ids)
         if not instance_ids or not block_hashes:
             return dict.fromkeys(instance_ids, 0)
         async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.mget([self._keys.lease(i) for i in instance_ids])
             for h in block_hashes:
                 pipe.smismember(self._keys.block(h), instance_ids)
-            rows = await pipe.execute()
-        return _leading_runs(rows, instance_ids)
+            leases, *rows = await pipe.execute()
+        return _leading_runs(rows, instance_ids, leases if require_lease else None)
+
+    async def reap_expired(self) -> list[str]:
+        """Same as RedisKVIndex.reap_expired."""
+        ids = sorted(await self._redis.smembers(self._keys.instances))
+        if not ids:
+            return []
+        leases = await self._redis.mget([self._keys.lease(i) for i in ids])
+        dead = [i for i, lease in zip(ids, leases) if not lease]
+        for i in dead:
+            await self._clear_script(keys=[self._keys.instance(i)], args=[self._keys.block_prefix, i])
+            await self._redis.srem(self._keys.instances, i)
+        return dead
 
     async def close(self) -> None:
         """Release the connection pool."""

@@ -36,6 +36,9 @@ class PrefillConfig:
     """Most prompt tokens prefilled together in one forward (queued requests batch up)."""
     push_timeout_s: float = 30.0
     """Seconds one KV push to decode may take before it fails with UNAVAILABLE."""
+    lease_ttl_s: float = 10.0
+    """Lifetime of this instance's lease in the prefix index; it is renewed every third of it,
+    and when it lapses gateways stop counting the instance's cached blocks."""
 
     def __post_init__(self) -> None:
         if self.num_pages < 1:
@@ -44,6 +47,8 @@ class PrefillConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if not self.lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,11 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--redis-url", "REDIS_URL", "", "Redis of the prefix index, fed by KV events (empty: no index)")
     env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "",
              "name in the prefix index (empty: host:port; the gateway learns it from GetStats)")
+    env_flag(parser, "--lease-ttl", "KVMESH_LEASE_TTL_S", 10.0,
+             "seconds the instance's index entries count after its last heartbeat", float)
 
 
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=args.model, host=args.host, port=args.port, num_pages=args.num_pages,
                          page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                          max_batch_tokens=args.max_batch_tokens, torch_threads=args.torch_threads,
-                         redis_url=args.redis_url, instance_id=args.instance_id,
+                         redis_url=args.redis_url, instance_id=args.instance_id, lease_ttl_s=args.lease_ttl,
                          kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1")

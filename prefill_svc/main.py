@@ -48,6 +48,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
+    heartbeat = asyncio.ensure_future(_heartbeat(index, instance_id, config.lease_ttl_s)) if index else None
     await svc.mark_serving()
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
     await stop.wait()
@@ -56,11 +57,28 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     engine.shutdown()
     await sender.close()
     if index is not None:
+        heartbeat.cancel()
         try:
-            index.clear_instance(instance_id)
+            await asyncio.to_thread(index.leave, instance_id)
         except Exception as exc:
             logger.warning("could not clear index entries at shutdown: %s", exc)
         index.close()
+
+
+async def _heartbeat(index: RedisKVIndex, instance_id: str, ttl_s: float) -> None:
+    """Renew this instance's lease every ttl/3 s; a Redis outage only delays it (logged once)."""
+    down = False
+    while True:
+        try:
+            await asyncio.to_thread(index.heartbeat, instance_id, ttl_s)
+            if down:
+                logger.info("prefix index reachable again; lease renewed")
+            down = False
+        except Exception as exc:
+            if not down:
+                logger.warning("cannot renew the index lease (%s); retrying every %.1f s", exc, ttl_s / 3)
+            down = True
+        await asyncio.sleep(ttl_s / 3)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -51,9 +51,10 @@ def test_shared_first_block_does_not_pile_onto_one_instance(mesh):
     # must spread over both instances: the gateway counts its own in-flight prefill
     # tokens, so the holder of the shared block soon costs more than the other one.
     # runs first in this module, while the gateway has routed nothing yet.
-    # One after another, prompts whose shared part is under the cache threshold (half
+    # One after another, prompts whose shared part is under the cache threshold (30% of
     # the prompt) cost the same everywhere; ties go to the instance sent fewer tokens,
-    # so they alternate instead of all going to the shared block's holder.
+    # so they alternate instead of all going to the shared block's holder. In the burst
+    # each in-flight request adds its tokens plus a fixed 256 to its instance's queue.
     used = [complete(mesh, f"{i}: please describe, in two or three sentences, the main idea behind this "
                            f"number and why someone curious might care about it at all.", chat=True,
                      max_tokens=2).final.prefill_instance for i in range(4)]

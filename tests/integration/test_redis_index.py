@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 
 import pytest
@@ -56,6 +57,12 @@ def index(ns):
 PROMPT = hash_blocks(list(range(6 * BS)), BS)  # 6 chained block hashes
 
 
+def _live(index: RedisKVIndex, *ids: str, ttl_s: float = 60.0) -> None:
+    """Give instances a lease: readers count only instances that heartbeat."""
+    for i in ids:
+        index.heartbeat(i, ttl_s)
+
+
 def test_stored_removed_cleared_update_sets_and_stream(index, ns, raw):
     index.publish("p0", [BlockStored(tuple(PROMPT[:3]))])
     assert index.instances_holding(PROMPT[0]) == {"p0"}
@@ -76,8 +83,8 @@ def test_stored_removed_cleared_update_sets_and_stream(index, ns, raw):
 
     # the stream recorded every event in order with its fields
     entries = raw.xrange(f"{ns}:{MODEL}:kv_events")
-    assert [(e["instance"], e["type"]) for _, e in entries] == [
-        ("p0", "stored"), ("p0", "removed"), ("p1", "stored"), ("p0", "cleared")]
+    assert [(e["instance"], e["seq"], e["type"]) for _, e in entries] == [
+        ("p0", "1", "stored"), ("p0", "2", "removed"), ("p1", "1", "stored"), ("p0", "3", "cleared")]
     assert entries[0][1]["hashes"] == ",".join(h.hex() for h in PROMPT[:3])
     assert entries[3][1]["hashes"] == ""
 
@@ -94,6 +101,7 @@ def test_longest_prefix_for_two_instances(index):
     # p0 holds blocks 0..3; p1 holds 0, 1 and 3 (2 was evicted: the run stops there)
     index.publish("p0", [BlockStored(tuple(PROMPT[:4]))])
     index.publish("p1", [BlockStored((PROMPT[0], PROMPT[1], PROMPT[3]))])
+    _live(index, "p0", "p1", "p2")
     assert index.longest_prefix(PROMPT, ["p0", "p1", "p2"]) == {"p0": 4, "p1": 2, "p2": 0}
     # a different prompt sharing nothing
     other = hash_blocks(list(range(1000, 1000 + 3 * BS)), BS)
@@ -105,6 +113,7 @@ def test_longest_prefix_for_two_instances(index):
 def test_clear_instance_removes_every_entry(index, ns, raw):
     index.publish("p0", [BlockStored(tuple(PROMPT))])
     index.publish("p1", [BlockStored(tuple(PROMPT[:2]))])
+    _live(index, "p0", "p1")
     index.clear_instance("p0")
     assert index.longest_prefix(PROMPT, ["p0", "p1"]) == {"p0": 0, "p1": 2}
     assert not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
@@ -118,6 +127,8 @@ def test_models_are_separate(ns):
     b = RedisKVIndex(REDIS_URL, "model-b", namespace=ns)
     try:
         a.publish("p0", [BlockStored(tuple(PROMPT[:2]))])
+        _live(a, "p0")
+        _live(b, "p0")
         assert b.longest_prefix(PROMPT, ["p0"]) == {"p0": 0}
         assert a.longest_prefix(PROMPT, ["p0"]) == {"p0": 2}
     finally:
@@ -127,6 +138,7 @@ def test_models_are_separate(ns):
 
 def test_pool_events_drive_the_index(index):
     # a real pool publishing through the index: what the index says == what the pool holds
+    _live(index, "p0")
     pool = BlockPool(4, BS, on_events=lambda events: index.publish("p0", events))
     ids = pool.allocate(3).block_ids
     pool.cache_blocks(ids, PROMPT[:3])
@@ -143,6 +155,7 @@ def test_async_reader_agrees_with_sync(index, ns):
     index.publish("p1", [BlockStored(tuple(PROMPT[:1]))])
     index.publish("p2", [BlockStored(tuple(PROMPT[1:]))])  # no block 0: matches nothing
     ids = ["p0", "p1", "p2", "p3"]
+    _live(index, *ids)
 
     async def read():
         reader = AsyncRedisKVIndexReader(REDIS_URL, MODEL, namespace=ns)
@@ -167,3 +180,52 @@ def test_async_reader_raises_connection_error_when_redis_is_down():
 
     with pytest.raises(redis.exceptions.ConnectionError):
         asyncio.run(read())
+
+
+def test_lease_expiry_drops_an_instance_at_once_and_reaping_cleans_up(index, ns, raw):
+    # p0 and p1 hold the same 4 blocks; p0's lease lapses, p1 keeps heartbeating
+    index.publish("p0", [BlockStored(tuple(PROMPT[:4]))])
+    index.publish("p1", [BlockStored(tuple(PROMPT[:4]))])
+    _live(index, "p1")
+    _live(index, "p0", ttl_s=0.3)
+    assert index.longest_prefix(PROMPT, ["p0", "p1"]) == {"p0": 4, "p1": 4}
+    time.sleep(0.5)
+    # its blocks stop counting before anyone cleans up; two readers (two gateways) agree
+    assert index.longest_prefix(PROMPT, ["p0", "p1"]) == {"p0": 0, "p1": 4}
+
+    async def reap():
+        reader = AsyncRedisKVIndexReader(REDIS_URL, MODEL, namespace=ns)
+        try:
+            return await reader.longest_prefix(PROMPT, ["p0", "p1"]), await reader.reap_expired()
+        finally:
+            await reader.close()
+
+    seen, reaped = asyncio.run(reap())
+    assert seen == {"p0": 0, "p1": 4} and reaped == ["p0"]
+    assert index.instances_holding(PROMPT[0]) == {"p1"}
+    assert not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
+    assert raw.smembers(f"{ns}:{MODEL}:instances") == {"p1"}
+    assert index.reap_expired() == []  # idempotent: a second gateway finds nothing to do
+
+
+def test_restarted_instance_leaves_no_stale_entries(index, ns, raw):
+    index.publish("p0", [BlockStored(tuple(PROMPT[:5]))])
+    # the process restarts: a new writer clears the old entries first (as prefill_svc does),
+    # then its new cache fills with other blocks; its event numbers start again at 1
+    restarted = RedisKVIndex(REDIS_URL, MODEL, namespace=ns)
+    try:
+        restarted.clear_instance("p0")
+        other = hash_blocks(list(range(500, 500 + 2 * BS)), BS)
+        restarted.publish("p0", [BlockStored(tuple(other))])
+        _live(restarted, "p0")
+        assert restarted.longest_prefix(PROMPT, ["p0"]) == {"p0": 0}
+        assert restarted.longest_prefix(other, ["p0"]) == {"p0": 2}
+        assert raw.smembers(f"{ns}:{MODEL}:instance:p0:blocks") == {h.hex() for h in other}
+        seqs = [(e["seq"], e["type"]) for _, e in raw.xrange(f"{ns}:{MODEL}:kv_events")]
+        assert seqs == [("1", "stored"), ("1", "cleared"), ("2", "stored")]
+        restarted.leave("p0")  # a clean shutdown: no entries, no lease, not registered
+        assert not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
+        assert not raw.exists(f"{ns}:{MODEL}:lease:p0")
+        assert not raw.sismember(f"{ns}:{MODEL}:instances", "p0")
+    finally:
+        restarted.close()
