@@ -104,8 +104,10 @@ class InstancePool:
         async def one(inst: InstanceLoad, stub) -> None:
             try:
                 stats = await stub.GetStats(common_pb2.StatsRequest(), timeout=min(self.rpc_timeout_s, 2.0))
-            except grpc.aio.AioRpcError:
-                inst.healthy = False
+            except grpc.aio.AioRpcError as exc:
+                # a slow answer is a busy instance, not a dead one: only an unreachable one is down
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    inst.healthy = False
                 return
             inst.healthy = True
             inst.instance_id = stats.instance_id

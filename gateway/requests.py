@@ -49,8 +49,18 @@ class PromptBuilder:
         if model and model.lower() != self.model_name.lower():
             raise ValueError(f"unknown model {model!r}: this gateway serves {self.model_name!r} (or leave model empty)")
 
-    def tokenize(self, prompt: bytes, messages: Sequence[tuple[str, str]], chat: bool) -> list[int]:
-        """Token ids of the prompt; messages (role, content) or chat=True use the chat template."""
+    def tokenize(self, prompt: bytes, messages: Sequence[tuple[str, str]], chat: bool,
+                 token_ids: Sequence[int] = ()) -> list[int]:
+        """Token ids of the prompt; messages (role, content) or chat=True use the chat template;
+        token_ids, when given, are the prompt as it is (each checked against the vocabulary)."""
+        if token_ids:
+            if prompt or messages or chat:
+                raise ValueError("send prompt_token_ids alone: without prompt, messages or chat")
+            vocab = len(self.tokenizer)
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad}")
+            return list(token_ids)
         if prompt and messages:
             raise ValueError("send either prompt or messages, not both")
         size = len(prompt) + sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)

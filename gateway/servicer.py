@@ -55,7 +55,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         b = self.builder
         b.check_model(request.model)
         s = request.sampling
-        ids = b.tokenize(request.prompt, [(m.role, m.content) for m in request.messages], request.chat)
+        ids = b.tokenize(request.prompt, [(m.role, m.content) for m in request.messages], request.chat,
+                         request.prompt_token_ids)
         return b.build(request.request_id or uuid.uuid4().hex, ids, s.temperature,
                        s.top_p if s.HasField("top_p") else None, s.top_k,
                        s.max_tokens if s.HasField("max_tokens") else None,

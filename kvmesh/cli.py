@@ -87,6 +87,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.trace:
+        from kvmesh.bench_trace import run_trace_bench
+
+        return run_trace_bench(args)
     from kvmesh.bench import run_bench
 
     return run_bench(args)
@@ -164,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
     bench.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level; the median counts")
     bench.add_argument("--model", default=None)
+    from kvmesh.bench_trace import add_arguments as add_trace_arguments
+
+    add_trace_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
     from kvmesh.bench_v4 import add_arguments as add_bench_v4_arguments
 

@@ -23,8 +23,9 @@ class Completion:
 def make_request(prompt: str | bytes = b"", *, messages: list[tuple[str, str]] | None = None, chat: bool = False,
                  max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
                  top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False, model: str = "", request_id: str = "") -> gateway_pb2.GenerateRequest:
-    """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes."""
+                 ignore_eos: bool = False, model: str = "", request_id: str = "",
+                 prompt_token_ids: list[int] | None = None) -> gateway_pb2.GenerateRequest:
+    """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids."""
     sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=stop or [],
                                          ignore_eos=ignore_eos)
     if top_p is not None:
@@ -36,7 +37,7 @@ def make_request(prompt: str | bytes = b"", *, messages: list[tuple[str, str]] |
     return gateway_pb2.GenerateRequest(
         request_id=request_id, model=model, prompt=prompt.encode() if isinstance(prompt, str) else prompt,
         messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in (messages or [])], chat=chat,
-        sampling=sampling)
+        sampling=sampling, prompt_token_ids=prompt_token_ids or [])
 
 
 class GatewayClient:

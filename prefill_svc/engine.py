@@ -203,10 +203,12 @@ class PrefillEngine:
             job.future.set_result(PrefillResult(first_token, block_ids, slot, cached, len(job.token_ids) - cached,
                                                 queue_s=started - job.submitted_at, compute_s=done - started))
 
-    def stats(self) -> dict[str, int | str]:
-        """Pool figures; call through call() so it runs on the worker thread."""
-        error = self.pool.integrity_error()
-        if not error and not self.pool.num_referenced_blocks and self.slots.num_free != self.slots.num_slots:
+    def stats(self, check: bool = True) -> dict[str, int | str]:
+        """Pool figures. Through call() (on the worker thread) they are exact and the pool's
+        integrity is checked; with check=False, from another thread while the worker computes,
+        they may be a step stale and integrity_error is '' unchecked."""
+        error = self.pool.integrity_error() if check else ""
+        if check and not error and not self.pool.num_referenced_blocks and self.slots.num_free != self.slots.num_slots:
             error = f"{self.slots.num_slots - self.slots.num_free} state slots held by no request"
         return {
             "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,

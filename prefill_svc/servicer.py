@@ -104,5 +104,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.engine.release(result.block_ids, result.state_slot)
 
     async def GetStats(self, request, context):
-        stats = await asyncio.wrap_future(self.engine.call(self.engine.stats))
+        # a long prefill holds the worker for seconds; the gateway's poll must not wait on it
+        # (it would take a busy instance for a dead one), so past 0.2 s read the counters here
+        future = self.engine.call(self.engine.stats)
+        try:
+            stats = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=0.2)
+        except asyncio.TimeoutError:
+            stats = self.engine.stats(check=False)
         return common_pb2.InstanceStats(instance_id=self.instance_id, **stats)

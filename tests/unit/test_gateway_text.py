@@ -49,3 +49,18 @@ def test_stop_string_cuts_before_it_and_holds_back_partial_matches():
 def test_no_stop_strings_streams_everything():
     m = StopStringMatcher([])
     assert m.feed("abc") == ("abc", False)
+
+
+def test_prompt_token_ids_pass_through_checked(tokenizer):
+    from gateway.requests import PromptBuilder
+
+    b = PromptBuilder(tokenizer, "m", 2048, 16, 64)
+    ids = tokenizer.encode("Paris is the capital of France.", add_special_tokens=False)
+    # a pre-tokenized prompt is the same tokens the text gives
+    assert b.tokenize(b"", [], False, ids) == b.tokenize(b"Paris is the capital of France.", [], False)
+    with pytest.raises(ValueError, match=r"prompt_token_ids must be in \[0, 49152\), got 49152"):
+        b.tokenize(b"", [], False, [5, len(tokenizer)])
+    with pytest.raises(ValueError, match="alone"):
+        b.tokenize(b"hi", [], False, [5])
+    with pytest.raises(ValueError, match="alone"):
+        b.tokenize(b"", [], True, [5])

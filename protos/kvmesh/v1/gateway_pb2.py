@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.kvmesh.v1 import common_pb2 as protos_dot_kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x1dprotos/kvmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\x0c\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\"d\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.TextDeltaH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.FinalH\x00\x42\x06\n\x04kind\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x84\x01\n\nKVTransfer\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x13\n\x0bpage_nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_digest\x18\x05 \x01(\t\x12\x15\n\rdecode_digest\x18\x06 \x01(\t\"\xab\x02\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12\r\n\x05itl_s\x18\x07 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x08 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12*\n\x0bkv_transfer\x18\x0b \x01(\x0b\x32\x15.kvmesh.v1.KVTransfer\x12\x0f\n\x07queue_s\x18\x0c \x01(\x01\x12\x11\n\tprefill_s\x18\r \x01(\x01\"\x13\n\x11ListModelsRequest\"u\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x32\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x1dprotos/kvmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\x0c\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"d\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.TextDeltaH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.FinalH\x00\x42\x06\n\x04kind\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x84\x01\n\nKVTransfer\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x13\n\x0bpage_nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_digest\x18\x05 \x01(\t\x12\x15\n\rdecode_digest\x18\x06 \x01(\t\"\xab\x02\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12\r\n\x05itl_s\x18\x07 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x08 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12*\n\x0bkv_transfer\x18\x0b \x01(\x0b\x32\x15.kvmesh.v1.KVTransfer\x12\x0f\n\x07queue_s\x18\x0c \x01(\x01\x12\x11\n\tprefill_s\x18\r \x01(\x01\"\x13\n\x11ListModelsRequest\"u\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x32\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=76
   _globals['_CHATMESSAGE']._serialized_end=120
   _globals['_GENERATEREQUEST']._serialized_start=123
-  _globals['_GENERATEREQUEST']._serialized_end=292
-  _globals['_GENERATERESPONSE']._serialized_start=294
-  _globals['_GENERATERESPONSE']._serialized_end=394
-  _globals['_TEXTDELTA']._serialized_start=396
-  _globals['_TEXTDELTA']._serialized_end=440
-  _globals['_KVTRANSFER']._serialized_start=443
-  _globals['_KVTRANSFER']._serialized_end=575
-  _globals['_FINAL']._serialized_start=578
-  _globals['_FINAL']._serialized_end=877
-  _globals['_LISTMODELSREQUEST']._serialized_start=879
-  _globals['_LISTMODELSREQUEST']._serialized_end=898
-  _globals['_LISTMODELSRESPONSE']._serialized_start=900
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1017
-  _globals['_GATEWAY']._serialized_start=1020
-  _globals['_GATEWAY']._serialized_end=1175
+  _globals['_GENERATEREQUEST']._serialized_end=318
+  _globals['_GENERATERESPONSE']._serialized_start=320
+  _globals['_GENERATERESPONSE']._serialized_end=420
+  _globals['_TEXTDELTA']._serialized_start=422
+  _globals['_TEXTDELTA']._serialized_end=466
+  _globals['_KVTRANSFER']._serialized_start=469
+  _globals['_KVTRANSFER']._serialized_end=601
+  _globals['_FINAL']._serialized_start=604
+  _globals['_FINAL']._serialized_end=903
+  _globals['_LISTMODELSREQUEST']._serialized_start=905
+  _globals['_LISTMODELSREQUEST']._serialized_end=924
+  _globals['_LISTMODELSRESPONSE']._serialized_start=926
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1043
+  _globals['_GATEWAY']._serialized_start=1046
+  _globals['_GATEWAY']._serialized_end=1201
 # @@protoc_insertion_point(module_scope)
