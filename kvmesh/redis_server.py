@@ -37,11 +37,12 @@ class RedisProcess:
     redis-server) and TimeoutError when it does not answer within timeout_s seconds.
     """
 
-    def __init__(self, preexec_fn=None, timeout_s: float = 10.0) -> None:
+    def __init__(self, preexec_fn=None, timeout_s: float = 10.0, port: int = 0) -> None:
+        """port 0 picks a free one; a given port restarts a server where clients expect it."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server not found: install it (apt-get install redis-server) or set REDIS_URL")
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
         self.proc = subprocess.Popen(

@@ -102,14 +102,26 @@ class RedisKVIndex:
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
         self._seq: dict[str, int] = {}
 
-    def heartbeat(self, instance_id: str, ttl_s: float) -> None:
-        """Register `instance_id` and renew its lease for ttl_s seconds (call every ttl_s / 3)."""
+    def heartbeat(self, instance_id: str, ttl_s: float) -> bool:
+        """Register `instance_id` and renew its lease for ttl_s seconds (call every ttl_s / 3).
+
+        Returns True when the instance was not registered: the first heartbeat, or the index
+        lost it (a Redis restart, or reaped after a long pause), so the caller should re-publish
+        what it holds (`resync`).
+        """
         if ttl_s <= 0:
             raise ValueError(f"lease ttl must be > 0 s, got {ttl_s}")
         pipe = self._redis.pipeline(transaction=True)
         pipe.set(self._keys.lease(instance_id), "1", px=max(1, int(ttl_s * 1000)))
         pipe.sadd(self._keys.instances, instance_id)
-        pipe.execute()
+        return bool(pipe.execute()[1])
+
+    def resync(self, instance_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """Replace the instance's entries with exactly `block_hashes` (what its cache holds now)."""
+        events: list[KVEvent] = [AllBlocksCleared()]
+        if block_hashes:
+            events.append(BlockStored(tuple(block_hashes)))
+        self.publish(instance_id, events)
 
     def leave(self, instance_id: str) -> None:
         """Clear the instance's entries and drop its lease and registration (clean shutdown)."""

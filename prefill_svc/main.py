@@ -48,7 +48,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
-    heartbeat = asyncio.ensure_future(_heartbeat(index, instance_id, config.lease_ttl_s)) if index else None
+    heartbeat = asyncio.ensure_future(_heartbeat(index, instance_id, config.lease_ttl_s, engine)) if index else None
     await svc.mark_serving()
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
     await stop.wait()
@@ -65,14 +65,22 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         index.close()
 
 
-async def _heartbeat(index: RedisKVIndex, instance_id: str, ttl_s: float) -> None:
-    """Renew this instance's lease every ttl/3 s; a Redis outage only delays it (logged once)."""
+async def _heartbeat(index: RedisKVIndex, instance_id: str, ttl_s: float, engine: PrefillEngine) -> None:
+    """Renew this instance's lease every ttl/3 s; a Redis outage only delays it (logged once).
+
+    When the index has forgotten this instance (Redis restarted empty), re-publish what the
+    prefix cache holds, on the engine's worker thread so no KV event slips between the
+    snapshot and the publish.
+    """
     down = False
     while True:
         try:
-            await asyncio.to_thread(index.heartbeat, instance_id, ttl_s)
+            lost = await asyncio.to_thread(index.heartbeat, instance_id, ttl_s)
+            if lost:
+                await asyncio.wrap_future(engine.call(
+                    lambda: index.resync(instance_id, sorted(engine.pool.cached_hashes()))))
             if down:
-                logger.info("prefix index reachable again; lease renewed")
+                logger.info("prefix index reachable again; lease renewed%s", ", cache re-published" if lost else "")
             down = False
         except Exception as exc:
             if not down:
