@@ -122,8 +122,8 @@ def run_bench_v4(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a DeepSeek-V4 checkpoint folder (default: make the tiny one)")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prefill-tokens", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=8, help="requests decoding at once (default 8)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
+    p.add_argument("--prefill-tokens", type=int, default=2048, help="length of the prefill prompt (default 2048)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per measure; the median counts (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -187,9 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     routesim.set_defaults(func=_cmd_routesim)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random checkpoint (tests, benchmarks)")
-    tiny.add_argument("--arch", required=True, choices=["deepseek_v4"])
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("out_dir")
+    tiny.add_argument("--arch", required=True, choices=["deepseek_v4"], help="model architecture")
+    tiny.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    tiny.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer into")
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 
