@@ -31,7 +31,7 @@ class GatewayConfig:
     """Largest max_tokens a request may ask for."""
     cache_threshold: float = 0.3
     """Fraction of the prompt a cached prefix must cover to steer routing (SGLang's cache_threshold)."""
-    load_weight: float = 0.05
+    load_weight: float = 0.02
     """Weight of queued prefill tokens against uncached prompt tokens in the routing cost."""
     routing_policy: str = "cache_aware"
     """cache_aware (the default), round_robin, random, consistent_hash or least_load."""
@@ -41,6 +41,8 @@ class GatewayConfig:
     """Deadline of one Prefill call (queueing + compute + KV push)."""
     stats_interval_s: float = 0.5
     """How often instances' load and health are polled."""
+    metrics_port: int = 0
+    """HTTP port of the Prometheus metrics endpoint (/metrics); 0 serves none."""
 
     def __post_init__(self) -> None:
         if not self.prefill_addresses:
@@ -71,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--max-tokens-limit", "KVMESH_MAX_TOKENS_LIMIT", 4096, "largest max_tokens a request may ask", int)
     env_flag(parser, "--cache-threshold", "KVMESH_CACHE_THRESHOLD", 0.3,
              "fraction of the prompt a cached prefix must cover to steer routing", float)
-    env_flag(parser, "--load-weight", "KVMESH_LOAD_WEIGHT", 0.05,
+    env_flag(parser, "--load-weight", "KVMESH_LOAD_WEIGHT", 0.02,
              "weight of queued prefill tokens against uncached prompt tokens", float)
+    env_flag(parser, "--metrics-port", "KVMESH_METRICS_PORT", 0, "HTTP port of Prometheus /metrics (0: none)", int)
     env_flag(parser, "--routing-policy", "KVMESH_ROUTING_POLICY", "cache_aware",
              "prefill routing: cache_aware, round_robin, random, consistent_hash or least_load")
 
@@ -84,4 +87,4 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          host=args.host, port=args.port, redis_url=args.redis_url, page_size=args.page_size,
                          default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
                          cache_threshold=args.cache_threshold, load_weight=args.load_weight,
-                         routing_policy=args.routing_policy)
+                         routing_policy=args.routing_policy, metrics_port=args.metrics_port)

@@ -34,6 +34,12 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
                         config.prefill_timeout_s), svc.server)
     await pool.poll_once()
     pool.start_polling(config.stats_interval_s)
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        from gateway.metrics import REGISTRY
+
+        start_http_server(config.metrics_port, addr=config.host, registry=REGISTRY)
     await svc.start()
     await svc.mark_serving()
     print(f"gateway serving {files.name} on {svc.address}", flush=True)

@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from gateway import metrics
 from gateway.router import InstanceLoad, PrefillRouter, pick_decode
 from kvmesh.service import GRPC_OPTIONS
 from kvstore.block_hash import hash_blocks
@@ -30,6 +31,7 @@ class InstancePool:
         self.page_size = page_size
         self.index = index
         self.index_ok = True
+        metrics.PREFIX_INDEX_UP.set(1 if index is not None else 0)
         self.rpc_timeout_s = rpc_timeout_s
         self.prefills = [InstanceLoad(a) for a in prefill_addresses]
         self.decodes = [InstanceLoad(a) for a in decode_addresses]
@@ -63,8 +65,12 @@ class InstancePool:
                 if self.index_ok:
                     logger.warning("prefix index unreachable (%s); routing by load alone", exc)
                 self.index_ok = False
+            metrics.PREFIX_INDEX_UP.set(1 if self.index_ok else 0)
         decision = self.router.choose(len(prompt_token_ids), cached_blocks, self.page_size, hashes)
         prefill = next(i for i in self.prefills if i.address == decision.address)
+        informed = self.index is not None and self.index_ok
+        metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if informed else "load_only").inc()
+        metrics.INDEX_CACHED_TOKENS.inc(decision.cached_tokens)
         self._rr += 1
         decode = pick_decode(self.decodes, self._rr)
         return prefill, decode, decision.cached_tokens

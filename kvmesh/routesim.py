@@ -180,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     if args.sglang:
         from kvmesh.sglang_router import sglang_assignments
 
-        raw = [{"timestamp": r.arrival_s * 1000, "input_length": r.input_tokens, "hash_ids": list(r.hash_ids)}
-               for r in trace]
+        with open(args.trace) as f:  # the raw rows: the replay also holds requests for their output length
+            raw = [json.loads(line) for line in f if line.strip()][:len(trace)]
         for p in ("cache_aware", "prefix_hash"):
             rows.append(simulate(trace, args.instances, args.capacity_blocks,
                                  fixed_chooser(sglang_assignments(raw, args.instances, p)),
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.tokens_per_s:.0f} prefill tok/s per instance")
     print(f"{'policy':<20}{'hit rate':>10}{'oracle':>9}{'vs oracle':>11}{'balanced':>10}{'queue p50':>11}{'p90':>9}")
     for row in rows:
-        print(f"{row.policy:<20}{row.hit_rate:>10.3f}{row.oracle_hit_rate:>9.3f}"
+        print(f"{row.policy:<20}{row.hit_rate:>10.4f}{row.oracle_hit_rate:>9.4f}"
               f"{row.hit_rate / max(row.oracle_hit_rate, 1e-9):>11.3f}{row.balancedness:>10.3f}"
               f"{row.queue_p50_s:>10.2f}s{row.queue_p90_s:>8.2f}s")
     return 0

@@ -30,11 +30,11 @@ def test_short_shared_prefix_does_not_steer_routing_under_a_threshold():
 
 def test_load_outweighs_a_small_saving():
     r = _router()
-    # B caches 64 of 100 tokens; at the default weight 0.05 a queue of 600 tokens costs it 30
-    # (36 + 30 < 100) but one of 2000 costs it 100 (36 + 100 > 100)
-    r.instances[1].in_flight_tokens = 600
+    # B caches 64 of 100 tokens; at the default weight 0.02 a queue of 1500 tokens costs it 30
+    # (36 + 30 < 100) but one of 4000 costs it 80 (36 + 80 > 100)
+    r.instances[1].in_flight_tokens = 1500
     assert r.choose(100, {"B": 4}, PAGE).address == "b:1"
-    r.instances[1].in_flight_tokens = 2000
+    r.instances[1].in_flight_tokens = 4000
     assert r.choose(100, {"B": 4}, PAGE).address == "a:1"
 
 
