@@ -121,6 +121,8 @@ class PrefillEngine:
     def _release(self, block_ids: list[int], state_slot: int | None) -> None:
         self.pool.free(block_ids)
         self.slots.free(state_slot)
+        if self._pending:  # jobs may be waiting for these pages
+            self._drain()
 
     def call(self, fn, *args) -> concurrent.futures.Future:
         """Run fn(*args) on the worker thread (for stats and integrity checks)."""
@@ -140,25 +142,50 @@ class PrefillEngine:
             return batch
 
     def _drain(self) -> None:
-        """On the worker thread: prefill every queued job that fits the token budget at once."""
+        """On the worker thread: prefill every queued job that fits the token budget at once.
+
+        A job that finds too few free pages (or state slots) while other requests hold some
+        waits at the head of the queue until a release frees them, as vLLM's scheduler keeps
+        a request waiting; one that could not fit even in an empty pool fails at once.
+        """
         batch = self._take_batch()
+        waiting: list[PrefillJob] = []
         try:
             ready = []
             for job in batch:
                 if job.cancelled.is_set():
                     job.future.set_exception(Cancelled(job.request_id))
                     continue
+                needs = math.ceil(len(job.token_ids) / self.page_size)
+                if needs > self.pool.num_blocks:
+                    job.future.set_exception(NoFreeBlocksError(
+                        f"[{job.request_id}] needs {needs} KV pages, more than this instance's {self.pool.num_blocks}"))
+                    continue
+                if waiting:  # keep arrival order behind a job that waits
+                    waiting.append(job)
+                    continue
                 try:
                     ready.append((job, *self._allocate(job)))
-                except Exception as exc:  # NoFreeBlocksError: this job fails, the others go on
+                except NoFreeBlocksError as exc:
+                    if self._fits_later(job):
+                        waiting.append(job)
+                    else:
+                        job.future.set_exception(exc)
+                except Exception as exc:  # this job fails, the others go on
                     job.future.set_exception(exc)
             if ready:
                 self._compute(ready)
         finally:
             with self._count_lock:
                 for job in batch:
-                    self.num_queued_tokens -= len(job.token_ids)
-                    self.num_active -= 1
+                    if job not in waiting:
+                        self.num_queued_tokens -= len(job.token_ids)
+                        self.num_active -= 1
+                self._pending.extendleft(reversed(waiting))
+
+    def _fits_later(self, job: PrefillJob) -> bool:
+        """Releases by requests in flight will make room for `job` (pages, state slot)."""
+        return self.pool.num_referenced_blocks > 0 or self.slots.num_free < self.slots.num_slots
 
     def _allocate(self, job: PrefillJob) -> tuple[list, tuple[int, ...], int, int | None]:
         """Reuse the cached prefix and allocate pages for the rest, plus a state slot:
