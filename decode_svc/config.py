@@ -21,6 +21,9 @@ class DecodeConfig:
     """gRPC port; 0 picks a free one."""
     kv_port: int = 0
     """UCX listener port for KV pushes; 0 picks a free one."""
+    advertise_host: str = ""
+    """Host prefill instances push KV to (the UCX listener takes every interface); empty means
+    --host, or this machine's hostname when --host is a wildcard (0.0.0.0, ::)."""
     num_pages: int = 1024
     """KV pages in this instance's pool (page_size tokens each)."""
     page_size: int = 16
@@ -62,10 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "new KV loads admitted into the running batch per step", int)
     env_flag(parser, "--torch-threads", "KVMESH_TORCH_THREADS", 0, "intra-op threads of the model (0: all cores)", int)
     env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "", "name in logs and stats (empty: decode@host:port)")
+    env_flag(parser, "--advertise-host", "KVMESH_ADVERTISE_HOST", "",
+             "host prefill pushes KV to (empty: --host, or the hostname when --host is 0.0.0.0)")
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(model=args.model, host=args.host, port=args.port, kv_port=args.kv_port,
                         num_pages=args.num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
                         max_admit_per_step=args.max_admit_per_step, torch_threads=args.torch_threads,
-                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id)
+                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id,
+                        advertise_host=args.advertise_host)

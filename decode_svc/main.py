@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import logging
 
 from decode_svc.config import DecodeConfig, config_from_args
@@ -28,7 +29,9 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     runner = await asyncio.wrap_future(executor.submit(create_runner, files, config.num_pages, config.page_size,
                                                           config.max_batch_size))
     engine = DecodeEngine(config, runner)
-    receiver = KVReceiver(config.host, config.kv_port)
+    # a wildcard bind address is no address to push to: advertise a name others can reach
+    kv_host = config.advertise_host or (socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
+    receiver = KVReceiver(kv_host, config.kv_port)
     await receiver.start()
     model_config = load_config(files)
     servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids),

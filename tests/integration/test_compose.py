@@ -1,0 +1,198 @@
+"""compose.yaml (the local cluster) checked against the `kvmesh` command line, then the same
+mesh shape run for real by `kvmesh up`'s launcher.
+
+There is no Docker engine on the test machines, so the file itself is checked: each kvmesh
+service's command goes through `kvmesh.cli.build_parser()` and its service's config, every
+address a service is given names a compose service and the port that service listens on,
+and healthchecks, start-up order and the OTLP endpoint are wired. The live part starts a
+loopback mesh with as many prefill and decode instances as compose has, sends a request end
+to end, and runs scripts/grpc_health_check.py (what the healthchecks run) against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from kvmesh.cli import build_parser
+from kvmesh.redis_server import free_port
+from tests.integration.meshutil import complete, running_mesh
+
+ROOT = Path(__file__).resolve().parents[2]
+HEALTH_SCRIPT = ROOT / "scripts" / "grpc_health_check.py"
+REDIS_URL = "redis://redis:6379/0"
+# compose service -> `kvmesh serve` kind
+KVMESH_SERVICES = {"gateway": "gateway", "prefill-0": "prefill", "prefill-1": "prefill",
+                   "decode-0": "decode", "decode-1": "decode"}
+GRPC_NAMES = {"gateway": "kvmesh.v1.Gateway", "prefill": "kvmesh.v1.Prefill", "decode": "kvmesh.v1.Decode"}
+
+
+@pytest.fixture(scope="module")
+def services() -> dict:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+
+
+def _parse(command: list[str]) -> argparse.Namespace:
+    try:
+        return build_parser().parse_args(command)
+    except SystemExit as exc:  # argparse's way of rejecting a command line
+        pytest.fail(f"`kvmesh {' '.join(command)}` does not parse (exit {exc.code})")
+
+
+def _config(service: dict):
+    """The service's frozen config, built as its main() builds it."""
+    args = _parse(service["command"])
+    return importlib.import_module(f"{args.service_module}.config").config_from_args(args)
+
+
+def _env(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):  # compose also takes ["KEY=value", ...]
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def _listen_ports(services: dict) -> dict[str, int]:
+    """compose service -> the port it serves on inside the compose network."""
+    ports = {name: _config(services[name]).port for name in KVMESH_SERVICES}
+    ports["redis"] = 6379
+    return ports
+
+
+def test_services_are_redis_jaeger_gateway_two_prefill_two_decode(services):
+    assert set(services) == {"redis", "jaeger", *KVMESH_SERVICES}
+    assert services["redis"]["image"].startswith("redis:7")
+    assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one")
+    assert "16686:16686" in services["jaeger"]["ports"]
+    assert "50051:50051" in services["gateway"]["ports"]
+    # one image, built from the repository's Dockerfile, for every kvmesh service
+    assert {services[n]["build"] for n in KVMESH_SERVICES} == {"."}
+    assert len({services[n]["image"] for n in KVMESH_SERVICES}) == 1
+    assert (ROOT / "Dockerfile").is_file()
+
+
+@pytest.mark.parametrize("name", sorted(KVMESH_SERVICES))
+def test_command_parses_and_builds_its_config(services, name):
+    command = services[name]["command"]
+    assert isinstance(command, list) and command[:2] == ["serve", KVMESH_SERVICES[name]], command
+    config = _config(services[name])
+    # reachable from the other containers, on a port stated in the file (not picked at run time)
+    assert config.host == "0.0.0.0"
+    assert "--port" in command and config.port > 0
+    kind = KVMESH_SERVICES[name]
+    if kind == "decode":
+        assert "--kv-port" in command and config.kv_port > 0
+        assert config.kv_port != config.port
+        # prefill pushes KV to this name: the decode's own compose service, not 0.0.0.0
+        assert config.advertise_host == name
+    if kind == "prefill":
+        assert config.instance_id == name  # names the instance in the prefix index and in answers
+        assert config.redis_url == REDIS_URL
+    if kind == "gateway":
+        assert config.redis_url == REDIS_URL
+
+
+def test_every_address_names_a_compose_service_and_its_port(services):
+    ports = _listen_ports(services)
+    gateway = _config(services["gateway"])
+    for kind, addresses in (("prefill", gateway.prefill_addresses), ("decode", gateway.decode_addresses)):
+        # every instance of the kind, each once
+        assert sorted(_host_port(a)[0] for a in addresses) == sorted(
+            n for n, k in KVMESH_SERVICES.items() if k == kind), addresses
+        for address in addresses:
+            host, port = _host_port(address)
+            assert port == ports[host], f"gateway's --{kind} {address}: {host} listens on {ports[host]}"
+    for name in ("gateway", "prefill-0", "prefill-1"):
+        url = urlparse(_config(services[name]).redis_url)
+        assert url.scheme == "redis" and url.hostname in services, (name, url)
+        assert url.port == ports[url.hostname], (name, url)
+
+
+def test_healthchecks_ask_the_grpc_health_service(services):
+    ports = _listen_ports(services)
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    for name, kind in KVMESH_SERVICES.items():
+        test = services[name]["healthcheck"]["test"]
+        # the script lands at /app/scripts/ through the Dockerfile's WORKDIR /app and COPY . .
+        assert test[:3] == ["CMD", "python", "/app/scripts/grpc_health_check.py"], test
+        assert test[3] == f"127.0.0.1:{ports[name]}", test
+        assert test[4] == GRPC_NAMES[kind], test
+    assert HEALTH_SCRIPT.is_file()
+
+
+def test_start_order_waits_for_healthy_dependencies(services):
+    def healthy(name: str) -> set[str]:
+        depends = services[name].get("depends_on") or {}
+        return {d for d, spec in depends.items() if spec.get("condition") == "service_healthy"}
+
+    assert healthy("gateway") >= {"redis", "prefill-0", "prefill-1", "decode-0", "decode-1"}
+    assert healthy("prefill-0") >= {"redis"} and healthy("prefill-1") >= {"redis"}
+    for name in KVMESH_SERVICES:
+        for dependency in healthy(name):  # a condition nobody could meet would block start-up
+            assert "healthcheck" in services[dependency], (name, dependency)
+
+
+def test_spans_go_to_jaegers_otlp_grpc_port(services):
+    assert _env(services["jaeger"])["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name in KVMESH_SERVICES:
+        env = _env(services[name])
+        endpoint = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert (endpoint.hostname, endpoint.port) == ("jaeger", 4317), (name, endpoint)
+        assert env["OTEL_SERVICE_NAME"] == f"kvmesh-{name}"
+
+
+def test_dockerfile_runs_kvmesh_as_a_user_with_the_model_converted():
+    text = (ROOT / "Dockerfile").read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert 'ENTRYPOINT ["kvmesh"]' in text
+    assert "USER kvmesh" in text and "KVMESH_CACHE_DIR=" in text
+    assert "resolve_model(None)" in text  # the GGUF is converted at build time
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git"} <= set(ignored) and "scripts" not in ignored
+
+
+# -- live: the same shape on loopback ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mesh(services):
+    gateway = _config(services["gateway"])
+    with running_mesh(len(gateway.prefill_addresses), len(gateway.decode_addresses)) as m:
+        assert (len(m.prefill_addresses), len(m.decode_addresses)) == (2, 2)
+        yield m
+
+
+def test_mesh_of_the_same_shape_answers_end_to_end(mesh):
+    c = complete(mesh, "What is the capital of France?", chat=True, max_tokens=8)
+    assert c.text.strip(), c
+    assert c.final is not None and c.final.generated_tokens > 0, c.final
+    assert c.final.prefill_instance and c.final.decode_instance, c.final
+
+
+def _health_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HEALTH_SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_health_check_script_exits_0_only_when_serving(mesh):
+    assert _health_check(mesh.gateway_address).returncode == 0
+    ok = _health_check(mesh.gateway_address, "kvmesh.v1.Gateway")
+    assert ok.returncode == 0, ok.stderr
+    for address in [*mesh.prefill_addresses, *mesh.decode_addresses]:
+        assert _health_check(address).returncode == 0, address
+    # a service this server does not have: NOT_FOUND
+    unknown = _health_check(mesh.gateway_address, "kvmesh.v1.NoSuchService")
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr, unknown.stderr
+    # nobody listening
+    closed = _health_check(f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert closed.returncode != 0 and "UNAVAILABLE" in closed.stderr, closed.stderr
