@@ -35,6 +35,8 @@ class DecodeConfig:
     reservation_timeout_s: float = 60.0
     """A reservation whose Generate call never comes is freed after this many seconds."""
     kv_digest: bool = False
+    metrics_port: int = 0
+    """HTTP port of the Prometheus metrics endpoint (/metrics); 0 serves none."""
     """Hash each request's received KV pages (SHA-256) and report it, for tests."""
     torch_threads: int = 0
     """Intra-op threads of the model; 0 keeps torch's default (every core)."""
@@ -64,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--max-admit-per-step", "KVMESH_MAX_ADMIT_PER_STEP", 4,
              "new KV loads admitted into the running batch per step", int)
     env_flag(parser, "--torch-threads", "KVMESH_TORCH_THREADS", 0, "intra-op threads of the model (0: all cores)", int)
+    env_flag(parser, "--metrics-port", "KVMESH_METRICS_PORT", 0, "HTTP port of Prometheus /metrics (0: none)", int)
     env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "", "name in logs and stats (empty: decode@host:port)")
     env_flag(parser, "--advertise-host", "KVMESH_ADVERTISE_HOST", "",
              "host prefill pushes KV to (empty: --host, or the hostname when --host is 0.0.0.0)")
@@ -73,5 +76,5 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(model=args.model, host=args.host, port=args.port, kv_port=args.kv_port,
                         num_pages=args.num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
                         max_admit_per_step=args.max_admit_per_step, torch_threads=args.torch_threads,
-                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id,
+                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id, metrics_port=args.metrics_port,
                         advertise_host=args.advertise_host)

@@ -15,12 +15,14 @@ import logging
 import math
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from decode_svc import metrics
 from decode_svc.config import DecodeConfig
 from engine.model_runner import ForwardItem, ModelRunner, StateSlots
 from engine.sampler import SamplingParams, sample
@@ -274,11 +276,20 @@ class DecodeEngine:
                             if seq.emit is not None:
                                 self.dispatch([(seq.emit, [], f"error: {exc}")])
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self._running)
+
     def _step(self, batch: list[DecodeSequence]) -> None:
+        cpu_started = time.process_time()
         items = [ForwardItem(token_ids=[s.token_ids[-1]], num_computed_tokens=s.num_computed_tokens,
                              block_ids=s.block_ids, state_slot=s.state_slot) for s in batch]
         logits = self.runner.forward(items)  # [B, V]
         tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
+        metrics.STEP_CPU.observe(time.process_time() - cpu_started)
+        metrics.STEPS.inc()
+        metrics.TOKENS.inc(len(batch))
         deliveries = []
         with self._cond:
             self.num_steps += 1

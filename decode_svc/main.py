@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import logging
+import socket
 
+from decode_svc import metrics
 from decode_svc.config import DecodeConfig, config_from_args
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
 from engine.loader import load_config, resolve_model
 from engine.model_runner import create_runner
-from kvmesh import service
+from kvmesh import service, tracing
 from kvstore.ucx_transfer import KVReceiver
 from protos.kvmesh.v1 import decode_pb2_grpc
 
@@ -37,6 +38,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids),
                               model_config.vocab_size, model_config.max_position_embeddings)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
+    metrics.bind(engine)
+    service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
     engine.start(executor)  # the batch loop occupies the main thread
@@ -47,9 +50,11 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     await svc.stop(grace_s=5.0)
     engine.shutdown()
     await receiver.close()
+    tracing.shutdown_tracing()
 
 
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("decode")
+    tracing.setup_tracing("kvmesh-decode")
     config = config_from_args(args)
     service.run(lambda stop, executor: serve(config, stop, executor))

@@ -7,8 +7,11 @@ import logging
 import math
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from decode_svc.engine import CapacityError, DecodeEngine, deliver_all
+from kvmesh import tracing
+from kvmesh.logs import request_context
 from kvmesh.wire import sampling_from_pb
 from kvstore.ucx_transfer import KVReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -36,6 +39,23 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         engine.dispatch = lambda deliveries: loop.call_soon_threadsafe(deliver_all, deliveries)
 
     async def Reserve(self, request, context):
+        span = tracing.tracer().start_span("decode.reserve", kind=SpanKind.SERVER,
+                                           context=tracing.extract(context.invocation_metadata()),
+                                           attributes={"kvmesh.request_id": request.request_id,
+                                                       "kvmesh.instance": self.instance_id})
+        request_context.set((request.request_id, tracing.trace_id(span)))
+        try:
+            response = await self._reserve(request, context)
+            span.set_attributes({"kvmesh.kv.pages_reserved": len(self.engine.transfer_buffers(response.transfer_id)),
+                                 "kvmesh.transfer_id": format(response.transfer_id, "x")})
+            return response
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            span.end()
+
+    async def _reserve(self, request, context):
         n, m = request.num_prompt_tokens, request.max_tokens
         try:
             if n + m > self.max_context:
@@ -87,7 +107,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return sampling, request.sampling.seed if request.sampling.HasField("seed") else 0
 
     async def Generate(self, request, context):
+        """The request's decode span continues the caller's trace (prefill's KV push)."""
+        span = tracing.tracer().start_span("decode.generate", kind=SpanKind.SERVER,
+                                           context=tracing.extract(context.invocation_metadata()),
+                                           attributes={"kvmesh.request_id": request.request_id,
+                                                       "kvmesh.instance": self.instance_id})
+        request_context.set((request.request_id, tracing.trace_id(span)))
+        try:
+            async for msg in self._generate(request, context, span):
+                yield msg
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            span.end()
+
+    async def _generate(self, request, context, span):
         rid, tid = request.request_id, request.transfer_id
+        started_ns = tracing.now_ns()
         future = self._landed.get(tid)
         if future is None or tid in self._claimed:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"[{rid}] no reservation for transfer {tid:x}")
@@ -112,6 +149,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except Exception as exc:  # the push failed on the receiving side
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"[{rid}] KV push failed: {exc}")
             self._landed.pop(tid, None)  # landed: nothing can write into these pages any more
+            landed_ns = tracing.now_ns()
+            tracing.record(span, "decode.kv_receive", started_ns, landed_ns,
+                           {"kvmesh.kv.buffers": len(self.engine.transfer_buffers(tid))})
             digest = ""
             if self.engine.config.kv_digest:
                 digest = pages_digest(self.engine.transfer_buffers(tid))
@@ -124,8 +164,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except KeyError:  # released in the moment between landing and here
                 await context.abort(grpc.StatusCode.CANCELLED, f"[{rid}] reservation released")
             first = True
+            generated = 0
             while True:
                 tokens, finish = await queue.get()
+                if first:  # waiting for admission into the running batch, then the first step
+                    tracing.record(span, "decode.admission", landed_ns, tracing.now_ns())
+                    span.add_event("first_token")
+                generated += len(tokens)
                 if finish is not None and finish.startswith("error"):
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, f"[{rid}] {finish}")
@@ -136,6 +181,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 yield msg
                 if finish is not None:
                     finished = True
+                    # per-step work summarized on the request's span, not a span per token
+                    span.set_attributes({"kvmesh.finish_reason": finish, "kvmesh.decode.generated_tokens": generated,
+                                         "kvmesh.prompt_tokens": len(request.prompt_token_ids),
+                                         "kvmesh.decode.seconds": (tracing.now_ns() - landed_ns) / 1e9})
+                    logger.info("[%s] decode finished: %s after %d tokens", rid, finish, generated)
                     return
         finally:
             self._claimed.discard(tid)

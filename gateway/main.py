@@ -11,7 +11,8 @@ from gateway.config import GatewayConfig, config_from_args
 from gateway.pool import InstancePool
 from gateway.requests import PromptBuilder
 from gateway.servicer import GatewayServicer
-from kvmesh import service
+from gateway import metrics
+from kvmesh import service, tracing
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from protos.kvmesh.v1 import gateway_pb2_grpc
 
@@ -34,12 +35,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
                         config.prefill_timeout_s), svc.server)
     await pool.poll_once()
     pool.start_polling(config.stats_interval_s)
-    if config.metrics_port:
-        from prometheus_client import start_http_server
-
-        from gateway.metrics import REGISTRY
-
-        start_http_server(config.metrics_port, addr=config.host, registry=REGISTRY)
+    service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await svc.mark_serving()
     print(f"gateway serving {files.name} on {svc.address}", flush=True)
@@ -47,9 +43,11 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     logger.info("shutting down")
     await svc.stop(grace_s=5.0)
     await pool.close()
+    tracing.shutdown_tracing()
 
 
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("gateway")
+    tracing.setup_tracing("kvmesh-gateway")
     config = config_from_args(args)
     service.run(lambda stop, _executor: serve(config, stop))

@@ -15,10 +15,14 @@ import time
 import uuid
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from gateway import metrics
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.pool import InstancePool
 from gateway.requests import GenerateInput, PromptBuilder
+from kvmesh import tracing
+from kvmesh.logs import request_context
 from protos.kvmesh.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 
 logger = logging.getLogger(__name__)
@@ -63,17 +67,62 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        s.seed if s.HasField("seed") else None, list(s.stop), s.ignore_eos)
 
     async def Generate(self, request, context):
+        """One trace per request (continuing the caller's traceparent), its metrics, its logs."""
         arrived = time.perf_counter()
+        span = tracing.tracer().start_span("gateway.generate", kind=SpanKind.SERVER,
+                                           context=tracing.extract(context.invocation_metadata()))
+        request_context.set((request.request_id, tracing.trace_id(span)))
+        final = None
+        try:
+            async for msg in self._generate(request, context, span, arrived):
+                if msg.HasField("final"):
+                    final = msg.final
+                    span.set_attributes({"kvmesh.finish_reason": final.finish_reason,
+                                         "kvmesh.prompt_tokens": final.prompt_tokens,
+                                         "kvmesh.cached_tokens": final.cached_tokens,
+                                         "kvmesh.generated_tokens": final.generated_tokens,
+                                         "kvmesh.ttft_s": final.ttft_s})
+                yield msg
+        except BaseException as exc:
+            code = context.code() if hasattr(context, "code") else None
+            status = getattr(code, "name", None) or ("CANCELLED" if isinstance(exc, asyncio.CancelledError)
+                                                      else "UNKNOWN")
+            span.set_status(Status(StatusCode.ERROR, status))
+            metrics.REQUESTS.labels("error", status).inc()
+            logger.info("request ended: %s", status)
+            raise
+        finally:
+            span.end()
+        f = final
+        metrics.REQUESTS.labels(f.finish_reason, "OK").inc()
+        metrics.TTFT.observe(f.ttft_s)
+        metrics.E2E.observe(f.e2e_s)
+        if f.generated_tokens > 1:
+            metrics.ITL.observe(f.itl_s)
+        logger.info("request finished: %s, %d prompt (%d cached) + %d generated tokens, TTFT %.3f s, e2e %.3f s",
+                    f.finish_reason, f.prompt_tokens, f.cached_tokens, f.generated_tokens, f.ttft_s, f.e2e_s)
+
+    async def _generate(self, request, context, span, arrived: float):
+        t0 = tracing.now_ns()
         try:
             inp = await asyncio.to_thread(self._to_internal, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = inp.request_id
+        request_context.set((rid, tracing.trace_id(span)))
+        span.set_attribute("kvmesh.request_id", rid)
+        tracing.record(span, "gateway.tokenize", t0, tracing.now_ns(),
+                       {"kvmesh.prompt_tokens": len(inp.prompt_token_ids)})
+        t0 = tracing.now_ns()
         try:
             route = await self.pool.route(inp.prompt_token_ids)
         except LookupError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"[{rid}] {exc}")
         prefill, decode, cached_hint = route
+        tracing.record(span, "gateway.route", t0, tracing.now_ns(), {
+            "kvmesh.prefill.instance": prefill.instance_id or prefill.address,
+            "kvmesh.decode.instance": decode.instance_id or decode.address,
+            "kvmesh.index_cached_tokens": cached_hint, "kvmesh.routing_policy": self.pool.router.policy})
         logger.info("[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s", rid,
                     len(inp.prompt_token_ids), prefill.address, cached_hint, decode.address)
         n_prompt = len(inp.prompt_token_ids)
@@ -87,13 +136,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             reserve = await self.pool.decode_stub(decode).Reserve(
                 decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=n_prompt, max_tokens=inp.max_tokens),
-                timeout=self.rpc_timeout_s)
+                timeout=self.rpc_timeout_s, metadata=tracing.inject(span))
             where = f"prefill {prefill.address}"
             pre = await self.pool.prefill_stub(prefill).Prefill(
                 prefill_pb2.PrefillRequest(request_id=rid, token_ids=inp.prompt_token_ids,
                                            sampling=_sampling_pb(inp), decode_kv_address=reserve.kv_address,
                                            transfer_id=reserve.transfer_id),
-                timeout=self.prefill_timeout_s)
+                timeout=self.prefill_timeout_s, metadata=tracing.inject(span))
             self.pool.end_prefill(prefill, n_queued)
             prefill_done = True
             detok = IncrementalDetokenizer(self.builder.tokenizer)
@@ -110,7 +159,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 where = f"decode {decode.address}"
                 call = self.pool.decode_stub(decode).Generate(decode_pb2.DecodeRequest(
                     request_id=rid, transfer_id=reserve.transfer_id, prompt_token_ids=inp.prompt_token_ids,
-                    first_token=pre.first_token, sampling=_sampling_pb(inp), kv_timeout_s=self.rpc_timeout_s))
+                    first_token=pre.first_token, sampling=_sampling_pb(inp), kv_timeout_s=self.rpc_timeout_s),
+                    # decode's work continues the KV push, so its spans hang under prefill's
+                    metadata=[("traceparent", pre.traceparent)] if pre.traceparent else tracing.inject(span))
                 async for msg in call:
                     decode_digest = decode_digest or msg.kv_digest
                     generated.extend(msg.token_ids)

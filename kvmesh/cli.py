@@ -72,6 +72,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import importlib
     import os
 
+    if args.log_format not in ("text", "json"):
+        print(f"error: --log-format must be text or json, got {args.log_format!r}", file=sys.stderr)
+        return 2
+    os.environ["KVMESH_LOG_FORMAT"] = args.log_format  # read by the service's setup_logging
     if args.service == "prefill":
         # before torch (and its OpenMP runtime) loads: prefill's matmuls are long, so its idle
         # OpenMP threads sleeping instead of spinning costs it nothing measurable, while spinning
@@ -161,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in (("gateway", gateway_config), ("prefill", prefill_config), ("decode", decode_config)):
         p = kinds.add_parser(name, help=f"the {name} service")
         module.add_arguments(p)
+        env_flag(p, "--log-format", "KVMESH_LOG_FORMAT", "text", "text for people, json for machines")
         p.set_defaults(func=_cmd_serve, service_module=module.__package__)
 
     bench = sub.add_parser("bench", help="decode speed vs transformers, TTFT, at 1/4/16 concurrent requests")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import queue
 import signal
 import threading
@@ -17,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,10 @@ def set_torch_threads(num_threads: int) -> None:
 
 
 def setup_logging(name: str) -> None:
-    """Configure root logging once per process (level from KVMESH_LOG_LEVEL, default INFO)."""
-    level = os.environ.get("KVMESH_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    """Configure this service's logging (kvmesh.logs: text or JSON, request and trace ids)."""
+    from kvmesh.logs import setup_logging as setup
+
+    setup(name)
 
 
 class Service:
@@ -61,6 +62,9 @@ class Service:
         self.server = grpc.aio.server(options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # grpcurl / grpcui can list and call the services without the .proto files
+        reflection.enable_server_reflection([*serving_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
         self.serving_names = serving_names
         try:
             self.port = self.server.add_insecure_port(f"{host}:{port}")
@@ -84,6 +88,15 @@ class Service:
         """Report NOT_SERVING, then stop the server giving in-flight RPCs grace_s seconds."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+
+
+def start_metrics_server(port: int, host: str, registry) -> None:
+    """Serve `registry` as Prometheus text on http://host:port/metrics (port 0: nothing)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=host, registry=registry)
+        logger.info("metrics on http://%s:%d/metrics", host, port)
 
 
 class MainThreadExecutor(concurrent.futures.Executor):

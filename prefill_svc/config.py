@@ -31,6 +31,8 @@ class PrefillConfig:
     instance_id: str = ""
     """Name under which this instance's blocks are indexed; empty means host:port of its gRPC server."""
     kv_digest: bool = False
+    metrics_port: int = 0
+    """HTTP port of the Prometheus metrics endpoint (/metrics); 0 serves none."""
     """Hash each pushed request's KV pages (SHA-256) and report it, for tests."""
     max_batch_tokens: int = 4096
     """Most prompt tokens prefilled together in one forward (queued requests batch up)."""
@@ -63,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--torch-threads", "KVMESH_TORCH_THREADS", 0, "intra-op threads of the model (0: all cores)", int)
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not keep prompt blocks after a request")
     env_flag(parser, "--redis-url", "REDIS_URL", "", "Redis of the prefix index, fed by KV events (empty: no index)")
+    env_flag(parser, "--metrics-port", "KVMESH_METRICS_PORT", 0, "HTTP port of Prometheus /metrics (0: none)", int)
     env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "",
              "name in the prefix index (empty: host:port; the gateway learns it from GetStats)")
     env_flag(parser, "--lease-ttl", "KVMESH_LEASE_TTL_S", 10.0,
@@ -73,5 +76,5 @@ def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=args.model, host=args.host, port=args.port, num_pages=args.num_pages,
                          page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                          max_batch_tokens=args.max_batch_tokens, torch_threads=args.torch_threads,
-                         redis_url=args.redis_url, instance_id=args.instance_id, lease_ttl_s=args.lease_ttl,
+                         redis_url=args.redis_url, instance_id=args.instance_id, metrics_port=args.metrics_port, lease_ttl_s=args.lease_ttl,
                          kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1")

@@ -26,6 +26,7 @@ from engine.sampler import SamplingParams, sample
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.kv_events import KVEvent
+from prefill_svc import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +209,7 @@ class PrefillEngine:
 
     def _compute(self, ready: list) -> None:
         started = time.perf_counter()
+        cpu_started = time.process_time()
         items = [ForwardItem(job.token_ids[cached:], cached, block_ids, slot)
                  for job, _, block_ids, cached, slot in ready]
         try:
@@ -221,6 +223,7 @@ class PrefillEngine:
                 job.future.set_exception(exc)
             return
         done = time.perf_counter()
+        metrics.STEP_CPU.observe(time.process_time() - cpu_started)
         for (job, hashes, block_ids, cached, slot), first_token in zip(ready, first_tokens):
             self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
             self.num_prompt_tokens_computed += len(job.token_ids) - cached

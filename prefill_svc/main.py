@@ -8,9 +8,10 @@ import logging
 
 from engine.loader import load_config, resolve_model
 from engine.model_runner import create_runner
-from kvmesh import service
+from kvmesh import service, tracing
 from kvstore.redis_index import RedisKVIndex
 from kvstore.ucx_transfer import KVSender
+from prefill_svc import metrics
 from prefill_svc.config import PrefillConfig, config_from_args
 from prefill_svc.engine import PrefillEngine
 from prefill_svc.servicer import PrefillServicer
@@ -46,6 +47,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     servicer = PrefillServicer(engine, sender, instance_id, model_config.vocab_size,
                                model_config.max_position_embeddings, config.push_timeout_s, config.kv_digest)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
+    metrics.bind(engine)
+    service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
     heartbeat = asyncio.ensure_future(_heartbeat(index, instance_id, config.lease_ttl_s, engine)) if index else None
@@ -63,6 +66,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         except Exception as exc:
             logger.warning("could not clear index entries at shutdown: %s", exc)
         index.close()
+    tracing.shutdown_tracing()
 
 
 async def _heartbeat(index: RedisKVIndex, instance_id: str, ttl_s: float, engine: PrefillEngine) -> None:
@@ -91,5 +95,6 @@ async def _heartbeat(index: RedisKVIndex, instance_id: str, ttl_s: float, engine
 
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("prefill")
+    tracing.setup_tracing("kvmesh-prefill")
     config = config_from_args(args)
     service.run(lambda stop, executor: serve(config, stop, executor))

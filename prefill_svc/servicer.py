@@ -7,8 +7,12 @@ import logging
 import random
 
 import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kvmesh import tracing
+from kvmesh.logs import request_context
 from kvmesh.wire import sampling_from_pb
+from prefill_svc import metrics
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.ucx_transfer import KVSender, TransferError, pages_digest, parse_address
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
@@ -44,6 +48,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
 
     async def Prefill(self, request, context):
+        span = tracing.tracer().start_span("prefill", kind=SpanKind.SERVER,
+                                           context=tracing.extract(context.invocation_metadata()),
+                                           attributes={"kvmesh.request_id": request.request_id,
+                                                       "kvmesh.instance": self.instance_id})
+        request_context.set((request.request_id, tracing.trace_id(span)))
+        try:
+            return await self._prefill(request, context, span)
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise
+        finally:
+            span.end()
+
+    async def _prefill(self, request, context, span):
         rid = request.request_id
         try:
             self._validate(request)
@@ -52,6 +70,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
         seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
         job = PrefillJob(rid, request.token_ids, sampling, seed)
+        submitted_ns = tracing.now_ns()
         cfut = self.engine.submit(job)
         outcome = asyncio.wrap_future(cfut)
         try:
@@ -71,19 +90,36 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
 
+        queued_ns = submitted_ns + int(result.queue_s * 1e9)
+        tracing.record(span, "prefill.queue", submitted_ns, queued_ns)
+        tracing.record(span, "prefill.forward", queued_ns, queued_ns + int(result.compute_s * 1e9), {
+            "kvmesh.prompt_tokens": len(request.token_ids), "kvmesh.cached_tokens": result.num_cached_tokens,
+            "kvmesh.computed_tokens": result.num_computed_tokens})
+        metrics.observe_prefill(result)
+        push_span = tracing.child(span, "prefill.kv_push", attributes={
+            "kvmesh.kv.pages": len(result.block_ids), "kvmesh.decode.kv_address": request.decode_kv_address})
         push = asyncio.ensure_future(self._push_and_release(request, result))
         try:
             nbytes, seconds, digest = await asyncio.shield(push)
         except asyncio.CancelledError:
+            push_span.end()
             raise  # the push finishes (or fails) on its own and releases the pages
         except (TransferError, asyncio.TimeoutError) as exc:
+            push_span.set_status(Status(StatusCode.ERROR, str(exc)))
+            push_span.end()
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"[{rid}] KV push to decode {request.decode_kv_address} failed: {exc}")
+        push_span.set_attributes({"kvmesh.kv.bytes": nbytes, "kvmesh.kv.seconds": seconds})
+        push_span.end()
+        metrics.observe_push(nbytes, seconds)
+        logger.info("[%s] prefilled %d tokens (%d cached), pushed %d bytes in %.3f s", rid, len(request.token_ids),
+                    result.num_cached_tokens, nbytes, seconds)
         return prefill_pb2.PrefillResponse(
             first_token=result.first_token, num_cached_tokens=result.num_cached_tokens,
             num_computed_tokens=result.num_computed_tokens, num_pages=len(result.block_ids),
             page_nbytes=self.engine.runner.page_nbytes, nbytes_sent=nbytes, transfer_s=seconds,
-            queue_s=result.queue_s, compute_s=result.compute_s, instance_id=self.instance_id, kv_digest=digest)
+            queue_s=result.queue_s, compute_s=result.compute_s, instance_id=self.instance_id, kv_digest=digest,
+            traceparent=tracing.traceparent(push_span))
 
     def _release_if_computed(self, cfut) -> None:
         if not cfut.cancelled() and cfut.exception() is None:

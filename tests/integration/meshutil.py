@@ -16,12 +16,12 @@ from tests.conftest import instance_stats
 
 @contextmanager
 def running_mesh(num_prefill: int = 1, num_decode: int = 1, prefill_args=None, decode_args=None, gateway_args=None,
-                 model: str | None = None, redis_url: str = ""):
+                 model: str | None = None, redis_url: str = "", env: dict[str, str] | None = None):
     """A mesh with its own Redis, KV digests on; prints the services' log if start-up fails."""
     log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-test-", suffix=".log", delete=False)
     try:
         mesh = start_mesh(num_prefill, num_decode, model, port=free_port(), log=log,
-                          env={"KVMESH_KV_DIGEST": "1", "REDIS_URL": redis_url}, extra_prefill_args=prefill_args,
+                          env={"KVMESH_KV_DIGEST": "1", "REDIS_URL": redis_url, **(env or {})}, extra_prefill_args=prefill_args,
                           extra_decode_args=decode_args, extra_gateway_args=gateway_args)
     except Exception:
         log.seek(0)

@@ -1,0 +1,28 @@
+"""The decode service's Prometheus metrics (prometheus-client), served on --metrics-port.
+
+Names follow Prometheus conventions: `kvmesh_` prefix, base units (seconds, tokens).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+BATCH_SIZE = Gauge("kvmesh_decode_running_batch_size", "Requests in the running decode batch", registry=REGISTRY)
+ACTIVE = Gauge("kvmesh_decode_active_requests", "Requests reserved, waiting or running", registry=REGISTRY)
+PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages reserved by requests", registry=REGISTRY)
+PAGES_FREE = Gauge("kvmesh_kv_pages_free", "KV pages free for new reservations", registry=REGISTRY)
+STEPS = Counter("kvmesh_decode_steps", "Decode steps (one batched forward each)", registry=REGISTRY)
+TOKENS = Counter("kvmesh_decode_generated_tokens", "Tokens sampled by decode steps", registry=REGISTRY)
+STEP_CPU = Histogram("kvmesh_engine_step_cpu_seconds", "Process CPU seconds of one engine step (batched forward)",
+                     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+                     registry=REGISTRY)
+
+
+def bind(engine) -> None:
+    """Read the gauges from `engine` (a DecodeEngine) at scrape time."""
+    BATCH_SIZE.set_function(lambda: engine.num_running)
+    ACTIVE.set_function(lambda: engine.stats()["num_active_requests"])
+    PAGES_FREE.set_function(lambda: engine.pool.num_free_blocks)
+    PAGES_USED.set_function(lambda: engine.pool.num_blocks - engine.pool.num_free_blocks)

@@ -1,0 +1,50 @@
+"""The prefill service's Prometheus metrics (prometheus-client), served on --metrics-port.
+
+Names follow Prometheus conventions: `kvmesh_` prefix, base units (seconds, bytes, tokens).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+QUEUE_DEPTH = Gauge("kvmesh_prefill_queue_depth", "Prefill requests queued or computing", registry=REGISTRY)
+QUEUED_TOKENS = Gauge("kvmesh_prefill_queued_tokens", "Prompt tokens of the queued or computing requests",
+                      registry=REGISTRY)
+PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages referenced by requests in flight", registry=REGISTRY)
+PAGES_FREE = Gauge("kvmesh_kv_pages_free", "KV pages a request could get now (free, or cached and evictable)",
+                   registry=REGISTRY)
+PAGES_CACHED = Gauge("kvmesh_kv_pages_cached", "KV pages holding a prefix-cache block", registry=REGISTRY)
+CACHE_HIT_TOKENS = Counter("kvmesh_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                           registry=REGISTRY)
+COMPUTED_TOKENS = Counter("kvmesh_prefill_computed_tokens", "Prompt tokens computed (not cached)", registry=REGISTRY)
+PREFILLS = Counter("kvmesh_prefill_requests", "Prefills computed", registry=REGISTRY)
+KV_BYTES = Counter("kvmesh_kv_transfer_bytes", "Bytes of KV state pushed to decode instances", registry=REGISTRY)
+KV_SECONDS = Histogram("kvmesh_kv_transfer_seconds", "Duration of one request's KV push",
+                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                       registry=REGISTRY)
+STEP_CPU = Histogram("kvmesh_engine_step_cpu_seconds", "Process CPU seconds of one engine step (batched forward)",
+                     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                     registry=REGISTRY)
+
+
+def bind(engine) -> None:
+    """Read the gauges from `engine` (a PrefillEngine) at scrape time."""
+    QUEUE_DEPTH.set_function(lambda: engine.num_active)
+    QUEUED_TOKENS.set_function(lambda: engine.num_queued_tokens)
+    PAGES_FREE.set_function(lambda: engine.pool.num_free_blocks)
+    PAGES_USED.set_function(lambda: engine.pool.num_referenced_blocks)
+    PAGES_CACHED.set_function(lambda: engine.pool.num_cached_blocks)
+
+
+def observe_prefill(result) -> None:
+    """Count one finished prefill (a PrefillResult)."""
+    PREFILLS.inc()
+    CACHE_HIT_TOKENS.inc(result.num_cached_tokens)
+    COMPUTED_TOKENS.inc(result.num_computed_tokens)
+
+
+def observe_push(nbytes: int, seconds: float) -> None:
+    KV_BYTES.inc(nbytes)
+    KV_SECONDS.observe(seconds)
