@@ -72,6 +72,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import importlib
     import os
 
+    from kvmesh.launcher import die_with_parent
+
+    die_with_parent()
     if args.log_format not in ("text", "json"):
         print(f"error: --log-format must be text or json, got {args.log_format!r}", file=sys.stderr)
         return 2

@@ -20,14 +20,26 @@ from dataclasses import dataclass, field
 from kvmesh.redis_server import RedisProcess, free_port, ping
 
 _PR_SET_PDEATHSIG = 1
+PARENT_PID_ENV = "KVMESH_PARENT_PID"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies."""
+def die_with_parent() -> None:
+    """In a child the launcher started (KVMESH_PARENT_PID set): get SIGTERM when it dies.
+
+    Done by the child after exec rather than in a preexec_fn: forking a process whose gRPC
+    threads are running and then running Python before exec sometimes killed the child
+    (gRPC's poller: "epoll_wait error: Bad file descriptor"); without preexec_fn,
+    subprocess uses vfork/posix_spawn and runs no Python in between.
+    """
+    parent = os.environ.pop(PARENT_PID_ENV, "")
+    if not parent:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
@@ -59,7 +71,7 @@ class Mesh:
 
 def _serve(kind: str, args: list[str], env: dict[str, str], log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvmesh.cli", "serve", kind, *args]
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, env={**env, PARENT_PID_ENV: str(os.getpid())}, stdout=log, stderr=subprocess.STDOUT)
 
 
 def start_mesh(num_prefill: int = 1, num_decode: int = 1, model: str | None = None, port: int = 50051,
@@ -88,7 +100,7 @@ def start_mesh(num_prefill: int = 1, num_decode: int = 1, model: str | None = No
         if not ping(redis_url):
             raise RuntimeError(f"REDIS_URL={redis_url} does not answer; unset it to start a private redis-server")
     else:
-        redis_proc = RedisProcess(preexec_fn=_die_with_parent)
+        redis_proc = RedisProcess(die_with_parent=True)
         redis_url = redis_proc.url
     mesh = Mesh(gateway_address=f"{host}:{port}", redis_url=redis_url, prefill_addresses=[],
                 decode_addresses=[], redis=redis_proc)

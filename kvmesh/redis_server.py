@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -37,18 +38,22 @@ class RedisProcess:
     redis-server) and TimeoutError when it does not answer within timeout_s seconds.
     """
 
-    def __init__(self, preexec_fn=None, timeout_s: float = 10.0, port: int = 0) -> None:
-        """port 0 picks a free one; a given port restarts a server where clients expect it."""
+    def __init__(self, die_with_parent: bool = False, timeout_s: float = 10.0, port: int = 0) -> None:
+        """port 0 picks a free one; a given port restarts a server where clients expect it.
+        die_with_parent: the server gets SIGTERM when this process dies (Linux PDEATHSIG, set by
+        a small exec shim, so no Python runs between fork and exec)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError("redis-server not found: install it (apt-get install redis-server) or set REDIS_URL")
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
+        shim = [sys.executable, "-c", "import ctypes, os, signal, sys; "
+                "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); os.execv(sys.argv[1], sys.argv[1:])"]
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [*(shim if die_with_parent else []), binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=preexec_fn)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while not ping(self.url):
             if self.proc.poll() is not None or time.monotonic() > deadline:

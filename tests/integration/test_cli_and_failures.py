@@ -55,6 +55,27 @@ def test_kvmesh_up_then_generate_names_paris():
     assert not [p for p in children if _alive(p)]  # no orphans
 
 
+def test_children_die_with_a_killed_launcher():
+    # SIGKILL gives the launcher no chance to stop anything: the children's PDEATHSIG does
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port)],
+                          env={**os.environ, "REDIS_URL": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    try:
+        for line in up.stdout:
+            if "kvmesh is up" in line:
+                break
+        children = _children(up.pid)
+        assert len(children) >= 4  # redis, prefill, decode, gateway
+    finally:
+        up.kill()
+        up.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and [p for p in children if _alive(p)]:
+        time.sleep(0.2)
+    assert not [p for p in children if _alive(p)]
+
+
 def _expect_unavailable(mesh) -> None:
     start = time.monotonic()
     try:
