@@ -7,11 +7,8 @@ import logging
 import math
 
 import grpc
-from opentelemetry.trace import SpanKind, Status, StatusCode
-
 from decode_svc.engine import CapacityError, DecodeEngine, deliver_all
 from kvmesh import tracing
-from kvmesh.logs import request_context
 from kvmesh.wire import sampling_from_pb
 from kvstore.ucx_transfer import KVReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -39,21 +36,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         engine.dispatch = lambda deliveries: loop.call_soon_threadsafe(deliver_all, deliveries)
 
     async def Reserve(self, request, context):
-        span = tracing.tracer().start_span("decode.reserve", kind=SpanKind.SERVER,
-                                           context=tracing.extract(context.invocation_metadata()),
-                                           attributes={"kvmesh.request_id": request.request_id,
-                                                       "kvmesh.instance": self.instance_id})
-        request_context.set((request.request_id, tracing.trace_id(span)))
-        try:
+        with tracing.server_span("decode.reserve", context, request.request_id, self.instance_id) as span:
             response = await self._reserve(request, context)
             span.set_attributes({"kvmesh.kv.pages_reserved": len(self.engine.transfer_buffers(response.transfer_id)),
                                  "kvmesh.transfer_id": format(response.transfer_id, "x")})
             return response
-        except BaseException as exc:
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            raise
-        finally:
-            span.end()
 
     async def _reserve(self, request, context):
         n, m = request.num_prompt_tokens, request.max_tokens
@@ -108,19 +95,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request, context):
         """The request's decode span continues the caller's trace (prefill's KV push)."""
-        span = tracing.tracer().start_span("decode.generate", kind=SpanKind.SERVER,
-                                           context=tracing.extract(context.invocation_metadata()),
-                                           attributes={"kvmesh.request_id": request.request_id,
-                                                       "kvmesh.instance": self.instance_id})
-        request_context.set((request.request_id, tracing.trace_id(span)))
-        try:
+        with tracing.server_span("decode.generate", context, request.request_id, self.instance_id) as span:
             async for msg in self._generate(request, context, span):
                 yield msg
-        except BaseException as exc:
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            raise
-        finally:
-            span.end()
 
     async def _generate(self, request, context, span):
         rid, tid = request.request_id, request.transfer_id

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -95,3 +96,24 @@ def record(parent: trace.Span, name: str, start_ns: int, end_ns: int,
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+@contextmanager
+def server_span(name: str, context, request_id: str, instance: str) -> Iterator[trace.Span]:
+    """The span of one RPC a service serves: child of the caller's traceparent (gRPC metadata),
+    tagged with the request id and instance, marked ERROR when the handler raises, always ended.
+
+    Also points `kvmesh.logs.request_context` at this request, so its log lines carry both ids.
+    """
+    from kvmesh.logs import request_context
+
+    span = tracer().start_span(name, kind=trace.SpanKind.SERVER, context=extract(context.invocation_metadata()),
+                               attributes={"kvmesh.request_id": request_id, "kvmesh.instance": instance})
+    request_context.set((request_id, trace_id(span)))
+    try:
+        yield span
+    except BaseException as exc:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+        raise
+    finally:
+        span.end()

@@ -7,10 +7,9 @@ import logging
 import random
 
 import grpc
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 from kvmesh import tracing
-from kvmesh.logs import request_context
 from kvmesh.wire import sampling_from_pb
 from prefill_svc import metrics
 from kvstore.block_pool import NoFreeBlocksError
@@ -48,18 +47,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
 
     async def Prefill(self, request, context):
-        span = tracing.tracer().start_span("prefill", kind=SpanKind.SERVER,
-                                           context=tracing.extract(context.invocation_metadata()),
-                                           attributes={"kvmesh.request_id": request.request_id,
-                                                       "kvmesh.instance": self.instance_id})
-        request_context.set((request.request_id, tracing.trace_id(span)))
-        try:
+        with tracing.server_span("prefill", context, request.request_id, self.instance_id) as span:
             return await self._prefill(request, context, span)
-        except BaseException as exc:
-            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
-            raise
-        finally:
-            span.end()
 
     async def _prefill(self, request, context, span):
         rid = request.request_id
