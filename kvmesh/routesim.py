@@ -168,9 +168,18 @@ def fixed_chooser(assignments: Sequence[int]) -> Callable:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Raises ValueError for bad arguments or an empty or malformed trace, OSError for an unreadable file."""
+    if args.instances < 1:
+        raise ValueError(f"--instances must be >= 1, got {args.instances}")
+    if args.capacity_blocks < 0:
+        raise ValueError(f"--capacity-blocks must be >= 0 (0: unlimited), got {args.capacity_blocks}")
+    if not args.tokens_per_s > 0:
+        raise ValueError(f"--tokens-per-s must be > 0, got {args.tokens_per_s}")
     trace = load_trace(args.trace)
     if args.limit:
         trace = trace[:args.limit]
+    if not trace:
+        raise ValueError(f"{args.trace} holds no requests")
     policies = args.policy or list(POLICIES)
     rows: list[SimResult] = []
     for p in policies:

@@ -46,3 +46,27 @@ def test_shared_first_block_does_not_pile_onto_one_instance():
     res = simulate(trace, 4, 0, router_chooser("cache_aware"), 20000.0, "cache_aware")
     mean = sum(res.tokens_per_instance) / 4
     assert max(res.tokens_per_instance) <= 1.3 * mean, res.tokens_per_instance
+
+
+def test_bad_arguments_and_traces_are_refused(tmp_path):
+    import argparse
+
+    import pytest
+
+    from kvmesh.routesim import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}\n')
+    with pytest.raises(ValueError, match="--instances must be >= 1"):
+        run(parser.parse_args([str(good), "--instances", "0"]))
+    with pytest.raises(ValueError, match="--capacity-blocks must be >= 0"):
+        run(parser.parse_args([str(good), "--capacity-blocks", "-1"]))
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no requests"):
+        run(parser.parse_args([str(tmp_path / "empty.jsonl")]))
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": 0, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not a Mooncake trace row"):
+        run(parser.parse_args([str(tmp_path / "bad.jsonl")]))
+    assert run(parser.parse_args([str(good), "--policy", "round_robin"])) == 0
