@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -49,6 +50,17 @@ class GatewayConfig:
             raise ValueError("at least one prefill address is required (--prefill host:port)")
         if not self.decode_addresses:
             raise ValueError("at least one decode address is required (--decode host:port)")
+        for flag, addresses in (("--prefill", self.prefill_addresses), ("--decode", self.decode_addresses)):
+            for a in addresses:
+                host, _, port = a.rpartition(":")
+                if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    raise ValueError(f"{flag} needs host:port with a port in [1, 65535], got {a!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1 token (the same on every service), got {self.page_size}")
+        if self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
+            raise ValueError(f"load_weight must be a finite number >= 0, got {self.load_weight}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ class PrefillRouter:
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        if self.load_weight < 0:
-            raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
+        if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
+            raise ValueError(f"load_weight must be a finite number >= 0, got {self.load_weight}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
         if self.request_cost_tokens < 0:

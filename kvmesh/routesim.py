@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import statistics
 import sys
 from collections import OrderedDict
@@ -51,9 +52,15 @@ def load_trace(path: str) -> list[TraceRequest]:
                 continue
             try:
                 row = json.loads(line)
-                out.append(TraceRequest(row["timestamp"] / 1000.0, int(row["input_length"]),
-                                        tuple(int(h) for h in row["hash_ids"])))
-            except (ValueError, KeyError, TypeError) as exc:
+                arrival, tokens, ids = float(row["timestamp"]) / 1000.0, row["input_length"], row["hash_ids"]
+                if not (math.isfinite(arrival) and arrival >= 0):
+                    raise ValueError(f"timestamp must be a finite number of ms >= 0, got {row['timestamp']}")
+                if not isinstance(tokens, int) or tokens < 1:
+                    raise ValueError(f"input_length must be an integer >= 1, got {tokens!r}")
+                if not isinstance(ids, list) or not all(isinstance(h, int) and 0 <= h < 2**63 for h in ids):
+                    raise ValueError("hash_ids must be a list of integers in [0, 2**63)")
+                out.append(TraceRequest(arrival, tokens, tuple(ids)))
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:
                 raise ValueError(f"{path}:{n}: not a Mooncake trace row ({exc})") from exc
     return out
 
@@ -173,8 +180,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
     if args.capacity_blocks < 0:
         raise ValueError(f"--capacity-blocks must be >= 0 (0: unlimited), got {args.capacity_blocks}")
-    if not args.tokens_per_s > 0:
-        raise ValueError(f"--tokens-per-s must be > 0, got {args.tokens_per_s}")
+    if not (math.isfinite(args.tokens_per_s) and args.tokens_per_s > 0):
+        raise ValueError(f"--tokens-per-s must be a finite number > 0, got {args.tokens_per_s}")
+    if args.limit < 0:
+        raise ValueError(f"--limit must be >= 0 (0: the whole trace), got {args.limit}")
     trace = load_trace(args.trace)
     if args.limit:
         trace = trace[:args.limit]
@@ -190,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.sglang_router import sglang_assignments
 
         with open(args.trace) as f:  # the raw rows: the replay also holds requests for their output length
-            raw = [json.loads(line) for line in f if line.strip()][:len(trace)]
+            raw = [{"output_length": 0, **json.loads(line)} for line in f if line.strip()][:len(trace)]
         for p in ("cache_aware", "prefix_hash"):
             rows.append(simulate(trace, args.instances, args.capacity_blocks,
                                  fixed_chooser(sglang_assignments(raw, args.instances, p)),

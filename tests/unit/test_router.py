@@ -56,6 +56,8 @@ def test_unhealthy_instances_are_skipped_and_none_left_raises():
 def test_bad_weights_are_rejected():
     with pytest.raises(ValueError, match="cache_threshold"):
         _router(cache_threshold=1.5)
+    with pytest.raises(ValueError, match="load_weight must be a finite number"):
+        _router(load_weight=float("nan"))
 
 
 def test_decode_is_least_active_requests():

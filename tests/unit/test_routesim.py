@@ -70,3 +70,17 @@ def test_bad_arguments_and_traces_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:1: not a Mooncake trace row"):
         run(parser.parse_args([str(tmp_path / "bad.jsonl")]))
     assert run(parser.parse_args([str(good), "--policy", "round_robin"])) == 0
+
+
+def test_out_of_range_trace_values_are_refused(tmp_path):
+    import pytest
+
+    from kvmesh.routesim import load_trace
+
+    for row, what in (('{"timestamp": 0, "input_length": 600, "hash_ids": [-1]}', "hash_ids"),
+                      ('{"timestamp": NaN, "input_length": 600, "hash_ids": [1]}', "timestamp"),
+                      ('{"timestamp": 0, "input_length": 1.5e400, "hash_ids": [1]}', "input_length")):
+        path = tmp_path / "t.jsonl"
+        path.write_text(row + "\n")
+        with pytest.raises(ValueError, match=what):
+            load_trace(str(path))
