@@ -57,6 +57,10 @@ class GatewayConfig:
                     raise ValueError(f"{flag} needs host:port with a port in [1, 65535], got {a!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token (the same on every service), got {self.page_size}")
+        from gateway.router import POLICIES
+
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"--routing-policy must be one of {list(POLICIES)}, got {self.routing_policy!r}")
         if self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
