@@ -56,6 +56,7 @@ class _Plan:
     """Indices one forward's layers share: where each new token's K=V goes, and for the
     sequences with one new token (decode) their windows and compressed entries, batched."""
 
+    tables: list[torch.Tensor]  # [pages of item b] int64: each item's block table, built once a forward
     write_page: torch.Tensor  # [T] page of each new token
     write_slot: torch.Tensor  # [T] its row in the page
     dec: list[int]  # items with exactly one new token
@@ -179,13 +180,15 @@ class DeepseekV4Model:
 
     # -- compressors ------------------------------------------------------------------------
     def _compress(self, i: int, prefix: str, kv: torch.Tensor, gate: torch.Tensor, item: V4Item,
-                  pages: torch.Tensor, slots: torch.Tensor, overlap: bool, names: tuple[str, ...]) -> None:
+                  table: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, overlap: bool,
+                  names: tuple[str, ...]) -> None:
         """Run one compressor (`DeepseekV4CSACompressor`, `DeepseekV4HCACompressor` or the
         indexer's) over one sequence's new tokens' projections kv, gate [n, Wd] (kv_proj and
         gate_proj of the attention input, computed for the whole batch): extend the open window in the slot,
         emit an entry per closed window into the pages, keep the CSA overlap state.
 
-        names = (entries field, buf_kv, buf_gate, ov_kv, ov_gate) in the layout.
+        table is the item's block table (int64 page ids); names = (entries field, buf_kv,
+        buf_gate, ov_kv, ov_gate) in the layout.
         """
         lay, S = self.layout, self.layout.page_size
         r = lay.rates[i]
@@ -223,21 +226,19 @@ class DeepseekV4Model:
         cos, sin = self.rope["compress"](wins * r)
         pooled = _rope(pooled.unsqueeze(1), cos, sin).squeeze(1)  # [n_win, d]
         per_page = S // r
-        page_of = torch.tensor([item.block_ids[w // per_page] for w in wins.tolist()])
-        lay.page_view(pages, ent_name, i)[page_of, wins % per_page] = pooled
+        lay.page_view(pages, ent_name, i)[table[wins // per_page], wins % per_page] = pooled
         if overlap:  # windows that end a page leave their Ca half there for prefix-cache hits
-            for j, w in enumerate(wins.tolist()):
-                if (w + 1) % per_page == 0:
-                    p = item.block_ids[w // per_page]
-                    lay.page_view(pages, ok, i)[p] = ck[j, :, :d]
-                    lay.page_view(pages, og, i)[p] = cg[j, :, :d]
+            ends = ((wins + 1) % per_page == 0).nonzero().squeeze(1)  # [k] rows of wins
+            page_ends = table[wins[ends] // per_page]
+            lay.page_view(pages, ok, i)[page_ends] = ck[ends, :, :d]
+            lay.page_view(pages, og, i)[page_ends] = cg[ends, :, :d]
 
-    def _entries(self, name: str, i: int, item: V4Item, count: int, pages: torch.Tensor) -> torch.Tensor:
-        """The first `count` entries of field `name` of layer i of one sequence: [count, d]."""
+    def _entries(self, name: str, i: int, table: torch.Tensor, count: int, pages: torch.Tensor) -> torch.Tensor:
+        """The first `count` entries of field `name` of layer i of the sequence whose block table
+        is `table`: [count, d]."""
         per_page = self.layout.page_size // self.layout.rates[i]
         idx = torch.arange(count)
-        pg = torch.tensor(list(item.block_ids))[idx // per_page]
-        return self.layout.page_view(pages, name, i)[pg, idx % per_page]
+        return self.layout.page_view(pages, name, i)[table[idx // per_page], idx % per_page]
 
     # -- attention --------------------------------------------------------------------------
     def _attention(self, i: int, x: torch.Tensor, items: Sequence[V4Item], starts: list[int],
@@ -270,10 +271,10 @@ class DeepseekV4Model:
         if kind != SLIDING:  # extend every sequence's windows before anyone reads entries
             for b, it in enumerate(items):
                 lo, hi = starts[b], starts[b + 1]
-                self._compress(i, cp, c_kv[lo:hi], c_gate[lo:hi], it, pages, slots, kind == CSA,
+                self._compress(i, cp, c_kv[lo:hi], c_gate[lo:hi], it, plan.tables[b], pages, slots, kind == CSA,
                                ("entries", "buf_kv", "buf_gate", "ov_kv", "ov_gate"))
                 if kind == CSA:
-                    self._compress(i, ip, i_kv[lo:hi], i_gate[lo:hi], it, pages, slots, True,
+                    self._compress(i, ip, i_kv[lo:hi], i_gate[lo:hi], it, plan.tables[b], pages, slots, True,
                                    ("ikeys", "ibuf_kv", "ibuf_gate", "iov_kv", "iov_gate"))
         if plan.dec:
             r = plan.dec_rows
@@ -288,7 +289,7 @@ class DeepseekV4Model:
             qpos = positions[lo:hi]
             base = max(0, nc - W + 1)
             kpos = torch.arange(base, nc + n)  # every key some new token's window holds
-            table = torch.tensor(list(it.block_ids))
+            table = plan.tables[b]
             win = swa[table[kpos // S], kpos % S]  # [Ws, D]
             wpos = qpos[:, None] + offsets  # [n, W] window positions of each query
             win_kv = win[(wpos - base).clamp(min=0)]  # [n, W, D]
@@ -299,9 +300,9 @@ class DeepseekV4Model:
                 count = (nc + n) // r
                 if count:
                     num_valid = (qpos + 1) // r  # [n] entries whose window has closed
-                    entries = self._entries("entries", i, it, count, pages)  # [C, D]
+                    entries = self._entries("entries", i, table, count, pages)  # [C, D]
                     if kind == CSA:
-                        ikeys = self._entries("ikeys", i, it, count, pages)  # [C, Di]
+                        ikeys = self._entries("ikeys", i, table, count, pages)  # [C, Di]
                         scores = indexer_scores(iq[lo:hi], ikeys, iw[lo:hi], Di ** -0.5)  # [n, C]
                         k = min(c.index_topk, count)
                         top = indexer_topk(scores, k, num_valid)  # [n, k], -1 = none
@@ -338,7 +339,7 @@ class DeepseekV4Model:
             cmax = max(int(count.max()) if dec else 0, 1)
             e = torch.arange(cmax)[None, :].expand(len(dec), cmax)
             entries[r] = (dtab.gather(1, (e * r) // S), e % (S // r), count)
-        return _Plan(write_page, positions % S, dec, dec_rows, dtab.gather(1, wc // S), wc % S,
+        return _Plan(tables, write_page, positions % S, dec, dec_rows, dtab.gather(1, wc // S), wc % S,
                      torch.zeros(wpos.shape).masked_fill_(wpos < 0, float("-inf")), entries)
 
     def _decode_attention(self, i: int, q: torch.Tensor, iq, iw, plan: _Plan, pages: torch.Tensor,
