@@ -138,8 +138,7 @@ class DecodeEngine:
                 raise CapacityError(
                     f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
                     f"{self.pool.num_blocks} are free; lower max_tokens or retry later")
-            if self.slots.num_slots and not self.slots.num_free:
-                raise CapacityError(f"all {self.slots.num_slots} state slots are in use; retry later")
+            self.slots.require_free(CapacityError)
             block_ids = list(self.pool.allocate(num_pages).block_ids)
             state_slot = self.slots.allocate()
             transfer_id = random.getrandbits(63)
@@ -207,13 +206,17 @@ class DecodeEngine:
             prompt_pages = seq.block_ids[:math.ceil(seq.num_prompt_tokens / self.config.page_size)]
             return [self.runner.page_buffer(b) for b in prompt_pages] + self.runner.state_buffers(seq.state_slot)
 
+    @property
+    def num_active_requests(self) -> int:
+        """Requests reserved, waiting or running."""
+        return len(self._by_transfer)
+
     def stats(self) -> dict[str, int | str]:
         """Pool and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
         with self._cond:
             error = self.pool.integrity_error()
-            if not error and self.slots.num_slots - self.slots.num_free != len(self._by_transfer):
-                error = (f"{self.slots.num_slots - self.slots.num_free} state slots held, "
-                         f"{len(self._by_transfer)} requests")
+            if not error and self.slots.num_used != len(self._by_transfer):
+                error = f"{self.slots.num_used} state slots held, {len(self._by_transfer)} requests"
             return {
                 "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
                 "num_cached_pages": self.pool.num_cached_blocks,

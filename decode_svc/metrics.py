@@ -23,6 +23,6 @@ STEP_CPU = Histogram("kvmesh_engine_step_cpu_seconds", "Process CPU seconds of o
 def bind(engine) -> None:
     """Read the gauges from `engine` (a DecodeEngine) at scrape time."""
     BATCH_SIZE.set_function(lambda: engine.num_running)
-    ACTIVE.set_function(lambda: engine.stats()["num_active_requests"])
+    ACTIVE.set_function(lambda: engine.num_active_requests)
     PAGES_FREE.set_function(lambda: engine.pool.num_free_blocks)
     PAGES_USED.set_function(lambda: engine.pool.num_blocks - engine.pool.num_free_blocks)

@@ -38,7 +38,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Reserve(self, request, context):
         with tracing.server_span("decode.reserve", context, request.request_id, self.instance_id) as span:
             response = await self._reserve(request, context)
-            span.set_attributes({"kvmesh.kv.pages_reserved": len(self.engine.transfer_buffers(response.transfer_id)),
+            span.set_attributes({"kvmesh.kv.prompt_pages": response.num_pages,
                                  "kvmesh.transfer_id": format(response.transfer_id, "x")})
             return response
 
@@ -127,8 +127,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"[{rid}] KV push failed: {exc}")
             self._landed.pop(tid, None)  # landed: nothing can write into these pages any more
             landed_ns = tracing.now_ns()
+            landed = future.result()
             tracing.record(span, "decode.kv_receive", started_ns, landed_ns,
-                           {"kvmesh.kv.buffers": len(self.engine.transfer_buffers(tid))})
+                           {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes})
             digest = ""
             if self.engine.config.kv_digest:
                 digest = pages_digest(self.engine.transfer_buffers(tid))

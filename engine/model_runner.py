@@ -194,6 +194,11 @@ class StateSlots:
             raise RuntimeError(f"all {self.num_slots} state slots are in use; retry later")
         return self._free.pop()
 
+    def require_free(self, error: type[Exception]) -> None:
+        """Raise `error` (the caller's capacity error) when the runner has slots and none is free."""
+        if self.num_slots and not self._free:
+            raise error(f"all {self.num_slots} state slots are in use; retry later")
+
     def free(self, slot: int | None) -> None:
         if slot is not None:
             assert slot not in self._free, f"state slot {slot} freed twice"
@@ -202,3 +207,7 @@ class StateSlots:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)

@@ -186,15 +186,14 @@ class PrefillEngine:
 
     def _fits_later(self, job: PrefillJob) -> bool:
         """Releases by requests in flight will make room for `job` (pages, state slot)."""
-        return self.pool.num_referenced_blocks > 0 or self.slots.num_free < self.slots.num_slots
+        return self.pool.num_referenced_blocks > 0 or self.slots.num_used > 0
 
     def _allocate(self, job: PrefillJob) -> tuple[list, tuple[int, ...], int, int | None]:
         """Reuse the cached prefix and allocate pages for the rest, plus a state slot:
         (hashes, block ids, cached tokens, slot)."""
+        self.slots.require_free(NoFreeBlocksError)
         tokens, size = job.token_ids, self.page_size
         hashes = hash_blocks(tokens, size)
-        if self.slots.num_slots and not self.slots.num_free:
-            raise NoFreeBlocksError(f"all {self.slots.num_slots} state slots are in use; retry later")
         # recompute at least the last prompt token so its logits exist
         match = self.pool.match_prefix(hashes[: (len(tokens) - 1) // size])
         try:
@@ -238,8 +237,8 @@ class PrefillEngine:
         integrity is checked; with check=False, from another thread while the worker computes,
         they may be a step stale and integrity_error is '' unchecked."""
         error = self.pool.integrity_error() if check else ""
-        if check and not error and not self.pool.num_referenced_blocks and self.slots.num_free != self.slots.num_slots:
-            error = f"{self.slots.num_slots - self.slots.num_free} state slots held by no request"
+        if check and not error and not self.pool.num_referenced_blocks and self.slots.num_used:
+            error = f"{self.slots.num_used} state slots held by no request"
         return {
             "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
             "num_cached_pages": self.pool.num_cached_blocks, "num_referenced_pages": self.pool.num_referenced_blocks,
