@@ -35,9 +35,9 @@ class DecodeConfig:
     reservation_timeout_s: float = 60.0
     """A reservation whose Generate call never comes is freed after this many seconds."""
     kv_digest: bool = False
+    """Hash each request's received KV pages (SHA-256) and report it, for tests."""
     metrics_port: int = 0
     """HTTP port of the Prometheus metrics endpoint (/metrics); 0 serves none."""
-    """Hash each request's received KV pages (SHA-256) and report it, for tests."""
     torch_threads: int = 0
     """Intra-op threads of the model; 0 keeps torch's default (every core)."""
     instance_id: str = ""
@@ -76,5 +76,5 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(model=args.model, host=args.host, port=args.port, kv_port=args.kv_port,
                         num_pages=args.num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
                         max_admit_per_step=args.max_admit_per_step, torch_threads=args.torch_threads,
-                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id, metrics_port=args.metrics_port,
-                        advertise_host=args.advertise_host)
+                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id,
+                        metrics_port=args.metrics_port, advertise_host=args.advertise_host)

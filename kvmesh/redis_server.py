@@ -51,8 +51,8 @@ class RedisProcess:
         shim = [sys.executable, "-c", "import ctypes, os, signal, sys; "
                 "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); os.execv(sys.argv[1], sys.argv[1:])"]
         self.proc = subprocess.Popen(
-            [*(shim if die_with_parent else []), binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning"],
+            [*(shim if die_with_parent else []), binary, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while not ping(self.url):

@@ -31,9 +31,9 @@ class PrefillConfig:
     instance_id: str = ""
     """Name under which this instance's blocks are indexed; empty means host:port of its gRPC server."""
     kv_digest: bool = False
+    """Hash each pushed request's KV pages (SHA-256) and report it, for tests."""
     metrics_port: int = 0
     """HTTP port of the Prometheus metrics endpoint (/metrics); 0 serves none."""
-    """Hash each pushed request's KV pages (SHA-256) and report it, for tests."""
     max_batch_tokens: int = 4096
     """Most prompt tokens prefilled together in one forward (queued requests batch up)."""
     push_timeout_s: float = 30.0
@@ -76,5 +76,6 @@ def config_from_args(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(model=args.model, host=args.host, port=args.port, num_pages=args.num_pages,
                          page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
                          max_batch_tokens=args.max_batch_tokens, torch_threads=args.torch_threads,
-                         redis_url=args.redis_url, instance_id=args.instance_id, metrics_port=args.metrics_port, lease_ttl_s=args.lease_ttl,
+                         redis_url=args.redis_url, instance_id=args.instance_id, metrics_port=args.metrics_port,
+                         lease_ttl_s=args.lease_ttl,
                          kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1")

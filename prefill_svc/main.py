@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 # requests between compute and the end of their push, for models with per-request state
 PREFILL_STATE_SLOTS = 64
 
+
 async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, clear this instance's old index entries, serve until stop is set."""
     files = resolve_model(config.model)
