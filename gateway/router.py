@@ -17,6 +17,7 @@ nodes) and `least_load` (fewest queued tokens, cache ignored).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import logging
 import math
@@ -99,9 +100,13 @@ class PrefillRouter:
         if not healthy:
             raise LookupError("no healthy prefill instance")
 
+        def cached_tokens(inst: InstanceLoad) -> int:
+            # at least the last prompt token is always computed, for its logits
+            return min(cached_blocks.get(inst.instance_id, 0) * page_size, num_prompt_tokens - 1)
+
         def decide(inst: InstanceLoad) -> RouteDecision:
-            cached = min(cached_blocks.get(inst.instance_id, 0) * page_size, num_prompt_tokens - 1)
-            return RouteDecision(inst.address, max(cached, 0), float(num_prompt_tokens - max(cached, 0)))
+            cached = cached_tokens(inst)
+            return RouteDecision(inst.address, cached, float(num_prompt_tokens - cached))
 
         if self.policy == "round_robin":
             self._rr += 1
@@ -118,7 +123,7 @@ class PrefillRouter:
         choice: RouteDecision | None = None
         self._rr += 1
         for pos, inst in enumerate(healthy):
-            cached = min(cached_blocks.get(inst.instance_id, 0) * page_size, num_prompt_tokens - 1)
+            cached = cached_tokens(inst)
             counted = cached if cached >= self.cache_threshold * num_prompt_tokens and cached > 0 else 0
             load = _queued(inst) + self.request_cost_tokens * max(inst.in_flight_requests,
                                                                   inst.reported_active_requests)
@@ -140,11 +145,16 @@ def _point(key: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
 
 
-def _ring_choice(healthy: Sequence[InstanceLoad], key: bytes, vnodes: int = 64) -> InstanceLoad:
+@functools.lru_cache(maxsize=64)
+def _ring(names: tuple[str, ...], vnodes: int = 64) -> list[tuple[int, int]]:
+    """The hash ring of these instances: (point, index into names), sorted; built once per set."""
+    return sorted((_point(f"{name}#{v}".encode()), k) for k, name in enumerate(names) for v in range(vnodes))
+
+
+def _ring_choice(healthy: Sequence[InstanceLoad], key: bytes) -> InstanceLoad:
     """Consistent hashing (Karger et al. 1997): the first instance clockwise of key's point,
-    each instance placed at `vnodes` points, so removing one moves only its own keys."""
-    ring = sorted((_point(f"{inst.instance_id or inst.address}#{v}".encode()), k)
-                  for k, inst in enumerate(healthy) for v in range(vnodes))
+    each instance placed at 64 points, so removing one moves only its own keys."""
+    ring = _ring(tuple(inst.instance_id or inst.address for inst in healthy))
     i = bisect.bisect(ring, (_point(key), len(healthy)))
     return healthy[ring[i % len(ring)][1]]
 

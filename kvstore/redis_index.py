@@ -66,13 +66,11 @@ class _Keys:
 
 
 def _leading_runs(rows: Sequence[Sequence[int]], instance_ids: Sequence[str],
-                  leases: Sequence[int | None] | None = None) -> dict[str, int]:
+                  leases: Sequence[str | None]) -> dict[str, int]:
     """rows[i][j] = 1 when instance j holds block i; count each instance's leading 1s.
     Instances whose lease is missing (leases[j] falsy) count 0."""
     counts = dict.fromkeys(instance_ids, 0)
-    alive = set(range(len(instance_ids)))
-    if leases is not None:
-        alive = {j for j in alive if leases[j]}
+    alive = {j for j in range(len(instance_ids)) if leases[j]}
     for row in rows:
         alive = {j for j in alive if row[j]}
         if not alive:
@@ -183,12 +181,11 @@ class RedisKVIndex:
         """Ids of the instances holding `block_hash`."""
         return set(self._redis.smembers(self._keys.block(block_hash)))
 
-    def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str],
-                       require_lease: bool = True) -> dict[str, int]:
+    def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:
         """For each instance, how many consecutive leading blocks of `block_hashes` it holds.
 
-        One pipelined round trip (the leases, then SMISMEMBER per block, Redis >= 6.2). With
-        require_lease, an instance without a live lease counts 0 blocks.
+        One pipelined round trip (the leases, then SMISMEMBER per block, Redis >= 6.2); an
+        instance without a live lease counts 0 blocks.
 
         Returns:
             {instance_id: number of leading blocks held} for every id in instance_ids.
@@ -201,7 +198,7 @@ class RedisKVIndex:
         for h in block_hashes:
             pipe.smismember(self._keys.block(h), instance_ids)
         leases, *rows = pipe.execute()
-        return _leading_runs(rows, instance_ids, leases if require_lease else None)
+        return _leading_runs(rows, instance_ids, leases)
 
     def close(self) -> None:
         """Release the connection pool."""
@@ -222,8 +219,7 @@ class AsyncRedisKVIndexReader:
         self._redis = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
 
-    async def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str],
-                             require_lease: bool = True) -> dict[str, int]:
+    async def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:
         """Same as RedisKVIndex.longest_prefix, one pipelined round trip."""
         instance_ids = list(instance_ids)
         if not instance_ids or not block_hashes:
@@ -233,7 +229,7 @@ class AsyncRedisKVIndexReader:
             for h in block_hashes:
                 pipe.smismember(self._keys.block(h), instance_ids)
             leases, *rows = await pipe.execute()
-        return _leading_runs(rows, instance_ids, leases if require_lease else None)
+        return _leading_runs(rows, instance_ids, leases)
 
     async def reap_expired(self) -> list[str]:
         """Same as RedisKVIndex.reap_expired."""
