@@ -4,7 +4,8 @@ GGUF files are converted by transformers (dequantized to fp32) into a cache fold
 `$KVMESH_CACHE_DIR/<name>-<key>/` (default `~/.cache/kvmesh`), where key is the first 12 hex
 digits of a content fingerprint of the GGUF file (size, first and last 8 MiB), so every
 clone and venv shares one conversion. Several services start at once, so the conversion
-runs under a file lock and lands through an atomic rename of a temporary folder.
+runs under a file lock and lands through an atomic rename of a temporary folder. Beside
+it, `engine.gguf_blocks` keeps the file's Q4_1 / Q8_0 blocks for the decode kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from engine.config import ModelConfig
+from engine.gguf_blocks import BLOCKS_FILE, write_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -137,13 +139,15 @@ def _from_gguf(gguf: Path, name: str) -> ModelFiles:
         raise ValueError(f"GGUF file {str(gguf)!r} does not exist")
     root = cache_root()
     final = root / f"{name}-{_cache_key(gguf)}"
-    if (final / "config.json").is_file():
+    if (final / "config.json").is_file() and (final / BLOCKS_FILE).is_file():
         return ModelFiles(name=name, checkpoint_dir=final)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(final) + ".lock"):
         # another process may have finished the conversion while we waited for the lock
         if not (final / "config.json").is_file():
             _convert_gguf(gguf, final)
+        if not (final / BLOCKS_FILE).is_file():  # also for folders converted before blocks were kept
+            write_blocks(final, gguf)
     return ModelFiles(name=name, checkpoint_dir=final)
 
 

@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 from engine.config import ModelConfig
+from engine.gguf_blocks import load_blocks
 from engine.loader import ModelFiles, load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
@@ -54,8 +55,11 @@ class ModelRunner:
     """
 
     def __init__(self, files: ModelFiles, num_pages: int, page_size: int = 16,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, gguf_blocks: bool = True) -> None:
         """Load `files` (config.json, *.safetensors) and allocate `num_pages` pages of KV.
+
+        With gguf_blocks, small decode steps compute from the GGUF blocks the loader kept beside
+        a converted GGUF file (`engine.gguf_blocks`); False serves every step from fp32.
 
         Raises ValueError for a non-Llama checkpoint, num_pages < 1, page_size < 1, or a
         dtype that is not floating point.
@@ -77,7 +81,8 @@ class ModelRunner:
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(files.checkpoint_dir.glob("*.safetensors")):
             weights.update(safetensors.torch.load_file(path))
-        self.model = LlamaModel(self.config, weights, dtype)
+        blocks = load_blocks(files.checkpoint_dir) if gguf_blocks else None
+        self.model = LlamaModel(self.config, weights, dtype, blocks)
         del weights
         c = self.config
         self.kv_cache = torch.zeros(num_pages, c.num_layers, 2, page_size, c.num_kv_heads,

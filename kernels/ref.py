@@ -78,3 +78,24 @@ def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_ca
                 out[t + j, h] = (probs @ values[:, kh].float()).to(q.dtype)
         t += n
     return out.reshape(T, Q * D)
+
+
+def dequantize_q4_1_ref(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """gguf-py's Q4_1 `dequantize_blocks`: w = d * q + m per block of 32 inputs, in fp32.
+
+    qs [N, K/2] uint8 (q[n, 2j] in the low nibble of qs[n, j], q[n, 2j+1] in the high one);
+    d, m [N, K/32] fp16. Returns [N, K] fp32, bit for bit what transformers loads.
+    """
+    q = torch.stack([qs & 15, qs >> 4], dim=-1).reshape(qs.shape[0], -1).float()  # [N, K]
+    return d.float().repeat_interleave(32, 1) * q + m.float().repeat_interleave(32, 1)
+
+
+def dequantize_q8_0_ref(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """gguf-py's Q8_0 `dequantize_blocks`: w = q * d per block of 32; q [N, K] int8, d [N, K/32]
+    fp16 -> [N, K] fp32."""
+    return q.float() * d.float().repeat_interleave(32, 1)
+
+
+def quantized_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T in fp64, rounded to fp32: what `kernels.quant` approximates."""
+    return (x.double() @ w.double().T).float()

@@ -10,7 +10,10 @@
   2.6e-5 to 4.3e-5, still inside the 1e-4 parity bound the tests hold it to (the tied
   lm_head keeps the embedding's [V, H] layout: a transposed copy would cost 113 MB);
 - every sequence's tokens go through each matmul as one [T, H] batch;
-- logits only for the rows asked for (the last new token of each sequence).
+- logits only for the rows asked for (the last new token of each sequence);
+- a step of at most `QUANTIZED_MAX_TOKENS` tokens (decode of a small batch) multiplies straight
+  from the GGUF file's Q4_1 / Q8_0 blocks when the checkpoint has them (`kernels.quant`): at
+  batch 1 that reads 5x fewer weight bytes than fp32; larger steps use the fp32 weights.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.gguf_blocks import GGUFBlocks
 from kernels import AttentionMetadata, apply_rotary, paged_attention, rms_norm, silu_and_mul
+from kernels.quant import Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0, quantized_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +41,47 @@ class _Layer:
     post_norm: torch.Tensor   # [H]
     w_gate_up: torch.Tensor   # [H, 2I]
     w_down: torch.Tensor      # [I, H]
+    # the same weights as GGUF blocks, output-major like the file ([N, K]); None: fp32 only
+    q_qkv: Q4_1Weight | Q8_0Weight | None = None
+    q_o: Q4_1Weight | Q8_0Weight | None = None
+    q_gate_up: Q4_1Weight | Q8_0Weight | None = None
+    q_down: Q4_1Weight | Q8_0Weight | None = None
+
+
+QUANTIZED_MAX_TOKENS = 4
+"""Steps of up to this many tokens use the block kernels; measured on 2 cores (`python -m
+kernels.bench_quant`), they beat the fp32 GEMM up to 4-5 rows and lose from 6."""
+
+
+def _pack(blocks: dict[str, GGUFBlocks], names: list[str]) -> Q4_1Weight | Q8_0Weight | None:
+    """The named weights' blocks stacked along the output rows and packed; None unless all
+    of them have blocks of one kind."""
+    parts = [blocks.get(n) for n in names]
+    if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+        return None
+    arrays = [np.concatenate(a) for a in zip(*(p.arrays for p in parts))]
+    return pack_q4_1(*arrays) if parts[0].kind == "q4_1" else pack_q8_0(*arrays)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None) -> torch.Tensor:
+    """x [T, in] @ w [in, out], from the blocks when there are any and T is small."""
+    if q is not None and x.shape[0] <= QUANTIZED_MAX_TOKENS:
+        return quantized_matmul(x, q)
+    return x @ w
 
 
 class LlamaModel:
     """Llama weights plus the forward pass; holds no KV, which `ModelRunner` owns."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, blocks: dict[str, GGUFBlocks] | None = None) -> None:
         """Take transformers-named tensors (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
-        Raises ValueError when a tensor is missing, has the wrong shape, or is left over (e.g. a
-        bias this model does not have).
+        `blocks` are GGUF blocks of some of those weights (`engine.gguf_blocks.load_blocks`),
+        used for small steps when dtype is fp32. Raises ValueError when a tensor is missing, has
+        the wrong shape, or is left over (e.g. a bias this model does not have).
         """
+        blocks = blocks if dtype == torch.float32 else None
         self.config = c = config
         self.dtype = dtype
         left = dict(weights)
@@ -75,6 +110,11 @@ class LlamaModel:
                 w_gate_up=torch.cat([take(p + "mlp.gate_proj.weight", (I, H)),
                                      take(p + "mlp.up_proj.weight", (I, H))]).t().contiguous(),
                 w_down=take(p + "mlp.down_proj.weight", (H, I)).t().contiguous(),
+                **({} if not blocks else {
+                    "q_qkv": _pack(blocks, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                    "q_o": _pack(blocks, [p + "self_attn.o_proj.weight"]),
+                    "q_gate_up": _pack(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    "q_down": _pack(blocks, [p + "mlp.down_proj.weight"])}),
             ))
         self.norm = take("model.norm.weight", (H,))
         if c.tie_word_embeddings:
@@ -82,6 +122,8 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = take("lm_head.weight", (c.vocab_size, H))  # [V, H]
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self.q_lm_head = _pack(blocks, [head]) if blocks else None
         left = [n for n in left if not n.endswith("rotary_emb.inv_freq")]
         if left:
             raise ValueError(f"checkpoint of {c.name!r} has tensors this Llama does not use, "
@@ -104,17 +146,19 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # [T, H], the residual stream
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, eps)  # [T, H]
-            qkv = x @ w.w_qkv  # [T, (Q + 2K) * D]
+            qkv = _mm(x, w.w_qkv, w.q_qkv)  # [T, (Q + 2K) * D]
             qk = apply_rotary(qkv[:, :qk_width].view(T, nq + nk, D), cos, sin_rot)  # [T, Q+K, D]
             v = qkv[:, qk_width:].view(T, nk, D)  # [T, K, D]
             attn = paged_attention(qk[:, :nq], qk[:, nq:], v, kv_cache, i, meta)  # [T, Q*D]
             # a separate add, not addmm: with residual values near 2e4 in some rows, fusing
             # the add into the GEMM changes rounding enough to break parity with transformers
-            h = h + attn @ w.w_o
+            h = h + _mm(attn, w.w_o, w.q_o)
             x = rms_norm(h, w.post_norm, eps)
-            gate_up = x @ w.w_gate_up  # [T, 2I]
-            h = h + silu_and_mul(gate_up) @ w.w_down
+            gate_up = _mm(x, w.w_gate_up, w.q_gate_up)  # [T, 2I]
+            h = h + _mm(silu_and_mul(gate_up), w.w_down, w.q_down)
         if logits_index is not None:
             h = h.index_select(0, logits_index)  # [B, H]
         h = rms_norm(h, self.norm, eps)
+        if self.q_lm_head is not None and h.shape[0] <= QUANTIZED_MAX_TOKENS:
+            return quantized_matmul(h, self.q_lm_head)  # [B, V] fp32
         return F.linear(h, self.lm_head).float()  # [B, V]

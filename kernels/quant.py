@@ -1,0 +1,186 @@
+# M=rows of activations (tokens), K=input features, N=output features, G=K/32 blocks of a row,
+# NT=N/TN tiles of TN output features
+"""Matmul straight from GGUF's Q4_1 and Q8_0 blocks, for small-batch decode on CPU.
+
+Decode at batch 1 reads every weight once per token and does two flops with it, so it runs
+at memory speed: fp32 weights cost 4 bytes each, a Q4_1 weight 0.75 (4 bits plus its block's
+scale and min, widened to fp32 here), a Q8_0 weight 1.125. These kernels read the blocks as
+the GGUF file stores them and never build an fp32 copy (llama.cpp's ggml-cpu does the same).
+
+The weights they compute with are the file's exactly: Q4_1 holds w = d*q + m for each block
+of 32 inputs (q in 0..15, d and m fp16), Q8_0 holds w = d*q (q in -128..127). Per block they
+sum x*q first and scale once, as ggml does: sum_k x_k w_k = d * sum_k x_k q_k + m * sum_k x_k.
+That rounds differently from an fp32 GEMM over transformers' dequantized weights, by about
+as much as two GEMM libraries differ from each other (`kernels.ref.quantized_matmul_ref` is
+the reference the tests hold it to).
+
+The loops are compiled by numba (LLVM, vectorized for the host CPU) and release the GIL.
+Each weight is laid out tile-major, `[NT, K(/2), TN]`, so a tile's bytes stream in order
+and the innermost loop runs over TN independent outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+QK = 32
+"""Inputs per GGUF block (Q4_1 and Q8_0)."""
+TN = 64
+"""Output features per tile: 64 fp32 accumulators fit the vector registers' reach."""
+
+
+@dataclass(frozen=True)
+class Q4_1Weight:
+    """A Linear's Q4_1 weight in kernel layout: w[n, k] = d[n, k//32] * q[n, k] + m[n, k//32].
+
+    qs [NT, K/2, TN] uint8: q of inputs 2j (low nibble) and 2j+1 (high nibble) of each output;
+    d, m [NT, G, TN] fp32 (fp16 values, widened exactly). Rows past `out_features` are zero.
+    """
+
+    qs: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
+
+
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """A Linear's Q8_0 weight in kernel layout: w[n, k] = d[n, k//32] * q[n, k].
+
+    q [NT, K, TN] int8; d [NT, G, TN] fp32 (fp16 values, widened exactly).
+    """
+
+    q: np.ndarray
+    d: np.ndarray
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes
+
+
+def _tiles(rows: np.ndarray) -> np.ndarray:
+    """[N, X] -> [NT, X, TN], zero-padding N up to a multiple of TN."""
+    n = rows.shape[0]
+    pad = -n % TN
+    if pad:
+        rows = np.concatenate([rows, np.zeros((pad, *rows.shape[1:]), rows.dtype)])
+    return np.ascontiguousarray(rows.reshape(-1, TN, rows.shape[1]).transpose(0, 2, 1))
+
+
+def _check_blocks(q: np.ndarray, scales: list[np.ndarray], per_byte: int) -> tuple[int, int]:
+    if q.ndim != 2 or any(s.ndim != 2 or s.shape[0] != q.shape[0] for s in scales):
+        raise ValueError(f"expected 2-D q and scales with one row per output, got {q.shape}, "
+                         f"{[s.shape for s in scales]}")
+    n, k = q.shape[0], q.shape[1] * per_byte
+    if k % QK or any(s.shape[1] != k // QK for s in scales):
+        raise ValueError(f"{k} inputs need {k // QK} blocks of {QK} a row, scales have "
+                         f"{[s.shape[1] for s in scales]}")
+    return n, k
+
+
+def pack_q4_1(qs: np.ndarray, d: np.ndarray, m: np.ndarray) -> Q4_1Weight:
+    """Lay out Q4_1 blocks for `quantized_matmul`.
+
+    qs [N, K/2] uint8 with q[n, 2j] in the low and q[n, 2j+1] in the high nibble of qs[n, j];
+    d, m [N, K/32] fp16 or fp32. Raises ValueError when the shapes disagree or K % 32 != 0.
+    """
+    n, k = _check_blocks(qs, [d, m], 2)
+    return Q4_1Weight(_tiles(qs.astype(np.uint8)), _tiles(d.astype(np.float32)),
+                      _tiles(m.astype(np.float32)), n, k)
+
+
+def pack_q8_0(q: np.ndarray, d: np.ndarray) -> Q8_0Weight:
+    """Lay out Q8_0 blocks for `quantized_matmul`: q [N, K] int8, d [N, K/32] fp16 or fp32.
+
+    Raises ValueError when the shapes disagree or K % 32 != 0.
+    """
+    n, k = _check_blocks(q, [d], 1)
+    return Q8_0Weight(_tiles(q.astype(np.int8)), _tiles(d.astype(np.float32)), n, k)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _block_sums(x):  # x [M, K] -> [M, G]
+    rows, g = x.shape[0], x.shape[1] // QK
+    out = np.empty((rows, g), np.float32)
+    for r in range(rows):
+        for b in range(g):
+            s = np.float32(0)
+            for i in range(QK):
+                s += x[r, b * QK + i]
+            out[r, b] = s
+    return out
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _q4_1_matmul(x, qs, d, m, out):  # x [M, K] f32, qs [NT, K/2, TN] u8, out [M, NT*TN] f32
+    rows, g = x.shape[0], x.shape[1] // QK
+    xsum = _block_sums(x)
+    acc = np.empty((rows, TN), np.float32)
+    blk = np.empty((rows, TN), np.float32)
+    for t in range(qs.shape[0]):
+        acc[:] = 0
+        for b in range(g):
+            blk[:] = 0
+            for jj in range(QK // 2):
+                j = b * (QK // 2) + jj
+                for r in range(rows):
+                    x0, x1 = x[r, 2 * j], x[r, 2 * j + 1]
+                    for n in range(TN):
+                        byte = qs[t, j, n]
+                        blk[r, n] += x0 * np.float32(byte & 15) + x1 * np.float32(byte >> 4)
+            for r in range(rows):
+                s = xsum[r, b]
+                for n in range(TN):
+                    acc[r, n] += d[t, b, n] * blk[r, n] + m[t, b, n] * s
+        out[:, t * TN:(t + 1) * TN] = acc
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _q8_0_matmul(x, q, d, out):  # x [M, K] f32, q [NT, K, TN] i8, out [M, NT*TN] f32
+    rows, g = x.shape[0], x.shape[1] // QK
+    acc = np.empty((rows, TN), np.float32)
+    blk = np.empty((rows, TN), np.float32)
+    for t in range(q.shape[0]):
+        acc[:] = 0
+        for b in range(g):
+            blk[:] = 0
+            for i in range(QK):
+                k = b * QK + i
+                for r in range(rows):
+                    xk = x[r, k]
+                    for n in range(TN):
+                        blk[r, n] += xk * np.float32(q[t, k, n])
+            for r in range(rows):
+                for n in range(TN):
+                    acc[r, n] += d[t, b, n] * blk[r, n]
+        out[:, t * TN:(t + 1) * TN] = acc
+
+
+def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
+    """x @ w.T for x [M, K] fp32 and a packed GGUF weight [N, K]; returns [M, N] fp32.
+
+    Meant for small M (decode): each tile's bytes are read once and reused for all M rows,
+    but the work grows with M, and past a few rows an fp32 GEMM wins (`bench_quant`).
+    Raises ValueError when x is not [M, w.in_features] fp32.
+    """
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x must be fp32 [M, {w.in_features}], got {x.dtype} {tuple(x.shape)}")
+    xn = x.contiguous().numpy()
+    tiles = w.qs.shape[0] if isinstance(w, Q4_1Weight) else w.q.shape[0]
+    out = torch.empty(x.shape[0], tiles * TN)
+    if isinstance(w, Q4_1Weight):
+        _q4_1_matmul(xn, w.qs, w.d, w.m, out.numpy())
+    else:
+        _q8_0_matmul(xn, w.q, w.d, out.numpy())
+    return out if tiles * TN == w.out_features else out[:, :w.out_features]

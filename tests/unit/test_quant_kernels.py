@@ -1,0 +1,114 @@
+"""The GGUF block kernels (kernels/quant.py) against their references, and the blocks the loader
+keeps (engine/gguf_blocks.py) against gguf-py and transformers' fp32 conversion."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
+from engine.loader import default_gguf_path, resolve_model
+from kernels.quant import TN, pack_q4_1, pack_q8_0, quantized_matmul
+from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref, quantized_matmul_ref
+
+
+def _q4_1(rng, n, k):
+    qs = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    d = (rng.random((n, k // 32)) * 0.02).astype(np.float16)
+    m = (-rng.random((n, k // 32)) * 0.1).astype(np.float16)
+    return qs, d, m
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("n", [TN, 100])  # one whole tile, and a padded last tile
+def test_q4_1_matmul_matches_dequantized_reference(rows, n):
+    rng = np.random.default_rng(rows * n)
+    qs, d, m = _q4_1(rng, n, 96)
+    w = dequantize_q4_1_ref(*map(torch.from_numpy, (qs, d, m)))  # [N, K]
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(n)) * 3
+    out = quantized_matmul(x, pack_q4_1(qs, d, m))
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, quantized_matmul_ref(x, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_q8_0_matmul_matches_dequantized_reference(rows):
+    rng = np.random.default_rng(rows)
+    q = rng.integers(-128, 128, (130, 64), dtype=np.int8)
+    d = (rng.random((130, 2)) * 0.01).astype(np.float16)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    out = quantized_matmul(x, pack_q8_0(q, d))
+    ref = quantized_matmul_ref(x, dequantize_q8_0_ref(torch.from_numpy(q), torch.from_numpy(d)))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_each_row_is_computed_the_same_alone_or_in_a_batch():
+    # batched decode must give each sequence the logits it gets alone, bit for bit
+    rng = np.random.default_rng(7)
+    w = pack_q4_1(*_q4_1(rng, 192, 64))
+    x = torch.randn(4, 64)
+    alone = torch.cat([quantized_matmul(x[i:i + 1], w) for i in range(4)])
+    assert torch.equal(quantized_matmul(x, w), alone)
+
+
+def test_bad_shapes_are_refused():
+    rng = np.random.default_rng(0)
+    qs, d, m = _q4_1(rng, 64, 64)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        pack_q4_1(qs[:, :24], d, m)  # 48 inputs: not whole blocks
+    with pytest.raises(ValueError, match="one row per output"):
+        pack_q4_1(qs, d[:10], m)
+    w = pack_q4_1(qs, d, m)
+    with pytest.raises(ValueError, match=r"fp32 \[M, 64\]"):
+        quantized_matmul(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match=r"fp32 \[M, 64\]"):
+        quantized_matmul(torch.randn(2, 64, dtype=torch.float64), w)
+
+
+def test_unpacked_ggml_rows_dequantize_like_gguf_py():
+    # the real file's first rows of a Q4_1 and the Q8_0 tensor, unpacked by us and by gguf-py
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(default_gguf_path())
+    seen = set()
+    for tensor in reader.tensors:
+        kind = {"Q4_1": "q4_1", "Q8_0": "q8_0"}.get(tensor.tensor_type.name)
+        if kind is None or kind in seen:
+            continue
+        seen.add(kind)
+        raw = np.asarray(tensor.data)[:8]  # 8 output rows
+        ours = _from_raw(kind, raw).dequantize()
+        theirs = dequantize(raw, tensor.tensor_type).reshape(8, -1)
+        assert ours.shape == theirs.shape and np.array_equal(ours, theirs), kind
+    assert seen == {"q4_1", "q8_0"}
+
+
+def test_loader_keeps_blocks_equal_to_the_fp32_checkpoint():
+    import safetensors.torch
+
+    files = resolve_model()
+    blocks = load_blocks(files.checkpoint_dir)
+    # 30 layers x 7 projections (Q4_1) and the tied embedding (Q8_0): none fell back to fp32
+    assert len(blocks) == 30 * 7 + 1
+    assert blocks["model.embed_tokens.weight"].kind == "q8_0"
+    fp32 = safetensors.torch.load_file(files.checkpoint_dir / "model.safetensors")
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
+                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"]:
+        # q_proj and k_proj rows went through transformers' RoPE un-permutation too
+        assert torch.equal(torch.from_numpy(blocks[name].dequantize()), fp32[name]), name
+
+
+def test_blocks_that_differ_from_the_checkpoint_are_left_out(tmp_path):
+    import json
+
+    import safetensors.numpy
+
+    files = resolve_model()
+    config = json.loads((files.checkpoint_dir / "config.json").read_text())
+    fp32 = safetensors.numpy.load_file(files.checkpoint_dir / "model.safetensors")
+    name = "model.layers.3.mlp.up_proj.weight"
+    fp32[name] = fp32[name].copy()
+    fp32[name][5, 5] += 1e-3  # one weight off: this tensor must be served from fp32
+    kept = extract_blocks(default_gguf_path(), config, fp32)
+    assert name not in kept and len(kept) == 30 * 7
+    assert isinstance(kept["model.layers.3.mlp.gate_proj.weight"], GGUFBlocks)
