@@ -29,7 +29,8 @@ GRPC_OPTIONS = [
 
 
 def set_torch_threads(num_threads: int) -> None:
-    """Intra-op threads for this process's model (0 keeps torch's default: every core).
+    """Intra-op threads for this process's model, torch's and the GGUF block kernels' (0 keeps
+    the defaults: every core).
 
     Call on the main thread. Several services on one machine share its cores; giving
     each fewer threads keeps OpenMP teams from stalling on each other.
@@ -37,9 +38,11 @@ def set_torch_threads(num_threads: int) -> None:
     if num_threads < 0:
         raise ValueError(f"torch threads must be >= 0 (0 = all cores), got {num_threads}")
     if num_threads:
+        import numba
         import torch
 
         torch.set_num_threads(num_threads)
+        numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))  # kernels.quant
 
 
 def setup_logging(name: str) -> None:
