@@ -15,6 +15,7 @@ type, is left out and served from fp32.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -131,8 +132,6 @@ def write_blocks(checkpoint_dir: Path, gguf_path: Path) -> None:
 
     Callers hold the checkpoint's conversion lock.
     """
-    import json
-
     config = json.loads((checkpoint_dir / "config.json").read_text())
     fp32: dict[str, np.ndarray] = {}
     for path in sorted(checkpoint_dir.glob("*.safetensors")):

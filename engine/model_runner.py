@@ -58,8 +58,9 @@ class ModelRunner:
                  dtype: torch.dtype = torch.float32, gguf_blocks: bool = True) -> None:
         """Load `files` (config.json, *.safetensors) and allocate `num_pages` pages of KV.
 
-        With gguf_blocks, small decode steps compute from the GGUF blocks the loader kept beside
-        a converted GGUF file (`engine.gguf_blocks`); False serves every step from fp32.
+        With gguf_blocks, decode steps (up to `QUANTIZED_MAX_BATCH` sequences) compute from the
+        GGUF blocks the loader kept beside a converted GGUF file (`engine.gguf_blocks`); False
+        serves every step from fp32.
 
         Raises ValueError for a non-Llama checkpoint, num_pages < 1, page_size < 1, or a
         dtype that is not floating point.

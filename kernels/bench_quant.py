@@ -6,7 +6,7 @@
 For SmolLM2-135M's decoder shapes (qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576, over --layers distinct weights so they stream from memory as in a real step) and
 its Q8_0 lm_head (576->49152), prints milliseconds per model step of each path and the ratio,
-for each row count. `engine.models.llama.QUANTIZED_MAX_TOKENS` is set from where the ratio
+for each row count. `engine.models.llama.QUANTIZED_MAX_BATCH` is set from where the ratio
 crosses 1. Random blocks: speed does not depend on the values.
 """
 

@@ -11,7 +11,7 @@
   lm_head keeps the embedding's [V, H] layout: a transposed copy would cost 113 MB);
 - every sequence's tokens go through each matmul as one [T, H] batch;
 - logits only for the rows asked for (the last new token of each sequence);
-- a decode step (one new token a sequence) of up to `QUANTIZED_MAX_TOKENS` sequences
+- a decode step (one new token a sequence) of up to `QUANTIZED_MAX_BATCH` sequences
   multiplies straight from the GGUF file's Q4_1 / Q8_0 blocks when the checkpoint has them
   (`kernels.quant`), reading 5x fewer weight bytes than fp32. Prefill keeps the fp32 weights:
   a prompt's first positions carry residuals near 2e4, where the kernels' per-block sums
@@ -50,7 +50,7 @@ class _Layer:
     q_down: Q4_1Weight | Q8_0Weight | None = None
 
 
-QUANTIZED_MAX_TOKENS = 64
+QUANTIZED_MAX_BATCH = 64
 """Decode steps of up to this many sequences use the block kernels. Measured on 2 cores (`python -m
 kernels.bench_quant --rows 16 32 64 128 256`): Q4_1 layers 2.8x the fp32 GEMM's speed at 16
 rows, 1.6x at 64, 1.3x at 128, 0.94x at 256; the Q8_0 lm_head 1.35x at 16, 1.1x at 64, 0.77x
@@ -80,7 +80,7 @@ class LlamaModel:
         """Take transformers-named tensors (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
         `blocks` are GGUF blocks of some of those weights (`engine.gguf_blocks.load_blocks`),
-        used for small steps when dtype is fp32. Raises ValueError when a tensor is missing, has
+        used for decode steps when dtype is fp32. Raises ValueError when a tensor is missing, has
         the wrong shape, or is left over (e.g. a bias this model does not have).
         """
         blocks = blocks if dtype == torch.float32 else None
@@ -144,25 +144,25 @@ class LlamaModel:
         c = self.config
         T = input_ids.shape[0]
         # a decode step: every sequence brings one token, so no logits_index picks rows
-        blocks = logits_index is None and T <= QUANTIZED_MAX_TOKENS
+        use_blocks = logits_index is None and T <= QUANTIZED_MAX_BATCH
         nq, nk, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         qk_width = (nq + nk) * D
         h = F.embedding(input_ids, self.embed)  # [T, H], the residual stream
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, eps)  # [T, H]
-            qkv = _mm(x, w.w_qkv, w.q_qkv if blocks else None)  # [T, (Q + 2K) * D]
+            qkv = _mm(x, w.w_qkv, w.q_qkv if use_blocks else None)  # [T, (Q + 2K) * D]
             qk = apply_rotary(qkv[:, :qk_width].view(T, nq + nk, D), cos, sin_rot)  # [T, Q+K, D]
             v = qkv[:, qk_width:].view(T, nk, D)  # [T, K, D]
             attn = paged_attention(qk[:, :nq], qk[:, nq:], v, kv_cache, i, meta)  # [T, Q*D]
             # a separate add, not addmm: with residual values near 2e4 in some rows, fusing
             # the add into the GEMM changes rounding enough to break parity with transformers
-            h = h + _mm(attn, w.w_o, w.q_o if blocks else None)
+            h = h + _mm(attn, w.w_o, w.q_o if use_blocks else None)
             x = rms_norm(h, w.post_norm, eps)
-            gate_up = _mm(x, w.w_gate_up, w.q_gate_up if blocks else None)  # [T, 2I]
-            h = h + _mm(silu_and_mul(gate_up), w.w_down, w.q_down if blocks else None)
+            gate_up = _mm(x, w.w_gate_up, w.q_gate_up if use_blocks else None)  # [T, 2I]
+            h = h + _mm(silu_and_mul(gate_up), w.w_down, w.q_down if use_blocks else None)
         if logits_index is not None:
             h = h.index_select(0, logits_index)  # [B, H]
         h = rms_norm(h, self.norm, eps)
-        if blocks and self.q_lm_head is not None:
+        if use_blocks and self.q_lm_head is not None:
             return quantized_matmul(h, self.q_lm_head)  # [B, V] fp32
         return F.linear(h, self.lm_head).float()  # [B, V]

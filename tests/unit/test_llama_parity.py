@@ -183,7 +183,7 @@ def test_greedy_generation_matches_transformers_generate(runner, hf, tokenizer, 
 
 def test_small_steps_use_the_gguf_blocks_and_agree_with_fp32_weights(files, runner):
     # the default checkpoint keeps its GGUF blocks: decode steps of <= 64 sequences compute from them
-    from engine.models.llama import QUANTIZED_MAX_TOKENS
+    from engine.models.llama import QUANTIZED_MAX_BATCH
 
     assert runner.model.q_lm_head is not None
     assert all(x is not None for w in runner.model.layers for x in (w.q_qkv, w.q_o, w.q_gate_up, w.q_down))
@@ -192,6 +192,6 @@ def test_small_steps_use_the_gguf_blocks_and_agree_with_fp32_weights(files, runn
     ids = _prompt(30, seed=11)
     prefill = [r.forward([ForwardItem(ids, 0, [1, 2, 3])]) for r in (runner, fp32_only)]
     assert torch.equal(*prefill)  # prefill keeps the fp32 weights: bit for bit the same
-    for rows in (1, 2, 16, QUANTIZED_MAX_TOKENS):  # decode batches (one sequence, repeated)
+    for rows in (1, 2, 16, QUANTIZED_MAX_BATCH):  # decode batches (one sequence, repeated)
         batch = [ForwardItem([ids[rows % 30]], 30, [1, 2, 3])] * rows
         torch.testing.assert_close(runner.forward(batch), fp32_only.forward(batch), atol=ATOL, rtol=0)
