@@ -142,10 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local mesh (Redis, prefill, decode, gateway) until Ctrl-C")
-    up.add_argument("--prefill", type=int, default=1, help="prefill instances")
-    up.add_argument("--decode", type=int, default=1, help="decode instances")
+    up.add_argument("--prefill", type=int, default=1, help="prefill instances (default 1)")
+    up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     up.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
-    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="stream an answer from a gateway")
@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None)
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: on when the model has one)")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print token counts and timings (to stderr)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print token counts, timings and the instances used (to stderr)")
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="run one service (for deployments across machines)")
