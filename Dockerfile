@@ -21,7 +21,10 @@ ENV PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/opt/kvmesh/cache/numba \
     UCX_WARN_UNUSED_ENV_VARS=n
 
-RUN useradd --create-home --uid 10001 kvmesh \
+# libgomp1: the OpenMP runtime numba's threads use for the GGUF block kernels
+RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 kvmesh \
     && mkdir -p /opt/kvmesh/cache && chown kvmesh:kvmesh /opt/kvmesh/cache
 
 WORKDIR /app

@@ -26,6 +26,7 @@ from engine.gguf_blocks import load_blocks
 from engine.loader import ModelFiles, load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
+from kernels.quant import kernel_threads
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,12 @@ class ModelRunner:
         if span < self.page_size:
             self.forward([ForwardItem([tok], span, [0])])
         logger.info("warmup took %.2f s", time.monotonic() - start)
+        if self.model.q_lm_head is not None:  # the decode step above ran the block kernels
+            layer, threads = kernel_threads()
+            logger.info("GGUF block kernels run on numba's %s threading layer, %d threads", layer, threads)
+            if layer == "workqueue":
+                logger.warning("numba found no OpenMP or TBB runtime: batch-1 decode runs ~3x slower; "
+                               "install Debian's libgomp1 (or pip's tbb)")
 
 
 def create_runner(files: ModelFiles, num_pages: int, page_size: int = 16, num_state_slots: int = 64):

@@ -167,6 +167,17 @@ def _q8_0_matmul(x, q, d, out):  # x [M, K] f32, q [NT, K, TN] i8, out [M, NT*TN
         out[:, t * TN:(t + 1) * TN] = acc
 
 
+def kernel_threads() -> tuple[str, int]:
+    """(numba's threading layer, threads) the kernels run on; call after one of them ran.
+
+    "omp" (GNU OpenMP, Debian's libgomp1) or "tbb" wake their threads in microseconds;
+    "workqueue", numba's fallback when neither library loads, made the 30 Q4_1 layers of a
+    batch-1 step 3.3x slower here (16.6 ms against omp's 5.0 ms, `bench_quant` under
+    NUMBA_THREADING_LAYER=workqueue).
+    """
+    return numba.threading_layer(), numba.get_num_threads()
+
+
 def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
     """x @ w.T for x [M, K] fp32 and a packed GGUF weight [N, K]; returns [M, N] fp32.
 
