@@ -5,11 +5,12 @@
 Decode at batch 1 reads every weight once per token and does two flops with it, so it runs
 at memory speed: fp32 weights cost 4 bytes each, a Q4_1 weight 0.75 (4 bits plus its block's
 scale and min, widened to fp32 here), a Q8_0 weight 1.125. These kernels read the blocks as
-the GGUF file stores them and never build an fp32 copy (llama.cpp's ggml-cpu does the same).
+the GGUF file stores them and never build an fp32 copy. llama.cpp's ggml-cpu reads blocks
+too but also rounds the activations to 8-bit blocks; here they stay fp32.
 
 The weights they compute with are the file's exactly: Q4_1 holds w = d*q + m for each block
 of 32 inputs (q in 0..15, d and m fp16), Q8_0 holds w = d*q (q in -128..127). Per block they
-sum x*q first and scale once, as ggml does: sum_k x_k w_k = d * sum_k x_k q_k + m * sum_k x_k.
+sum x*q first and scale once: sum_k x_k w_k = d * sum_k x_k q_k + m * sum_k x_k.
 That rounds differently from an fp32 GEMM over transformers' dequantized weights, by about
 as much as two GEMM libraries differ from each other (`kernels.ref.quantized_matmul_ref` is
 the reference the tests hold it to).
@@ -32,7 +33,8 @@ import torch
 QK = 32
 """Inputs per GGUF block (Q4_1 and Q8_0)."""
 TN = 64
-"""Output features per tile: 64 fp32 accumulators fit the vector registers' reach."""
+"""Output features per tile: a tile's accumulators (64 fp32 a row, 4 AVX-512 registers) stay in
+L1, and 64 divides every N of SmolLM2 (576, 960, 3072, 49152); other N are zero-padded."""
 
 
 @dataclass(frozen=True)
