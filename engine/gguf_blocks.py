@@ -27,6 +27,7 @@ import numpy as np
 import safetensors.numpy
 import torch
 
+from engine.loader import load_checkpoint_tensors
 from kernels.quant import QK
 from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref
 
@@ -55,11 +56,10 @@ class GGUFBlocks:
     kind: str
     arrays: tuple[np.ndarray, ...]
 
-    def dequantize(self) -> np.ndarray:
+    def dequantize(self) -> torch.Tensor:
         """[N, K] fp32, computed as gguf-py's `dequantize_blocks` does (d * q + m in fp32)."""
-        tensors = [torch.from_numpy(a) for a in self.arrays]
         ref = dequantize_q4_1_ref if self.kind == "q4_1" else dequantize_q8_0_ref
-        return ref(*tensors).numpy()
+        return ref(*(torch.from_numpy(a) for a in self.arrays))
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -93,7 +93,7 @@ def _from_raw(kind: str, raw: np.ndarray) -> GGUFBlocks:
     return GGUFBlocks(kind, (b[..., 2:].copy().view(np.int8).reshape(n, -1), d))
 
 
-def extract_blocks(gguf_path: Path, config: dict, fp32: dict[str, np.ndarray]) -> dict[str, GGUFBlocks]:
+def extract_blocks(gguf_path: Path, config: dict, fp32: dict[str, torch.Tensor]) -> dict[str, GGUFBlocks]:
     """The Q4_1 / Q8_0 weights of a Llama GGUF file whose dequantized blocks equal `fp32`.
 
     config is the converted checkpoint's config.json (num_attention_heads,
@@ -117,7 +117,7 @@ def extract_blocks(gguf_path: Path, config: dict, fp32: dict[str, np.ndarray]) -
         proj = name.split(".")[-2]
         if proj in heads:
             blocks = GGUFBlocks(blocks.kind, tuple(_unpermute_rows(a, heads[proj]) for a in blocks.arrays))
-        if not np.array_equal(blocks.dequantize(), fp32[name]):
+        if not torch.equal(blocks.dequantize(), fp32[name]):
             logger.warning("GGUF blocks of %s differ from the fp32 checkpoint; serving it from fp32", name)
             skipped.append(name)
             continue
@@ -133,10 +133,7 @@ def write_blocks(checkpoint_dir: Path, gguf_path: Path) -> None:
     Callers hold the checkpoint's conversion lock.
     """
     config = json.loads((checkpoint_dir / "config.json").read_text())
-    fp32: dict[str, np.ndarray] = {}
-    for path in sorted(checkpoint_dir.glob("*.safetensors")):
-        fp32.update(safetensors.numpy.load_file(path))
-    blocks = extract_blocks(gguf_path, config, fp32)
+    blocks = extract_blocks(gguf_path, config, load_checkpoint_tensors(checkpoint_dir))
     tensors = {f"{name}.{b.kind}.{i}": a for name, b in blocks.items() for i, a in enumerate(b.arrays)}
     target = checkpoint_dir / BLOCKS_FILE
     target.parent.mkdir(mode=0o755, exist_ok=True)

@@ -20,11 +20,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
 from engine.config import ModelConfig
-from engine.gguf_blocks import BLOCKS_FILE, write_blocks
+
+if TYPE_CHECKING:  # the gateway imports this module and never loads weights
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +79,16 @@ def resolve_model(name_or_path: str | None = None) -> ModelFiles:
         return ModelFiles(name=path.resolve().name, checkpoint_dir=path.resolve())
     raise ValueError(f"unknown model {name_or_path!r}: pass a path to a .gguf file or a Hugging "
                      f"Face checkpoint folder, or {DEFAULT_MODEL!r}")
+
+
+def load_checkpoint_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files (shards merged), by name."""
+    import safetensors.torch
+
+    tensors = {}
+    for path in sorted(checkpoint_dir.glob("*.safetensors")):
+        tensors.update(safetensors.torch.load_file(path))
+    return tensors
 
 
 def load_tokenizer(files: ModelFiles):
@@ -135,6 +148,8 @@ def _cache_key(gguf: Path) -> str:
 
 
 def _from_gguf(gguf: Path, name: str) -> ModelFiles:
+    from engine.gguf_blocks import BLOCKS_FILE, write_blocks  # it reads checkpoints through this module
+
     if not gguf.is_file():
         raise ValueError(f"GGUF file {str(gguf)!r} does not exist")
     root = cache_root()

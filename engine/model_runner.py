@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import safetensors.torch
 import torch
 
 from engine.config import ModelConfig
 from engine.gguf_blocks import load_blocks
-from engine.loader import ModelFiles, load_config
+from engine.loader import ModelFiles, load_checkpoint_tensors, load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
 from kernels.quant import kernel_threads
@@ -80,9 +79,7 @@ class ModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype
-        weights: dict[str, torch.Tensor] = {}
-        for path in sorted(files.checkpoint_dir.glob("*.safetensors")):
-            weights.update(safetensors.torch.load_file(path))
+        weights = load_checkpoint_tensors(files.checkpoint_dir)
         blocks = load_blocks(files.checkpoint_dir) if gguf_blocks else None
         self.model = LlamaModel(self.config, weights, dtype, blocks)
         del weights

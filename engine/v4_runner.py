@@ -14,10 +14,9 @@ import time
 from typing import Sequence
 
 import numpy as np
-import safetensors.torch
 import torch
 
-from engine.loader import ModelFiles
+from engine.loader import ModelFiles, load_checkpoint_tensors
 from engine.model_runner import ForwardItem
 from engine.models.deepseek_v4 import DeepseekV4Model, V4Item
 from engine.models.deepseek_v4_state import V4StateLayout
@@ -43,9 +42,7 @@ class DeepseekV4Runner:
 
         self.config = load_config(files)
         self.layout = V4StateLayout.from_config(self.hf_config, page_size)
-        tensors: dict[str, torch.Tensor] = {}
-        for path in sorted(files.checkpoint_dir.glob("*.safetensors")):
-            tensors.update(safetensors.torch.load_file(path))
+        tensors = load_checkpoint_tensors(files.checkpoint_dir)
         self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name)
         del tensors
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots

@@ -51,10 +51,6 @@ class Q4_1Weight:
     out_features: int
     in_features: int
 
-    @property
-    def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes + self.m.nbytes
-
 
 @dataclass(frozen=True)
 class Q8_0Weight:
@@ -67,10 +63,6 @@ class Q8_0Weight:
     d: np.ndarray
     out_features: int
     in_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.d.nbytes
 
 
 def _tiles(rows: np.ndarray) -> np.ndarray:

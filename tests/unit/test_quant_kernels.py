@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
-from engine.loader import default_gguf_path, resolve_model
+from engine.loader import default_gguf_path, load_checkpoint_tensors, resolve_model
 from kernels.quant import TN, pack_q4_1, pack_q8_0, quantized_matmul
 from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref, quantized_matmul_ref
 
@@ -79,35 +79,31 @@ def test_unpacked_ggml_rows_dequantize_like_gguf_py():
         raw = np.asarray(tensor.data)[:8]  # 8 output rows
         ours = _from_raw(kind, raw).dequantize()
         theirs = dequantize(raw, tensor.tensor_type).reshape(8, -1)
-        assert ours.shape == theirs.shape and np.array_equal(ours, theirs), kind
+        assert ours.shape == theirs.shape and np.array_equal(ours.numpy(), theirs), kind
     assert seen == {"q4_1", "q8_0"}
 
 
 def test_loader_keeps_blocks_equal_to_the_fp32_checkpoint():
-    import safetensors.torch
-
     files = resolve_model()
     blocks = load_blocks(files.checkpoint_dir)
     # 30 layers x 7 projections (Q4_1) and the tied embedding (Q8_0): none fell back to fp32
     assert len(blocks) == 30 * 7 + 1
     assert blocks["model.embed_tokens.weight"].kind == "q8_0"
-    fp32 = safetensors.torch.load_file(files.checkpoint_dir / "model.safetensors")
+    fp32 = load_checkpoint_tensors(files.checkpoint_dir)
     for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
                  "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"]:
         # q_proj and k_proj rows went through transformers' RoPE un-permutation too
-        assert torch.equal(torch.from_numpy(blocks[name].dequantize()), fp32[name]), name
+        assert torch.equal(blocks[name].dequantize(), fp32[name]), name
 
 
 def test_blocks_that_differ_from_the_checkpoint_are_left_out(tmp_path):
     import json
 
-    import safetensors.numpy
-
     files = resolve_model()
     config = json.loads((files.checkpoint_dir / "config.json").read_text())
-    fp32 = safetensors.numpy.load_file(files.checkpoint_dir / "model.safetensors")
+    fp32 = load_checkpoint_tensors(files.checkpoint_dir)
     name = "model.layers.3.mlp.up_proj.weight"
-    fp32[name] = fp32[name].copy()
+    fp32[name] = fp32[name].clone()
     fp32[name][5, 5] += 1e-3  # one weight off: this tensor must be served from fp32
     kept = extract_blocks(default_gguf_path(), config, fp32)
     assert name not in kept and len(kept) == 30 * 7
