@@ -2,11 +2,18 @@
 
 Every error here is one the caller can fix, raised as ValueError with a message that
 says what to change; the servicer maps it to INVALID_ARGUMENT.
+
+Text from a request is data: a special-token string such as "<|im_end|>" typed into a
+prompt or a message is encoded as ordinary text, never as the control token. Only the
+chat template's own markers become control tokens; `prompt_token_ids` is the way to send
+exact ids.
 """
 
 from __future__ import annotations
 
 import random
+import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +21,12 @@ from engine.sampler import SamplingParams
 
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+# an ordinary conversation rendered once at start: the template must show each content exactly
+# once and the split tokenization must give apply_chat_template's ids for it
+_PROBE_CONVERSATION = ({"role": "user", "content": "What is the capital of France?"},
+                       {"role": "assistant", "content": "Paris."},
+                       {"role": "user", "content": "And of Spain?"})
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,8 @@ class PromptBuilder:
 
     def __init__(self, tokenizer, model_name: str, max_context: int, default_max_tokens: int,
                  max_tokens_limit: int) -> None:
+        """Raises ValueError when the tokenizer has a chat template whose output cannot be split
+        into the template's own text and each message's content (see `_chat_token_ids`)."""
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_context = max_context
@@ -44,15 +59,35 @@ class PromptBuilder:
         # refused before tokenizing, which would cost seconds and gigabytes on huge input
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_prompt_bytes = max_context * longest * 4
+        # message i's content renders as f"{mark}{i}z": letters and digits, which templates
+        # pass through unchanged; random, so no template's own text contains it
+        self._content_mark = "kvmesh" + secrets.token_hex(8)
+        self._content_mark_re = re.compile(re.escape(self._content_mark) + r"(\d+)z")
+        # the special added tokens, matched as the tokenizer matches them (longest first,
+        # single_word ones only between non-word characters)
+        self._markers = {t.content: (i, t) for i, t in sorted(tokenizer.added_tokens_decoder.items()) if t.special}
+        alternatives = [rf"(?<!\w){re.escape(content)}(?!\w)" if t.single_word else re.escape(content)
+                        for content, (_, t) in sorted(self._markers.items(), key=lambda kv: -len(kv[0]))]
+        self._marker_re = re.compile("(" + "|".join(alternatives) + ")") if alternatives else None
+        if tokenizer.chat_template:
+            self._check_chat_template()
 
     def check_model(self, model: str) -> None:
         if model and model.lower() != self.model_name.lower():
-            raise ValueError(f"unknown model {model!r}: this gateway serves {self.model_name!r} (or leave model empty)")
+            raise ValueError(f"unknown model {model[:64]!r}{'...' if len(model) > 64 else ''}: this gateway serves "
+                             f"{self.model_name!r} (or leave model empty)")
 
     def tokenize(self, prompt: bytes, messages: Sequence[tuple[str, str]], chat: bool,
                  token_ids: Sequence[int] = ()) -> list[int]:
         """Token ids of the prompt; messages (role, content) or chat=True use the chat template;
-        token_ids, when given, are the prompt as it is (each checked against the vocabulary)."""
+        token_ids, when given, are the prompt as it is (each checked against the vocabulary).
+
+        A special-token string typed in the prompt or in a message's content is encoded as
+        ordinary tokens; only the chat template's own markers are control tokens. Raises
+        ValueError naming what to change: bad ids, prompt and messages both, too many bytes,
+        unknown roles, invalid UTF-8, an empty prompt, chat without a chat template, or a
+        template that does not show each message's content once and in order.
+        """
         if token_ids:
             if prompt or messages or chat:
                 raise ValueError("send prompt_token_ids alone: without prompt, messages or chat")
@@ -83,12 +118,78 @@ class PromptBuilder:
         if conversation is not None:
             if not self.tokenizer.chat_template:
                 raise ValueError(f"model {self.model_name!r} has no chat template; send a plain prompt without chat")
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self._chat_token_ids(conversation)
+        return self._text_token_ids(text)
+
+    def _text_token_ids(self, text: str) -> list[int]:
+        """Ids of text from a request; a special-token string in it becomes ordinary tokens."""
+        if not text:
+            return []
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def _chat_token_ids(self, conversation: Sequence[dict[str, str]]) -> list[int]:
+        """Ids of the conversation through the chat template, where only the template's own
+        markers are control tokens: a special-token string inside a message's content is text.
+
+        The template renders with each content replaced by a stand-in; the rendered text is cut
+        at the stand-ins and at the template's special tokens, and each run of text between two
+        special tokens (template text and content together) is encoded with special tokens
+        left unparsed. apply_chat_template encodes the same runs, since the tokenizer splits at
+        special tokens before anything else, so ordinary content gets the same ids it gives
+        (checked at start on a probe conversation). Raises ValueError when the template does not
+        show each content exactly once and in order for this conversation.
+        """
+        stand_ins = [{**m, "content": f"{self._content_mark}{i}z"} for i, m in enumerate(conversation)]
+        rendered = self.tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False)
+        pieces = self._content_mark_re.split(rendered)  # [template, i, template, j, ..., template]
+        if [int(i) for i in pieces[1::2]] != list(range(len(conversation))):
+            raise ValueError(f"the chat template of model {self.model_name!r} does not show each message's "
+                             f"content exactly once and in order for roles {[m['role'] for m in conversation]}; "
+                             f"send a plain prompt or prompt_token_ids")
+        ids: list[int] = []
+        run: list[str] = []  # text since the last marker
+        strip_next = False  # the last marker has rstrip: it takes the whitespace after it
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                run.append(conversation[int(piece)]["content"])
+                continue
+            parts = self._marker_re.split(piece) if self._marker_re else [piece]
+            for j, part in enumerate(parts):
+                if not j % 2:
+                    run.append(part)
+                    continue
+                marker_id, marker = self._markers[part]
+                text = "".join(run)
+                text = text.rstrip() if marker.lstrip else text
+                ids += self._text_token_ids(text.lstrip() if strip_next else text)
+                ids.append(marker_id)
+                run, strip_next = [], marker.rstrip
+        text = "".join(run)
+        return ids + self._text_token_ids(text.lstrip() if strip_next else text)
+
+    def _template_token_ids(self, conversation: Sequence[dict[str, str]]) -> list[int]:
+        """apply_chat_template's own ids, special-token strings in content parsed as control tokens."""
+        ids = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _check_chat_template(self) -> None:
+        """Raises ValueError when the chat template drops, repeats, reorders or rewrites message
+        content, or when splitting its output at the content changes the ids of an ordinary
+        conversation: a bad template fails at start rather than on every chat request."""
+        try:
+            split_ids = self._chat_token_ids(_PROBE_CONVERSATION)
+        except ValueError:
+            raise ValueError(f"the chat template of model {self.model_name!r} does not show each message's content "
+                             f"exactly once and in order, so content cannot be kept apart from control tokens; "
+                             f"use a template that renders message['content'] as it is") from None
+        template_ids = self._template_token_ids(_PROBE_CONVERSATION)
+        if split_ids != template_ids:
+            raise ValueError(f"tokenizing the chat template of model {self.model_name!r} piece by piece gives "
+                             f"{split_ids}, not apply_chat_template's {template_ids}, for an ordinary conversation; "
+                             f"this tokenizer cannot keep message content apart from control tokens")
 
     def build(self, request_id: str, prompt_token_ids: list[int], temperature: float, top_p: float | None,
               top_k: int, max_tokens: int | None, seed: int | None, stop: Sequence[str],
