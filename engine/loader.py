@@ -81,6 +81,15 @@ def resolve_model(name_or_path: str | None = None) -> ModelFiles:
                      f"Face checkpoint folder, or {DEFAULT_MODEL!r}")
 
 
+def model_fingerprint(files: ModelFiles) -> str:
+    """A short digest naming the served model: BLAKE2b of its name and config.json bytes (16 hex
+    characters). Every service and the gateway report it, so instances serving different
+    models are never mixed in one mesh."""
+    digest = hashlib.blake2b(files.name.encode(), digest_size=8)
+    digest.update((files.checkpoint_dir / "config.json").read_bytes())
+    return digest.hexdigest()
+
+
 def load_checkpoint_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's *.safetensors files (shards merged), by name."""
     import safetensors.torch

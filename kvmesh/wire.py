@@ -5,6 +5,11 @@ Only servicers import this; the engine, pools and router never see *_pb2 types.
 
 from __future__ import annotations
 
+import re
+
+import grpc
+
+from engine.outcomes import FailureCause, FinishReason
 from engine.sampler import SamplingParams
 from protos.kvmesh.v1 import common_pb2
 
@@ -16,3 +21,66 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     """
     return SamplingParams(temperature=pb.temperature, top_p=pb.top_p if pb.HasField("top_p") else 1.0, top_k=pb.top_k,
                           seed=pb.seed if pb.HasField("seed") else None)
+
+
+# The trailing-metadata key naming a failure's cause (kvmesh.v1.FailureCause without its prefix).
+FAILURE_CAUSE_KEY = "kvmesh-failure-cause"
+# Trailing-metadata key with the seconds after which an overloaded request may be retried.
+RETRY_AFTER_KEY = "retry-after-s"
+
+
+def status_of(cause: FailureCause) -> grpc.StatusCode:
+    """The gRPC status a client gets for a failure cause: UNAVAILABLE only for what a retry
+    can fix, FAILED_PRECONDITION for a mesh that is set up wrong."""
+    return _STATUS_OF[cause]
+
+
+_STATUS_OF = {
+    FailureCause.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    FailureCause.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailureCause.NO_INSTANCE: grpc.StatusCode.UNAVAILABLE,
+    FailureCause.INSTANCE_LOST: grpc.StatusCode.UNAVAILABLE,
+    FailureCause.KV_PUSH_FAILED: grpc.StatusCode.UNAVAILABLE,
+    FailureCause.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    FailureCause.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    FailureCause.CANCELLED: grpc.StatusCode.CANCELLED,
+    FailureCause.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def cause_of(error: grpc.aio.AioRpcError) -> FailureCause | None:
+    """The cause a kvmesh service put in an error's trailing metadata, if any."""
+    for key, value in error.trailing_metadata() or ():
+        if key == FAILURE_CAUSE_KEY:
+            try:
+                return FailureCause(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def abort(context, cause: FailureCause, message: str, retry_after_s: float | None = None) -> None:
+    """End an RPC with the status of `cause`, naming the cause (and a retry hint) in the trailers."""
+    trailers = [(FAILURE_CAUSE_KEY, cause.value)]
+    if retry_after_s is not None:
+        trailers.append((RETRY_AFTER_KEY, f"{retry_after_s:.1f}"))
+    context.set_trailing_metadata(trailers)
+    await context.abort(status_of(cause), message)
+
+
+FINISH_TO_PB = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]*")
+
+
+def check_request_id(request_id: str) -> str:
+    """A caller's request id, checked: at most 128 characters of letters, digits and . _ : @ / + = -
+    (ids are written into logs and status messages; a newline or an escape sequence in one
+    could forge log lines). Raises ValueError saying what is allowed."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not _REQUEST_ID.fullmatch(request_id):
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters of letters, digits and "
+                         f"._:@/+=- (got {len(request_id)} characters, {request_id[:32]!r}...)")
+    return request_id

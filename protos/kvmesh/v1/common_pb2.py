@@ -24,17 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xb8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\xc9\x02\n\rInstanceStats\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\x05\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\x05\x12\x18\n\x10num_cached_pages\x18\x04 \x01(\x05\x12\x1c\n\x14num_referenced_pages\x18\x05 \x01(\x05\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x03\x12\x17\n\x0fintegrity_error\x18\n \x01(\t\x12\"\n\x1anum_prompt_tokens_computed\x18\x0b \x01(\x03\x12 \n\x18num_prompt_tokens_cached\x18\x0c \x01(\x03\"\x0e\n\x0cStatsRequestb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xb8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x8d\x03\n\rInstanceStats\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tnum_pages\x18\x02 \x01(\x05\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\x05\x12\x18\n\x10num_cached_pages\x18\x04 \x01(\x05\x12\x1c\n\x14num_referenced_pages\x18\x05 \x01(\x05\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x03\x12\x17\n\x0fintegrity_error\x18\n \x01(\t\x12\"\n\x1anum_prompt_tokens_computed\x18\x0b \x01(\x03\x12 \n\x18num_prompt_tokens_cached\x18\x0c \x01(\x03\x12\x11\n\tpage_size\x18\r \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x0e \x01(\t\x12\x14\n\x0cmax_requests\x18\x0f \x01(\x05\"\x0e\n\x0cStatsRequest*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\xbd\x02\n\x0c\x46\x61ilureCause\x12\x1d\n\x19\x46\x41ILURE_CAUSE_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x46\x41ILURE_CAUSE_BAD_REQUEST\x10\x01\x12\x1c\n\x18\x46\x41ILURE_CAUSE_OVERLOADED\x10\x02\x12\x1d\n\x19\x46\x41ILURE_CAUSE_NO_INSTANCE\x10\x03\x12\x1f\n\x1b\x46\x41ILURE_CAUSE_INSTANCE_LOST\x10\x04\x12 \n\x1c\x46\x41ILURE_CAUSE_KV_PUSH_FAILED\x10\x05\x12\x1a\n\x16\x46\x41ILURE_CAUSE_MISMATCH\x10\x06\x12\x1a\n\x16\x46\x41ILURE_CAUSE_DEADLINE\x10\x07\x12\x1b\n\x17\x46\x41ILURE_CAUSE_CANCELLED\x10\x08\x12\x1a\n\x16\x46\x41ILURE_CAUSE_INTERNAL\x10\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_FINISHREASON']._serialized_start=647
+  _globals['_FINISHREASON']._serialized_end=742
+  _globals['_FAILURECAUSE']._serialized_start=745
+  _globals['_FAILURECAUSE']._serialized_end=1062
   _globals['_SAMPLINGPARAMS']._serialized_start=45
   _globals['_SAMPLINGPARAMS']._serialized_end=229
   _globals['_INSTANCESTATS']._serialized_start=232
-  _globals['_INSTANCESTATS']._serialized_end=561
-  _globals['_STATSREQUEST']._serialized_start=563
-  _globals['_STATSREQUEST']._serialized_end=577
+  _globals['_INSTANCESTATS']._serialized_end=629
+  _globals['_STATSREQUEST']._serialized_start=631
+  _globals['_STATSREQUEST']._serialized_end=645
 # @@protoc_insertion_point(module_scope)

@@ -1,10 +1,43 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+
+class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_CAUSE_UNSPECIFIED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_BAD_REQUEST: _ClassVar[FailureCause]
+    FAILURE_CAUSE_OVERLOADED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_NO_INSTANCE: _ClassVar[FailureCause]
+    FAILURE_CAUSE_INSTANCE_LOST: _ClassVar[FailureCause]
+    FAILURE_CAUSE_KV_PUSH_FAILED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_MISMATCH: _ClassVar[FailureCause]
+    FAILURE_CAUSE_DEADLINE: _ClassVar[FailureCause]
+    FAILURE_CAUSE_CANCELLED: _ClassVar[FailureCause]
+    FAILURE_CAUSE_INTERNAL: _ClassVar[FailureCause]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FAILURE_CAUSE_UNSPECIFIED: FailureCause
+FAILURE_CAUSE_BAD_REQUEST: FailureCause
+FAILURE_CAUSE_OVERLOADED: FailureCause
+FAILURE_CAUSE_NO_INSTANCE: FailureCause
+FAILURE_CAUSE_INSTANCE_LOST: FailureCause
+FAILURE_CAUSE_KV_PUSH_FAILED: FailureCause
+FAILURE_CAUSE_MISMATCH: FailureCause
+FAILURE_CAUSE_DEADLINE: FailureCause
+FAILURE_CAUSE_CANCELLED: FailureCause
+FAILURE_CAUSE_INTERNAL: FailureCause
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos")
@@ -25,7 +58,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
-    __slots__ = ("instance_id", "num_pages", "num_free_pages", "num_cached_pages", "num_referenced_pages", "num_active_requests", "num_queued_tokens", "max_batch_size", "num_steps", "integrity_error", "num_prompt_tokens_computed", "num_prompt_tokens_cached")
+    __slots__ = ("instance_id", "num_pages", "num_free_pages", "num_cached_pages", "num_referenced_pages", "num_active_requests", "num_queued_tokens", "max_batch_size", "num_steps", "integrity_error", "num_prompt_tokens_computed", "num_prompt_tokens_cached", "page_size", "model_fingerprint", "max_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +71,9 @@ class InstanceStats(_message.Message):
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_pages: int
     num_free_pages: int
@@ -50,7 +86,10 @@ class InstanceStats(_message.Message):
     integrity_error: str
     num_prompt_tokens_computed: int
     num_prompt_tokens_cached: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_referenced_pages: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., integrity_error: _Optional[str] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prompt_tokens_cached: _Optional[int] = ...) -> None: ...
+    page_size: int
+    model_fingerprint: str
+    max_requests: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_referenced_pages: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., integrity_error: _Optional[str] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prompt_tokens_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_requests: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

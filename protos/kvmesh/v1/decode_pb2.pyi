@@ -8,14 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "page_size", "kv_deadline_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    page_size: int
+    kv_deadline_s: float
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("kv_address", "transfer_id", "num_pages", "page_nbytes", "instance_id")
@@ -48,14 +52,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "kv_digest")
+    __slots__ = ("token_ids", "kv_digest", "finish_reason")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    finish_reason: str
     kv_digest: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., kv_digest: _Optional[str] = ...) -> None: ...
+    finish_reason: _common_pb2.FinishReason
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kv_digest: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id")

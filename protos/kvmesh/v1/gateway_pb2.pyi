@@ -66,7 +66,7 @@ class KVTransfer(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_digest: _Optional[str] = ..., decode_digest: _Optional[str] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s")
+    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,9 @@ class Final(_message.Message):
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
@@ -93,7 +96,10 @@ class Final(_message.Message):
     kv_transfer: KVTransfer
     queue_s: float
     prefill_s: float
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    finish: _common_pb2.FinishReason
+    retries: int
+    admission_s: float
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., retries: _Optional[int] = ..., admission_s: _Optional[float] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
