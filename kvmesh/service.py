@@ -22,10 +22,37 @@ logger = logging.getLogger(__name__)
 
 # 64 MiB: token id lists of long prompts travel in one message.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [
+_MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Every channel pings its peer every 2 s and gives up after 3 s without an answer. A peer
+# that is stopped (SIGSTOP) or wedged keeps its TCP connection open and never answers:
+# without these pings its calls hang until their deadline (or forever). grpc's own
+# ping_timeout defaults to 60 s and overrides keepalive_timeout, so both are set.
+KEEPALIVE_TIME_S = 2.0
+KEEPALIVE_TIMEOUT_S = 3.0
+GRPC_OPTIONS = [
+    *_MESSAGE_OPTIONS,
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+"""Options of every client channel (gateway -> services, kvmesh clients)."""
+SERVER_OPTIONS = [
+    *_MESSAGE_OPTIONS,
+    # accept the clients' 2 s pings (the default policy answers them with GOAWAY
+    # too_many_pings), and ping clients too, so a frozen caller's streams end
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+]
+"""Options of every kvmesh gRPC server."""
 
 
 def set_torch_threads(num_threads: int) -> None:
@@ -62,7 +89,7 @@ class Service:
 
     def __init__(self, serving_names: list[str], host: str, port: int) -> None:
         # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
-        self.server = grpc.aio.server(options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # grpcurl / grpcui can list and call the services without the .proto files
@@ -191,7 +218,7 @@ async def wait_for_health(address: str, timeout_s: float, service: str = "") -> 
     """Poll grpc.health.v1 at `address` until SERVING; TimeoutError after timeout_s seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -96,7 +96,9 @@ class RedisKVIndex:
         self.model = model
         self.namespace = namespace
         self._keys = _Keys(namespace, model)
-        self._redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        # bounded by default: a stopped Redis must not hold a caller forever (the URL may override)
+        self._redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2.0,
+                                           socket_connect_timeout=2.0)
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
         self._seq: dict[str, int] = {}
 
@@ -216,7 +218,8 @@ class AsyncRedisKVIndexReader:
         self.model = model
         self.namespace = namespace
         self._keys = _Keys(namespace, model)
-        self._redis = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        self._redis = redis.asyncio.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2.0,
+                                                   socket_connect_timeout=2.0)
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:

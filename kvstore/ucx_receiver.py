@@ -26,8 +26,9 @@ class _TransferFuture(asyncio.Future):
     """The future `KVReceiver.expect` returns; cancel() never lets pages be freed early.
 
     Before the push starts, cancel() cancels at once. While pages are landing it
-    returns False and the future is cancelled once the last byte landed, so code that
-    awaits it (asyncio.wait_for, task.cancel) never resumes while UCX still writes.
+    returns False and the future is cancelled once UCX has let go of the pages (every
+    receive completed or cut off), so code that awaits it (asyncio.wait_for,
+    task.cancel) never resumes while UCX still writes.
     """
 
     def __init__(self, entry: _Expected, loop: asyncio.AbstractEventLoop) -> None:
@@ -35,8 +36,13 @@ class _TransferFuture(asyncio.Future):
         self._entry = entry
 
     def cancel(self, msg: Any = None) -> bool:
-        if self._entry.started and not self.done():
-            self._entry.cancel_requested = True
+        entry = self._entry
+        if entry.started and not self.done():
+            entry.cancel_requested = True
+            if entry.ep is not None:
+                # cut the push off: a stopped or wedged sender would hold the pages forever;
+                # aborting cancels the posted receives, and _land then cancels this future
+                entry.ep.abort()
             return False
         return super().cancel(msg)
 
@@ -52,6 +58,8 @@ class _Expected:
     started: bool = False
     cancel_requested: bool = False
     sizes: list[int] = field(default_factory=list)
+    ep: Any = None
+    """The sender's endpoint while the push lands (aborted to cut a cancelled push off)."""
 
 
 class KVReceiver:
@@ -113,8 +121,8 @@ class KVReceiver:
 
         Freeing pages: only once the future is done. Use `cancel(transfer_id)` (or
         `future.cancel()`, which behaves the same) when the pages are no longer wanted:
-        an unstarted push is then refused (NACK), a push in progress finishes into the
-        buffers first. A late push never writes into pages given to another request.
+        an unstarted push is then refused (NACK), a push in progress is cut off. A late
+        push never writes into pages given to another request.
 
         Raises:
             RuntimeError: not started, or closed.
@@ -136,8 +144,10 @@ class KVReceiver:
         """The pages of `transfer_id` are no longer wanted (request aborted or expired).
 
         Not started: forgotten now, the future is cancelled, a later push gets NACK 1.
-        In progress: the push finishes into the buffers, then the future is cancelled.
-        Unknown or finished ids are ignored. Free the pages when the future is done.
+        In progress: the sender's endpoint is aborted (its posted receives are cancelled,
+        so a stopped sender cannot hold the pages), and the future is cancelled once UCX
+        has let go of the buffers; the sender's push fails. Unknown or finished ids are
+        ignored. Free the pages when the future is done.
         """
         entry = self._pending.get(transfer_id) or self._active.get(transfer_id)
         if entry is not None:
@@ -232,6 +242,7 @@ class KVReceiver:
     async def _land(self, ep, peer: str, entry: _Expected, n: int) -> None:
         """Receive every page of `entry` into its buffers, all receives posted at once."""
         entry.started = True
+        entry.ep = ep
         self._active[entry.transfer_id] = entry
         started = time.perf_counter()
         error: BaseException | None = None
@@ -265,6 +276,7 @@ class KVReceiver:
                 error: BaseException | None = None) -> None:
         self._active.pop(entry.transfer_id, None)
         entry.started = False
+        entry.ep = None
         future = entry.future
         if future.done():
             return
