@@ -11,6 +11,7 @@ one lock; the forward itself runs outside it.
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import logging
 import math
 import random
@@ -25,16 +26,19 @@ import torch
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
 from engine.model_runner import ForwardItem, ModelRunner, StateSlots
+from engine.outcomes import FinishReason
 from engine.sampler import SamplingParams, sample
 from kvstore.block_pool import BlockPool
 
 logger = logging.getLogger(__name__)
 
-# Receives (new token ids, finish reason or None) for one request.
-EmitFn = Callable[[list[int], "str | None"], None]
-# Runs one step's deliveries [(emit, token ids, finish)] where the emit functions may run
+# Receives (new token ids, how the request ended) for one request: None while it goes on,
+# a FinishReason when it finished, the exception when a failed step ended it.
+Ending = FinishReason | Exception | None
+EmitFn = Callable[[list[int], Ending], None]
+# Runs one step's deliveries [(emit, token ids, ending)] where the emit functions may run
 # (the servicer hands the whole list to its event loop in one call_soon_threadsafe).
-DispatchFn = Callable[[list[tuple[EmitFn, list[int], "str | None"]]], None]
+DispatchFn = Callable[[list[tuple[EmitFn, list[int], Ending]]], None]
 
 
 def deliver_all(deliveries) -> None:
@@ -45,6 +49,21 @@ def deliver_all(deliveries) -> None:
 
 class CapacityError(RuntimeError):
     """No room for another request (batch slots or pages); maps to RESOURCE_EXHAUSTED."""
+
+
+class StepFailed(RuntimeError):
+    """The model step a request was in raised; the request ends with INTERNAL."""
+
+
+class SeqState(enum.Enum):
+    """Where a decode sequence is: reserved -> waiting -> running -> finished."""
+
+    RESERVED = "reserved"
+    """Pages held; the prompt's KV may still be landing."""
+    WAITING = "waiting"
+    """KV landed and a Generate call attached; waiting for admission into the batch."""
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -64,7 +83,7 @@ class DecodeSequence:
     stop_token_ids: frozenset[int] = frozenset()
     emit: EmitFn | None = None
     aborted: bool = False
-    state: str = "reserved"  # reserved -> waiting -> running -> finished
+    state: SeqState = SeqState.RESERVED
 
     @property
     def num_generated(self) -> int:
@@ -166,7 +185,7 @@ class DecodeEngine:
             seq.sampling = sampling
             seq.stop_token_ids = stop_token_ids
             seq.emit = emit
-            if sampling.temperature > 0:
+            if not sampling.greedy:
                 # prefill sampled the first token with `seed`; continue on another stream
                 seq.generator = torch.Generator().manual_seed((seed + 1) % 2**63)
             finish = self._finish_reason(seq, first_token)
@@ -174,7 +193,7 @@ class DecodeEngine:
                 emit([], finish)
                 self._free(seq)
                 return
-            seq.state = "waiting"
+            seq.state = SeqState.WAITING
             self._waiting.append(seq)
             self._cond.notify_all()
 
@@ -189,10 +208,10 @@ class DecodeEngine:
             if seq is None:
                 return False
             seq.aborted = True
-            if seq.state == "running":
+            if seq.state == SeqState.RUNNING:
                 self._cond.notify_all()  # the loop drops it between steps
                 return True
-            if seq.state == "waiting":
+            if seq.state == SeqState.WAITING:
                 self._waiting.remove(seq)
             self._free(seq)
             logger.info("[%s] released", seq.request_id)
@@ -228,15 +247,15 @@ class DecodeEngine:
 
     # --- the engine thread -----------------------------------------------------------
 
-    def _finish_reason(self, seq: DecodeSequence, token: int) -> str | None:
+    def _finish_reason(self, seq: DecodeSequence, token: int) -> FinishReason | None:
         if token in seq.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if seq.num_generated >= seq.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _free(self, seq: DecodeSequence) -> None:
-        seq.state = "finished"
+        seq.state = SeqState.FINISHED
         self.pool.free(seq.block_ids)
         self.slots.free(seq.state_slot)
         del self._by_transfer[seq.transfer_id]
@@ -251,7 +270,7 @@ class DecodeEngine:
         while (self._waiting and admitted < self.config.max_admit_per_step
                and len(self._running) < self.config.max_batch_size):
             seq = self._waiting.popleft()
-            seq.state = "running"
+            seq.state = SeqState.RUNNING
             self._running.append(seq)
             admitted += 1
         return list(self._running)
@@ -273,11 +292,11 @@ class DecodeEngine:
                 logger.exception("decode step failed for %d requests", len(batch))
                 with self._cond:
                     for seq in batch:
-                        if seq.state == "running":
+                        if seq.state == SeqState.RUNNING:
                             self._running.remove(seq)
                             self._free(seq)
                             if seq.emit is not None:
-                                self.dispatch([(seq.emit, [], f"error: {exc}")])
+                                self.dispatch([(seq.emit, [], StepFailed(f"decode step failed: {exc!r}"))])
 
     @property
     def num_running(self) -> int:

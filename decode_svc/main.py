@@ -11,7 +11,7 @@ from decode_svc import metrics
 from decode_svc.config import DecodeConfig, config_from_args
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
-from engine.loader import load_config, resolve_model
+from engine.loader import load_config, model_fingerprint, resolve_model
 from engine.model_runner import create_runner
 from kvmesh import service, tracing
 from kvstore.ucx_transfer import KVReceiver
@@ -36,7 +36,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     await receiver.start()
     model_config = load_config(files)
     servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids),
-                              model_config.vocab_size, model_config.max_position_embeddings)
+                              model_config.vocab_size, model_config.max_position_embeddings, model_fingerprint(files))
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)

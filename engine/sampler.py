@@ -18,12 +18,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow
+# fp32 to inf and the softmax to NaN.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next tokens."""
 
     temperature: float = 0.0
-    """Softmax temperature, >= 0; 0 means greedy (argmax)."""
+    """Softmax temperature, >= 0; 0 (or anything below MIN_TEMPERATURE) means greedy (argmax)."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]; 1 keeps every token."""
     top_k: int = 0
@@ -45,8 +50,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature below MIN_TEMPERATURE, or top_k 1)."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -214,7 +214,7 @@ class PrefillEngine:
         try:
             logits = self.runner.forward(items)  # [B, V]
             first_tokens = sample(logits, [job.sampling for job, *_ in ready],
-                                  [torch.Generator().manual_seed(job.seed) if job.sampling.temperature > 0 else None
+                                  [torch.Generator().manual_seed(job.seed) if not job.sampling.greedy else None
                                    for job, *_ in ready])
         except Exception as exc:
             for job, _, block_ids, _, slot in ready:

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from engine.loader import load_config, resolve_model
+from engine.loader import load_config, model_fingerprint, resolve_model
 from engine.model_runner import create_runner
 from kvmesh import service, tracing
 from kvstore.redis_index import RedisKVIndex
@@ -14,6 +14,7 @@ from kvstore.ucx_transfer import KVSender
 from prefill_svc import metrics
 from prefill_svc.config import PrefillConfig, config_from_args
 from prefill_svc.engine import PrefillEngine
+from prefill_svc.kv_publisher import KVEventPublisher
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
 
@@ -37,7 +38,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
             index.clear_instance(instance_id)  # a restart starts with an empty cache
         except Exception as exc:
             logger.warning("Redis index unreachable at start (%s); KV events will be retried per request", exc)
-    publish = (lambda events: index.publish(instance_id, events)) if index else None
+    # KV events leave the model thread at once; a background thread writes them to Redis
+    publisher = KVEventPublisher(lambda events: index.publish(instance_id, events)) if index else None
+    publish = publisher.publish if publisher else None
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(executor.submit(create_runner, files, config.num_pages, config.page_size,
@@ -46,13 +49,15 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
                            executor=executor, max_batch_tokens=config.max_batch_tokens)
     sender = KVSender()
     servicer = PrefillServicer(engine, sender, instance_id, model_config.vocab_size,
-                               model_config.max_position_embeddings, config.push_timeout_s, config.kv_digest)
+                               model_config.max_position_embeddings, config.push_timeout_s, config.kv_digest,
+                               model_fingerprint(files))
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
-    heartbeat = asyncio.ensure_future(_heartbeat(index, instance_id, config.lease_ttl_s, engine)) if index else None
+    heartbeat = (asyncio.ensure_future(_heartbeat(index, publisher, instance_id, config.lease_ttl_s, engine))
+                 if index else None)
     await svc.mark_serving()
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
     await stop.wait()
@@ -62,6 +67,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     await sender.close()
     if index is not None:
         heartbeat.cancel()
+        await asyncio.to_thread(publisher.close)
         try:
             await asyncio.to_thread(index.leave, instance_id)
         except Exception as exc:
@@ -70,20 +76,22 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     tracing.shutdown_tracing()
 
 
-async def _heartbeat(index: RedisKVIndex, instance_id: str, ttl_s: float, engine: PrefillEngine) -> None:
+async def _heartbeat(index: RedisKVIndex, publisher: KVEventPublisher, instance_id: str, ttl_s: float,
+                     engine: PrefillEngine) -> None:
     """Renew this instance's lease every ttl/3 s; a Redis outage only delays it (logged once).
 
-    When the index has forgotten this instance (Redis restarted empty), re-publish what the
-    prefix cache holds, on the engine's worker thread so no KV event slips between the
-    snapshot and the publish.
+    When the index has forgotten this instance (Redis restarted empty) or events were
+    dropped while Redis was down, re-publish what the prefix cache holds: the snapshot is
+    taken on the engine's worker thread and queued in order with the KV events, so no
+    event slips between the snapshot and the publish.
     """
     down = False
     while True:
         try:
             lost = await asyncio.to_thread(index.heartbeat, instance_id, ttl_s)
-            if lost:
+            if lost or publisher.needs_resync:
                 await asyncio.wrap_future(engine.call(
-                    lambda: index.resync(instance_id, sorted(engine.pool.cached_hashes()))))
+                    lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
             if down:
                 logger.info("prefix index reachable again; lease renewed%s", ", cache re-published" if lost else "")
             down = False

@@ -6,11 +6,11 @@ import asyncio
 import logging
 import random
 
-import grpc
 from opentelemetry.trace import Status, StatusCode
 
+from engine.outcomes import FailureCause
 from kvmesh import tracing
-from kvmesh.wire import sampling_from_pb
+from kvmesh.wire import abort, check_request_id, sampling_from_pb
 from prefill_svc import metrics
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.ucx_transfer import KVSender, TransferError, pages_digest, parse_address
@@ -25,7 +25,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     to the decode instance in one scatter-gather UCX transfer."""
 
     def __init__(self, engine: PrefillEngine, sender: KVSender, instance_id: str, vocab_size: int,
-                 max_context: int, push_timeout_s: float, kv_digest: bool) -> None:
+                 max_context: int, push_timeout_s: float, kv_digest: bool, model_fingerprint: str = "") -> None:
         self.engine = engine
         self.sender = sender
         self.instance_id = instance_id
@@ -33,6 +33,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.max_context = max_context
         self.push_timeout_s = push_timeout_s
         self.kv_digest = kv_digest
+        self.model_fingerprint = model_fingerprint
 
     def _validate(self, request) -> None:
         n = len(request.token_ids)
@@ -53,10 +54,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _prefill(self, request, context, span):
         rid = request.request_id
         try:
+            check_request_id(rid)
+        except ValueError as exc:
+            await abort(context, FailureCause.BAD_REQUEST, str(exc))
+        if request.page_size and request.page_size != self.engine.page_size:
+            await abort(context, FailureCause.MISMATCH, f"[{rid}] prefill {self.instance_id} has page_size "
+                        f"{self.engine.page_size}, the caller assumes {request.page_size}: every service and the "
+                        "gateway need the same --page-size")
+        try:
             self._validate(request)
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
+            await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
         seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
         job = PrefillJob(rid, request.token_ids, sampling, seed)
         submitted_ns = tracing.now_ns()
@@ -73,11 +82,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             logger.info("[%s] cancelled by the caller", rid)
             raise
         except Cancelled:
-            await context.abort(grpc.StatusCode.CANCELLED, f"[{rid}] cancelled")
+            await abort(context, FailureCause.CANCELLED, f"[{rid}] cancelled")
         except NoFreeBlocksError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"[{rid}] {exc}")
+            await abort(context, FailureCause.OVERLOADED, f"[{rid}] {exc}", retry_after_s=1.0)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{rid}] {exc}")
+            await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
+        except Exception as exc:  # a failed forward: this request fails, the service goes on
+            logger.exception("[%s] prefill failed", rid)
+            await abort(context, FailureCause.INTERNAL, f"[{rid}] prefill failed: {exc!r}")
 
         queued_ns = submitted_ns + int(result.queue_s * 1e9)
         tracing.record(span, "prefill.queue", submitted_ns, queued_ns)
@@ -88,6 +100,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         push_span = tracing.child(span, "prefill.kv_push", attributes={
             "kvmesh.kv.pages": len(result.block_ids), "kvmesh.decode.kv_address": request.decode_kv_address})
         push = asyncio.ensure_future(self._push_and_release(request, result))
+        # a push that outlives its caller (cancelled, or the caller's connection died while
+        # this process was stopped) fails on its own: retrieve its error so it is logged once
+        push.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                               or logger.info("[%s] KV push ended after its caller left: %s", rid, f.exception()))
         try:
             nbytes, seconds, digest = await asyncio.shield(push)
         except asyncio.CancelledError:
@@ -96,8 +112,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except (TransferError, asyncio.TimeoutError) as exc:
             push_span.set_status(Status(StatusCode.ERROR, str(exc)))
             push_span.end()
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"[{rid}] KV push to decode {request.decode_kv_address} failed: {exc}")
+            await abort(context, FailureCause.KV_PUSH_FAILED,
+                        f"[{rid}] KV push to decode {request.decode_kv_address} failed: {exc}")
         push_span.set_attributes({"kvmesh.kv.bytes": nbytes, "kvmesh.kv.seconds": seconds})
         push_span.end()
         metrics.observe_push(nbytes, seconds)
@@ -136,4 +152,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             stats = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=0.2)
         except asyncio.TimeoutError:
             stats = self.engine.stats(check=False)
-        return common_pb2.InstanceStats(instance_id=self.instance_id, **stats)
+        return common_pb2.InstanceStats(instance_id=self.instance_id, page_size=self.engine.page_size,
+                                        model_fingerprint=self.model_fingerprint, **stats)

@@ -115,3 +115,13 @@ def test_validation_says_what_to_change(kwargs, message):
 def test_sample_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="one SamplingParams and one generator per row"):
         sample(_logits(2), [SamplingParams()], [None, None])
+
+
+def test_temperatures_too_small_for_fp32_sample_as_greedy():
+    # the fuzz run found it: logits / 1.4e-45 overflow to inf and the softmax to NaN, and
+    # torch.multinomial then failed the whole batch; such rows are greedy (vLLM's 1e-5)
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, 0.1, 0.2]])
+    tiny = SamplingParams(temperature=1.4e-45)
+    assert tiny.greedy
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, [tiny, SamplingParams(temperature=1.0)], [gen, gen])[0] == 1

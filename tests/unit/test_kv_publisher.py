@@ -1,0 +1,64 @@
+"""KV events leave prefill's model thread at once, whatever Redis does."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefill_svc.kv_publisher import KVEventPublisher
+
+
+def _wait(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_events_are_written_in_order():
+    written = []
+    pub = KVEventPublisher(written.extend)
+    events = [BlockStored((bytes([i]),)) for i in range(50)] + [BlockRemoved((b"\x00",))]
+    for e in events:
+        pub.publish([e])
+    pub.close()
+    assert written == events and not pub.needs_resync
+
+
+def test_a_stuck_redis_never_blocks_publish_and_overflow_asks_for_a_resync():
+    gate = threading.Event()
+    written = []
+
+    def write(batch):
+        gate.wait()  # Redis stopped: the write hangs
+        written.extend(batch)
+
+    pub = KVEventPublisher(write, max_buffered_events=10)
+    pub.publish([BlockStored((b"a",))])  # taken by the writer, which now hangs
+    _wait(lambda: not pub._buffer)
+    started = time.perf_counter()
+    for i in range(25):
+        pub.publish([BlockStored((bytes([i]),))])
+    assert time.perf_counter() - started < 0.5  # the model thread never waited on Redis
+    assert pub.needs_resync and pub.num_dropped == 15
+    # the heartbeat resyncs from a snapshot taken on the worker thread: it replaces the backlog
+    pub.resync([b"x", b"y"])
+    assert not pub.needs_resync
+    gate.set()
+    pub.close()
+    assert written == [BlockStored((b"a",)), AllBlocksCleared(), BlockStored((b"x", b"y"))]
+
+
+def test_a_failed_write_drops_the_batch_and_asks_for_a_resync():
+    calls = []
+
+    def write(batch):
+        calls.append(batch)
+        raise ConnectionError("redis down")
+
+    pub = KVEventPublisher(write)
+    pub.publish([BlockStored((b"a",))])
+    _wait(lambda: pub.needs_resync)
+    assert pub.num_dropped == 1
+    pub.close()
