@@ -38,8 +38,21 @@ class GatewayConfig:
     """cache_aware (the default), round_robin, random, consistent_hash or least_load."""
     rpc_timeout_s: float = 10.0
     """Deadline of the small control RPCs (Reserve, Release, GetStats)."""
-    prefill_timeout_s: float = 300.0
-    """Deadline of one Prefill call (queueing + compute + KV push)."""
+    prefill_timeout_base_s: float = 30.0
+    """A Prefill call's deadline is this many seconds plus the tokens queued on the instance
+    (this prompt's included) at prefill_min_tokens_per_s."""
+    prefill_min_tokens_per_s: float = 20.0
+    """The slowest prefill rate (tokens/s) a live instance is expected to keep (2 busy CPU cores
+    manage ~40; a frozen instance is found by the channel's pings within seconds, not by this)."""
+    token_timeout_s: float = 8.0
+    """Longest wait for the next token of a decode stream before the decode instance is
+    taken for lost (the request then fails with UNAVAILABLE naming it)."""
+    max_queued_requests: int = 4096
+    """Requests that may wait in the admission queue for a decode slot; more get RESOURCE_EXHAUSTED."""
+    max_queued_tokens: int = 4_000_000
+    """Prompt tokens that may wait in the admission queue; more get RESOURCE_EXHAUSTED."""
+    max_queue_time_s: float = 120.0
+    """Seconds a request may wait for a decode slot before it gets RESOURCE_EXHAUSTED."""
     stats_interval_s: float = 0.5
     """How often instances' load and health are polled."""
     metrics_port: int = 0
@@ -65,6 +78,14 @@ class GatewayConfig:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
             raise ValueError(f"load_weight must be a finite number >= 0, got {self.load_weight}")
+        for name in ("rpc_timeout_s", "prefill_timeout_base_s", "prefill_min_tokens_per_s", "token_timeout_s",
+                     "max_queue_time_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError(f"max_queued_requests and max_queued_tokens must be >= 0, got "
+                             f"{self.max_queued_requests}, {self.max_queued_tokens}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}")
 
@@ -94,6 +115,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--metrics-port", "KVMESH_METRICS_PORT", 0, "HTTP port of Prometheus /metrics (0: none)", int)
     env_flag(parser, "--routing-policy", "KVMESH_ROUTING_POLICY", "cache_aware",
              "prefill routing: cache_aware, round_robin, random, consistent_hash or least_load")
+    env_flag(parser, "--max-queued-requests", "KVMESH_MAX_QUEUED_REQUESTS", 4096,
+             "requests that may wait for a decode slot (more: RESOURCE_EXHAUSTED)", int)
+    env_flag(parser, "--max-queued-tokens", "KVMESH_MAX_QUEUED_TOKENS", 4_000_000,
+             "prompt tokens that may wait for a decode slot (more: RESOURCE_EXHAUSTED)", int)
+    env_flag(parser, "--max-queue-time", "KVMESH_MAX_QUEUE_TIME", 120.0,
+             "seconds a request may wait for a decode slot", float)
+    env_flag(parser, "--token-timeout", "KVMESH_TOKEN_TIMEOUT", 8.0,
+             "seconds without a token from decode before the instance is taken for lost", float)
+    env_flag(parser, "--prefill-timeout-base", "KVMESH_PREFILL_TIMEOUT_BASE", 30.0,
+             "a Prefill call's deadline: this + queued tokens / --prefill-min-rate (seconds)", float)
+    env_flag(parser, "--prefill-min-rate", "KVMESH_PREFILL_MIN_RATE", 20.0,
+             "slowest prefill rate (tokens/s) a live instance keeps", float)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -103,4 +136,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          host=args.host, port=args.port, redis_url=args.redis_url, page_size=args.page_size,
                          default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
                          cache_threshold=args.cache_threshold, load_weight=args.load_weight,
-                         routing_policy=args.routing_policy, metrics_port=args.metrics_port)
+                         routing_policy=args.routing_policy, metrics_port=args.metrics_port,
+                         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
+                         max_queue_time_s=args.max_queue_time, token_timeout_s=args.token_timeout,
+                         prefill_timeout_base_s=args.prefill_timeout_base,
+                         prefill_min_tokens_per_s=args.prefill_min_rate)

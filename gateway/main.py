@@ -6,7 +6,8 @@ import argparse
 import asyncio
 import logging
 
-from engine.loader import load_config, load_tokenizer, resolve_model
+from engine.loader import load_config, load_tokenizer, model_fingerprint, resolve_model
+from gateway.admission import AdmissionQueue
 from gateway.config import GatewayConfig, config_from_args
 from gateway.pool import InstancePool
 from gateway.requests import PromptBuilder
@@ -28,11 +29,16 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
                             config.default_max_tokens, config.max_tokens_limit)
     index = AsyncRedisKVIndexReader(config.redis_url, model=files.name) if config.redis_url else None
     pool = InstancePool(config.prefill_addresses, config.decode_addresses, config.page_size, index,
-                        config.cache_threshold, config.load_weight, config.rpc_timeout_s, config.routing_policy)
+                        config.cache_threshold, config.load_weight, config.rpc_timeout_s, config.routing_policy,
+                        model_fingerprint(files))
+    admission = AdmissionQueue(pool.decode_capacity, config.max_queued_requests, config.max_queued_tokens,
+                               config.max_queue_time_s)
+    pool.on_capacity.append(admission.pump)
     svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port)
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(builder, pool, frozenset(model_config.eos_token_ids), config.rpc_timeout_s,
-                        config.prefill_timeout_s), svc.server)
+        GatewayServicer(builder, pool, admission, frozenset(model_config.eos_token_ids), config.rpc_timeout_s,
+                        config.prefill_timeout_base_s, config.prefill_min_tokens_per_s, config.token_timeout_s),
+        svc.server)
     await pool.poll_once()
     pool.start_polling(config.stats_interval_s)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)

@@ -15,11 +15,14 @@ import grpc
 from gateway import metrics
 from gateway.router import InstanceLoad, PrefillRouter, pick_decode
 from kvmesh.service import GRPC_OPTIONS
-from kvstore.block_hash import hash_blocks
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+# Requests a decode instance is assumed to take before its first stats report says.
+DEFAULT_DECODE_SLOTS = 64
 
 
 class InstancePool:
@@ -27,8 +30,9 @@ class InstancePool:
 
     def __init__(self, prefill_addresses, decode_addresses, page_size: int, index: AsyncRedisKVIndexReader | None,
                  cache_threshold: float, load_weight: float, rpc_timeout_s: float,
-                 routing_policy: str = "cache_aware") -> None:
+                 routing_policy: str = "cache_aware", model_fingerprint: str = "") -> None:
         self.page_size = page_size
+        self.model_fingerprint = model_fingerprint
         self.index = index
         self.index_ok = True
         metrics.PREFIX_INDEX_UP.set(1 if index is not None else 0)
@@ -43,6 +47,8 @@ class InstancePool:
         self._decode_stubs = {a: decode_pb2_grpc.DecodeStub(self._channels[a]) for a in decode_addresses}
         self._rr = 0
         self._poller: asyncio.Task | None = None
+        self.on_capacity: list = []
+        """Called (no arguments) after each poll: capacity may have grown (admission pumps)."""
 
     def prefill_stub(self, inst: InstanceLoad) -> prefill_pb2_grpc.PrefillStub:
         return self._prefill_stubs[inst.address]
@@ -50,14 +56,34 @@ class InstancePool:
     def decode_stub(self, inst: InstanceLoad) -> decode_pb2_grpc.DecodeStub:
         return self._decode_stubs[inst.address]
 
-    async def route(self, prompt_token_ids) -> tuple[InstanceLoad, InstanceLoad, int]:
-        """(prefill, decode, cached tokens the index reports on that prefill). LookupError if none is healthy."""
+    def decode_capacity(self) -> int:
+        """Requests the routable decode instances take at once (their reported slots)."""
+        return sum(d.max_requests or DEFAULT_DECODE_SLOTS for d in self.decodes if d.routable)
+
+    def check_usable(self) -> None:
+        """Raises MismatchError when every prefill or every decode instance disagrees with
+        this gateway (page size, model), LookupError when none of one kind is routable."""
+        for kind, insts in (("prefill", self.prefills), ("decode", self.decodes)):
+            if insts and all(i.mismatch for i in insts):
+                raise MismatchError("; ".join(i.mismatch for i in insts))
+            if not any(i.routable for i in insts):
+                raise LookupError(f"no healthy {kind} instance ({self._why_down(insts)})")
+
+    @staticmethod
+    def _why_down(insts: list[InstanceLoad]) -> str:
+        return ", ".join(f"{i.address}: " + ("unreachable" if not i.reachable else i.mismatch or
+                                             f"circuit {i.breaker.state.value} after "
+                                             f"{i.breaker.consecutive_failures} failures") for i in insts)
+
+    async def route(self, prompt_token_ids, block_hashes, exclude: frozenset[str] = frozenset()
+                    ) -> tuple[InstanceLoad, InstanceLoad, int]:
+        """(prefill, decode, cached tokens the index reports on that prefill), skipping the
+        addresses in `exclude`. LookupError if none is routable."""
         cached_blocks: dict[str, int] = {}
-        ids = [i.instance_id for i in self.prefills if i.healthy and i.instance_id]
-        hashes = hash_blocks(prompt_token_ids, self.page_size)
+        ids = [i.instance_id for i in self.prefills if i.routable and i.instance_id]
         if self.index is not None and ids:
             try:
-                cached_blocks = await asyncio.wait_for(self.index.longest_prefix(hashes, ids), timeout=1.0)
+                cached_blocks = await asyncio.wait_for(self.index.longest_prefix(block_hashes, ids), timeout=1.0)
                 if not self.index_ok:
                     logger.info("prefix index reachable again; routing by cached prefix")
                 self.index_ok = True
@@ -66,62 +92,70 @@ class InstancePool:
                     logger.warning("prefix index unreachable (%s); routing by load alone", exc)
                 self.index_ok = False
             metrics.PREFIX_INDEX_UP.set(1 if self.index_ok else 0)
-        decision = self.router.choose(len(prompt_token_ids), cached_blocks, self.page_size, hashes)
+        # no await from here to the caller's accounting: concurrent requests see each other
+        decision = self.router.choose(len(prompt_token_ids), cached_blocks, self.page_size, block_hashes, exclude)
         prefill = next(i for i in self.prefills if i.address == decision.address)
+        self._rr += 1
+        decode = pick_decode(self.decodes, self._rr, exclude)
         informed = self.index is not None and self.index_ok
         metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if informed else "load_only").inc()
         metrics.INDEX_CACHED_TOKENS.inc(decision.cached_tokens)
-        self._rr += 1
-        decode = pick_decode(self.decodes, self._rr)
         return prefill, decode, decision.cached_tokens
-
-    def begin(self, prefill: InstanceLoad, decode: InstanceLoad, num_tokens: int) -> None:
-        """Count a routed request as in flight before any report can show it (bursts spread)."""
-        prefill.in_flight_requests += 1
-        prefill.in_flight_tokens += num_tokens
-        prefill.total_routed_tokens += num_tokens
-        prefill.total_routed_requests += 1
-        decode.in_flight_requests += 1
-        decode.total_routed_requests += 1
-
-    def end_prefill(self, prefill: InstanceLoad, num_tokens: int) -> None:
-        prefill.in_flight_requests -= 1
-        prefill.in_flight_tokens -= num_tokens
-
-    def end_decode(self, decode: InstanceLoad) -> None:
-        decode.in_flight_requests -= 1
-
-    def mark_failed(self, where: str) -> None:
-        """An RPC to `where` ("prefill host:port" / "decode host:port") was UNAVAILABLE."""
-        address = where.split(" ", 1)[-1]
-        for inst in (*self.prefills, *self.decodes):
-            if inst.address == address:
-                inst.healthy = False
 
     async def release(self, decode: InstanceLoad, request_id: str, transfer_id: int) -> None:
         try:
             await self.decode_stub(decode).Release(
                 decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            # a frozen or dead decode frees the pages itself when its reservation expires
             logger.warning("[%s] release on %s failed: %s", request_id, decode.address, exc.code().name)
 
     async def poll_once(self) -> None:
-        """GetStats on every instance: learn instance ids, reported load and health."""
+        """GetStats on every instance: learn instance ids, reported load, capacity and health.
+
+        A poll that fails, or two in a row that time out, mark the instance unreachable (a
+        busy instance still answers: prefill reads its counters when its worker is busy);
+        the next answer brings it back.
+        """
         async def one(inst: InstanceLoad, stub) -> None:
             try:
                 stats = await stub.GetStats(common_pb2.StatsRequest(), timeout=min(self.rpc_timeout_s, 2.0))
             except grpc.aio.AioRpcError as exc:
-                # a slow answer is a busy instance, not a dead one: only an unreachable one is down
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    inst.healthy = False
+                inst.failed_polls += 1
+                # refused or reset: down now; slow: down at the second poll in a row (a busy
+                # 2-core machine may miss one; a stopped instance misses every one)
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or inst.failed_polls >= 2:
+                    if inst.reachable:
+                        logger.warning("%s stopped answering (%s); not routing to it", inst.address,
+                                       exc.code().name)
+                    inst.reachable = False
                 return
-            inst.healthy = True
+            inst.failed_polls = 0
+            if not inst.reachable:
+                logger.info("%s answers again", inst.address)
+            inst.reachable = True
             inst.instance_id = stats.instance_id
             inst.reported_queued_tokens = stats.num_queued_tokens
             inst.reported_active_requests = stats.num_active_requests
+            inst.max_requests = stats.max_requests
+            mismatch = self._mismatch(inst, stats)
+            if mismatch and mismatch != inst.mismatch:
+                logger.error("%s; not routing to it", mismatch)
+            inst.mismatch = mismatch
 
         await asyncio.gather(*[one(i, self._prefill_stubs[i.address]) for i in self.prefills],
                              *[one(i, self._decode_stubs[i.address]) for i in self.decodes])
+        for callback in self.on_capacity:
+            callback()
+
+    def _mismatch(self, inst: InstanceLoad, stats) -> str:
+        name = stats.instance_id or inst.address
+        if stats.page_size and stats.page_size != self.page_size:
+            return f"{name} has page_size {stats.page_size}, the gateway {self.page_size}"
+        if stats.model_fingerprint and self.model_fingerprint and stats.model_fingerprint != self.model_fingerprint:
+            return (f"{name} serves model {stats.model_fingerprint}, the gateway {self.model_fingerprint} "
+                    "(engine.loader.model_fingerprint)")
+        return ""
 
     async def reap_index(self) -> None:
         """Drop the index entries of prefill instances whose lease lapsed (any gateway may)."""
@@ -154,3 +188,7 @@ class InstancePool:
             await ch.close()
         if self.index is not None:
             await self.index.close()
+
+
+class MismatchError(Exception):
+    """Instances disagree with the gateway on page size or model (FAILED_PRECONDITION)."""

@@ -25,23 +25,47 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gateway.breaker import CircuitBreaker
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class InstanceLoad:
     """What the gateway knows about one instance; counts are its own in-flight accounting
-    plus what the instance last reported."""
+    plus what the instance last reported.
+
+    It is routable when it answers its health polls (`reachable`), agrees with the
+    gateway on page size and model (`mismatch` is empty) and its circuit breaker lets a
+    request through.
+    """
 
     address: str
     instance_id: str = ""
-    healthy: bool = True
+    reachable: bool = True
+    failed_polls: int = 0
+    """Stats polls in a row that failed."""
+    mismatch: str = ""
+    """Why the instance cannot serve with this gateway (page size or model differ); '' when it can."""
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     in_flight_requests: int = 0
     in_flight_tokens: int = 0
     reported_queued_tokens: int = 0
     reported_active_requests: int = 0
+    max_requests: int = 0
+    """Requests the instance takes at once, as it reports (decode); 0 until known."""
     total_routed_tokens: int = 0
-    total_routed_requests: int = 0
+    """Prefill tokens of requests routed here that were not cancelled (the cache_aware tie-break)."""
+
+    @property
+    def routable(self) -> bool:
+        return self.reachable and not self.mismatch and self.breaker.allows()
+
+    @property
+    def has_free_slot(self) -> bool:
+        """Fewer requests in flight here than it takes (always, while its capacity is unknown)."""
+        load = max(self.in_flight_requests, self.reported_active_requests)
+        return not self.max_requests or load < self.max_requests
 
 
 @dataclass(frozen=True)
@@ -89,20 +113,22 @@ class PrefillRouter:
         self._random = random.Random(self.seed)
 
     def choose(self, num_prompt_tokens: int, cached_blocks: Mapping[str, int], page_size: int,
-               block_hashes: Sequence[bytes] = ()) -> RouteDecision:
-        """Pick a healthy prefill instance.
+               block_hashes: Sequence[bytes] = (), exclude: frozenset[str] = frozenset()) -> RouteDecision:
+        """Pick a routable prefill instance (not one whose address is in `exclude`).
 
         cached_blocks maps instance_id -> leading prompt blocks it holds (from the index;
         empty when the index is down); block_hashes are the prompt's block hashes (only
-        consistent_hash reads them). Raises LookupError when no instance is healthy.
+        consistent_hash reads them). Raises LookupError when no instance is routable.
         """
-        healthy = [i for i in self.instances if i.healthy]
+        healthy = [i for i in self.instances if i.routable and i.address not in exclude]
         if not healthy:
             raise LookupError("no healthy prefill instance")
+        # prefill reuses whole cached blocks short of the last prompt token (whose logits it
+        # must compute): the same count here, so the index's figure is what prefill will reuse
+        reusable_blocks = (num_prompt_tokens - 1) // page_size
 
         def cached_tokens(inst: InstanceLoad) -> int:
-            # at least the last prompt token is always computed, for its logits
-            return min(cached_blocks.get(inst.instance_id, 0) * page_size, num_prompt_tokens - 1)
+            return min(cached_blocks.get(inst.instance_id, 0), reusable_blocks) * page_size
 
         def decide(inst: InstanceLoad) -> RouteDecision:
             cached = cached_tokens(inst)
@@ -116,7 +142,7 @@ class PrefillRouter:
         if self.policy == "least_load":
             self._rr += 1
             n = len(healthy)
-            return decide(min(enumerate(healthy), key=lambda p: (_queued(p[1]), (p[0] - self._rr) % n))[1])
+            return decide(min(enumerate(healthy), key=lambda p: (queued_tokens(p[1]), (p[0] - self._rr) % n))[1])
         if self.policy == "consistent_hash":
             return decide(_ring_choice(healthy, b"".join(block_hashes[:self.hash_blocks])))
         best: tuple[float, int, int] | None = None
@@ -125,7 +151,7 @@ class PrefillRouter:
         for pos, inst in enumerate(healthy):
             cached = cached_tokens(inst)
             counted = cached if cached >= self.cache_threshold * num_prompt_tokens and cached > 0 else 0
-            load = _queued(inst) + self.request_cost_tokens * max(inst.in_flight_requests,
+            load = queued_tokens(inst) + self.request_cost_tokens * max(inst.in_flight_requests,
                                                                   inst.reported_active_requests)
             cost = (num_prompt_tokens - counted) + self.load_weight * load
             key = (cost, inst.total_routed_tokens, (pos - self._rr) % len(healthy))
@@ -135,7 +161,7 @@ class PrefillRouter:
         return choice
 
 
-def _queued(inst: InstanceLoad) -> int:
+def queued_tokens(inst: InstanceLoad) -> int:
     """Prefill tokens queued on an instance: the gateway's own count or the instance's report,
     whichever is larger (the report lags a burst; the gateway does not see other gateways)."""
     return max(inst.in_flight_tokens, inst.reported_queued_tokens)
@@ -159,15 +185,17 @@ def _ring_choice(healthy: Sequence[InstanceLoad], key: bytes) -> InstanceLoad:
     return healthy[ring[i % len(ring)][1]]
 
 
-def pick_decode(instances: Sequence[InstanceLoad], rr: int) -> InstanceLoad:
-    """Least active requests among healthy decode instances (ties rotate with rr).
+def pick_decode(instances: Sequence[InstanceLoad], rr: int, exclude: frozenset[str] = frozenset()) -> InstanceLoad:
+    """Least active requests among routable decode instances with a free slot, not in
+    `exclude` (ties rotate with rr).
 
     Decode step time barely depends on context length here, so request count is the load.
-    Raises LookupError when none is healthy.
+    Raises LookupError when none is routable.
     """
-    healthy = [i for i in instances if i.healthy]
+    healthy = [i for i in instances if i.routable and i.address not in exclude]
     if not healthy:
         raise LookupError("no healthy decode instance")
+    healthy = [i for i in healthy if i.has_free_slot] or healthy
     n = len(healthy)
     return min(enumerate(healthy),
                key=lambda p: (max(p[1].in_flight_requests, p[1].reported_active_requests), (p[0] - rr) % n))[1]

@@ -1,10 +1,18 @@
-"""The Gateway service: validate, route, reserve on decode, prefill, stream tokens back.
+"""The Gateway service: validate, admit, route, reserve on decode, prefill, stream tokens back.
 
-Per request: pick a prefill instance (cached prefix vs load) and a decode instance
-(least active), Reserve pages on decode, Prefill (which pushes the KV into those pages
-over UCX and returns the first token), then stream Decode.Generate back to the client
-with incremental detokenization and stop strings. Whatever happens, the decode
-reservation is released unless decode finished it.
+Per request: tokenize and hash the prompt's blocks once; wait for a turn in the admission
+queue (a burst beyond the decode pools queues, bounded); pick a prefill instance (cached
+prefix vs load) and a decode instance (least active); Reserve pages on decode; Prefill
+(which pushes the KV into those pages over UCX and returns the first token); then stream
+Decode.Generate back to the client with incremental detokenization and stop strings.
+Each attempt is one gateway.request_life.RequestLife that ends exactly once. An attempt
+that fails on one instance before any token reached the client is retried once on
+another; the client's status follows from the failure's cause (kvmesh.wire.status_of).
+
+Every hop is bounded: Reserve by rpc_timeout_s, Prefill by a deadline that grows with the
+tokens queued on the instance, each decode message by token_timeout_s (past the KV
+deadline for the first), and every channel pings its peer (a frozen instance's calls end
+within seconds).
 """
 
 from __future__ import annotations
@@ -17,19 +25,21 @@ import uuid
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from engine.outcomes import FailureCause, FinishReason
 from gateway import metrics
+from gateway.admission import AdmissionQueue, OverloadedError
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from gateway.pool import InstancePool
+from gateway.pool import InstancePool, MismatchError
+from gateway.request_life import RequestFailed, RequestLife, failure_from_rpc
 from gateway.requests import GenerateInput, PromptBuilder
+from gateway.router import queued_tokens
 from kvmesh import tracing
 from kvmesh.logs import request_context
+from kvmesh.wire import FINISH_FROM_PB, FINISH_TO_PB, abort, check_request_id
+from kvstore.block_hash import hash_blocks
 from protos.kvmesh.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 
 logger = logging.getLogger(__name__)
-
-# Statuses passed through from a service as they are; anything else means the peer failed.
-_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
 
 
 def _sampling_pb(inp: GenerateInput) -> common_pb2.SamplingParams:
@@ -39,15 +49,26 @@ def _sampling_pb(inp: GenerateInput) -> common_pb2.SamplingParams:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Thin adapter over PromptBuilder (validation) and InstancePool (routing, stubs)."""
+    """Thin adapter over PromptBuilder (validation), AdmissionQueue and InstancePool (routing, stubs).
 
-    def __init__(self, builder: PromptBuilder, pool: InstancePool, eos_token_ids: frozenset[int],
-                 rpc_timeout_s: float, prefill_timeout_s: float) -> None:
+    Args:
+        rpc_timeout_s: deadline of Reserve and Release (seconds).
+        prefill_timeout_base_s, prefill_min_tokens_per_s: a Prefill call's deadline is
+            base + (tokens queued on the instance, this prompt's included) / rate.
+        token_timeout_s: longest wait for the next message of a decode stream.
+    """
+
+    def __init__(self, builder: PromptBuilder, pool: InstancePool, admission: AdmissionQueue,
+                 eos_token_ids: frozenset[int], rpc_timeout_s: float, prefill_timeout_base_s: float,
+                 prefill_min_tokens_per_s: float, token_timeout_s: float) -> None:
         self.builder = builder
         self.pool = pool
+        self.admission = admission
         self.eos_token_ids = eos_token_ids
         self.rpc_timeout_s = rpc_timeout_s
-        self.prefill_timeout_s = prefill_timeout_s
+        self.prefill_timeout_base_s = prefill_timeout_base_s
+        self.prefill_min_tokens_per_s = prefill_min_tokens_per_s
+        self.token_timeout_s = token_timeout_s
 
     async def ListModels(self, request, context):
         return gateway_pb2.ListModelsResponse(models=[self.builder.model_name],
@@ -57,6 +78,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _to_internal(self, request) -> GenerateInput:
         b = self.builder
+        check_request_id(request.request_id)
         b.check_model(request.model)
         s = request.sampling
         ids = b.tokenize(request.prompt, [(m.role, m.content) for m in request.messages], request.chat,
@@ -71,7 +93,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         arrived = time.perf_counter()
         span = tracing.tracer().start_span("gateway.generate", kind=SpanKind.SERVER,
                                            context=tracing.extract(context.invocation_metadata()))
-        request_context.set((request.request_id, tracing.trace_id(span)))
+        request_context.set(("", tracing.trace_id(span)))  # the id goes on log lines once it is checked
         final = None
         try:
             async for msg in self._generate(request, context, span, arrived):
@@ -81,7 +103,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                          "kvmesh.prompt_tokens": final.prompt_tokens,
                                          "kvmesh.cached_tokens": final.cached_tokens,
                                          "kvmesh.generated_tokens": final.generated_tokens,
-                                         "kvmesh.ttft_s": final.ttft_s})
+                                         "kvmesh.ttft_s": final.ttft_s, "kvmesh.retries": final.retries})
                 yield msg
         except BaseException as exc:
             code = context.code() if hasattr(context, "code") else None
@@ -107,112 +129,174 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             inp = await asyncio.to_thread(self._to_internal, request)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, FailureCause.BAD_REQUEST, str(exc))
         rid = inp.request_id
         request_context.set((rid, tracing.trace_id(span)))
         span.set_attribute("kvmesh.request_id", rid)
+        # the prompt's block hashes, once per request: the index lookup and routing read them
+        hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size)
         tracing.record(span, "gateway.tokenize", t0, tracing.now_ns(),
                        {"kvmesh.prompt_tokens": len(inp.prompt_token_ids)})
+        try:
+            self.pool.check_usable()
+        except MismatchError as exc:
+            await abort(context, FailureCause.MISMATCH, f"[{rid}] {exc}")
+        except LookupError as exc:
+            await abort(context, FailureCause.NO_INSTANCE, f"[{rid}] {exc}")
         t0 = tracing.now_ns()
         try:
-            route = await self.pool.route(inp.prompt_token_ids)
-        except LookupError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"[{rid}] {exc}")
-        prefill, decode, cached_hint = route
-        tracing.record(span, "gateway.route", t0, tracing.now_ns(), {
-            "kvmesh.prefill.instance": prefill.instance_id or prefill.address,
-            "kvmesh.decode.instance": decode.instance_id or decode.address,
-            "kvmesh.index_cached_tokens": cached_hint, "kvmesh.routing_policy": self.pool.router.policy})
-        logger.info("[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s", rid,
-                    len(inp.prompt_token_ids), prefill.address, cached_hint, decode.address)
-        n_prompt = len(inp.prompt_token_ids)
-        n_queued = n_prompt - cached_hint  # the prefill tokens this request adds to the instance's queue
-        self.pool.begin(prefill, decode, n_queued)
-        where = f"decode {decode.address}"
-        reserve = None
-        decode_done = False
-        call = None
-        prefill_done = False
+            waited = await self.admission.admit(len(inp.prompt_token_ids))
+        except OverloadedError as exc:
+            await abort(context, FailureCause.OVERLOADED, f"[{rid}] {exc}", retry_after_s=exc.retry_after_s)
+        try:
+            if waited:
+                tracing.record(span, "gateway.admission", t0, tracing.now_ns())
+            async for msg in self._attempts(inp, hashes, span, arrived, waited):
+                yield msg
+        except RequestFailed as failure:
+            logger.warning("%s (%s)", failure, failure.cause.value)
+            await abort(context, failure.cause, str(failure), retry_after_s=failure.retry_after_s)
+        finally:
+            self.admission.done()
+
+    async def _attempts(self, inp: GenerateInput, hashes, span, arrived: float, waited: float):
+        """Route and run the request; retry once on other instances while no token was sent."""
+        rid = inp.request_id
+        excluded: set[str] = set()
+        retries = 0
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.admission.max_queue_time_s
+        while True:
+            life: RequestLife | None = None
+            streamed = []  # token ids sent to the client so far
+            try:
+                t0 = tracing.now_ns()
+                try:
+                    prefill, decode, cached_hint = await self.pool.route(inp.prompt_token_ids, hashes,
+                                                                         frozenset(excluded))
+                except LookupError as exc:
+                    raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
+                n_prompt = len(inp.prompt_token_ids)
+                # the prefill tokens this request adds to the instance's queue
+                life = RequestLife(self.pool, rid, prefill, decode, n_prompt - cached_hint)
+                tracing.record(span, "gateway.route", t0, tracing.now_ns(), {
+                    "kvmesh.prefill.instance": prefill.instance_id or prefill.address,
+                    "kvmesh.decode.instance": decode.instance_id or decode.address,
+                    "kvmesh.index_cached_tokens": cached_hint, "kvmesh.routing_policy": self.pool.router.policy})
+                logger.info("[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s", rid, n_prompt,
+                            prefill.address, cached_hint, decode.address)
+                async for msg in self._run(life, inp, span, arrived, waited, retries, streamed):
+                    yield msg
+                return
+            except RequestFailed as failure:
+                if life is not None:
+                    life.abort(failure)
+                if streamed:
+                    raise
+                if failure.wait_for_room and loop.time() < give_up_at:
+                    # decode had no pages after all (or another gateway filled it): wait for a release
+                    await asyncio.sleep(min(0.5, give_up_at - loop.time()))
+                    continue
+                if failure.cause.retryable and failure.instance is not None and retries == 0:
+                    retries += 1
+                    excluded.add(failure.instance.address)
+                    logger.warning("%s; retrying on another instance", failure)
+                    continue
+                raise
+            except BaseException:
+                if life is not None:
+                    life.abort(None)  # the client went away (or a bug): release both legs
+                raise
+
+    def _prefill_deadline_s(self, life: RequestLife) -> float:
+        """Base + the tokens queued on the instance (this prompt's included) at the floor rate."""
+        return self.prefill_timeout_base_s + queued_tokens(life.prefill) / self.prefill_min_tokens_per_s
+
+    async def _run(self, life: RequestLife, inp: GenerateInput, span, arrived: float, waited: float,
+                   retries: int, streamed: list[int]):
+        rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
+        prefill, decode = life.prefill, life.decode
+        prefill_deadline = self._prefill_deadline_s(life)
+        kv_deadline = prefill_deadline + self.rpc_timeout_s
         try:
             reserve = await self.pool.decode_stub(decode).Reserve(
-                decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=n_prompt, max_tokens=inp.max_tokens),
+                decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=n_prompt, max_tokens=inp.max_tokens,
+                                          page_size=self.pool.page_size, kv_deadline_s=kv_deadline),
                 timeout=self.rpc_timeout_s, metadata=tracing.inject(span))
-            where = f"prefill {prefill.address}"
+        except grpc.aio.AioRpcError as exc:
+            failure = failure_from_rpc(exc, "decode", decode, decode, rid)
+            # a full decode pool frees pages as answers end: wait for room (bounded)
+            failure.wait_for_room = failure.cause == FailureCause.OVERLOADED
+            raise failure from None
+        life.reserved(reserve.transfer_id)
+        try:
             pre = await self.pool.prefill_stub(prefill).Prefill(
                 prefill_pb2.PrefillRequest(request_id=rid, token_ids=inp.prompt_token_ids,
                                            sampling=_sampling_pb(inp), decode_kv_address=reserve.kv_address,
-                                           transfer_id=reserve.transfer_id),
-                timeout=self.prefill_timeout_s, metadata=tracing.inject(span))
-            self.pool.end_prefill(prefill, n_queued)
-            prefill_done = True
-            detok = IncrementalDetokenizer(self.builder.tokenizer)
-            stops = StopStringMatcher(list(inp.stop))
-            first_at = time.perf_counter()
-            generated = [pre.first_token]
-            finish = self._finish(inp, pre.first_token, 1)
-            text, hit = stops.feed(detok.add([pre.first_token]), final=finish is not None)
-            yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TextDelta(text=text, token_ids=[pre.first_token]))
-            decode_digest = ""
-            if hit:
-                finish = "stop"
-            if finish is None:
-                where = f"decode {decode.address}"
-                call = self.pool.decode_stub(decode).Generate(decode_pb2.DecodeRequest(
-                    request_id=rid, transfer_id=reserve.transfer_id, prompt_token_ids=inp.prompt_token_ids,
-                    first_token=pre.first_token, sampling=_sampling_pb(inp), kv_timeout_s=self.rpc_timeout_s),
-                    # decode's work continues the KV push, so its spans hang under prefill's
-                    metadata=[("traceparent", pre.traceparent)] if pre.traceparent else tracing.inject(span))
-                async for msg in call:
-                    decode_digest = decode_digest or msg.kv_digest
-                    generated.extend(msg.token_ids)
-                    final = bool(msg.finish_reason)
-                    text, hit = stops.feed(detok.add(list(msg.token_ids)), final=final)
-                    if final:
-                        decode_done = True
-                        text += stops.feed(detok.flush(), final=True)[0] if not hit else ""
-                    if text or msg.token_ids:
-                        yield gateway_pb2.GenerateResponse(
-                            delta=gateway_pb2.TextDelta(text=text, token_ids=list(msg.token_ids)))
-                    if hit:
-                        finish = "stop"
-                        break
-                    if final:
-                        finish = msg.finish_reason
-                        break
-                if finish is None:
-                    raise RuntimeError("decode stream ended without a finish reason")
-            done = time.perf_counter()
-            n_gen = len(generated)
-            yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(
-                finish_reason=finish, prompt_tokens=n_prompt, cached_tokens=pre.num_cached_tokens,
-                generated_tokens=n_gen, ttft_s=first_at - arrived, e2e_s=done - arrived,
-                itl_s=(done - first_at) / (n_gen - 1) if n_gen > 1 else 0.0,
-                prefill_instance=pre.instance_id, decode_instance=reserve.instance_id, request_id=rid,
-                queue_s=pre.queue_s, prefill_s=pre.compute_s,
-                kv_transfer=gateway_pb2.KVTransfer(num_pages=pre.num_pages, page_nbytes=pre.page_nbytes,
-                                                   nbytes=pre.nbytes_sent, seconds=pre.transfer_s,
-                                                   prefill_digest=pre.kv_digest, decode_digest=decode_digest)))
+                                           transfer_id=reserve.transfer_id, page_size=self.pool.page_size),
+                timeout=prefill_deadline, metadata=tracing.inject(span))
         except grpc.aio.AioRpcError as exc:
-            code = exc.code() if exc.code() in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and "KV push" not in (exc.details() or ""):
-                # the instance itself is unreachable (a failed push blames decode, not prefill;
-                # the stats poller finds out about decode within stats_interval_s)
-                self.pool.mark_failed(where)
-            logger.warning("[%s] %s failed: %s %s", rid, where, exc.code().name, exc.details())
-            await context.abort(code, f"[{rid}] {where}: {exc.details()}")
-        finally:
-            if call is not None and not decode_done:
-                call.cancel()
-            if not prefill_done:
-                self.pool.end_prefill(prefill, n_queued)
-            self.pool.end_decode(decode)
-            if reserve is not None and not decode_done and call is None:
-                # decode never started streaming: give the pages back now
-                asyncio.ensure_future(self.pool.release(decode, rid, reserve.transfer_id))
+            raise failure_from_rpc(exc, "prefill", prefill, decode, rid, slow_is_lost=False) from None
+        life.prefilled()
+        detok = IncrementalDetokenizer(self.builder.tokenizer)
+        stops = StopStringMatcher(list(inp.stop))
+        first_at = time.perf_counter()
+        finish = self._finish(inp, pre.first_token, 1)
+        text, hit = stops.feed(detok.add([pre.first_token]), final=finish is not None)
+        streamed.append(pre.first_token)
+        yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TextDelta(text=text, token_ids=[pre.first_token]))
+        decode_digest = ""
+        if hit:
+            finish = FinishReason.STOP
+        if finish is None:
+            call = self.pool.decode_stub(decode).Generate(decode_pb2.DecodeRequest(
+                request_id=rid, transfer_id=reserve.transfer_id, prompt_token_ids=inp.prompt_token_ids,
+                first_token=pre.first_token, sampling=_sampling_pb(inp), kv_timeout_s=self.rpc_timeout_s),
+                # decode's work continues the KV push, so its spans hang under prefill's
+                metadata=[("traceparent", pre.traceparent)] if pre.traceparent else tracing.inject(span))
+            life.decoding(call)
+            messages = call.__aiter__()
+            # the first message waits for admission into decode's batch; then one step each
+            bound = self.rpc_timeout_s + self.token_timeout_s
+            while finish is None:
+                try:
+                    msg = await asyncio.wait_for(messages.__anext__(), bound)
+                except asyncio.TimeoutError:
+                    raise RequestFailed(FailureCause.INSTANCE_LOST, f"[{rid}] decode "
+                                        f"{decode.instance_id or decode.address}: no token for {bound:.0f} s",
+                                        decode) from None
+                except StopAsyncIteration:
+                    raise RequestFailed(FailureCause.INTERNAL,
+                                        f"[{rid}] decode stream ended without a finish reason") from None
+                except grpc.aio.AioRpcError as exc:
+                    raise failure_from_rpc(exc, "decode", decode, decode, rid) from None
+                bound = self.token_timeout_s
+                decode_digest = decode_digest or msg.kv_digest
+                streamed.extend(msg.token_ids)
+                ended = FINISH_FROM_PB.get(msg.finish_reason)
+                text, hit = stops.feed(detok.add(list(msg.token_ids)), final=ended is not None)
+                if ended is not None and not hit:
+                    text += stops.feed(detok.flush(), final=True)[0]
+                if text or msg.token_ids:
+                    yield gateway_pb2.GenerateResponse(
+                        delta=gateway_pb2.TextDelta(text=text, token_ids=list(msg.token_ids)))
+                finish = FinishReason.STOP if hit else ended
+        life.finish()
+        done = time.perf_counter()
+        n_gen = len(streamed)
+        yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(
+            finish_reason=finish.value, finish=FINISH_TO_PB[finish], prompt_tokens=n_prompt,
+            cached_tokens=pre.num_cached_tokens, generated_tokens=n_gen, ttft_s=first_at - arrived,
+            e2e_s=done - arrived, itl_s=(done - first_at) / (n_gen - 1) if n_gen > 1 else 0.0,
+            prefill_instance=pre.instance_id, decode_instance=reserve.instance_id, request_id=rid,
+            queue_s=pre.queue_s, prefill_s=pre.compute_s, retries=retries, admission_s=waited,
+            kv_transfer=gateway_pb2.KVTransfer(num_pages=pre.num_pages, page_nbytes=pre.page_nbytes,
+                                               nbytes=pre.nbytes_sent, seconds=pre.transfer_s,
+                                               prefill_digest=pre.kv_digest, decode_digest=decode_digest)))
 
-    def _finish(self, inp: GenerateInput, token: int, num_generated: int) -> str | None:
+    def _finish(self, inp: GenerateInput, token: int, num_generated: int) -> FinishReason | None:
         if token in self.eos_token_ids and not inp.ignore_eos:
-            return "stop"
+            return FinishReason.STOP
         if num_generated >= inp.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         return None

@@ -107,6 +107,12 @@ def server_span(name: str, context, request_id: str, instance: str) -> Iterator[
     """
     from kvmesh.logs import request_context
 
+    from kvmesh.wire import check_request_id
+
+    try:
+        check_request_id(request_id)
+    except ValueError:
+        request_id = "<invalid request_id>"  # the handler refuses it; the log shows no caller text
     span = tracer().start_span(name, kind=trace.SpanKind.SERVER, context=extract(context.invocation_metadata()),
                                attributes={"kvmesh.request_id": request_id, "kvmesh.instance": instance})
     request_context.set((request_id, trace_id(span)))

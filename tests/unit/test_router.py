@@ -40,15 +40,19 @@ def test_load_outweighs_a_small_saving():
 
 def test_at_least_one_token_is_always_computed():
     r = _router()
-    # the whole prompt is cached: the last token is recomputed for its logits
-    assert r.choose(32, {"A": 2}, PAGE).cached_tokens == 31
+    # the whole prompt is cached: the last token is recomputed for its logits, and prefill
+    # reuses whole blocks only, so a prompt ending on a page boundary reuses one block less,
+    # (n - 1) // page * page tokens, which is what the index hint must say too
+    assert r.choose(32, {"A": 2}, PAGE).cached_tokens == 16
+    assert r.choose(33, {"A": 2}, PAGE).cached_tokens == 32
+    assert r.choose(40, {"A": 3}, PAGE).cached_tokens == 32
 
 
 def test_unhealthy_instances_are_skipped_and_none_left_raises():
     r = _router()
-    r.instances[1].healthy = False
+    r.instances[1].reachable = False
     assert r.choose(10, {"B": 5}, PAGE).address == "a:1"
-    r.instances[0].healthy = False
+    r.instances[0].reachable = False
     with pytest.raises(LookupError):
         r.choose(10, {}, PAGE)
 
@@ -64,7 +68,7 @@ def test_decode_is_least_active_requests():
     ds = [InstanceLoad("d0", in_flight_requests=3), InstanceLoad("d1", in_flight_requests=1),
           InstanceLoad("d2", reported_active_requests=2)]
     assert pick_decode(ds, 0).address == "d1"
-    ds[1].healthy = False
+    ds[1].reachable = False
     assert pick_decode(ds, 0).address == "d2"
 
 
@@ -95,7 +99,7 @@ def test_consistent_hash_keeps_keys_when_another_instance_goes():
     before = [r.choose(40, {}, PAGE, k).address for k in keys]
     assert before == [r.choose(40, {}, PAGE, k).address for k in keys]  # stable
     assert len(set(before)) == 4
-    r.instances[2].healthy = False
+    r.instances[2].reachable = False
     after = [r.choose(40, {}, PAGE, k).address for k in keys]
     # only the keys that lived on the missing instance move
     assert all(a == b for a, b in zip(before, after) if a != "h2:1")
@@ -105,3 +109,12 @@ def test_consistent_hash_keeps_keys_when_another_instance_goes():
 def test_unknown_policy_is_rejected():
     with pytest.raises(ValueError, match="policy must be one of"):
         _router(policy="fastest")
+
+
+def test_request_ids_that_could_forge_log_lines_are_refused():
+    from kvmesh.wire import check_request_id
+
+    assert check_request_id("req-1_a.b:c@d/e+f=g") == "req-1_a.b:c@d/e+f=g"
+    for bad in ("a\nb] prefill forged", "\x1b[31mred", "x" * 129, "tab\there", "ünïcode"):
+        with pytest.raises(ValueError, match="request_id must be"):
+            check_request_id(bad)

@@ -1,0 +1,197 @@
+"""The gateway's request life pieces, each alone: circuit breaker, admission queue, one
+attempt's accounting and release (the pool and decode stubs are test doubles here)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.outcomes import FailureCause
+from gateway.admission import AdmissionQueue, OverloadedError
+from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.request_life import RequestFailed, RequestLife, Stage
+from gateway.router import InstanceLoad, pick_decode
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_breaker_opens_after_three_failures_then_lets_one_probe_through():
+    clock = Clock()
+    b = CircuitBreaker(failure_threshold=3, cooldown_s=5.0, clock=clock)
+    b.record_failure()
+    b.record_failure()
+    assert b.allows() and b.state == BreakerState.CLOSED
+    b.record_failure()
+    assert b.state == BreakerState.OPEN and not b.allows()
+    clock.t += 4.9
+    assert not b.allows()
+    clock.t += 0.2  # cool-down over: exactly one probe may go
+    assert b.allows()
+    b.on_routed()
+    assert b.state == BreakerState.HALF_OPEN and not b.allows()
+    b.record_failure()  # the probe failed: open again, for twice as long
+    assert b.state == BreakerState.OPEN
+    clock.t += 5.1
+    assert not b.allows()
+    clock.t += 5.0
+    b.on_routed()
+    b.record_success()
+    assert b.state == BreakerState.CLOSED and b.allows() and b.consecutive_failures == 0
+
+
+def test_breaker_probe_that_ends_for_no_fault_of_the_instance_frees_the_probe():
+    clock = Clock()
+    b = CircuitBreaker(failure_threshold=1, cooldown_s=1.0, clock=clock)
+    b.record_failure()
+    clock.t += 1.5
+    b.on_routed()
+    assert not b.allows()
+    b.record_neutral()  # the client cancelled the probe
+    assert b.allows() and b.state == BreakerState.HALF_OPEN
+
+
+def test_a_success_resets_the_count_of_failures_in_a_row():
+    b = CircuitBreaker(failure_threshold=3)
+    b.record_failure()
+    b.record_failure()
+    b.record_success()
+    b.record_failure()
+    b.record_failure()
+    assert b.state == BreakerState.CLOSED
+
+
+def test_pick_decode_skips_open_circuits_and_full_instances():
+    full, open_, free = InstanceLoad("full", max_requests=2, in_flight_requests=2), InstanceLoad("open"), \
+        InstanceLoad("free", in_flight_requests=1, max_requests=8)
+    for _ in range(3):
+        open_.breaker.record_failure()
+    assert pick_decode([full, open_, free], 0).address == "free"
+    with pytest.raises(LookupError):
+        pick_decode([open_], 0)
+
+
+def test_admission_is_first_come_first_served_and_bounded():
+    async def scenario():
+        capacity = [2]
+        q = AdmissionQueue(lambda: capacity[0], max_queued_requests=3, max_queued_tokens=100, max_queue_time_s=30)
+        assert await q.admit(10) == 0.0 and await q.admit(10) == 0.0  # two slots: in at once
+        order = []
+
+        async def wait(name, tokens):
+            await q.admit(tokens)
+            order.append(name)
+
+        waiters = [asyncio.ensure_future(wait(n, 30)) for n in "abc"]
+        await asyncio.sleep(0)
+        assert q.num_queued == 3 and q.queued_tokens == 90
+        with pytest.raises(OverloadedError, match="queue is full") as err:
+            await q.admit(1)  # a fourth waiter is past the request bound
+        assert err.value.retry_after_s >= 1
+        q.done()  # a slot frees: the first in line gets it, not a later arrival
+        await asyncio.sleep(0.05)
+        assert order == ["a"]
+        capacity[0] = 4  # an instance appeared: pump hands out the new room in order
+        q.pump()
+        await asyncio.gather(*waiters)
+        assert order == ["a", "b", "c"] and q.num_admitted == 4 and q.queued_tokens == 0
+
+    asyncio.run(scenario())
+
+
+def test_admission_refuses_past_the_token_bound_and_the_queue_time():
+    async def scenario():
+        q = AdmissionQueue(lambda: 0, max_queued_requests=10, max_queued_tokens=50, max_queue_time_s=0.2)
+        with pytest.raises(OverloadedError, match="prompt tokens"):
+            await q.admit(60)
+        with pytest.raises(OverloadedError, match="waited"):
+            await q.admit(10)
+        assert q.num_queued == 0 and q.queued_tokens == 0 and q.num_admitted == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_takes_no_slot():
+    async def scenario():
+        capacity = [1]
+        q = AdmissionQueue(lambda: capacity[0], max_queued_requests=10, max_queued_tokens=100, max_queue_time_s=30)
+        await q.admit(5)
+        waiter = asyncio.ensure_future(q.admit(5))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert q.num_queued == 0 and q.queued_tokens == 0
+        q.done()
+        assert q.num_admitted == 0
+
+    asyncio.run(scenario())
+
+
+class FakePool:
+    def __init__(self) -> None:
+        self.released = []
+
+    async def release(self, decode, request_id, transfer_id):
+        self.released.append((decode.address, request_id, transfer_id))
+
+
+class FakeCall:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self.cancelled
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_an_aborted_attempt_undoes_its_accounting_and_releases_the_reservation_once():
+    async def scenario():
+        pool, p, d = FakePool(), InstanceLoad("p"), InstanceLoad("d")
+        life = RequestLife(pool, "r1", p, d, queued_tokens=100)
+        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens, d.in_flight_requests) == \
+            (1, 100, 100, 1)
+        life.reserved(7)
+        failure = RequestFailed(FailureCause.INSTANCE_LOST, "prefill p: lost", instance=p)
+        life.abort(failure)
+        life.abort(failure)  # a second abort changes nothing
+        await asyncio.sleep(0)
+        assert pool.released == [("d", "r1", 7)]
+        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens, d.in_flight_requests) == \
+            (0, 0, 0, 0)
+        assert p.breaker.consecutive_failures == 1 and d.breaker.consecutive_failures == 0
+        assert life.stage == Stage.ABORTED
+
+    asyncio.run(scenario())
+
+
+def test_a_finished_attempt_keeps_its_routed_tokens_and_a_cancel_mid_stream_cancels_decode():
+    async def scenario():
+        pool, p, d = FakePool(), InstanceLoad("p"), InstanceLoad("d")
+        done = RequestLife(pool, "r1", p, d, queued_tokens=40)
+        done.reserved(1)
+        done.prefilled()
+        assert p.in_flight_requests == 0 and d.in_flight_requests == 1
+        done.decoding(FakeCall())
+        done.finish()
+        assert p.total_routed_tokens == 40 and d.in_flight_requests == 0
+
+        streaming = RequestLife(pool, "r2", p, d, queued_tokens=60)
+        streaming.reserved(2)
+        streaming.prefilled()
+        call = FakeCall()
+        streaming.decoding(call)
+        streaming.abort(None)  # the client went away mid-stream
+        await asyncio.sleep(0)
+        assert call.cancelled and pool.released == []  # decode frees the pages when it sees the cancel
+        assert p.total_routed_tokens == 40 and d.in_flight_requests == 0
+        assert p.breaker.consecutive_failures == 0 and d.breaker.consecutive_failures == 0
+
+    asyncio.run(scenario())
