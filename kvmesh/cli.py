@@ -109,6 +109,12 @@ def _cmd_bench_v4(args: argparse.Namespace) -> int:
     return run_bench_v4(args)
 
 
+def _cmd_fuzz(args: argparse.Namespace) -> int:
+    from kvmesh.fuzz import run
+
+    return run(args)
+
+
 def _cmd_routesim(args: argparse.Namespace) -> int:
     from kvmesh.routesim import run
 
@@ -193,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "instances): hit rate vs oracle, balancedness, queueing")
     add_routesim_arguments(routesim)
     routesim.set_defaults(func=_cmd_routesim)
+
+    from kvmesh.fuzz import add_arguments as add_fuzz_arguments
+
+    fuzz = sub.add_parser("fuzz", help="random and hostile requests against a gateway: counts by status, "
+                          "fails on UNKNOWN/INTERNAL or a mesh that stops answering")
+    add_fuzz_arguments(fuzz)
+    fuzz.set_defaults(func=_cmd_fuzz)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random checkpoint (tests, benchmarks)")
     tiny.add_argument("--arch", required=True, choices=["deepseek_v4"], help="model architecture")
