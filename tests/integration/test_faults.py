@@ -1,0 +1,354 @@
+"""Faults as an operator meets them: instances that freeze (SIGSTOP) instead of dying, cancels
+at every stage, bursts past the decode pools, instances that disagree or cannot take a push.
+
+One mesh (2 prefill, 2 decode of 8 slots each, real Redis, UCX and gRPC on loopback) serves
+the whole module; a few tests add a gateway or a decode of their own next to it. Every test
+ends with the mesh idle: every page back, `check_integrity` clean on every instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import grpc
+import pytest
+
+from kvmesh.client import GatewayClient, make_request
+from kvmesh.redis_server import free_port
+from kvmesh.service import wait_for_health
+from kvmesh.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
+from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc
+from tests.conftest import instance_stats
+from tests.integration.meshutil import running_mesh, wait_idle
+
+DECODE_SLOTS = 8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with running_mesh(2, 2, decode_args=["--max-batch-size", str(DECODE_SLOTS)]) as m:
+        yield m
+
+
+def proc_of(mesh, address: str) -> subprocess.Popen:
+    """The service process listening at `address` (launcher order: decodes, then prefills)."""
+    names = [f"decode-{i}" for i in range(len(mesh.decode_addresses))] + \
+            [f"prefill-{i}" for i in range(len(mesh.prefill_addresses))]
+    addresses = [*mesh.decode_addresses, *mesh.prefill_addresses]
+    return dict(mesh.procs)[names[addresses.index(address)]]
+
+
+def ids(n: int, start: int) -> list[int]:
+    """A prompt of n token ids no other prompt of this module shares a block with."""
+    rng = random.Random(start)
+    return [start % 40000 + 100] + [rng.randrange(100, 40000) for _ in range(n - 1)]
+
+
+async def outcome(client: GatewayClient, request, timeout_s: float = 120):
+    """('OK', final) or (status name, details, trailers), and the seconds it took."""
+    started = time.monotonic()
+    try:
+        out = await client.complete(request, timeout_s=timeout_s)
+        return ("OK", out.final), time.monotonic() - started
+    except grpc.aio.AioRpcError as exc:
+        return (exc.code().name, exc.details(), dict(exc.trailing_metadata() or ())), time.monotonic() - started
+
+
+def start_service(kind: str, args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+    """An extra `kvmesh serve KIND` beside the module's mesh; waits until it is SERVING."""
+    port = free_port()
+    log = open(log_path, "a")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+    address = f"127.0.0.1:{port}"
+    try:
+        asyncio.run(wait_for_health(address, 300))
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, address
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def gateway_args(mesh, *extra: str) -> list[str]:
+    return [*(f"--prefill={a}" for a in mesh.prefill_addresses), *(f"--decode={a}" for a in mesh.decode_addresses),
+            "--redis-url", mesh.redis_url, *extra]
+
+
+def test_cancels_at_every_stage_free_every_page_and_leave_routing_even(mesh):
+    """50 client cancels (before Reserve, queued in prefill, during compute, during the push,
+    while decoding), then an idle mesh: every page is back on both sides, and cache_aware
+    splits the next 20 equal, unrelated prompts 10/10 (a cancelled request's routed tokens
+    are taken back, so they do not tip the tie-break)."""
+    async def cancels():
+        async with GatewayClient(mesh.gateway_address) as client:
+            async def one(k: int) -> None:
+                # long prompts (several hundred ms of prefill) so cancels land inside compute and push
+                req = make_request(prompt_token_ids=ids(300 + 97 * (k % 7), 1000 + k), max_tokens=64, ignore_eos=True)
+                task = asyncio.ensure_future(client.complete(req, timeout_s=120))
+                await asyncio.sleep([0, 0.05, 0.2, 0.5, 1.0, 2.0][k % 6] * random.Random(k).uniform(0.5, 1.5))
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+            for wave in range(5):
+                await asyncio.gather(*(one(wave * 10 + k) for k in range(10)))
+
+    asyncio.run(cancels())
+    wait_idle(mesh, timeout_s=30)
+
+    async def sequential():
+        async with GatewayClient(mesh.gateway_address) as client:
+            finals = []
+            for k in range(20):
+                out = await client.complete(make_request(prompt_token_ids=ids(48, 5000 + k), max_tokens=1),
+                                            timeout_s=120)
+                finals.append(out.final)
+            return finals
+
+    served = Counter(f.prefill_instance for f in asyncio.run(sequential()))
+    assert sorted(served.values()) == [10, 10], served
+    wait_idle(mesh)
+
+
+def test_eight_concurrent_over_two_idle_decodes_split_four_four(mesh):
+    wait_idle(mesh)
+
+    async def burst():
+        async with GatewayClient(mesh.gateway_address) as client:
+            return await asyncio.gather(*(client.complete(make_request(prompt_token_ids=ids(24, 7000 + k),
+                                                                       max_tokens=4, ignore_eos=True), timeout_s=120)
+                                          for k in range(8)))
+
+    served = Counter(out.final.decode_instance for out in asyncio.run(burst()))
+    assert sorted(served.values()) == [4, 4], served
+    wait_idle(mesh)
+
+
+def test_burst_past_the_decode_slots_queues_at_the_gateway_and_all_finish(mesh):
+    """3x the mesh's 16 decode slots at once: the gateway queues what does not fit and admits
+    in order as slots free; every stream finishes (none gets RESOURCE_EXHAUSTED)."""
+    n = 3 * 2 * DECODE_SLOTS
+
+    async def burst():
+        async with GatewayClient(mesh.gateway_address) as client:
+            return await asyncio.gather(*(outcome(client, make_request(prompt_token_ids=ids(20, 8000 + k),
+                                                                       max_tokens=8, ignore_eos=True))
+                                          for k in range(n)))
+
+    results = asyncio.run(burst())
+    assert Counter(r[0][0] for r in results) == {"OK": n}, Counter(r[0][0] for r in results)
+    finals = [r[0][1] for r in results]
+    assert all(f.generated_tokens == 8 for f in finals)
+    assert sum(f.admission_s > 0 for f in finals) >= n - 2 * DECODE_SLOTS  # the rest waited their turn
+    wait_idle(mesh)
+
+
+def test_past_the_queue_bound_resource_exhausted_at_once_with_a_retry_hint(mesh, tmp_path):
+    """A gateway whose queue holds 4: of 40 concurrent streams, 16 take the slots, 4 wait, and
+    the other 20 get RESOURCE_EXHAUSTED at once, with a retry-after hint; the 20 finish."""
+    proc, address = start_service("gateway", gateway_args(mesh, "--max-queued-requests", "4"),
+                                  str(tmp_path / "gateway.log"))
+    try:
+        async def burst():
+            async with GatewayClient(address) as client:
+                return await asyncio.gather(*(outcome(client, make_request(prompt_token_ids=ids(20, 9000 + k),
+                                                                           max_tokens=16, ignore_eos=True))
+                                              for k in range(40)))
+
+        results = asyncio.run(burst())
+    finally:
+        stop(proc)
+    statuses = Counter(r[0][0] for r in results)
+    assert statuses == {"OK": 20, "RESOURCE_EXHAUSTED": 20}, statuses
+    for (status, *rest), seconds in results:
+        if status == "RESOURCE_EXHAUSTED":
+            details, trailers = rest
+            assert "queue is full" in details, details
+            assert trailers[FAILURE_CAUSE_KEY] == "OVERLOADED" and float(trailers[RETRY_AFTER_KEY]) >= 1
+            assert seconds < 5, seconds  # refused at once, not after waiting
+    wait_idle(mesh)
+
+
+def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh, tmp_path):
+    """A gateway with page size 32 before instances of 16 refuses every request with
+    FAILED_PRECONDITION (a retry cannot fix it) naming both values; so does decode when
+    a Reserve assumes another page size."""
+    proc, address = start_service("gateway", gateway_args(mesh, "--page-size", "32"), str(tmp_path / "gateway.log"))
+    try:
+        async def ask():
+            async with GatewayClient(address) as client:
+                return await outcome(client, make_request("Hello there", max_tokens=4), timeout_s=30)
+
+        (status, details, trailers), _ = asyncio.run(ask())
+    finally:
+        stop(proc)
+    assert status == "FAILED_PRECONDITION", (status, details)
+    assert "page_size 16" in details and "32" in details and trailers[FAILURE_CAUSE_KEY] == "MISMATCH"
+
+    async def reserve():
+        async with grpc.aio.insecure_channel(mesh.decode_addresses[0]) as ch:
+            await decode_pb2_grpc.DecodeStub(ch).Reserve(
+                decode_pb2.ReserveRequest(request_id="r", num_prompt_tokens=8, max_tokens=8, page_size=32), timeout=10)
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(reserve())
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "page_size 16" in err.value.details() and "32" in err.value.details()
+    wait_idle(mesh)
+
+
+def test_decode_whose_kv_listener_cannot_be_reached_leaves_rotation(mesh, tmp_path):
+    """A decode advertising a KV address nobody can push to: each request routed there is
+    retried on the good decode (no token had reached the client), and after 3 failed pushes
+    its circuit opens, so the requests after that go to the good decode at once."""
+    log = str(tmp_path / "services.log")
+    bad, bad_address = start_service("decode", ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()),
+                                                "--instance-id", "decode-unreachable"], log)
+    try:
+        gw, gw_address = start_service("gateway", [f"--prefill={mesh.prefill_addresses[0]}",
+                                                   f"--decode={mesh.decode_addresses[0]}", f"--decode={bad_address}",
+                                                   "--redis-url", mesh.redis_url], log)
+        try:
+            async def run():
+                async with GatewayClient(gw_address) as client:
+                    out = []
+                    for k in range(12):
+                        out.append(await outcome(client, make_request(prompt_token_ids=ids(20, 11000 + k),
+                                                                      max_tokens=2, ignore_eos=True)))
+                    return out
+
+            results = asyncio.run(run())
+        finally:
+            stop(gw)
+    finally:
+        stop(bad)
+    assert [r[0][0] for r in results] == ["OK"] * 12, results
+    retries = [r[0][1].retries for r in results]
+    assert all(r[0][1].decode_instance != "decode-unreachable" for r in results)
+    assert sum(retries) == 3, retries  # three failed pushes open the circuit (its cool-down outlasts the run)
+    assert retries[-6:] == [0] * 6, retries
+    wait_idle(mesh)
+
+
+def test_decode_frozen_mid_stream_is_unavailable_within_seconds_and_gives_its_pages_back(mesh):
+    """SIGSTOP the decode streaming a request: the client gets UNAVAILABLE naming it within
+    10 s (keepalive pings and the bound on the gap between tokens), new requests go to the
+    other decode, and after SIGCONT every page comes back."""
+    wait_idle(mesh)
+
+    async def scenario():
+        async with GatewayClient(mesh.gateway_address) as client:
+            stream = client.stream(make_request(prompt_token_ids=ids(30, 12000), max_tokens=2000, ignore_eos=True))
+            seen = 0
+            async for msg in stream:
+                seen += len(msg.delta.token_ids)
+                if seen >= 5:
+                    break
+            active = [(await asyncio.to_thread(instance_stats, a, "decode")).num_active_requests
+                      for a in mesh.decode_addresses]
+            frozen = mesh.decode_addresses[active.index(1)]
+            proc = proc_of(mesh, frozen)
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                frozen_at = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stream:
+                        pass
+                waited = time.monotonic() - frozen_at
+                await asyncio.sleep(5)  # the gateway's polls mark it unreachable
+                after, _ = await outcome(client, make_request(prompt_token_ids=ids(30, 12001), max_tokens=4),
+                                         timeout_s=30)
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            return frozen, err.value, waited, after
+
+    frozen, error, waited, after = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert frozen in error.details(), error.details()
+    assert waited < 10, waited
+    assert after[0] == "OK" and after[1].decode_instance != f"decode@{frozen}", after
+    wait_idle(mesh, timeout_s=30)
+
+
+def test_prefill_frozen_while_computing_is_retried_elsewhere_and_decode_frees_its_pages(mesh):
+    """SIGSTOP the prefill computing a long prompt: within seconds the gateway gives up on it
+    (keepalive), releases the reservation on decode (decode cuts off any push and frees the
+    pages while the prefill is still stopped) and retries on the other prefill, which
+    answers. After SIGCONT the stopped prefill's late push is refused and its pages come back."""
+    wait_idle(mesh)
+
+    async def scenario():
+        async with GatewayClient(mesh.gateway_address) as client:
+            task = asyncio.ensure_future(outcome(client, make_request(prompt_token_ids=ids(1500, 13000),
+                                                                      max_tokens=4, ignore_eos=True)))
+            deadline = time.monotonic() + 30
+            busy = None
+            while busy is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                active = [(await asyncio.to_thread(instance_stats, a, "prefill")).num_active_requests
+                          for a in mesh.prefill_addresses]
+                busy = mesh.prefill_addresses[active.index(1)] if 1 in active else None
+            assert busy is not None, "the long prompt never reached a prefill"
+            proc = proc_of(mesh, busy)
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                frozen_at = time.monotonic()
+                result, _ = await task
+                answered_after = time.monotonic() - frozen_at
+                decodes_idle = [await asyncio.to_thread(instance_stats, a, "decode") for a in mesh.decode_addresses]
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            return busy, result, answered_after, decodes_idle
+
+    busy, result, answered_after, decodes_idle = asyncio.run(scenario())
+    assert result[0] == "OK", result
+    assert result[1].retries == 1 and result[1].prefill_instance != busy, result[1]
+    assert answered_after < 40, answered_after  # ~5 s to notice, then the whole prefill again on a busy machine
+    # while the first prefill was still stopped, decode held no page of the abandoned attempt
+    for d in decodes_idle:
+        assert d.num_free_pages == d.num_pages and d.num_active_requests == 0, d
+    wait_idle(mesh, timeout_s=30)
+    with open(mesh.log_path) as f:
+        assert "Task exception was never retrieved" not in f.read()
+
+
+def test_redis_stopped_under_load_every_request_finishes(mesh):
+    """SIGSTOP the prefix index's Redis while requests stream: routing falls back to load
+    alone and KV events queue off the model thread, so every request still finishes."""
+    wait_idle(mesh)
+    redis_proc = mesh.redis.proc
+
+    async def load():
+        async with GatewayClient(mesh.gateway_address) as client:
+            async def one(k):
+                return await outcome(client, make_request(prompt_token_ids=ids(40, 14000 + k), max_tokens=8,
+                                                          ignore_eos=True), timeout_s=60)
+
+            first = asyncio.gather(*(one(k) for k in range(6)))
+            await asyncio.sleep(0.2)
+            redis_proc.send_signal(signal.SIGSTOP)
+            try:
+                during = await asyncio.gather(*(one(100 + k) for k in range(6)))
+            finally:
+                redis_proc.send_signal(signal.SIGCONT)
+            return [*(await first), *during]
+
+    results = asyncio.run(load())
+    assert [r[0][0] for r in results] == ["OK"] * 12, results
+    assert max(seconds for _, seconds in results) < 30
+    wait_idle(mesh)
