@@ -33,7 +33,8 @@ class DecodeConfig:
     max_admit_per_step: int = 4
     """New KV loads (requests whose pushed KV has landed) admitted into the batch per step."""
     reservation_timeout_s: float = 60.0
-    """A reservation whose Generate call never comes is freed after this many seconds."""
+    """A reservation no Generate call claims is freed after this many seconds, unless the
+    Reserve call set its own kv_deadline_s (the gateway does: its prefill deadline + 10 s)."""
     kv_digest: bool = False
     """Hash each request's received KV pages (SHA-256) and report it, for tests."""
     metrics_port: int = 0

@@ -55,6 +55,11 @@ class StepFailed(RuntimeError):
     """The model step a request was in raised; the request ends with INTERNAL."""
 
 
+class RequestReleased(RuntimeError):
+    """The request was released (its caller left, or Release was called) while a Generate
+    call streamed it; that call ends with CANCELLED."""
+
+
 class SeqState(enum.Enum):
     """Where a decode sequence is: reserved -> waiting -> running -> finished."""
 
@@ -200,14 +205,17 @@ class DecodeEngine:
     def release(self, transfer_id: int) -> bool:
         """Abort a request: free its pages now, or at the next step if it is running.
 
-        Callers must only release once no KV push can still land in its pages.
-        Returns False when the transfer is unknown (already finished).
+        Callers must only release once no KV push can still land in its pages. A Generate
+        call attached to it gets RequestReleased, so it never waits on tokens that will not
+        come. Returns False when the transfer is unknown (already finished).
         """
         with self._cond:
             seq = self._by_transfer.get(transfer_id)
             if seq is None:
                 return False
             seq.aborted = True
+            if seq.emit is not None:
+                self.dispatch([(seq.emit, [], RequestReleased(f"[{seq.request_id}] released while decoding"))])
             if seq.state == SeqState.RUNNING:
                 self._cond.notify_all()  # the loop drops it between steps
                 return True

@@ -12,7 +12,7 @@ import logging
 import math
 
 import grpc
-from decode_svc.engine import CapacityError, DecodeEngine, deliver_all
+from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deliver_all
 from decode_svc.transfers import TransferTable
 from engine.outcomes import FailureCause, FinishReason
 from kvmesh import tracing
@@ -144,6 +144,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     tracing.record(span, "decode.admission", landed_ns, tracing.now_ns())
                     span.add_event("first_token")
                 generated += len(tokens)
+                if isinstance(end, RequestReleased):
+                    await abort(context, FailureCause.CANCELLED, str(end))
                 if isinstance(end, Exception):
                     await abort(context, FailureCause.INTERNAL, f"[{rid}] {end}")
                 msg = decode_pb2.DecodeResponse(token_ids=tokens)

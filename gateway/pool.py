@@ -47,6 +47,7 @@ class InstancePool:
         self._decode_stubs = {a: decode_pb2_grpc.DecodeStub(self._channels[a]) for a in decode_addresses}
         self._rr = 0
         self._poller: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
         self.on_capacity: list = []
         """Called (no arguments) after each poll: capacity may have grown (admission pumps)."""
 
@@ -101,6 +102,14 @@ class InstancePool:
         metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if informed else "load_only").inc()
         metrics.INDEX_CACHED_TOKENS.inc(decision.cached_tokens)
         return prefill, decode, decision.cached_tokens
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` in the background, holding a reference until it ends (the event loop
+        keeps only weak ones: an unreferenced task can vanish mid-way, and a Release with it)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def release(self, decode: InstanceLoad, request_id: str, transfer_id: int) -> None:
         try:

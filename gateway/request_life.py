@@ -104,6 +104,7 @@ class RequestLife:
         self.stage = Stage.ROUTED
         self.transfer_id: int | None = None
         self.decode_call = None
+        self._reserve_call: asyncio.Future | None = None
         self._prefill_open = True
         prefill.in_flight_requests += 1
         prefill.in_flight_tokens += queued_tokens
@@ -111,6 +112,11 @@ class RequestLife:
         decode.in_flight_requests += 1
         prefill.breaker.on_routed()
         decode.breaker.on_routed()
+
+    def reserving(self, call: asyncio.Future) -> None:
+        """The Reserve call is in flight: if the attempt ends before it answers, decode may
+        still reserve, so its answer is released when it comes."""
+        self._reserve_call = call
 
     def reserved(self, transfer_id: int) -> None:
         self._advance(Stage.ROUTED, Stage.RESERVED)
@@ -153,10 +159,24 @@ class RequestLife:
         self.decode.in_flight_requests -= 1
         if self.decode_call is not None and not self.decode_call.done():
             self.decode_call.cancel()  # decode frees the pages when it sees the cancel
+            if stage == Stage.ABORTED and self.transfer_id is not None:
+                # and in case the cancel never reaches it (Generate not yet sent): Release is idempotent
+                self._release(self.transfer_id)
         elif self.transfer_id is not None and self.decode_call is None:
             # no stream ever claimed the reservation: give the pages back now (a frozen
             # decode frees them itself when the reservation's deadline passes)
-            asyncio.ensure_future(self.pool.release(self.decode, self.request_id, self.transfer_id))
+            self._release(self.transfer_id)
+        elif self.transfer_id is None and self._reserve_call is not None:
+            # ended while Reserve was in flight (or as its answer arrived, before it was
+            # read): decode may have reserved all the same; release whatever it answers
+            self._reserve_call.add_done_callback(self._release_late_reservation)
+
+    def _release(self, transfer_id: int) -> None:
+        self.pool.spawn(self.pool.release(self.decode, self.request_id, transfer_id))
+
+    def _release_late_reservation(self, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self._release(call.result().transfer_id)
 
     def _end_prefill(self) -> None:
         if not self._prefill_open:

@@ -194,7 +194,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if streamed:
                     raise
                 if failure.wait_for_room and loop.time() < give_up_at:
-                    # decode had no pages after all (or another gateway filled it): wait for a release
+                    # decode had no pages after all (or another gateway filled it): answers end
+                    # every step, so try again shortly, within the queue's time bound
                     await asyncio.sleep(min(0.5, give_up_at - loop.time()))
                     continue
                 if failure.cause.retryable and failure.instance is not None and retries == 0:
@@ -218,11 +219,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         prefill, decode = life.prefill, life.decode
         prefill_deadline = self._prefill_deadline_s(life)
         kv_deadline = prefill_deadline + self.rpc_timeout_s
+        reserve_call = self.pool.spawn(self.pool.decode_stub(decode).Reserve(
+            decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=n_prompt, max_tokens=inp.max_tokens,
+                                      page_size=self.pool.page_size, kv_deadline_s=kv_deadline),
+            timeout=self.rpc_timeout_s, metadata=tracing.inject(span)))
+        life.reserving(reserve_call)
         try:
-            reserve = await self.pool.decode_stub(decode).Reserve(
-                decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=n_prompt, max_tokens=inp.max_tokens,
-                                          page_size=self.pool.page_size, kv_deadline_s=kv_deadline),
-                timeout=self.rpc_timeout_s, metadata=tracing.inject(span))
+            # shielded: a client that leaves now must not cut the call off mid-way, or decode
+            # could reserve pages nobody releases; the life releases the late answer instead
+            reserve = await asyncio.shield(reserve_call)
         except grpc.aio.AioRpcError as exc:
             failure = failure_from_rpc(exc, "decode", decode, decode, rid)
             # a full decode pool frees pages as answers end: wait for room (bounded)

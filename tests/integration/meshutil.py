@@ -34,7 +34,10 @@ def running_mesh(num_prefill: int = 1, num_decode: int = 1, prefill_args=None, d
         print(f"service logs kept in {log.name}")
         raise
     else:
-        os.unlink(log.name)
+        if os.environ.get("KVMESH_KEEP_TEST_LOGS") == "1":  # to read after a failed test
+            print(f"service logs kept in {log.name}")
+        else:
+            os.unlink(log.name)
     finally:
         mesh.stop()
         log.close()

@@ -137,6 +137,9 @@ class FakePool:
     def __init__(self) -> None:
         self.released = []
 
+    def spawn(self, coro):
+        return asyncio.ensure_future(coro)
+
     async def release(self, decode, request_id, transfer_id):
         self.released.append((decode.address, request_id, transfer_id))
 
@@ -190,8 +193,67 @@ def test_a_finished_attempt_keeps_its_routed_tokens_and_a_cancel_mid_stream_canc
         streaming.decoding(call)
         streaming.abort(None)  # the client went away mid-stream
         await asyncio.sleep(0)
-        assert call.cancelled and pool.released == []  # decode frees the pages when it sees the cancel
+        # decode frees the pages when it sees the cancel; a Release goes too, in case the cancel
+        # never reaches it (decode answers a second release with released=False)
+        assert call.cancelled and pool.released == [("d", "r2", 2)]
         assert p.total_routed_tokens == 40 and d.in_flight_requests == 0
         assert p.breaker.consecutive_failures == 0 and d.breaker.consecutive_failures == 0
+
+    asyncio.run(scenario())
+
+
+def test_instances_that_disagree_on_page_size_or_model_are_not_routed_to():
+    from gateway.pool import InstancePool, MismatchError
+    from protos.kvmesh.v1 import common_pb2
+
+    async def scenario():
+        pool = InstancePool(["p1:1", "p2:1"], ["d1:1"], page_size=16, index=None, cache_threshold=0.3,
+                            load_weight=0.02, rpc_timeout_s=1.0, model_fingerprint="abc")
+        try:
+            p1, p2 = pool.prefills
+            assert pool._mismatch(p1, common_pb2.InstanceStats(instance_id="p1", page_size=16,
+                                                               model_fingerprint="abc")) == ""
+            p2.mismatch = pool._mismatch(p2, common_pb2.InstanceStats(instance_id="p2", page_size=32,
+                                                                      model_fingerprint="abc"))
+            assert p2.mismatch == "p2 has page_size 32, the gateway 16"
+            pool.check_usable()  # one prefill still agrees
+            for k in range(4):
+                prefill, _, _ = await pool.route(list(range(40 + k)), [])
+                assert prefill is p1
+            d1 = pool.decodes[0]
+            d1.mismatch = pool._mismatch(d1, common_pb2.InstanceStats(instance_id="d1", page_size=16,
+                                                                      model_fingerprint="xyz"))
+            with pytest.raises(MismatchError, match="d1 serves model xyz, the gateway abc"):
+                pool.check_usable()
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_attempt_ended_while_reserve_is_in_flight_releases_the_late_reservation():
+    class Reserved:
+        transfer_id = 99
+
+    async def scenario():
+        pool, p, d = FakePool(), InstanceLoad("p"), InstanceLoad("d")
+        life = RequestLife(pool, "r3", p, d, queued_tokens=10)
+        reserve_call = asyncio.get_running_loop().create_future()
+        life.reserving(reserve_call)
+        life.abort(None)  # the client left before decode answered
+        assert pool.released == []
+        reserve_call.set_result(Reserved())  # decode reserved all the same
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert pool.released == [("d", "r3", 99)]
+        # the answer came as the client left, before the attempt read it: released all the same
+        late = RequestLife(pool, "r4", p, d, queued_tokens=10)
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(Reserved())
+        late.reserving(answered)
+        late.abort(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert pool.released[-1] == ("d", "r4", 99)
 
     asyncio.run(scenario())
