@@ -51,7 +51,7 @@ class GatewayConfig:
     """Requests that may wait in the admission queue for a decode slot; more get RESOURCE_EXHAUSTED."""
     max_queued_tokens: int = 4_000_000
     """Prompt tokens that may wait in the admission queue; more get RESOURCE_EXHAUSTED."""
-    max_queue_time_s: float = 120.0
+    max_queue_time_s: float = 600.0
     """Seconds a request may wait for a decode slot before it gets RESOURCE_EXHAUSTED."""
     stats_interval_s: float = 0.5
     """How often instances' load and health are polled."""
@@ -119,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "requests that may wait for a decode slot (more: RESOURCE_EXHAUSTED)", int)
     env_flag(parser, "--max-queued-tokens", "KVMESH_MAX_QUEUED_TOKENS", 4_000_000,
              "prompt tokens that may wait for a decode slot (more: RESOURCE_EXHAUSTED)", int)
-    env_flag(parser, "--max-queue-time", "KVMESH_MAX_QUEUE_TIME", 120.0,
+    env_flag(parser, "--max-queue-time", "KVMESH_MAX_QUEUE_TIME", 600.0,
              "seconds a request may wait for a decode slot", float)
     env_flag(parser, "--token-timeout", "KVMESH_TOKEN_TIMEOUT", 8.0,
              "seconds without a token from decode before the instance is taken for lost", float)
