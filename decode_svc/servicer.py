@@ -16,7 +16,7 @@ from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deli
 from decode_svc.transfers import TransferTable
 from engine.outcomes import FailureCause, FinishReason
 from kvmesh import tracing
-from kvmesh.wire import FINISH_TO_PB, abort, check_request_id, sampling_from_pb
+from kvmesh.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
 from kvstore.ucx_transfer import KVReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -54,10 +54,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             check_request_id(request.request_id)
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, str(exc))
-        if request.page_size and request.page_size != page_size:
-            await abort(context, FailureCause.MISMATCH, f"[{request.request_id}] decode {self.instance_id} has "
-                        f"page_size {page_size}, the caller assumes {request.page_size}: every service and "
-                        "the gateway need the same --page-size")
+        mismatch = page_size_mismatch(f"decode {self.instance_id}", page_size, request.page_size)
+        if mismatch:
+            await abort(context, FailureCause.MISMATCH, f"[{request.request_id}] {mismatch}")
         try:
             if n + m > self.max_context:
                 raise ValueError(f"num_prompt_tokens ({n}) + max_tokens ({m}) exceeds the context of "

@@ -21,7 +21,7 @@ import grpc
 
 from engine.outcomes import FailureCause
 from gateway.router import InstanceLoad
-from kvmesh.wire import cause_of
+from kvmesh.wire import cause_of, retry_after_of
 
 logger = logging.getLogger(__name__)
 
@@ -78,12 +78,8 @@ def failure_from_rpc(error: grpc.aio.AioRpcError, kind: str, inst: InstanceLoad,
         details = error.details() or code.name
     name = blamed.instance_id or blamed.address
     where = f"{kind} {name}" if blamed is inst else f"{kind} {inst.instance_id or inst.address} -> decode {name}"
-    retry_after = None
-    for key, value in error.trailing_metadata() or ():
-        if key == "retry-after-s":
-            retry_after = float(value)
     return RequestFailed(cause, f"[{request_id}] {where}: {details}",
-                         blamed if cause in _BLAMES_INSTANCE else None, retry_after)
+                         blamed if cause in _BLAMES_INSTANCE else None, retry_after_of(error))
 
 
 # failures that say something about the instance (its breaker counts them)

@@ -48,15 +48,31 @@ _STATUS_OF = {
 }
 
 
+def _trailer(error: grpc.aio.AioRpcError, name: str) -> str | None:
+    return next((value for key, value in error.trailing_metadata() or () if key == name), None)
+
+
 def cause_of(error: grpc.aio.AioRpcError) -> FailureCause | None:
     """The cause a kvmesh service put in an error's trailing metadata, if any."""
-    for key, value in error.trailing_metadata() or ():
-        if key == FAILURE_CAUSE_KEY:
-            try:
-                return FailureCause(value)
-            except ValueError:
-                return None
-    return None
+    try:
+        return FailureCause(_trailer(error, FAILURE_CAUSE_KEY))
+    except ValueError:  # absent (None) or unknown
+        return None
+
+
+def retry_after_of(error: grpc.aio.AioRpcError) -> float | None:
+    """The retry hint (seconds) a kvmesh service put in an error's trailing metadata, if any."""
+    value = _trailer(error, RETRY_AFTER_KEY)
+    return float(value) if value is not None else None
+
+
+def page_size_mismatch(instance: str, page_size: int, assumed: int) -> str:
+    """'' when a caller's page size (0: it did not say) agrees with this instance's, else the
+    message that names both (the status is FAILED_PRECONDITION: FailureCause.MISMATCH)."""
+    if not assumed or assumed == page_size:
+        return ""
+    return (f"{instance} has page_size {page_size}, the caller assumes {assumed}: every service and the "
+            "gateway need the same --page-size")
 
 
 async def abort(context, cause: FailureCause, message: str, retry_after_s: float | None = None) -> None:

@@ -89,11 +89,12 @@ async def _heartbeat(index: RedisKVIndex, publisher: KVEventPublisher, instance_
     while True:
         try:
             lost = await asyncio.to_thread(index.heartbeat, instance_id, ttl_s)
-            if lost or publisher.needs_resync:
+            resync = lost or publisher.needs_resync
+            if resync:
                 await asyncio.wrap_future(engine.call(
                     lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
             if down:
-                logger.info("prefix index reachable again; lease renewed%s", ", cache re-published" if lost else "")
+                logger.info("prefix index reachable again; lease renewed%s", ", cache re-published" if resync else "")
             down = False
         except Exception as exc:
             if not down:

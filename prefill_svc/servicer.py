@@ -10,7 +10,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from engine.outcomes import FailureCause
 from kvmesh import tracing
-from kvmesh.wire import abort, check_request_id, sampling_from_pb
+from kvmesh.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
 from prefill_svc import metrics
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.ucx_transfer import KVSender, TransferError, pages_digest, parse_address
@@ -57,10 +57,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             check_request_id(rid)
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, str(exc))
-        if request.page_size and request.page_size != self.engine.page_size:
-            await abort(context, FailureCause.MISMATCH, f"[{rid}] prefill {self.instance_id} has page_size "
-                        f"{self.engine.page_size}, the caller assumes {request.page_size}: every service and the "
-                        "gateway need the same --page-size")
+        mismatch = page_size_mismatch(f"prefill {self.instance_id}", self.engine.page_size, request.page_size)
+        if mismatch:
+            await abort(context, FailureCause.MISMATCH, f"[{rid}] {mismatch}")
         try:
             self._validate(request)
             sampling = sampling_from_pb(request.sampling)
