@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from kvmesh.flags import env_flag
+from runtime.flags import env_flag
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ import torch
 
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
-from engine.model_runner import ForwardItem, ModelRunner, StateSlots
+from engine.forward import ForwardItem, Runner, StateSlots
 from engine.outcomes import FinishReason
-from engine.sampler import SamplingParams, sample
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 from kvstore.block_pool import BlockPool
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,9 @@ class Reservation:
 
 
 class DecodeEngine:
-    """Owns the decode page pool and the batch loop over a ModelRunner."""
+    """Owns the decode page pool and the batch loop over a Runner."""
 
-    def __init__(self, config: DecodeConfig, runner: ModelRunner) -> None:
+    def __init__(self, config: DecodeConfig, runner: Runner) -> None:
         self.config = config
         self.runner = runner
         self.pool = BlockPool(config.num_pages, config.page_size, enable_prefix_caching=False)

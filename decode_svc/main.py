@@ -11,9 +11,10 @@ from decode_svc import metrics
 from decode_svc.config import DecodeConfig, config_from_args
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
-from engine.loader import load_config, model_fingerprint, resolve_model
-from engine.model_runner import create_runner
-from kvmesh import service, tracing
+from engine.checkpoint import model_fingerprint
+from engine.loader import load_config, resolve_model
+from engine.runners import create_runner
+from runtime import service, tracing
 from kvstore.ucx_transfer import KVReceiver
 from protos.kvmesh.v1 import decode_pb2_grpc
 

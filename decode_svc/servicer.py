@@ -2,7 +2,7 @@
 
 A transfer's life on this side (its pages, the future saying its KV landed, its expiry)
 belongs to decode_svc.transfers.TransferTable; this adapter validates, maps errors to
-statuses (kvmesh.wire.abort with a FailureCause) and streams tokens.
+statuses (runtime.wire.abort with a FailureCause) and streams tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import grpc
 from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deliver_all
 from decode_svc.transfers import TransferTable
 from engine.outcomes import FailureCause, FinishReason
-from kvmesh import tracing
-from kvmesh.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
+from runtime import tracing
+from runtime.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
 from kvstore.ucx_transfer import KVReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 

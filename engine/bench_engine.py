@@ -1,9 +1,9 @@
-"""Decode speed of ModelRunner against transformers' generate, side by side in one run.
+"""Decode speed of LlamaRunner against transformers' generate, side by side in one run.
 
     python -m engine.bench_engine [--model NAME_OR_PATH] [--new-tokens 64] [--batch 4 16]
 
-Prints greedy single-stream decode tokens/s of transformers `generate` and of ModelRunner, then
-ModelRunner's batched decode tokens/s at each batch size, and each as a ratio to transformers.
+Prints greedy single-stream decode tokens/s of transformers `generate` and of LlamaRunner, then
+LlamaRunner's batched decode tokens/s at each batch size, and each as a ratio to transformers.
 Decode time excludes prefill: each run times only the steps after the first token. Runs are
 interleaved and the best of --repeats is kept, so background load skews all contenders alike.
 """
@@ -17,9 +17,12 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ForwardItem, ModelRunner
-from engine.sampler import SamplingParams, sample
+from engine.checkpoint import load_tokenizer
+from engine.forward import ForwardItem
+from engine.llama_runner import LlamaRunner
+from engine.loader import resolve_model
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,8 @@ def bench_transformers(model, prompt: list[int], new_tokens: int) -> float:
     return new_tokens / (timed(1 + new_tokens) - timed(1))
 
 
-def bench_runner(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> float:
-    """Greedy batched decode tokens/s of ModelRunner (forward + sample), prefill excluded."""
+def bench_runner(runner: LlamaRunner, prompts: list[list[int]], new_tokens: int) -> float:
+    """Greedy batched decode tokens/s of LlamaRunner (forward + sample), prefill excluded."""
     S = runner.page_size
     greedy = [SamplingParams()] * len(prompts)
     gens = [None] * len(prompts)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32)
     hf_model.eval()
     pages = max(args.batch + [1]) * ((max(map(len, prompts)) + args.new_tokens) // 16 + 2)
-    runner = ModelRunner(files, num_pages=pages)
+    runner = LlamaRunner(files, num_pages=pages)
     runner.warmup()
     bench_transformers(hf_model, prompts[0], 4)  # warm up
     # interleave the contenders, best of each: load from other processes hits both alike
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         runs = {hf_key: bench_transformers(hf_model, prompts[0], args.new_tokens)}
         for b in [1] + args.batch:
-            runs[f"ModelRunner, B={b}"] = bench_runner(runner, prompts[:b], args.new_tokens)
+            runs[f"LlamaRunner, B={b}"] = bench_runner(runner, prompts[:b], args.new_tokens)
         best = {k: max(v, best.get(k, 0.0)) for k, v in runs.items()}
     hf = best[hf_key]
     rows = list(best.items())

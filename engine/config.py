@@ -1,11 +1,13 @@
-"""The model shape the engine needs, read from a Hugging Face `config.json` dict."""
+"""The model shape the engine needs, read from a Hugging Face `config.json` dict (torch-free)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch-free at run time: the gateway reads configs without loading torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -114,5 +116,4 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers at `dtype`."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize

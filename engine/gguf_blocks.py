@@ -27,7 +27,7 @@ import numpy as np
 import safetensors.numpy
 import torch
 
-from engine.loader import load_checkpoint_tensors
+from engine.checkpoint import load_checkpoint_tensors
 from kernels.quant import QK
 from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref
 

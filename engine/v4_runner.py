@@ -1,5 +1,5 @@
 # P=pages, R=state slots, V=vocab, B=sequences
-"""The model step for DeepSeek-V4 checkpoints: `ModelRunner`'s interface over V4's paged state.
+"""The model step for DeepSeek-V4 checkpoints: the `Runner` protocol (engine/forward.py) over V4's paged state.
 
 Pages hold each token's sliding-window K=V and each window's compressed entries, indexer keys
 and (at a page's end) the CSA overlap (engine/models/deepseek_v4_state.py); a request also
@@ -16,9 +16,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine.loader import ModelFiles, load_checkpoint_tensors
-from engine.model_runner import ForwardItem
-from engine.models.deepseek_v4 import DeepseekV4Model, V4Item
+from engine.checkpoint import ModelFiles, load_checkpoint_tensors
+from engine.forward import ForwardItem
+from engine.loader import load_config
+from engine.models.deepseek_v4 import DeepseekV4Model
 from engine.models.deepseek_v4_state import V4StateLayout
 from engine.models.deepseek_v4_weights import load_config as load_v4_config
 
@@ -38,8 +39,6 @@ class DeepseekV4Runner:
             raise ValueError(f"num_pages and num_state_slots must be >= 1, got {num_pages} and {num_state_slots}")
         start = time.monotonic()
         self.hf_config = load_v4_config(files.checkpoint_dir, files.name)
-        from engine.loader import load_config
-
         self.config = load_config(files)
         self.layout = V4StateLayout.from_config(self.hf_config, page_size)
         tensors = load_checkpoint_tensors(files.checkpoint_dir)
@@ -76,7 +75,6 @@ class DeepseekV4Runner:
         Raises ValueError for a missing slot, token ids outside the vocabulary, positions
         past max_position_embeddings, or too few pages.
         """
-        v4 = []
         for b, it in enumerate(items):
             if it.state_slot is None or not 0 <= it.state_slot < self.num_state_slots:
                 raise ValueError(f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), "
@@ -86,8 +84,7 @@ class DeepseekV4Runner:
                                  f"max_position_embeddings ({self.config.max_position_embeddings})")
             if any(not 0 <= t < self.config.vocab_size for t in it.token_ids):
                 raise ValueError(f"item {b}: token ids must be in [0, {self.config.vocab_size})")
-            v4.append(V4Item(it.token_ids, it.num_computed_tokens, it.block_ids, it.state_slot))
-        return self.model.forward(v4, self.pages, self.slots)
+        return self.model.forward(items, self.pages, self.slots)
 
     def warmup(self) -> None:
         """A tiny prefill and decode on page 0 and slot 0 (left as garbage, written before read)."""

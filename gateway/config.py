@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from kvmesh.flags import env_flag
+from runtime.flags import env_flag
 
 
 @dataclass(frozen=True)

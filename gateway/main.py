@@ -6,14 +6,15 @@ import argparse
 import asyncio
 import logging
 
-from engine.loader import load_config, load_tokenizer, model_fingerprint, resolve_model
+from engine.checkpoint import load_tokenizer, model_fingerprint
+from engine.loader import load_config, resolve_model
 from gateway.admission import AdmissionQueue
 from gateway.config import GatewayConfig, config_from_args
 from gateway.pool import InstancePool
 from gateway.requests import PromptBuilder
 from gateway.servicer import GatewayServicer
 from gateway import metrics
-from kvmesh import service, tracing
+from runtime import service, tracing
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from protos.kvmesh.v1 import gateway_pb2_grpc
 

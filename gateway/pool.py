@@ -14,7 +14,7 @@ import grpc
 
 from gateway import metrics
 from gateway.router import InstanceLoad, PrefillRouter, pick_decode
-from kvmesh.service import GRPC_OPTIONS
+from runtime.service import GRPC_OPTIONS
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 

@@ -21,7 +21,7 @@ import grpc
 
 from engine.outcomes import FailureCause
 from gateway.router import InstanceLoad
-from kvmesh.wire import cause_of, retry_after_of
+from runtime.wire import cause_of, retry_after_of
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def failure_from_rpc(error: grpc.aio.AioRpcError, kind: str, inst: InstanceLoad,
                      request_id: str, slow_is_lost: bool = True) -> RequestFailed:
     """Turn a failed call to `inst` (a `kind` instance) into a RequestFailed.
 
-    A service names its cause in the trailers (kvmesh.wire.abort); a call that failed in
+    A service names its cause in the trailers (runtime.wire.abort); a call that failed in
     transport (dead, frozen or unreachable: UNAVAILABLE, the keepalive pings included) is
     the instance lost. A call past its deadline is the instance lost when `slow_is_lost`
     (a small control RPC), else a DEADLINE (a long prefill on a busy, live instance: the

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})

@@ -7,7 +7,7 @@ prefix vs load) and a decode instance (least active); Reserve pages on decode; P
 Decode.Generate back to the client with incremental detokenization and stop strings.
 Each attempt is one gateway.request_life.RequestLife that ends exactly once. An attempt
 that fails on one instance before any token reached the client is retried once on
-another; the client's status follows from the failure's cause (kvmesh.wire.status_of).
+another; the client's status follows from the failure's cause (runtime.wire.status_of).
 
 Every hop is bounded: Reserve by rpc_timeout_s, Prefill by a deadline that grows with the
 tokens queued on the instance, each decode message by token_timeout_s (past the KV
@@ -33,9 +33,9 @@ from gateway.pool import InstancePool, MismatchError
 from gateway.request_life import RequestFailed, RequestLife, failure_from_rpc
 from gateway.requests import GenerateInput, PromptBuilder
 from gateway.router import queued_tokens
-from kvmesh import tracing
-from kvmesh.logs import request_context
-from kvmesh.wire import FINISH_FROM_PB, FINISH_TO_PB, abort, check_request_id
+from runtime import tracing
+from runtime.logs import request_context
+from runtime.wire import FINISH_FROM_PB, FINISH_TO_PB, abort, check_request_id
 from kvstore.block_hash import hash_blocks
 from protos.kvmesh.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 

@@ -32,7 +32,8 @@ def _hf_bench(model_name: str | None, new_tokens: int) -> Callable[[], float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import load_tokenizer, resolve_model
+    from engine.checkpoint import load_tokenizer
+    from engine.loader import resolve_model
 
     files = resolve_model(model_name)
     tok = load_tokenizer(files)

@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from kvmesh.flags import env_flag
+from runtime.flags import env_flag
 
 
 def _seed(value: str) -> int:

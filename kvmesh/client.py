@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvmesh.service import GRPC_OPTIONS
+from runtime.service import GRPC_OPTIONS
 from protos.kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 

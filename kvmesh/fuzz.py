@@ -50,7 +50,7 @@ BAD_ROLES = ["", "USER", "User", "function", "bot", "<|im_start|>", "user\n", " 
 SMALL_MAX_TOKENS = 64
 """A request with max_tokens set and at most this is small: it must never hit its deadline."""
 FAILING = ("UNKNOWN", "INTERNAL", "OK_MALFORMED")
-FAILURE_CAUSE_KEY = "kvmesh-failure-cause"  # kvmesh.wire.FAILURE_CAUSE_KEY, read without importing torch
+FAILURE_CAUSE_KEY = "kvmesh-failure-cause"  # runtime.wire.FAILURE_CAUSE_KEY, read without importing torch
 
 
 @dataclass(frozen=True)

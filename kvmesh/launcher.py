@@ -139,7 +139,7 @@ def _port_free(host: str, port: int) -> bool:
 def _wait_ready(mesh: Mesh, addresses: list[str], timeout_s: float) -> None:
     import asyncio
 
-    from kvmesh.service import wait_for_health
+    from runtime.service import wait_for_health
 
     async def all_ready() -> None:
         tasks = [asyncio.ensure_future(wait_for_health(a, timeout_s)) for a in addresses]

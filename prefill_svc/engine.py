@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ForwardItem, ModelRunner, StateSlots
-from engine.sampler import SamplingParams, sample
+from engine.forward import ForwardItem, Runner, StateSlots
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.kv_events import KVEvent
@@ -68,7 +69,7 @@ class PrefillJob:
 class PrefillEngine:
     """Prefix cache + model runner for one prefill instance."""
 
-    def __init__(self, runner: ModelRunner, page_size: int, num_pages: int, enable_prefix_caching: bool,
+    def __init__(self, runner: Runner, page_size: int, num_pages: int, enable_prefix_caching: bool,
                  publish=None, executor: concurrent.futures.Executor | None = None,
                  max_batch_tokens: int = 4096) -> None:
         """`publish(events)` is called on the worker thread with each batch of KV events.

@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import logging
 
-from engine.loader import load_config, model_fingerprint, resolve_model
-from engine.model_runner import create_runner
-from kvmesh import service, tracing
+from engine.checkpoint import model_fingerprint
+from engine.loader import load_config, resolve_model
+from engine.runners import create_runner
+from runtime import service, tracing
 from kvstore.redis_index import RedisKVIndex
 from kvstore.ucx_transfer import KVSender
 from prefill_svc import metrics

@@ -9,8 +9,8 @@ import random
 from opentelemetry.trace import Status, StatusCode
 
 from engine.outcomes import FailureCause
-from kvmesh import tracing
-from kvmesh.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
+from runtime import tracing
+from runtime.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
 from prefill_svc import metrics
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.ucx_transfer import KVSender, TransferError, pages_digest, parse_address

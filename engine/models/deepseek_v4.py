@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.forward import ForwardItem
 from engine.models.deepseek_v4_state import CSA, SLIDING, V4StateLayout
 from engine.models.deepseek_v4_weights import check_and_take
 from kernels.indexer import indexer_scores, indexer_topk
@@ -35,20 +36,6 @@ from kernels.moe import moe_experts, route_hash, route_topk
 from kernels.sparse_attention import sparse_sink_attention
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class V4Item:
-    """One sequence's share of a forward."""
-
-    token_ids: Sequence[int]
-    """New tokens (>= 1); logits are returned for the last."""
-    num_computed_tokens: int
-    """Tokens already in this sequence's pages and slot."""
-    block_ids: Sequence[int]
-    """Page ids covering num_computed_tokens + len(token_ids) tokens."""
-    slot: int
-    """This sequence's state slot."""
 
 
 @dataclass
@@ -179,7 +166,7 @@ class DeepseekV4Model:
         return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"])
 
     # -- compressors ------------------------------------------------------------------------
-    def _compress(self, i: int, prefix: str, kv: torch.Tensor, gate: torch.Tensor, item: V4Item,
+    def _compress(self, i: int, prefix: str, kv: torch.Tensor, gate: torch.Tensor, item: ForwardItem,
                   table: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, overlap: bool,
                   names: tuple[str, ...]) -> None:
         """Run one compressor (`DeepseekV4CSACompressor`, `DeepseekV4HCACompressor` or the
@@ -195,7 +182,7 @@ class DeepseekV4Model:
         ent_name, bk, bg, ok, og = names
         nc = item.num_computed_tokens
         nb, e0 = nc % r, nc // r
-        buf_kv, buf_gate = lay.slot_view(slots, item.slot, bk, i), lay.slot_view(slots, item.slot, bg, i)
+        buf_kv, buf_gate = lay.slot_view(slots, item.state_slot, bk, i), lay.slot_view(slots, item.state_slot, bg, i)
         kv = torch.cat([buf_kv[:nb], kv])
         gate = torch.cat([buf_gate[:nb], gate])
         usable = kv.shape[0] // r * r
@@ -213,7 +200,7 @@ class DeepseekV4Model:
             new_gate = cg.new_full((n_win, 2 * r, d), float("-inf"))
             new_kv[:, r:], new_gate[:, r:] = ck[..., d:], cg[..., d:]
             new_kv[1:, :r], new_gate[1:, :r] = ck[:-1, :, :d], cg[:-1, :, :d]
-            ov_kv, ov_gate = lay.slot_view(slots, item.slot, ok, i), lay.slot_view(slots, item.slot, og, i)
+            ov_kv, ov_gate = lay.slot_view(slots, item.state_slot, ok, i), lay.slot_view(slots, item.state_slot, og, i)
             if e0 > 0:
                 new_kv[0, :r], new_gate[0, :r] = ov_kv, ov_gate
             ov_kv.copy_(ck[-1, :, :d])
@@ -241,7 +228,7 @@ class DeepseekV4Model:
         return self.layout.page_view(pages, name, i)[table[idx // per_page], idx % per_page]
 
     # -- attention --------------------------------------------------------------------------
-    def _attention(self, i: int, x: torch.Tensor, items: Sequence[V4Item], starts: list[int],
+    def _attention(self, i: int, x: torch.Tensor, items: Sequence[ForwardItem], starts: list[int],
                    positions: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, plan: _Plan) -> torch.Tensor:
         c, lay, p = self.config, self.layout, f"model.layers.{i}.self_attn."
         kind = c.layer_types[i]
@@ -320,7 +307,7 @@ class DeepseekV4Model:
         grouped = torch.bmm(out.view(T, g, -1).transpose(0, 1), self.o_a[i]).transpose(0, 1)  # [T, g, olr]
         return F.linear(grouped.flatten(1), self.w[p + "o_b_proj.weight"])  # [T, H]
 
-    def _plan(self, items: Sequence[V4Item], starts: list[int], positions: torch.Tensor) -> _Plan:
+    def _plan(self, items: Sequence[ForwardItem], starts: list[int], positions: torch.Tensor) -> _Plan:
         S, W = self.layout.page_size, self.config.sliding_window
         tables = [torch.tensor(list(it.block_ids)) for it in items]
         seq_of = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
@@ -372,7 +359,7 @@ class DeepseekV4Model:
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, items: Sequence[V4Item], pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward(self, items: Sequence[ForwardItem], pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One step over a batch of sequences; returns fp32 logits [B, V] after each one's last token.
 
         pages [P, layout.page_floats] and slots [R, layout.slot_floats] fp32 are updated in place.

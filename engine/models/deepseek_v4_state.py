@@ -131,21 +131,3 @@ class V4StateLayout:
     def bytes_per_token(self, dtype_bytes: int = 4) -> float:
         """Average state bytes a token occupies in pages (the per-request slot excluded)."""
         return self.page_floats * dtype_bytes / self.page_size
-
-
-def main() -> None:
-    """`python -m engine.models.deepseek_v4_state`: state bytes per token, computed from configs."""
-    from transformers import DeepseekV4Config
-
-    from engine.tiny_models import deepseek_v4_tiny_config
-
-    for name, cfg in (("tiny test config", deepseek_v4_tiny_config()),
-                      ("DeepSeek-V4-Flash (transformers' defaults)", DeepseekV4Config())):
-        lay = V4StateLayout.from_config(cfg, V4StateLayout.default_page_size(cfg))
-        print(f"{name}: page {lay.page_size} tokens, {lay.page_floats * 4} B/page fp32, "
-              f"{lay.bytes_per_token(4):.0f} B/token fp32 ({lay.bytes_per_token(2):.0f} in bf16), "
-              f"slot {lay.slot_floats * 4} B per running request")
-
-
-if __name__ == "__main__":
-    main()

@@ -73,7 +73,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None) -> 
 
 
 class LlamaModel:
-    """Llama weights plus the forward pass; holds no KV, which `ModelRunner` owns."""
+    """Llama weights plus the forward pass; holds no KV, which `LlamaRunner` (engine/llama_runner.py) owns."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, blocks: dict[str, GGUFBlocks] | None = None) -> None:

@@ -22,8 +22,8 @@ import pytest
 
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.redis_server import free_port
-from kvmesh.service import wait_for_health
-from kvmesh.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
+from runtime.service import wait_for_health
+from runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
 from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc
 from tests.conftest import instance_stats
 from tests.integration.meshutil import running_mesh, wait_idle

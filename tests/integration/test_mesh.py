@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.loader import load_config, load_tokenizer, resolve_model
+from engine.checkpoint import load_tokenizer
+from engine.loader import load_config, resolve_model
 from kvmesh.client import GatewayClient, make_request
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle

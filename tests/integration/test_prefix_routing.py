@@ -8,7 +8,8 @@ from collections import Counter
 import grpc
 import pytest
 
-from engine.loader import load_tokenizer, resolve_model
+from engine.checkpoint import load_tokenizer
+from engine.loader import resolve_model
 from kvstore.block_hash import hash_blocks
 from kvstore.redis_index import RedisKVIndex
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc

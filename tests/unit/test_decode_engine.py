@@ -15,7 +15,7 @@ import torch
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 VOCAB = 100
 

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from engine.models.deepseek_v4 import DeepseekV4Model, V4Item
+from engine.forward import ForwardItem
+from engine.models.deepseek_v4 import DeepseekV4Model
 from engine.models.deepseek_v4_state import V4StateLayout
 from engine.models.deepseek_v4_weights import load_config
 from engine.tiny_models import make_tiny_model
@@ -55,7 +56,7 @@ def test_prefill_logits_match_full_forward(tiny, length):
         ref = hf(ids[None]).logits[0, -1]
     pages, slots = _state(lay)
     model.topk_boundary_ties = 0
-    out = model.forward([V4Item(ids.tolist(), 0, _pages_for(lay, length), 1)], pages, slots)[0]
+    out = model.forward([ForwardItem(ids.tolist(), 0, _pages_for(lay, length), 1)], pages, slots)[0]
     assert model.topk_boundary_ties == 0
     assert (out - ref).abs().max().item() <= 1e-4
 
@@ -69,12 +70,12 @@ def test_decode_logits_match_transformers_cache(tiny, length):
     pages, slots = _state(lay)
     blocks = _pages_for(lay, length + 6)
     model.topk_boundary_ties = 0
-    ours = [model.forward([V4Item(ids[:length].tolist(), 0, blocks, 2)], pages, slots)[0]]
+    ours = [model.forward([ForwardItem(ids[:length].tolist(), 0, blocks, 2)], pages, slots)[0]]
     with torch.no_grad():
         out = hf(ids[None, :length], use_cache=True)
         cache, theirs = out.cache, [out.logits[0, -1]]
         for t in range(length, length + 6):
-            ours.append(model.forward([V4Item([int(ids[t])], t, blocks, 2)], pages, slots)[0])
+            ours.append(model.forward([ForwardItem([int(ids[t])], t, blocks, 2)], pages, slots)[0])
             out = hf(ids[None, t:t + 1], cache=cache, use_cache=True)
             cache = out.cache
             theirs.append(out.logits[0, -1])
@@ -90,7 +91,7 @@ def test_logits_topk_covers_all(tmp_path):
     with torch.no_grad():
         ref = hf(ids[None]).logits[0, -1]
     pages, slots = _state(lay)
-    out = model.forward([V4Item(ids.tolist(), 0, _pages_for(lay, 300), 0)], pages, slots)[0]
+    out = model.forward([ForwardItem(ids.tolist(), 0, _pages_for(lay, 300), 0)], pages, slots)[0]
     assert (out - ref).abs().max().item() <= 1e-4
 
 
@@ -103,14 +104,14 @@ def test_batched_steps_equal_single_runs(tiny):
     for b, p in enumerate(prompts):
         pages, slots = _state(lay)
         blocks = _pages_for(lay, len(p) + 3)
-        row = [model.forward([V4Item(p.tolist(), 0, blocks, 0)], pages, slots)[0]]
+        row = [model.forward([ForwardItem(p.tolist(), 0, blocks, 0)], pages, slots)[0]]
         for t in range(3):
-            row.append(model.forward([V4Item([7 + t], len(p) + t, blocks, 0)], pages, slots)[0])
+            row.append(model.forward([ForwardItem([7 + t], len(p) + t, blocks, 0)], pages, slots)[0])
         alone.append(row)
     pages, slots = _state(lay, pages=128)
     tables = [_pages_for(lay, len(p) + 3, first=3 + 20 * b) for b, p in enumerate(prompts)]
-    first = model.forward([V4Item(p.tolist(), 0, tables[b], b) for b, p in enumerate(prompts)], pages, slots)
-    steps = [first] + [model.forward([V4Item([7 + t], len(p) + t, tables[b], b) for b, p in enumerate(prompts)],
+    first = model.forward([ForwardItem(p.tolist(), 0, tables[b], b) for b, p in enumerate(prompts)], pages, slots)
+    steps = [first] + [model.forward([ForwardItem([7 + t], len(p) + t, tables[b], b) for b, p in enumerate(prompts)],
                                      pages, slots) for t in range(3)]
     for b in range(len(prompts)):
         for t in range(4):
@@ -126,11 +127,11 @@ def test_prefix_hit_resumes_from_cached_pages(tiny):
     a = _prompt(3 * S, 11)
     b = torch.cat([a[:2 * S], _prompt(21, 12)])
     pages, slots = _state(lay)
-    model.forward([V4Item(a.tolist(), 0, [3, 4, 5], 0)], pages, slots)
+    model.forward([ForwardItem(a.tolist(), 0, [3, 4, 5], 0)], pages, slots)
     lay.restore_slot(pages, 4, slots, 1)
-    hit = model.forward([V4Item(b[2 * S:].tolist(), 2 * S, [3, 4, 9, 10], 1)], pages, slots)[0]
+    hit = model.forward([ForwardItem(b[2 * S:].tolist(), 2 * S, [3, 4, 9, 10], 1)], pages, slots)[0]
     fresh_pages, fresh_slots = _state(lay)
-    cold = model.forward([V4Item(b.tolist(), 0, [3, 4, 5, 6], 1)], fresh_pages, fresh_slots)[0]
+    cold = model.forward([ForwardItem(b.tolist(), 0, [3, 4, 5, 6], 1)], fresh_pages, fresh_slots)[0]
     torch.testing.assert_close(hit, cold, atol=1e-5, rtol=0)
     with torch.no_grad():
         assert (hit - hf(b[None]).logits[0, -1]).abs().max().item() <= 1e-4

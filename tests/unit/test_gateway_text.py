@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.loader import load_tokenizer, resolve_model
+from engine.checkpoint import load_tokenizer
+from engine.loader import resolve_model
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 

@@ -1,7 +1,7 @@
 """Our Llama on the real SmolLM2-135M-Instruct checkpoint against transformers, number for number.
 
 transformers' `LlamaForCausalLM` in fp32 is the reference; logits must agree within 1e-4.
-One ModelRunner and one transformers model are shared by the module (loading takes seconds).
+One LlamaRunner and one transformers model are shared by the module (loading takes seconds).
 """
 
 import random
@@ -9,8 +9,10 @@ import random
 import pytest
 import torch
 
-from engine.loader import load_tokenizer, resolve_model
-from engine.model_runner import ForwardItem, ModelRunner
+from engine.checkpoint import load_tokenizer
+from engine.forward import ForwardItem
+from engine.llama_runner import LlamaRunner
+from engine.loader import resolve_model
 
 PAGE = 16
 ATOL = 1e-4
@@ -23,7 +25,7 @@ def files():
 
 @pytest.fixture(scope="module")
 def runner(files):
-    r = ModelRunner(files, num_pages=256, page_size=PAGE)
+    r = LlamaRunner(files, num_pages=256, page_size=PAGE)
     r.warmup()
     return r
 
@@ -187,7 +189,7 @@ def test_small_steps_use_the_gguf_blocks_and_agree_with_fp32_weights(files, runn
 
     assert runner.model.q_lm_head is not None
     assert all(x is not None for w in runner.model.layers for x in (w.q_qkv, w.q_o, w.q_gate_up, w.q_down))
-    fp32_only = ModelRunner(files, num_pages=16, page_size=PAGE, gguf_blocks=False)
+    fp32_only = LlamaRunner(files, num_pages=16, page_size=PAGE, gguf_blocks=False)
     assert fp32_only.model.q_lm_head is None
     ids = _prompt(30, seed=11)
     prefill = [r.forward([ForwardItem(ids, 0, [1, 2, 3])]) for r in (runner, fp32_only)]

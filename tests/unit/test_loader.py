@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.loader import (DEFAULT_MODEL, ModelFiles, cache_root, default_gguf_path, load_config,
-                           resolve_model)
+from engine.checkpoint import ModelFiles
+from engine.loader import DEFAULT_MODEL, cache_root, default_gguf_path, load_config, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,12 @@
-"""ModelRunner on a tiny random Llama made by transformers: cache layout, page buffers, errors."""
+"""LlamaRunner on a tiny random Llama made by transformers: cache layout, page buffers, errors."""
 
 import numpy as np
 import pytest
 import torch
 
 from engine.loader import resolve_model
-from engine.model_runner import ForwardItem, ModelRunner
+from engine.forward import ForwardItem
+from engine.llama_runner import LlamaRunner
 
 PAGE = 4
 
@@ -28,7 +29,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(tiny):
-    return ModelRunner(tiny[0], num_pages=16, page_size=PAGE)
+    return LlamaRunner(tiny[0], num_pages=16, page_size=PAGE)
 
 
 def test_cache_is_page_major_and_page_buffers_are_zero_copy(runner):
@@ -81,12 +82,12 @@ def test_errors_say_what_to_change(tiny, runner):
     with pytest.raises(ValueError, match=r"page_id must be in \[0, 16\)"):
         runner.page_buffer(16)
     with pytest.raises(ValueError, match="num_pages and page_size must be >= 1"):
-        ModelRunner(tiny[0], num_pages=0)
+        LlamaRunner(tiny[0], num_pages=0)
 
 
 def test_bfloat16_runner_stays_close(tiny):
     _, hf = tiny
-    r = ModelRunner(tiny[0], num_pages=4, page_size=PAGE, dtype=torch.bfloat16)
+    r = LlamaRunner(tiny[0], num_pages=4, page_size=PAGE, dtype=torch.bfloat16)
     assert r.kv_cache.dtype == torch.bfloat16 and r.page_nbytes == r.kv_cache[0].numel() * 2
     assert r.page_buffer(0).nbytes == r.page_nbytes  # numpy has no bf16: bytes still work
     ids = [1, 3, 5, 7, 9]
@@ -95,3 +96,20 @@ def test_bfloat16_runner_stays_close(tiny):
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(logits[0], ref, atol=0.05, rtol=0.05)
+
+
+def test_the_runner_registry_picks_by_architecture_and_names_what_it_serves(tiny, tmp_path):
+    import json
+    import shutil
+
+    from engine.checkpoint import ModelFiles
+    from engine.runners import RUNNERS, create_runner
+
+    assert isinstance(create_runner(tiny[0], num_pages=2, page_size=PAGE), LlamaRunner)
+    other = tmp_path / "other"
+    shutil.copytree(tiny[0].checkpoint_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(ValueError, match="'MambaForCausalLM'; supported: ") as err:
+        create_runner(ModelFiles("other", other), num_pages=2, page_size=PAGE)
+    assert all(name in str(err.value) for name in RUNNERS)

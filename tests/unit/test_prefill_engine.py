@@ -5,7 +5,7 @@ import concurrent.futures
 import pytest
 import torch
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from kvstore.block_pool import NoFreeBlocksError
 from prefill_svc.engine import PrefillEngine, PrefillJob
 

@@ -11,7 +11,8 @@ from collections import Counter
 
 import pytest
 
-from engine.loader import load_tokenizer, resolve_model
+from engine.checkpoint import load_tokenizer
+from engine.loader import resolve_model
 from gateway.requests import PromptBuilder
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
-from engine.loader import default_gguf_path, load_checkpoint_tensors, resolve_model
+from engine.checkpoint import load_checkpoint_tensors
+from engine.loader import default_gguf_path, resolve_model
 from kernels.quant import TN, pack_q4_1, pack_q8_0, quantized_matmul
 from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref, quantized_matmul_ref
 

@@ -112,7 +112,7 @@ def test_unknown_policy_is_rejected():
 
 
 def test_request_ids_that_could_forge_log_lines_are_refused():
-    from kvmesh.wire import check_request_id
+    from runtime.wire import check_request_id
 
     assert check_request_id("req-1_a.b:c@d/e+f=g") == "req-1_a.b:c@d/e+f=g"
     for bad in ("a\nb] prefill forged", "\x1b[31mred", "x" * 129, "tab\there", "ünïcode"):

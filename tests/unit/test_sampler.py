@@ -3,9 +3,15 @@
 import pytest
 import torch
 
-from engine.sampler import SamplingParams, make_generator, sample
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 
 V = 50
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's own generator, as the engines make it: seeded, or None (global RNG)."""
+    return None if params.seed is None else torch.Generator().manual_seed(params.seed)
 
 
 def _logits(rows: int = 4) -> torch.Tensor:

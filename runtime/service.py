@@ -73,8 +73,8 @@ def set_torch_threads(num_threads: int) -> None:
 
 
 def setup_logging(name: str) -> None:
-    """Configure this service's logging (kvmesh.logs: text or JSON, request and trace ids)."""
-    from kvmesh.logs import setup_logging as setup
+    """Configure this service's logging (runtime.logs: text or JSON, request and trace ids)."""
+    from runtime.logs import setup_logging as setup
 
     setup(name)
 

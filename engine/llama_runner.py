@@ -2,7 +2,7 @@
 # D=head_dim, V=vocab
 """The model step prefill and decode share: a batch of sequences' new tokens in, logits out.
 
-`ModelRunner` owns the weights (engine/models/llama.py) and the page-major KV cache; callers own
+`LlamaRunner` owns the weights (engine/models/llama.py) and the page-major KV cache; callers own
 page allocation (kvstore) and scheduling, and describe each sequence of a step as a
 `ForwardItem`: its new tokens, how many tokens its pages already hold, and its page ids.
 A step may mix prefill items (many new tokens, maybe after a cached prefix) and decode items
@@ -11,10 +11,8 @@ A step may mix prefill items (many new tokens, maybe after a cached prefix) and 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -22,31 +20,16 @@ import torch
 
 from engine.config import ModelConfig
 from engine.gguf_blocks import load_blocks
-from engine.loader import ModelFiles, load_checkpoint_tensors, load_config
+from engine.checkpoint import ModelFiles, load_checkpoint_tensors
+from engine.forward import ForwardItem
+from engine.loader import load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
 from kernels.quant import kernel_threads
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-
-
-@dataclass(frozen=True)
-class ForwardItem:
-    """One sequence's share of a model step."""
-
-    token_ids: Sequence[int]
-    """New tokens to compute, len >= 1; the logits returned are those after the last one."""
-    num_computed_tokens: int
-    """Tokens of this sequence already in its KV pages; the new tokens' positions start here."""
-    block_ids: Sequence[int]
-    """Page ids covering num_computed_tokens + len(token_ids) tokens, in order."""
-    state_slot: int | None = None
-    """The sequence's state slot, for models with per-request state beyond pages (DeepSeek-V4)."""
-
-
-class ModelRunner:
+class LlamaRunner:
     """Weights plus a paged KV cache `[P, L, 2, S, K, D]`, and the batched forward step.
 
     The cache is page-major so one page (all layers, K and V, S token slots) is one contiguous
@@ -71,10 +54,6 @@ class ModelRunner:
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
         start = time.monotonic()
-        arch = json.loads((files.checkpoint_dir / "config.json").read_text()).get("architectures")
-        if not arch or arch[0] not in _SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model {files.name!r} has architectures {arch}; supported: "
-                             f"{list(_SUPPORTED_ARCHITECTURES)}")
         self.config: ModelConfig = load_config(files)
         self.page_size = page_size
         self.num_pages = num_pages
@@ -105,7 +84,7 @@ class ModelRunner:
     def page_buffer(self, page_id: int) -> np.ndarray:
         """Zero-copy, writable 1-D uint8 numpy view of page `page_id` (page_nbytes bytes).
 
-        Only write whole pages of K/V bytes from another ModelRunner of the same model, page
+        Only write whole pages of K/V bytes from another LlamaRunner of the same model, page
         size and dtype: attention reads unused slots too (then masks them), so they must stay
         finite. Raises ValueError when page_id is not in [0, num_pages).
         """
@@ -170,54 +149,3 @@ class ModelRunner:
             if layer == "workqueue":
                 logger.warning("numba found no OpenMP or TBB runtime: batch-1 decode runs ~3x slower; "
                                "install Debian's libgomp1 (or pip's tbb)")
-
-
-def create_runner(files: ModelFiles, num_pages: int, page_size: int = 16, num_state_slots: int = 64):
-    """The runner for the checkpoint's architecture: `ModelRunner` (Llama) or `DeepseekV4Runner`.
-
-    Both offer forward(items), page_buffer, page_nbytes, state_buffers(slot), num_state_slots,
-    resume_state_slot and warmup. Raises ValueError for an unsupported architecture.
-    """
-    arch = json.loads((files.checkpoint_dir / "config.json").read_text()).get("architectures") or [None]
-    if arch[0] == "DeepseekV4ForCausalLM":
-        from engine.v4_runner import DeepseekV4Runner
-
-        return DeepseekV4Runner(files, num_pages, page_size, num_state_slots)
-    return ModelRunner(files, num_pages, page_size)
-
-
-class StateSlots:
-    """Free list of a runner's state slots; `allocate()` gives None for runners without slots.
-
-    Not thread-safe: each engine calls it under its own lock or on its one worker thread.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    def allocate(self) -> int | None:
-        """A free slot id (None when the runner has none); RuntimeError when all are taken."""
-        if not self.num_slots:
-            return None
-        if not self._free:
-            raise RuntimeError(f"all {self.num_slots} state slots are in use; retry later")
-        return self._free.pop()
-
-    def require_free(self, error: type[Exception]) -> None:
-        """Raise `error` (the caller's capacity error) when the runner has slots and none is free."""
-        if self.num_slots and not self._free:
-            raise error(f"all {self.num_slots} state slots are in use; retry later")
-
-    def free(self, slot: int | None) -> None:
-        if slot is not None:
-            assert slot not in self._free, f"state slot {slot} freed twice"
-            self._free.append(slot)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)

@@ -10,7 +10,7 @@ import re
 import grpc
 
 from engine.outcomes import FailureCause, FinishReason
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from protos.kvmesh.v1 import common_pb2
 
 

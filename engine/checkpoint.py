@@ -1,0 +1,64 @@
+"""A checkpoint folder in Hugging Face layout and what is read straight from it: its
+architecture, its tensors, its tokenizer and its fingerprint.
+
+The lowest module of `engine/`: the loader (which makes such folders from GGUF files), the GGUF
+block extractor and every runner read checkpoints through it, and it imports none of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the gateway imports this module and never loads weights
+    import torch
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model's checkpoint lives, in Hugging Face layout."""
+
+    name: str
+    """Served model name, e.g. "SmolLM2-135M-Instruct"."""
+    checkpoint_dir: Path
+    """Holds config.json, model.safetensors (or shards) and the tokenizer files."""
+
+
+def architecture(files: ModelFiles) -> str:
+    """The checkpoint's architecture, config.json's `architectures[0]` (e.g. "LlamaForCausalLM").
+
+    Raises ValueError when config.json names none.
+    """
+    names = json.loads((files.checkpoint_dir / "config.json").read_text()).get("architectures") or []
+    if not names or not isinstance(names[0], str):
+        raise ValueError(f"config.json of {files.name!r} names no architecture (field 'architectures')")
+    return names[0]
+
+
+def model_fingerprint(files: ModelFiles) -> str:
+    """A short digest naming the served model: BLAKE2b of its name and config.json bytes (16 hex
+    characters). Every service and the gateway report it, so instances serving different
+    models are never mixed in one mesh."""
+    digest = hashlib.blake2b(files.name.encode(), digest_size=8)
+    digest.update((files.checkpoint_dir / "config.json").read_bytes())
+    return digest.hexdigest()
+
+
+def load_checkpoint_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files (shards merged), by name."""
+    import safetensors.torch
+
+    tensors = {}
+    for path in sorted(checkpoint_dir.glob("*.safetensors")):
+        tensors.update(safetensors.torch.load_file(path))
+    return tensors
+
+
+def load_tokenizer(files: ModelFiles):
+    """The transformers AutoTokenizer saved in `files.checkpoint_dir`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(files.checkpoint_dir)

@@ -1,0 +1,104 @@
+# T=tokens, B=sequences, V=vocab
+"""What every runner offers and takes: the `Runner` protocol, one `ForwardItem` type for every
+architecture, and the `StateSlots` free list. Runners live in `engine.llama_runner` and
+`engine.v4_runner`; `engine.runners` maps a checkpoint's architecture to one of them.
+
+The protocol follows vLLM's model-runner split (the scheduler describes each sequence of a step;
+the runner owns weights and KV memory): a step may mix prefill items (many new tokens, maybe
+after a cached prefix) and decode items (one new token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """One sequence's share of a model step."""
+
+    token_ids: Sequence[int]
+    """New tokens to compute, len >= 1; the logits returned are those after the last one."""
+    num_computed_tokens: int
+    """Tokens of this sequence already in its KV pages; the new tokens' positions start here."""
+    block_ids: Sequence[int]
+    """Page ids covering num_computed_tokens + len(token_ids) tokens, in order."""
+    state_slot: int | None = None
+    """The sequence's state slot, for models with per-request state beyond pages (DeepSeek-V4)."""
+
+
+class Runner(Protocol):
+    """A model's weights, its paged KV memory and the batched forward step."""
+
+    config: ModelConfig
+    """The shape and special tokens the services share."""
+    page_size: int
+    """Token slots per page."""
+    num_pages: int
+    """Pages in the KV memory; page ids are [0, num_pages)."""
+    page_nbytes: int
+    """Bytes of one page (every layer's KV of page_size tokens), the unit a KV push moves."""
+    num_state_slots: int
+    """Per-request state slots beyond pages (0 when pages hold all of a request's state)."""
+
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """One step; fp32 logits [B, V], row b after the last new token of items[b]. Raises
+        ValueError for an empty batch, bad token ids, too few pages or too long a sequence."""
+        ...
+
+    def page_buffer(self, page_id: int) -> np.ndarray:
+        """Zero-copy writable uint8 view of one page (page_nbytes bytes); ValueError out of range."""
+        ...
+
+    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+        """The uint8 buffers a KV push sends after the pages (a slot's state; [] without slots)."""
+        ...
+
+    def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
+        """A prefix-cache hit: start `slot` from the end of the last cached page."""
+        ...
+
+    def warmup(self) -> None:
+        """Run a tiny step so the first request pays no one-time costs (page 0 left garbage)."""
+        ...
+
+
+class StateSlots:
+    """Free list of a runner's state slots; `allocate()` gives None for runners without slots.
+
+    Not thread-safe: each engine calls it under its own lock or on its one worker thread.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def allocate(self) -> int | None:
+        """A free slot id (None when the runner has none); RuntimeError when all are taken."""
+        if not self.num_slots:
+            return None
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} state slots are in use; retry later")
+        return self._free.pop()
+
+    def require_free(self, error: type[Exception]) -> None:
+        """Raise `error` (the caller's capacity error) when the runner has slots and none is free."""
+        if self.num_slots and not self._free:
+            raise error(f"all {self.num_slots} state slots are in use; retry later")
+
+    def free(self, slot: int | None) -> None:
+        """Return `slot` to the free list (None, from a runner without slots, is ignored)."""
+        if slot is not None:
+            assert slot not in self._free, f"state slot {slot} freed twice"
+            self._free.append(slot)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)

@@ -1,0 +1,44 @@
+"""How a request samples, as plain data: the gateway, the wire helpers and both engines share it
+without loading torch (`engine.sampler` applies it to logits)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow
+# fp32 to inf and the softmax to NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its next tokens."""
+
+    temperature: float = 0.0
+    """Softmax temperature, >= 0; 0 (or anything below MIN_TEMPERATURE) means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 keeps every token."""
+    top_k: int = 0
+    """Keep the k most likely tokens (and ties); 0 turns it off."""
+    seed: int | None = None
+    """Seed of the request's own generator (prefill draws the first token from seed, decode the
+    rest from seed + 1); None uses torch's global RNG."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature below MIN_TEMPERATURE, or top_k 1)."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1

@@ -1,0 +1,189 @@
+"""The house in layers: every import of the package sources points down, and none closes a circle.
+
+Layers, top to bottom (DESIGN.md, "Layers and a request's life"):
+
+    kvmesh/ (the app)  >  gateway/, prefill_svc/, decode_svc/  >  runtime/  >  engine/
+    >  kvstore/, kernels/, protos/
+
+The walk reads every ``import`` and ``from ... import`` statement of every source file with
+``ast``, function-local and ``TYPE_CHECKING`` imports included, so a cycle cannot hide behind
+an import written inside a function. A module may import its own folder or any folder of a
+lower layer. The three services are one layer and never import each other; the bottom
+folders may not import each other either (kvstore, kernels and protos are independent).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# folder -> layer (higher imports lower)
+LAYERS = {
+    "kvmesh": 5,
+    "gateway": 4,
+    "prefill_svc": 4,
+    "decode_svc": 4,
+    "runtime": 3,
+    "engine": 2,
+    "kvstore": 1,
+    "kernels": 1,
+    "protos": 1,
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    modules = {}
+    for folder in LAYERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            modules[_module_name(path)] = path
+    return modules
+
+
+def _resolve(target: str, modules: dict[str, Path]) -> str | None:
+    """The longest known module that ``target`` names (``a.b.c`` may be the name ``c`` in ``a.b``)."""
+    while target:
+        if target in modules:
+            return target
+        if "." not in target:
+            return None
+        target = target.rsplit(".", 1)[0]
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (every import statement, at any depth)."""
+    modules = _sources()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            for target in targets:
+                found = _resolve(target, modules)
+                if found is not None and found != name:
+                    graph[name].add(found)
+    return graph
+
+
+def _folder(module: str) -> str:
+    return module.split(".")[0]
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    bad = []
+    for src, targets in graph.items():
+        for dst in targets:
+            a, b = _folder(src), _folder(dst)
+            if a != b and LAYERS[a] <= LAYERS[b]:
+                bad.append((src, dst))
+    return sorted(bad)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_layer_folder_exists():
+    for folder in LAYERS:
+        assert (ROOT / folder / "__init__.py").exists(), f"{folder}/ is not a package"
+
+
+def test_no_import_points_up():
+    bad = upward_arrows(import_graph())
+    assert not bad, "imports that point up or sideways:\n" + "\n".join(f"  {a} -> {b}" for a, b in bad)
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize(
+    "graph, expect_up, expect_cycles",
+    [
+        ({"engine.a": {"kvmesh.b"}, "kvmesh.b": set()}, [("engine.a", "kvmesh.b")], []),
+        ({"gateway.a": {"decode_svc.b"}, "decode_svc.b": set()}, [("gateway.a", "decode_svc.b")], []),
+        ({"engine.a": {"engine.b"}, "engine.b": {"engine.a"}}, [], [["engine.a", "engine.b"]]),
+        ({"kvmesh.a": {"engine.b"}, "engine.b": set()}, [], []),
+    ],
+)
+def test_the_checker_catches_what_it_claims(graph, expect_up, expect_cycles):
+    assert upward_arrows(graph) == expect_up
+    assert cycles(graph) == expect_cycles
+
+
+def test_function_local_imports_are_walked(tmp_path, monkeypatch):
+    pkg = tmp_path / "engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from engine import b\n    return b\n")
+    (pkg / "b.py").write_text("import engine.a\n")
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__, fromlist=["LAYERS"]), "LAYERS", {"engine": 2})
+    assert cycles(import_graph()) == [["engine.a", "engine.b"]]
+
+
+def test_the_gateway_and_the_runtime_import_without_torch():
+    """The gateway's domain types (sampling parameters, model config, finish reasons) are
+    torch-free, so a gateway process never loads the model stack."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import gateway.main, gateway.servicer, runtime.service, runtime.wire, "
+            "engine.config, engine.sampling_params, engine.outcomes, engine.loader, engine.checkpoint; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "torch" not in out.stdout, out.stdout
