@@ -64,18 +64,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--num-pages", "KVMESH_NUM_PAGES", 1024, "KV pages in the pool", int)
     env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per page (same on every service)", int)
     env_flag(parser, "--max-batch-size", "KVMESH_MAX_BATCH_SIZE", 64, "most requests reserved or running", int)
-    env_flag(parser, "--max-admit-per-step", "KVMESH_MAX_ADMIT_PER_STEP", 4,
-             "new KV loads admitted into the running batch per step", int)
+    env_flag(
+        parser,
+        "--max-admit-per-step",
+        "KVMESH_MAX_ADMIT_PER_STEP",
+        4,
+        "new KV loads admitted into the running batch per step",
+        int,
+    )
     env_flag(parser, "--torch-threads", "KVMESH_TORCH_THREADS", 0, "intra-op threads of the model (0: all cores)", int)
     env_flag(parser, "--metrics-port", "KVMESH_METRICS_PORT", 0, "HTTP port of Prometheus /metrics (0: none)", int)
     env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "", "name in logs and stats (empty: decode@host:port)")
-    env_flag(parser, "--advertise-host", "KVMESH_ADVERTISE_HOST", "",
-             "host prefill pushes KV to (empty: --host, or the hostname when --host is 0.0.0.0)")
+    env_flag(
+        parser,
+        "--advertise-host",
+        "KVMESH_ADVERTISE_HOST",
+        "",
+        "host prefill pushes KV to (empty: --host, or the hostname when --host is 0.0.0.0)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(model=args.model, host=args.host, port=args.port, kv_port=args.kv_port,
-                        num_pages=args.num_pages, page_size=args.page_size, max_batch_size=args.max_batch_size,
-                        max_admit_per_step=args.max_admit_per_step, torch_threads=args.torch_threads,
-                        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1", instance_id=args.instance_id,
-                        metrics_port=args.metrics_port, advertise_host=args.advertise_host)
+    return DecodeConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        kv_port=args.kv_port,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        max_batch_size=args.max_batch_size,
+        max_admit_per_step=args.max_admit_per_step,
+        torch_threads=args.torch_threads,
+        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1",
+        instance_id=args.instance_id,
+        metrics_port=args.metrics_port,
+        advertise_host=args.advertise_host,
+    )

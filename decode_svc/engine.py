@@ -162,7 +162,8 @@ class DecodeEngine:
             if num_pages > self.pool.num_free_blocks:
                 raise CapacityError(
                     f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
-                    f"{self.pool.num_blocks} are free; lower max_tokens or retry later")
+                    f"{self.pool.num_blocks} are free; lower max_tokens or retry later"
+                )
             self.slots.require_free(CapacityError)
             block_ids = list(self.pool.allocate(num_pages).block_ids)
             state_slot = self.slots.allocate()
@@ -170,13 +171,26 @@ class DecodeEngine:
             while transfer_id in self._by_transfer:
                 transfer_id = random.getrandbits(63)
             self._by_transfer[transfer_id] = DecodeSequence(
-                request_id=request_id, transfer_id=transfer_id, block_ids=block_ids,
-                num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, state_slot=state_slot)
+                request_id=request_id,
+                transfer_id=transfer_id,
+                block_ids=block_ids,
+                num_prompt_tokens=num_prompt_tokens,
+                max_tokens=max_tokens,
+                state_slot=state_slot,
+            )
         logger.info("[%s] reserved %d pages (transfer %x)", request_id, num_pages, transfer_id)
         return Reservation(transfer_id, tuple(block_ids), math.ceil(num_prompt_tokens / size), state_slot)
 
-    def begin(self, transfer_id: int, prompt_token_ids: Sequence[int], first_token: int,
-              sampling: SamplingParams, seed: int, stop_token_ids: frozenset[int], emit: EmitFn) -> None:
+    def begin(
+        self,
+        transfer_id: int,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+        seed: int,
+        stop_token_ids: frozenset[int],
+        emit: EmitFn,
+    ) -> None:
         """Queue a reserved request whose prompt KV has landed, continuing after first_token.
 
         Raises KeyError for an unknown transfer, ValueError when the prompt length
@@ -231,7 +245,7 @@ class DecodeEngine:
         slot (DeepSeek-V4). KeyError if unknown."""
         with self._cond:
             seq = self._by_transfer[transfer_id]
-            prompt_pages = seq.block_ids[:math.ceil(seq.num_prompt_tokens / self.config.page_size)]
+            prompt_pages = seq.block_ids[: math.ceil(seq.num_prompt_tokens / self.config.page_size)]
             return [self.runner.page_buffer(b) for b in prompt_pages] + self.runner.state_buffers(seq.state_slot)
 
     @property
@@ -246,11 +260,13 @@ class DecodeEngine:
             if not error and self.slots.num_used != len(self._by_transfer):
                 error = f"{self.slots.num_used} state slots held, {len(self._by_transfer)} requests"
             return {
-                "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
+                "num_pages": self.pool.num_blocks,
+                "num_free_pages": self.pool.num_free_blocks,
                 "num_cached_pages": self.pool.num_cached_blocks,
                 "num_referenced_pages": self.pool.num_referenced_blocks,
                 "num_active_requests": len(self._by_transfer),
-                "max_batch_size": self.max_batch_size_seen, "num_steps": self.num_steps,
+                "max_batch_size": self.max_batch_size_seen,
+                "num_steps": self.num_steps,
                 "integrity_error": error,
             }
 
@@ -276,8 +292,11 @@ class DecodeEngine:
             self._free(seq)
             logger.info("[%s] aborted while running", seq.request_id)
         admitted = 0
-        while (self._waiting and admitted < self.config.max_admit_per_step
-               and len(self._running) < self.config.max_batch_size):
+        while (
+            self._waiting
+            and admitted < self.config.max_admit_per_step
+            and len(self._running) < self.config.max_batch_size
+        ):
             seq = self._waiting.popleft()
             seq.state = SeqState.RUNNING
             self._running.append(seq)
@@ -314,8 +333,15 @@ class DecodeEngine:
 
     def _step(self, batch: list[DecodeSequence]) -> None:
         cpu_started = time.process_time()
-        items = [ForwardItem(token_ids=[s.token_ids[-1]], num_computed_tokens=s.num_computed_tokens,
-                             block_ids=s.block_ids, state_slot=s.state_slot) for s in batch]
+        items = [
+            ForwardItem(
+                token_ids=[s.token_ids[-1]],
+                num_computed_tokens=s.num_computed_tokens,
+                block_ids=s.block_ids,
+                state_slot=s.state_slot,
+            )
+            for s in batch
+        ]
         logits = self.runner.forward(items)  # [B, V]
         tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)

@@ -14,9 +14,9 @@ from decode_svc.servicer import DecodeServicer
 from engine.checkpoint import model_fingerprint
 from engine.loader import load_config, resolve_model
 from engine.runners import create_runner
-from runtime import service, tracing
 from kvstore.ucx_transfer import KVReceiver
 from protos.kvmesh.v1 import decode_pb2_grpc
+from runtime import service, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +28,24 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     instance_id = config.instance_id or f"decode@{svc.address}"
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
-    runner = await asyncio.wrap_future(executor.submit(create_runner, files, config.num_pages, config.page_size,
-                                                          config.max_batch_size))
+    runner = await asyncio.wrap_future(
+        executor.submit(create_runner, files, config.num_pages, config.page_size, config.max_batch_size)
+    )
     engine = DecodeEngine(config, runner)
     # a wildcard bind address is no address to push to: advertise a name others can reach
     kv_host = config.advertise_host or (socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
     receiver = KVReceiver(kv_host, config.kv_port)
     await receiver.start()
     model_config = load_config(files)
-    servicer = DecodeServicer(engine, receiver, instance_id, frozenset(model_config.eos_token_ids),
-                              model_config.vocab_size, model_config.max_position_embeddings, model_fingerprint(files))
+    servicer = DecodeServicer(
+        engine,
+        receiver,
+        instance_id,
+        frozenset(model_config.eos_token_ids),
+        model_config.vocab_size,
+        model_config.max_position_embeddings,
+        model_fingerprint(files),
+    )
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)

@@ -15,9 +15,12 @@ PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages reserved by requests", regi
 PAGES_FREE = Gauge("kvmesh_kv_pages_free", "KV pages free for new reservations", registry=REGISTRY)
 STEPS = Counter("kvmesh_decode_steps", "Decode steps (one batched forward each)", registry=REGISTRY)
 TOKENS = Counter("kvmesh_decode_generated_tokens", "Tokens sampled by decode steps", registry=REGISTRY)
-STEP_CPU = Histogram("kvmesh_engine_step_cpu_seconds", "Process CPU seconds of one engine step (batched forward)",
-                     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-                     registry=REGISTRY)
+STEP_CPU = Histogram(
+    "kvmesh_engine_step_cpu_seconds",
+    "Process CPU seconds of one engine step (batched forward)",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+    registry=REGISTRY,
+)
 
 
 def bind(engine) -> None:

@@ -12,13 +12,14 @@ import logging
 import math
 
 import grpc
+
 from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deliver_all
 from decode_svc.transfers import TransferTable
 from engine.outcomes import FailureCause, FinishReason
-from runtime import tracing
-from runtime.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
 from kvstore.ucx_transfer import KVReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from runtime import tracing
+from runtime.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Reservations live in a TransferTable; pages are freed only once no push can still
     land in them."""
 
-    def __init__(self, engine: DecodeEngine, receiver: KVReceiver, instance_id: str,
-                 stop_token_ids: frozenset[int], vocab_size: int, max_context: int, model_fingerprint: str) -> None:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        receiver: KVReceiver,
+        instance_id: str,
+        stop_token_ids: frozenset[int],
+        vocab_size: int,
+        max_context: int,
+        model_fingerprint: str,
+    ) -> None:
         self.engine = engine
         self.receiver = receiver
         self.instance_id = instance_id
@@ -44,8 +53,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Reserve(self, request, context):
         with tracing.server_span("decode.reserve", context, request.request_id, self.instance_id) as span:
             response = await self._reserve(request, context)
-            span.set_attributes({"kvmesh.kv.prompt_pages": response.num_pages,
-                                 "kvmesh.transfer_id": format(response.transfer_id, "x")})
+            span.set_attributes(
+                {"kvmesh.kv.prompt_pages": response.num_pages, "kvmesh.transfer_id": format(response.transfer_id, "x")}
+            )
             return response
 
     async def _reserve(self, request, context):
@@ -59,8 +69,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await abort(context, FailureCause.MISMATCH, f"[{request.request_id}] {mismatch}")
         try:
             if n + m > self.max_context:
-                raise ValueError(f"num_prompt_tokens ({n}) + max_tokens ({m}) exceeds the context of "
-                                 f"{self.max_context} tokens")
+                raise ValueError(
+                    f"num_prompt_tokens ({n}) + max_tokens ({m}) exceeds the context of {self.max_context} tokens"
+                )
             kv_deadline = request.kv_deadline_s or self.engine.config.reservation_timeout_s
             if not (math.isfinite(kv_deadline) and kv_deadline > 0):
                 raise ValueError(f"kv_deadline_s must be a finite number > 0, got {request.kv_deadline_s}")
@@ -70,9 +81,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except CapacityError as exc:
             await abort(context, FailureCause.OVERLOADED, str(exc), retry_after_s=1.0)
         return decode_pb2.ReserveResponse(
-            kv_address=self.receiver.address, transfer_id=t.transfer_id,
-            num_pages=t.reservation.num_prompt_pages, page_nbytes=self.engine.runner.page_nbytes,
-            instance_id=self.instance_id)
+            kv_address=self.receiver.address,
+            transfer_id=t.transfer_id,
+            num_pages=t.reservation.num_prompt_pages,
+            page_nbytes=self.engine.runner.page_nbytes,
+            instance_id=self.instance_id,
+        )
 
     async def Release(self, request, context):
         return decode_pb2.ReleaseResponse(released=self.transfers.release(request.transfer_id, "Release"))
@@ -115,7 +129,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 timeout = min(timeout, request.kv_timeout_s)
             try:
                 landed = await asyncio.wait_for(asyncio.shield(t.landed), timeout=timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await abort(context, FailureCause.DEADLINE, f"[{rid}] KV push did not land within {timeout:.1f} s")
             except asyncio.CancelledError:
                 if t.landed.cancelled():  # released while waiting, not a cancelled call
@@ -124,13 +138,25 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             except Exception as exc:  # the push failed on the receiving side
                 await abort(context, FailureCause.KV_PUSH_FAILED, f"[{rid}] KV push failed: {exc}")
             landed_ns = tracing.now_ns()
-            tracing.record(span, "decode.kv_receive", started_ns, landed_ns,
-                           {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes})
+            tracing.record(
+                span,
+                "decode.kv_receive",
+                started_ns,
+                landed_ns,
+                {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes},
+            )
             digest = pages_digest(self.engine.transfer_buffers(tid)) if self.engine.config.kv_digest else ""
             stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
             try:
-                self.engine.begin(tid, list(request.prompt_token_ids), request.first_token, sampling, seed,
-                                  stop_ids, lambda toks, end: queue.put_nowait((toks, end)))  # runs on this loop
+                self.engine.begin(
+                    tid,
+                    list(request.prompt_token_ids),
+                    request.first_token,
+                    sampling,
+                    seed,
+                    stop_ids,
+                    lambda toks, end: queue.put_nowait((toks, end)),
+                )  # runs on this loop
             except ValueError as exc:
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
             except KeyError:  # released in the moment between landing and here
@@ -156,9 +182,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 yield msg
                 if end is not None:
                     # per-step work summarized on the request's span, not a span per token
-                    span.set_attributes({"kvmesh.finish_reason": str(end), "kvmesh.decode.generated_tokens": generated,
-                                         "kvmesh.prompt_tokens": len(request.prompt_token_ids),
-                                         "kvmesh.decode.seconds": (tracing.now_ns() - landed_ns) / 1e9})
+                    span.set_attributes(
+                        {
+                            "kvmesh.finish_reason": str(end),
+                            "kvmesh.decode.generated_tokens": generated,
+                            "kvmesh.prompt_tokens": len(request.prompt_token_ids),
+                            "kvmesh.decode.seconds": (tracing.now_ns() - landed_ns) / 1e9,
+                        }
+                    )
                     logger.info("[%s] decode finished: %s after %d tokens", rid, end, generated)
                     return
         finally:
@@ -168,6 +199,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def GetStats(self, request, context):
         stats = self.engine.stats()
-        return common_pb2.InstanceStats(instance_id=self.instance_id, page_size=self.engine.config.page_size,
-                                        model_fingerprint=self.model_fingerprint,
-                                        max_requests=self.engine.config.max_batch_size, **stats)
+        return common_pb2.InstanceStats(
+            instance_id=self.instance_id,
+            page_size=self.engine.config.page_size,
+            model_fingerprint=self.model_fingerprint,
+            max_requests=self.engine.config.max_batch_size,
+            **stats,
+        )

@@ -115,9 +115,13 @@ class TransferTable:
 
     def _expire(self, t: Transfer) -> None:
         if self._transfers.get(t.transfer_id) is t and t.state in (TransferState.RESERVED, TransferState.LANDED):
-            logger.warning("[%s] reservation expired: %s", t.request_id,
-                           "KV landed but no Generate came" if t.state == TransferState.LANDED
-                           else "the KV push did not land in time")
+            logger.warning(
+                "[%s] reservation expired: %s",
+                t.request_id,
+                "KV landed but no Generate came"
+                if t.state == TransferState.LANDED
+                else "the KV push did not land in time",
+            )
             self.release(t.transfer_id, "expired")
 
     def _on_landed(self, t: Transfer, future: asyncio.Future) -> None:

@@ -27,10 +27,14 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.",
-    "Explain photosynthesis briefly.", "List three prime numbers.",
-    "Why is the sky blue?", "Give me a tip for learning Python.",
-    "What does a compiler do?", "Name a famous painter.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis briefly.",
+    "List three prime numbers.",
+    "Why is the sky blue?",
+    "Give me a tip for learning Python.",
+    "What does a compiler do?",
+    "Name a famous painter.",
 ]
 
 
@@ -62,8 +66,9 @@ def bench_runner(runner: LlamaRunner, prompts: list[list[int]], new_tokens: int)
     gens = [None] * len(prompts)
     pages_each = (max(map(len, prompts)) + new_tokens + S) // S
     tables = [list(range(b * pages_each, (b + 1) * pages_each)) for b in range(len(prompts))]
-    last = [sample(runner.forward([ForwardItem(p, 0, t)]), greedy[:1], gens[:1])[0]
-            for p, t in zip(prompts, tables)]  # prefill one by one, untimed
+    last = [
+        sample(runner.forward([ForwardItem(p, 0, t)]), greedy[:1], gens[:1])[0] for p, t in zip(prompts, tables)
+    ]  # prefill one by one, untimed
     lens = [len(p) for p in prompts]
     start = time.perf_counter()
     for _ in range(new_tokens):
@@ -76,8 +81,7 @@ def bench_runner(runner: LlamaRunner, prompts: list[list[int]], new_tokens: int)
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print a table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None,
-                    help="model name or path (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--repeats", type=int, default=3)
@@ -87,8 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     files = resolve_model(args.model)
     tokenizer = load_tokenizer(files)
     prompts = _prompts(tokenizer, max(args.batch + [1]))
-    print(f"model {files.name}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
-          f"prompt {len(prompts[0])} tokens, fp32")
+    print(
+        f"model {files.name}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
+        f"prompt {len(prompts[0])} tokens, fp32"
+    )
     hf_model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32)
     hf_model.eval()
     pages = max(args.batch + [1]) * ((max(map(len, prompts)) + args.new_tokens) // 16 + 2)

@@ -46,14 +46,21 @@ class ModelConfig:
     """Token ids that end generation [eos_token_id, an int or a list]."""
 
     def __post_init__(self) -> None:
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                      "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
@@ -67,12 +74,13 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_dict(cls, d: dict, name: str) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict, name: str) -> ModelConfig:
         """Build from a transformers `config.json` dict of a Llama-style model.
 
         Raises ValueError naming the field when a required one is missing or invalid, or when
         the RoPE scaling type is not plain RoPE (the only one `kernels.ops` implements).
         """
+
         def need(key: str):
             if d.get(key) is None:
                 raise ValueError(f"config.json of {name!r} lacks required field {key!r}")
@@ -81,19 +89,18 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"config.json of {name!r}: rope_type {rope_type!r} is not supported, "
-                             "only 'default' RoPE")
+            raise ValueError(f"config.json of {name!r}: rope_type {rope_type!r} is not supported, only 'default' RoPE")
         rope_theta = rope.get("rope_theta", d.get("rope_theta"))
         if rope_theta is None:
-            raise ValueError(f"config.json of {name!r} lacks required field 'rope_theta' "
-                             "(top level or in rope_parameters)")
+            raise ValueError(
+                f"config.json of {name!r} lacks required field 'rope_theta' (top level or in rope_parameters)"
+            )
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         if not all(isinstance(e, int) for e in eos_ids):
-            raise ValueError(f"config.json of {name!r}: eos_token_id must be an int or a list of "
-                             f"ints, got {eos!r}")
+            raise ValueError(f"config.json of {name!r}: eos_token_id must be an int or a list of ints, got {eos!r}")
         try:
             return cls(
                 name=name,

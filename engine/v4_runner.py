@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -49,9 +49,16 @@ class DeepseekV4Runner:
         self.slots = torch.zeros(num_state_slots, self.layout.slot_floats)  # [R, slot_floats]
         self.page_nbytes = self.layout.page_floats * 4
         self.state_nbytes = self.layout.slot_floats * 4
-        logger.info("loaded %s (DeepSeek-V4) in %.1f s: %d pages x %d tokens, %d bytes a page, %d slots of %d bytes",
-                    files.name, time.monotonic() - start, num_pages, page_size, self.page_nbytes,
-                    num_state_slots, self.state_nbytes)
+        logger.info(
+            "loaded %s (DeepSeek-V4) in %.1f s: %d pages x %d tokens, %d bytes a page, %d slots of %d bytes",
+            files.name,
+            time.monotonic() - start,
+            num_pages,
+            page_size,
+            self.page_nbytes,
+            num_state_slots,
+            self.state_nbytes,
+        )
 
     def page_buffer(self, page_id: int) -> np.ndarray:
         """Zero-copy writable uint8 view of page `page_id` (ValueError when out of range)."""
@@ -77,11 +84,14 @@ class DeepseekV4Runner:
         """
         for b, it in enumerate(items):
             if it.state_slot is None or not 0 <= it.state_slot < self.num_state_slots:
-                raise ValueError(f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), "
-                                 f"got {it.state_slot}")
+                raise ValueError(
+                    f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), got {it.state_slot}"
+                )
             if it.num_computed_tokens + len(it.token_ids) > self.config.max_position_embeddings:
-                raise ValueError(f"item {b}: {it.num_computed_tokens + len(it.token_ids)} tokens exceed "
-                                 f"max_position_embeddings ({self.config.max_position_embeddings})")
+                raise ValueError(
+                    f"item {b}: {it.num_computed_tokens + len(it.token_ids)} tokens exceed "
+                    f"max_position_embeddings ({self.config.max_position_embeddings})"
+                )
             if any(not 0 <= t < self.config.vocab_size for t in it.token_ids):
                 raise ValueError(f"item {b}: token ids must be in [0, {self.config.vocab_size})")
         return self.model.forward(items, self.pages, self.slots)

@@ -43,11 +43,14 @@ class AdmissionQueue:
         max_queue_time_s: seconds a request may wait before it is refused.
     """
 
-    def __init__(self, capacity: Callable[[], int], max_queued_requests: int, max_queued_tokens: int,
-                 max_queue_time_s: float) -> None:
+    def __init__(
+        self, capacity: Callable[[], int], max_queued_requests: int, max_queued_tokens: int, max_queue_time_s: float
+    ) -> None:
         if max_queued_requests < 0 or max_queued_tokens < 0 or not max_queue_time_s >= 0:
-            raise ValueError("admission queue bounds must be >= 0, got "
-                             f"{max_queued_requests} requests, {max_queued_tokens} tokens, {max_queue_time_s} s")
+            raise ValueError(
+                "admission queue bounds must be >= 0, got "
+                f"{max_queued_requests} requests, {max_queued_tokens} tokens, {max_queue_time_s} s"
+            )
         self._capacity = capacity
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
@@ -70,12 +73,16 @@ class AdmissionQueue:
             self.num_admitted += 1
             return 0.0
         if len(self._waiters) >= self.max_queued_requests:
-            raise OverloadedError(f"the gateway's admission queue is full ({self.max_queued_requests} requests "
-                                  "waiting); retry later", self._retry_hint())
+            raise OverloadedError(
+                f"the gateway's admission queue is full ({self.max_queued_requests} requests waiting); retry later",
+                self._retry_hint(),
+            )
         if self.queued_tokens + num_tokens > self.max_queued_tokens:
-            raise OverloadedError(f"the gateway's admission queue holds {self.queued_tokens} prompt tokens; "
-                                  f"{num_tokens} more would pass its bound of {self.max_queued_tokens}; retry later",
-                                  self._retry_hint())
+            raise OverloadedError(
+                f"the gateway's admission queue holds {self.queued_tokens} prompt tokens; "
+                f"{num_tokens} more would pass its bound of {self.max_queued_tokens}; retry later",
+                self._retry_hint(),
+            )
         waiter = _Waiter(num_tokens)
         self._waiters.append(waiter)
         self.queued_tokens += num_tokens
@@ -83,7 +90,7 @@ class AdmissionQueue:
         started = loop.time()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.granted), self.max_queue_time_s)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.granted.done() and not waiter.granted.cancelled():
                 self.done()  # granted in the same moment: hand the slot on
             else:
@@ -91,8 +98,10 @@ class AdmissionQueue:
                 self._remove(waiter)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            raise OverloadedError(f"waited {self.max_queue_time_s:.0f} s in the gateway's admission queue for a "
-                                  "decode slot; retry later", self._retry_hint()) from None
+            raise OverloadedError(
+                f"waited {self.max_queue_time_s:.0f} s in the gateway's admission queue for a decode slot; retry later",
+                self._retry_hint(),
+            ) from None
         return loop.time() - started
 
     def done(self) -> None:

@@ -39,8 +39,10 @@ class CircuitBreaker:
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1 or not 0 < self.cooldown_s <= self.max_cooldown_s:
-            raise ValueError(f"need failure_threshold >= 1 and 0 < cooldown_s <= max_cooldown_s, got "
-                             f"{self.failure_threshold}, {self.cooldown_s}, {self.max_cooldown_s}")
+            raise ValueError(
+                f"need failure_threshold >= 1 and 0 < cooldown_s <= max_cooldown_s, got "
+                f"{self.failure_threshold}, {self.cooldown_s}, {self.max_cooldown_s}"
+            )
         self._cooldown = self.cooldown_s
 
     def allows(self) -> bool:

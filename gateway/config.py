@@ -78,16 +78,25 @@ class GatewayConfig:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
             raise ValueError(f"load_weight must be a finite number >= 0, got {self.load_weight}")
-        for name in ("rpc_timeout_s", "prefill_timeout_base_s", "prefill_min_tokens_per_s", "token_timeout_s",
-                     "max_queue_time_s"):
+        for name in (
+            "rpc_timeout_s",
+            "prefill_timeout_base_s",
+            "prefill_min_tokens_per_s",
+            "token_timeout_s",
+            "max_queue_time_s",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
         if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
-            raise ValueError(f"max_queued_requests and max_queued_tokens must be >= 0, got "
-                             f"{self.max_queued_requests}, {self.max_queued_tokens}")
+            raise ValueError(
+                f"max_queued_requests and max_queued_tokens must be >= 0, got "
+                f"{self.max_queued_requests}, {self.max_queued_tokens}"
+            )
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
-            raise ValueError(f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}")
+            raise ValueError(
+                f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}"
+            )
 
 
 def _addresses(value: str) -> list[str]:
@@ -96,48 +105,135 @@ def _addresses(value: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `kvmesh serve gateway`; each falls back to its KVMESH_* variable."""
-    env_flag(parser, "--model", "KVMESH_MODEL", None, "model name or path whose tokenizer to use "
-             "(none: SmolLM2-135M-Instruct)")
+    env_flag(
+        parser,
+        "--model",
+        "KVMESH_MODEL",
+        None,
+        "model name or path whose tokenizer to use (none: SmolLM2-135M-Instruct)",
+    )
     env_flag(parser, "--host", "KVMESH_HOST", "127.0.0.1", "address the gRPC server binds to")
     env_flag(parser, "--port", "KVMESH_PORT", 50051, "gRPC port clients connect to", int)
-    parser.add_argument("--prefill", action="append", default=None, metavar="HOST:PORT",
-                        help="a prefill instance, required (repeat or comma-separate; env KVMESH_PREFILL)")
-    parser.add_argument("--decode", action="append", default=None, metavar="HOST:PORT",
-                        help="a decode instance, required (repeat or comma-separate; env KVMESH_DECODE)")
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="a prefill instance, required (repeat or comma-separate; env KVMESH_PREFILL)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="a decode instance, required (repeat or comma-separate; env KVMESH_DECODE)",
+    )
     env_flag(parser, "--redis-url", "REDIS_URL", "", "Redis of the prefix index (empty: route by load alone)")
     env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per block (same on every service)", int)
-    env_flag(parser, "--default-max-tokens", "KVMESH_DEFAULT_MAX_TOKENS", 256, "max_tokens when a request leaves it unset", int)
+    env_flag(
+        parser,
+        "--default-max-tokens",
+        "KVMESH_DEFAULT_MAX_TOKENS",
+        256,
+        "max_tokens when a request leaves it unset",
+        int,
+    )
     env_flag(parser, "--max-tokens-limit", "KVMESH_MAX_TOKENS_LIMIT", 4096, "largest max_tokens a request may ask", int)
-    env_flag(parser, "--cache-threshold", "KVMESH_CACHE_THRESHOLD", 0.3,
-             "fraction of the prompt a cached prefix must cover to steer routing", float)
-    env_flag(parser, "--load-weight", "KVMESH_LOAD_WEIGHT", 0.02,
-             "weight of queued prefill tokens against uncached prompt tokens", float)
+    env_flag(
+        parser,
+        "--cache-threshold",
+        "KVMESH_CACHE_THRESHOLD",
+        0.3,
+        "fraction of the prompt a cached prefix must cover to steer routing",
+        float,
+    )
+    env_flag(
+        parser,
+        "--load-weight",
+        "KVMESH_LOAD_WEIGHT",
+        0.02,
+        "weight of queued prefill tokens against uncached prompt tokens",
+        float,
+    )
     env_flag(parser, "--metrics-port", "KVMESH_METRICS_PORT", 0, "HTTP port of Prometheus /metrics (0: none)", int)
-    env_flag(parser, "--routing-policy", "KVMESH_ROUTING_POLICY", "cache_aware",
-             "prefill routing: cache_aware, round_robin, random, consistent_hash or least_load")
-    env_flag(parser, "--max-queued-requests", "KVMESH_MAX_QUEUED_REQUESTS", 4096,
-             "requests that may wait for a decode slot (more: RESOURCE_EXHAUSTED)", int)
-    env_flag(parser, "--max-queued-tokens", "KVMESH_MAX_QUEUED_TOKENS", 4_000_000,
-             "prompt tokens that may wait for a decode slot (more: RESOURCE_EXHAUSTED)", int)
-    env_flag(parser, "--max-queue-time", "KVMESH_MAX_QUEUE_TIME", 600.0,
-             "seconds a request may wait for a decode slot", float)
-    env_flag(parser, "--token-timeout", "KVMESH_TOKEN_TIMEOUT", 8.0,
-             "seconds without a token from decode before the instance is taken for lost", float)
-    env_flag(parser, "--prefill-timeout-base", "KVMESH_PREFILL_TIMEOUT_BASE", 30.0,
-             "a Prefill call's deadline: this + queued tokens / --prefill-min-rate (seconds)", float)
-    env_flag(parser, "--prefill-min-rate", "KVMESH_PREFILL_MIN_RATE", 20.0,
-             "slowest prefill rate (tokens/s) a live instance keeps", float)
+    env_flag(
+        parser,
+        "--routing-policy",
+        "KVMESH_ROUTING_POLICY",
+        "cache_aware",
+        "prefill routing: cache_aware, round_robin, random, consistent_hash or least_load",
+    )
+    env_flag(
+        parser,
+        "--max-queued-requests",
+        "KVMESH_MAX_QUEUED_REQUESTS",
+        4096,
+        "requests that may wait for a decode slot (more: RESOURCE_EXHAUSTED)",
+        int,
+    )
+    env_flag(
+        parser,
+        "--max-queued-tokens",
+        "KVMESH_MAX_QUEUED_TOKENS",
+        4_000_000,
+        "prompt tokens that may wait for a decode slot (more: RESOURCE_EXHAUSTED)",
+        int,
+    )
+    env_flag(
+        parser,
+        "--max-queue-time",
+        "KVMESH_MAX_QUEUE_TIME",
+        600.0,
+        "seconds a request may wait for a decode slot",
+        float,
+    )
+    env_flag(
+        parser,
+        "--token-timeout",
+        "KVMESH_TOKEN_TIMEOUT",
+        8.0,
+        "seconds without a token from decode before the instance is taken for lost",
+        float,
+    )
+    env_flag(
+        parser,
+        "--prefill-timeout-base",
+        "KVMESH_PREFILL_TIMEOUT_BASE",
+        30.0,
+        "a Prefill call's deadline: this + queued tokens / --prefill-min-rate (seconds)",
+        float,
+    )
+    env_flag(
+        parser,
+        "--prefill-min-rate",
+        "KVMESH_PREFILL_MIN_RATE",
+        20.0,
+        "slowest prefill rate (tokens/s) a live instance keeps",
+        float,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     prefill = [a for v in (args.prefill or [os.environ.get("KVMESH_PREFILL", "")]) for a in _addresses(v)]
     decode = [a for v in (args.decode or [os.environ.get("KVMESH_DECODE", "")]) for a in _addresses(v)]
-    return GatewayConfig(prefill_addresses=tuple(prefill), decode_addresses=tuple(decode), model=args.model,
-                         host=args.host, port=args.port, redis_url=args.redis_url, page_size=args.page_size,
-                         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
-                         cache_threshold=args.cache_threshold, load_weight=args.load_weight,
-                         routing_policy=args.routing_policy, metrics_port=args.metrics_port,
-                         max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens,
-                         max_queue_time_s=args.max_queue_time, token_timeout_s=args.token_timeout,
-                         prefill_timeout_base_s=args.prefill_timeout_base,
-                         prefill_min_tokens_per_s=args.prefill_min_rate)
+    return GatewayConfig(
+        prefill_addresses=tuple(prefill),
+        decode_addresses=tuple(decode),
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        page_size=args.page_size,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        cache_threshold=args.cache_threshold,
+        load_weight=args.load_weight,
+        routing_policy=args.routing_policy,
+        metrics_port=args.metrics_port,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        max_queue_time_s=args.max_queue_time,
+        token_timeout_s=args.token_timeout,
+        prefill_timeout_base_s=args.prefill_timeout_base,
+        prefill_min_tokens_per_s=args.prefill_min_rate,
+    )

@@ -28,10 +28,10 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text ('' while a character is incomplete)."""
         self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
             self.text += delta
@@ -40,9 +40,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete character decodes to U+FFFD)."""
-        rest = self._decode(self.token_ids[self.prefix_offset:])
-        done = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        delta = rest[len(done):]
+        rest = self._decode(self.token_ids[self.prefix_offset :])
+        done = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        delta = rest[len(done) :]
         self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
@@ -60,7 +60,7 @@ class StopStringMatcher:
 
     def _held(self) -> int:
         """Length of the longest tail of the unemitted text that starts a stop string."""
-        tail = self.text[self.emitted:]
+        tail = self.text[self.emitted :]
         for n in range(min(len(tail), self.longest - 1), 0, -1):
             if any(s.startswith(tail[-n:]) for s in self.stop):
                 return n
@@ -73,10 +73,10 @@ class StopStringMatcher:
             search_from = max(0, self.emitted - self.longest + 1)
             hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
             if hits:
-                out = self.text[self.emitted:min(hits)]
+                out = self.text[self.emitted : min(hits)]
                 self.emitted = min(hits)
                 return out, True
         end = len(self.text) if final else len(self.text) - self._held()
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out, False

@@ -8,15 +8,15 @@ import logging
 
 from engine.checkpoint import load_tokenizer, model_fingerprint
 from engine.loader import load_config, resolve_model
+from gateway import metrics
 from gateway.admission import AdmissionQueue
 from gateway.config import GatewayConfig, config_from_args
 from gateway.pool import InstancePool
 from gateway.requests import PromptBuilder
 from gateway.servicer import GatewayServicer
-from gateway import metrics
-from runtime import service, tracing
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from protos.kvmesh.v1 import gateway_pb2_grpc
+from runtime import service, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -26,20 +26,39 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     files = resolve_model(config.model)
     model_config = load_config(files)
     tokenizer = await asyncio.to_thread(load_tokenizer, files)
-    builder = PromptBuilder(tokenizer, files.name, model_config.max_position_embeddings,
-                            config.default_max_tokens, config.max_tokens_limit)
+    builder = PromptBuilder(
+        tokenizer, files.name, model_config.max_position_embeddings, config.default_max_tokens, config.max_tokens_limit
+    )
     index = AsyncRedisKVIndexReader(config.redis_url, model=files.name) if config.redis_url else None
-    pool = InstancePool(config.prefill_addresses, config.decode_addresses, config.page_size, index,
-                        config.cache_threshold, config.load_weight, config.rpc_timeout_s, config.routing_policy,
-                        model_fingerprint(files))
-    admission = AdmissionQueue(pool.decode_capacity, config.max_queued_requests, config.max_queued_tokens,
-                               config.max_queue_time_s)
+    pool = InstancePool(
+        config.prefill_addresses,
+        config.decode_addresses,
+        config.page_size,
+        index,
+        config.cache_threshold,
+        config.load_weight,
+        config.rpc_timeout_s,
+        config.routing_policy,
+        model_fingerprint(files),
+    )
+    admission = AdmissionQueue(
+        pool.decode_capacity, config.max_queued_requests, config.max_queued_tokens, config.max_queue_time_s
+    )
     pool.on_capacity.append(admission.pump)
     svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port)
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(builder, pool, admission, frozenset(model_config.eos_token_ids), config.rpc_timeout_s,
-                        config.prefill_timeout_base_s, config.prefill_min_tokens_per_s, config.token_timeout_s),
-        svc.server)
+        GatewayServicer(
+            builder,
+            pool,
+            admission,
+            frozenset(model_config.eos_token_ids),
+            config.rpc_timeout_s,
+            config.prefill_timeout_base_s,
+            config.prefill_min_tokens_per_s,
+            config.token_timeout_s,
+        ),
+        svc.server,
+    )
     await pool.poll_once()
     pool.start_polling(config.stats_interval_s)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)

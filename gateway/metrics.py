@@ -10,23 +10,43 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REGISTRY = CollectorRegistry()
 """This process's registry (not the library's global one: tests may start several gateways)."""
 
-PREFIX_INDEX_UP = Gauge("kvmesh_gateway_prefix_index_up",
-                        "1 while the Redis prefix index answers, 0 while routing falls back to load alone",
-                        registry=REGISTRY)
-ROUTED_REQUESTS = Counter("kvmesh_gateway_routed_requests_total",
-                          "Requests routed to a prefill instance, by policy and by whether the prefix index "
-                          "informed the choice (index=prefix) or was down (index=load_only)",
-                          ["policy", "index"], registry=REGISTRY)
-INDEX_CACHED_TOKENS = Counter("kvmesh_gateway_index_cached_tokens_total",
-                              "Prompt tokens the index reported cached on the chosen prefill instance",
-                              registry=REGISTRY)
+PREFIX_INDEX_UP = Gauge(
+    "kvmesh_gateway_prefix_index_up",
+    "1 while the Redis prefix index answers, 0 while routing falls back to load alone",
+    registry=REGISTRY,
+)
+ROUTED_REQUESTS = Counter(
+    "kvmesh_gateway_routed_requests_total",
+    "Requests routed to a prefill instance, by policy and by whether the prefix index "
+    "informed the choice (index=prefix) or was down (index=load_only)",
+    ["policy", "index"],
+    registry=REGISTRY,
+)
+INDEX_CACHED_TOKENS = Counter(
+    "kvmesh_gateway_index_cached_tokens_total",
+    "Prompt tokens the index reported cached on the chosen prefill instance",
+    registry=REGISTRY,
+)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-TTFT = Histogram("kvmesh_request_ttft_seconds", "Time from a request's arrival to its first token",
-                 buckets=_LATENCY, registry=REGISTRY)
-ITL = Histogram("kvmesh_request_itl_seconds", "Mean time between a request's tokens after the first",
-                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=REGISTRY)
-E2E = Histogram("kvmesh_request_e2e_seconds", "Time from a request's arrival to its last token",
-                buckets=_LATENCY, registry=REGISTRY)
-REQUESTS = Counter("kvmesh_requests", "Requests ended, by finish reason (stop, length, or error) and gRPC status",
-                   ["finish_reason", "status"], registry=REGISTRY)
+TTFT = Histogram(
+    "kvmesh_request_ttft_seconds",
+    "Time from a request's arrival to its first token",
+    buckets=_LATENCY,
+    registry=REGISTRY,
+)
+ITL = Histogram(
+    "kvmesh_request_itl_seconds",
+    "Mean time between a request's tokens after the first",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+    registry=REGISTRY,
+)
+E2E = Histogram(
+    "kvmesh_request_e2e_seconds", "Time from a request's arrival to its last token", buckets=_LATENCY, registry=REGISTRY
+)
+REQUESTS = Counter(
+    "kvmesh_requests",
+    "Requests ended, by finish reason (stop, length, or error) and gRPC status",
+    ["finish_reason", "status"],
+    registry=REGISTRY,
+)

@@ -14,9 +14,9 @@ import grpc
 
 from gateway import metrics
 from gateway.router import InstanceLoad, PrefillRouter, pick_decode
-from runtime.service import GRPC_OPTIONS
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from runtime.service import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +28,18 @@ DEFAULT_DECODE_SLOTS = 64
 class InstancePool:
     """Stubs, load and health of the prefill and decode instances, and the routing calls."""
 
-    def __init__(self, prefill_addresses, decode_addresses, page_size: int, index: AsyncRedisKVIndexReader | None,
-                 cache_threshold: float, load_weight: float, rpc_timeout_s: float,
-                 routing_policy: str = "cache_aware", model_fingerprint: str = "") -> None:
+    def __init__(
+        self,
+        prefill_addresses,
+        decode_addresses,
+        page_size: int,
+        index: AsyncRedisKVIndexReader | None,
+        cache_threshold: float,
+        load_weight: float,
+        rpc_timeout_s: float,
+        routing_policy: str = "cache_aware",
+        model_fingerprint: str = "",
+    ) -> None:
         self.page_size = page_size
         self.model_fingerprint = model_fingerprint
         self.index = index
@@ -39,10 +48,12 @@ class InstancePool:
         self.rpc_timeout_s = rpc_timeout_s
         self.prefills = [InstanceLoad(a) for a in prefill_addresses]
         self.decodes = [InstanceLoad(a) for a in decode_addresses]
-        self.router = PrefillRouter(self.prefills, cache_threshold=cache_threshold, load_weight=load_weight,
-                                    policy=routing_policy)
-        self._channels = {a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS)
-                          for a in (*prefill_addresses, *decode_addresses)}
+        self.router = PrefillRouter(
+            self.prefills, cache_threshold=cache_threshold, load_weight=load_weight, policy=routing_policy
+        )
+        self._channels = {
+            a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in (*prefill_addresses, *decode_addresses)
+        }
         self._prefill_stubs = {a: prefill_pb2_grpc.PrefillStub(self._channels[a]) for a in prefill_addresses}
         self._decode_stubs = {a: decode_pb2_grpc.DecodeStub(self._channels[a]) for a in decode_addresses}
         self._rr = 0
@@ -72,12 +83,19 @@ class InstancePool:
 
     @staticmethod
     def _why_down(insts: list[InstanceLoad]) -> str:
-        return ", ".join(f"{i.address}: " + ("unreachable" if not i.reachable else i.mismatch or
-                                             f"circuit {i.breaker.state.value} after "
-                                             f"{i.breaker.consecutive_failures} failures") for i in insts)
+        return ", ".join(
+            f"{i.address}: "
+            + (
+                "unreachable"
+                if not i.reachable
+                else i.mismatch or f"circuit {i.breaker.state.value} after {i.breaker.consecutive_failures} failures"
+            )
+            for i in insts
+        )
 
-    async def route(self, prompt_token_ids, block_hashes, exclude: frozenset[str] = frozenset()
-                    ) -> tuple[InstanceLoad, InstanceLoad, int]:
+    async def route(
+        self, prompt_token_ids, block_hashes, exclude: frozenset[str] = frozenset()
+    ) -> tuple[InstanceLoad, InstanceLoad, int]:
         """(prefill, decode, cached tokens the index reports on that prefill), skipping the
         addresses in `exclude`. LookupError if none is routable."""
         cached_blocks: dict[str, int] = {}
@@ -114,7 +132,8 @@ class InstancePool:
     async def release(self, decode: InstanceLoad, request_id: str, transfer_id: int) -> None:
         try:
             await self.decode_stub(decode).Release(
-                decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id), timeout=self.rpc_timeout_s)
+                decode_pb2.ReleaseRequest(request_id=request_id, transfer_id=transfer_id), timeout=self.rpc_timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             # a frozen or dead decode frees the pages itself when its reservation expires
             logger.warning("[%s] release on %s failed: %s", request_id, decode.address, exc.code().name)
@@ -126,6 +145,7 @@ class InstancePool:
         busy instance still answers: prefill reads its counters when its worker is busy);
         the next answer brings it back.
         """
+
         async def one(inst: InstanceLoad, stub) -> None:
             try:
                 stats = await stub.GetStats(common_pb2.StatsRequest(), timeout=min(self.rpc_timeout_s, 2.0))
@@ -135,8 +155,7 @@ class InstancePool:
                 # 2-core machine may miss one; a stopped instance misses every one)
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or inst.failed_polls >= 2:
                     if inst.reachable:
-                        logger.warning("%s stopped answering (%s); not routing to it", inst.address,
-                                       exc.code().name)
+                        logger.warning("%s stopped answering (%s); not routing to it", inst.address, exc.code().name)
                     inst.reachable = False
                 return
             inst.failed_polls = 0
@@ -152,8 +171,10 @@ class InstancePool:
                 logger.error("%s; not routing to it", mismatch)
             inst.mismatch = mismatch
 
-        await asyncio.gather(*[one(i, self._prefill_stubs[i.address]) for i in self.prefills],
-                             *[one(i, self._decode_stubs[i.address]) for i in self.decodes])
+        await asyncio.gather(
+            *[one(i, self._prefill_stubs[i.address]) for i in self.prefills],
+            *[one(i, self._decode_stubs[i.address]) for i in self.decodes],
+        )
         for callback in self.on_capacity:
             callback()
 
@@ -162,8 +183,10 @@ class InstancePool:
         if stats.page_size and stats.page_size != self.page_size:
             return f"{name} has page_size {stats.page_size}, the gateway {self.page_size}"
         if stats.model_fingerprint and self.model_fingerprint and stats.model_fingerprint != self.model_fingerprint:
-            return (f"{name} serves model {stats.model_fingerprint}, the gateway {self.model_fingerprint} "
-                    "(engine.loader.model_fingerprint)")
+            return (
+                f"{name} serves model {stats.model_fingerprint}, the gateway {self.model_fingerprint} "
+                "(engine.loader.model_fingerprint)"
+            )
         return ""
 
     async def reap_index(self) -> None:
@@ -188,6 +211,7 @@ class InstancePool:
                     since_reap = 0.0
                 await asyncio.sleep(interval_s)
                 since_reap += interval_s
+
         self._poller = asyncio.ensure_future(loop())
 
     async def close(self) -> None:

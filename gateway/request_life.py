@@ -39,8 +39,13 @@ class RequestFailed(Exception):
     """Why an attempt failed: the cause (which fixes the client's status), a message that
     names the instance, and the instance to blame (None when none is at fault)."""
 
-    def __init__(self, cause: FailureCause, message: str, instance: InstanceLoad | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        cause: FailureCause,
+        message: str,
+        instance: InstanceLoad | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.cause = cause
         self.instance = instance
@@ -49,8 +54,14 @@ class RequestFailed(Exception):
         """The attempt found a full pool and may be tried again once answers end."""
 
 
-def failure_from_rpc(error: grpc.aio.AioRpcError, kind: str, inst: InstanceLoad, decode: InstanceLoad,
-                     request_id: str, slow_is_lost: bool = True) -> RequestFailed:
+def failure_from_rpc(
+    error: grpc.aio.AioRpcError,
+    kind: str,
+    inst: InstanceLoad,
+    decode: InstanceLoad,
+    request_id: str,
+    slow_is_lost: bool = True,
+) -> RequestFailed:
     """Turn a failed call to `inst` (a `kind` instance) into a RequestFailed.
 
     A service names its cause in the trailers (runtime.wire.abort); a call that failed in
@@ -63,14 +74,14 @@ def failure_from_rpc(error: grpc.aio.AioRpcError, kind: str, inst: InstanceLoad,
     cause = cause_of(error)
     code = error.code()
     if cause is None:
-        cause = {grpc.StatusCode.INVALID_ARGUMENT: FailureCause.BAD_REQUEST,
-                 grpc.StatusCode.RESOURCE_EXHAUSTED: FailureCause.OVERLOADED,
-                 grpc.StatusCode.FAILED_PRECONDITION: FailureCause.MISMATCH,
-                 grpc.StatusCode.INTERNAL: FailureCause.INTERNAL,
-                 grpc.StatusCode.UNKNOWN: FailureCause.INTERNAL,
-                 grpc.StatusCode.DEADLINE_EXCEEDED: (FailureCause.INSTANCE_LOST if slow_is_lost
-                                                     else FailureCause.DEADLINE),
-                 }.get(code, FailureCause.INSTANCE_LOST)
+        cause = {
+            grpc.StatusCode.INVALID_ARGUMENT: FailureCause.BAD_REQUEST,
+            grpc.StatusCode.RESOURCE_EXHAUSTED: FailureCause.OVERLOADED,
+            grpc.StatusCode.FAILED_PRECONDITION: FailureCause.MISMATCH,
+            grpc.StatusCode.INTERNAL: FailureCause.INTERNAL,
+            grpc.StatusCode.UNKNOWN: FailureCause.INTERNAL,
+            grpc.StatusCode.DEADLINE_EXCEEDED: (FailureCause.INSTANCE_LOST if slow_is_lost else FailureCause.DEADLINE),
+        }.get(code, FailureCause.INSTANCE_LOST)
     blamed = decode if cause == FailureCause.KV_PUSH_FAILED else inst
     if code == grpc.StatusCode.DEADLINE_EXCEEDED and cause_of(error) is None:
         details = "did not answer in time"
@@ -78,8 +89,12 @@ def failure_from_rpc(error: grpc.aio.AioRpcError, kind: str, inst: InstanceLoad,
         details = error.details() or code.name
     name = blamed.instance_id or blamed.address
     where = f"{kind} {name}" if blamed is inst else f"{kind} {inst.instance_id or inst.address} -> decode {name}"
-    return RequestFailed(cause, f"[{request_id}] {where}: {details}",
-                         blamed if cause in _BLAMES_INSTANCE else None, retry_after_of(error))
+    return RequestFailed(
+        cause,
+        f"[{request_id}] {where}: {details}",
+        blamed if cause in _BLAMES_INSTANCE else None,
+        retry_after_of(error),
+    )
 
 
 # failures that say something about the instance (its breaker counts them)
@@ -89,8 +104,7 @@ _BLAMES_INSTANCE = frozenset({FailureCause.INSTANCE_LOST, FailureCause.KV_PUSH_F
 class RequestLife:
     """One attempt of one request: its two legs and the gateway's accounting on them."""
 
-    def __init__(self, pool, request_id: str, prefill: InstanceLoad, decode: InstanceLoad,
-                 queued_tokens: int) -> None:
+    def __init__(self, pool, request_id: str, prefill: InstanceLoad, decode: InstanceLoad, queued_tokens: int) -> None:
         """Count the attempt on both instances at once (a burst sees it before any report does)."""
         self.pool = pool
         self.request_id = request_id

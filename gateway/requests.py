@@ -19,14 +19,15 @@ from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 
-
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 # an ordinary conversation rendered once at start: the template must show each content exactly
 # once and the split tokenization must give apply_chat_template's ids for it
-_PROBE_CONVERSATION = ({"role": "user", "content": "What is the capital of France?"},
-                       {"role": "assistant", "content": "Paris."},
-                       {"role": "user", "content": "And of Spain?"})
+_PROBE_CONVERSATION = (
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Spain?"},
+)
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class GenerateInput:
 class PromptBuilder:
     """Tokenizes prompts (optionally through the chat template) and checks the limits."""
 
-    def __init__(self, tokenizer, model_name: str, max_context: int, default_max_tokens: int,
-                 max_tokens_limit: int) -> None:
+    def __init__(
+        self, tokenizer, model_name: str, max_context: int, default_max_tokens: int, max_tokens_limit: int
+    ) -> None:
         """Raises ValueError when the tokenizer has a chat template whose output cannot be split
         into the template's own text and each message's content (see `_chat_token_ids`)."""
         self.tokenizer = tokenizer
@@ -66,19 +68,24 @@ class PromptBuilder:
         # the special added tokens, matched as the tokenizer matches them (longest first,
         # single_word ones only between non-word characters)
         self._markers = {t.content: (i, t) for i, t in sorted(tokenizer.added_tokens_decoder.items()) if t.special}
-        alternatives = [rf"(?<!\w){re.escape(content)}(?!\w)" if t.single_word else re.escape(content)
-                        for content, (_, t) in sorted(self._markers.items(), key=lambda kv: -len(kv[0]))]
+        alternatives = [
+            rf"(?<!\w){re.escape(content)}(?!\w)" if t.single_word else re.escape(content)
+            for content, (_, t) in sorted(self._markers.items(), key=lambda kv: -len(kv[0]))
+        ]
         self._marker_re = re.compile("(" + "|".join(alternatives) + ")") if alternatives else None
         if tokenizer.chat_template:
             self._check_chat_template()
 
     def check_model(self, model: str) -> None:
         if model and model.lower() != self.model_name.lower():
-            raise ValueError(f"unknown model {model[:64]!r}{'...' if len(model) > 64 else ''}: this gateway serves "
-                             f"{self.model_name!r} (or leave model empty)")
+            raise ValueError(
+                f"unknown model {model[:64]!r}{'...' if len(model) > 64 else ''}: this gateway serves "
+                f"{self.model_name!r} (or leave model empty)"
+            )
 
-    def tokenize(self, prompt: bytes, messages: Sequence[tuple[str, str]], chat: bool,
-                 token_ids: Sequence[int] = ()) -> list[int]:
+    def tokenize(
+        self, prompt: bytes, messages: Sequence[tuple[str, str]], chat: bool, token_ids: Sequence[int] = ()
+    ) -> list[int]:
         """Token ids of the prompt; messages (role, content) or chat=True use the chat template;
         token_ids, when given, are the prompt as it is (each checked against the vocabulary).
 
@@ -100,8 +107,10 @@ class PromptBuilder:
             raise ValueError("send either prompt or messages, not both")
         size = len(prompt) + sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
         if size > self.max_prompt_bytes:
-            raise ValueError(f"prompt is {size} bytes, more than the context of {self.max_context} tokens can "
-                             f"hold (at most {self.max_prompt_bytes} bytes); shorten the prompt")
+            raise ValueError(
+                f"prompt is {size} bytes, more than the context of {self.max_context} tokens can "
+                f"hold (at most {self.max_prompt_bytes} bytes); shorten the prompt"
+            )
         bad_roles = sorted({r for r, _ in messages} - CHAT_ROLES)
         if bad_roles:
             raise ValueError(f"message roles must be one of {sorted(CHAT_ROLES)}, got {bad_roles}")
@@ -143,9 +152,11 @@ class PromptBuilder:
         rendered = self.tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False)
         pieces = self._content_mark_re.split(rendered)  # [template, i, template, j, ..., template]
         if [int(i) for i in pieces[1::2]] != list(range(len(conversation))):
-            raise ValueError(f"the chat template of model {self.model_name!r} does not show each message's "
-                             f"content exactly once and in order for roles {[m['role'] for m in conversation]}; "
-                             f"send a plain prompt or prompt_token_ids")
+            raise ValueError(
+                f"the chat template of model {self.model_name!r} does not show each message's "
+                f"content exactly once and in order for roles {[m['role'] for m in conversation]}; "
+                f"send a plain prompt or prompt_token_ids"
+            )
         ids: list[int] = []
         run: list[str] = []  # text since the last marker
         strip_next = False  # the last marker has rstrip: it takes the whitespace after it
@@ -169,8 +180,9 @@ class PromptBuilder:
 
     def _template_token_ids(self, conversation: Sequence[dict[str, str]]) -> list[int]:
         """apply_chat_template's own ids, special-token strings in content parsed as control tokens."""
-        ids = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        ids = self.tokenizer.apply_chat_template(
+            list(conversation), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -182,18 +194,31 @@ class PromptBuilder:
         try:
             split_ids = self._chat_token_ids(_PROBE_CONVERSATION)
         except ValueError:
-            raise ValueError(f"the chat template of model {self.model_name!r} does not show each message's content "
-                             f"exactly once and in order, so content cannot be kept apart from control tokens; "
-                             f"use a template that renders message['content'] as it is") from None
+            raise ValueError(
+                f"the chat template of model {self.model_name!r} does not show each message's content "
+                f"exactly once and in order, so content cannot be kept apart from control tokens; "
+                f"use a template that renders message['content'] as it is"
+            ) from None
         template_ids = self._template_token_ids(_PROBE_CONVERSATION)
         if split_ids != template_ids:
-            raise ValueError(f"tokenizing the chat template of model {self.model_name!r} piece by piece gives "
-                             f"{split_ids}, not apply_chat_template's {template_ids}, for an ordinary conversation; "
-                             f"this tokenizer cannot keep message content apart from control tokens")
+            raise ValueError(
+                f"tokenizing the chat template of model {self.model_name!r} piece by piece gives "
+                f"{split_ids}, not apply_chat_template's {template_ids}, for an ordinary conversation; "
+                f"this tokenizer cannot keep message content apart from control tokens"
+            )
 
-    def build(self, request_id: str, prompt_token_ids: list[int], temperature: float, top_p: float | None,
-              top_k: int, max_tokens: int | None, seed: int | None, stop: Sequence[str],
-              ignore_eos: bool) -> GenerateInput:
+    def build(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        temperature: float,
+        top_p: float | None,
+        top_k: int,
+        max_tokens: int | None,
+        seed: int | None,
+        stop: Sequence[str],
+        ignore_eos: bool,
+    ) -> GenerateInput:
         """Check sampling settings and lengths; raises ValueError naming what to change."""
         if max_tokens is None:
             max_tokens = self.default_max_tokens
@@ -211,10 +236,19 @@ class PromptBuilder:
         if n >= self.max_context:
             raise ValueError(f"prompt has {n} tokens but the context holds {self.max_context}; shorten the prompt")
         if n + max_tokens > self.max_context:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                             f"{self.max_context} tokens; lower max_tokens to {self.max_context - n} or less")
-        sampling = SamplingParams(temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k,
-                                  seed=seed)
-        return GenerateInput(request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling,
-                             seed=seed if seed is not None else random.getrandbits(63), max_tokens=max_tokens,
-                             stop=tuple(s for s in stop if s), ignore_eos=ignore_eos)
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                f"{self.max_context} tokens; lower max_tokens to {self.max_context - n} or less"
+            )
+        sampling = SamplingParams(
+            temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=seed
+        )
+        return GenerateInput(
+            request_id=request_id,
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling=sampling,
+            seed=seed if seed is not None else random.getrandbits(63),
+            max_tokens=max_tokens,
+            stop=tuple(s for s in stop if s),
+            ignore_eos=ignore_eos,
+        )

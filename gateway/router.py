@@ -112,8 +112,14 @@ class PrefillRouter:
             raise ValueError(f"hash_blocks must be >= 1, got {self.hash_blocks}")
         self._random = random.Random(self.seed)
 
-    def choose(self, num_prompt_tokens: int, cached_blocks: Mapping[str, int], page_size: int,
-               block_hashes: Sequence[bytes] = (), exclude: frozenset[str] = frozenset()) -> RouteDecision:
+    def choose(
+        self,
+        num_prompt_tokens: int,
+        cached_blocks: Mapping[str, int],
+        page_size: int,
+        block_hashes: Sequence[bytes] = (),
+        exclude: frozenset[str] = frozenset(),
+    ) -> RouteDecision:
         """Pick a routable prefill instance (not one whose address is in `exclude`).
 
         cached_blocks maps instance_id -> leading prompt blocks it holds (from the index;
@@ -144,15 +150,16 @@ class PrefillRouter:
             n = len(healthy)
             return decide(min(enumerate(healthy), key=lambda p: (queued_tokens(p[1]), (p[0] - self._rr) % n))[1])
         if self.policy == "consistent_hash":
-            return decide(_ring_choice(healthy, b"".join(block_hashes[:self.hash_blocks])))
+            return decide(_ring_choice(healthy, b"".join(block_hashes[: self.hash_blocks])))
         best: tuple[float, int, int] | None = None
         choice: RouteDecision | None = None
         self._rr += 1
         for pos, inst in enumerate(healthy):
             cached = cached_tokens(inst)
             counted = cached if cached >= self.cache_threshold * num_prompt_tokens and cached > 0 else 0
-            load = queued_tokens(inst) + self.request_cost_tokens * max(inst.in_flight_requests,
-                                                                  inst.reported_active_requests)
+            load = queued_tokens(inst) + self.request_cost_tokens * max(
+                inst.in_flight_requests, inst.reported_active_requests
+            )
             cost = (num_prompt_tokens - counted) + self.load_weight * load
             key = (cost, inst.total_routed_tokens, (pos - self._rr) % len(healthy))
             if best is None or key < best:
@@ -197,5 +204,6 @@ def pick_decode(instances: Sequence[InstanceLoad], rr: int, exclude: frozenset[s
         raise LookupError("no healthy decode instance")
     healthy = [i for i in healthy if i.has_free_slot] or healthy
     n = len(healthy)
-    return min(enumerate(healthy),
-               key=lambda p: (max(p[1].in_flight_requests, p[1].reported_active_requests), (p[0] - rr) % n))[1]
+    return min(
+        enumerate(healthy), key=lambda p: (max(p[1].in_flight_requests, p[1].reported_active_requests), (p[0] - rr) % n)
+    )[1]

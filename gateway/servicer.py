@@ -33,19 +33,25 @@ from gateway.pool import InstancePool, MismatchError
 from gateway.request_life import RequestFailed, RequestLife, failure_from_rpc
 from gateway.requests import GenerateInput, PromptBuilder
 from gateway.router import queued_tokens
+from kvstore.block_hash import hash_blocks
+from protos.kvmesh.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from runtime import tracing
 from runtime.logs import request_context
 from runtime.wire import FINISH_FROM_PB, FINISH_TO_PB, abort, check_request_id
-from kvstore.block_hash import hash_blocks
-from protos.kvmesh.v1 import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 
 logger = logging.getLogger(__name__)
 
 
 def _sampling_pb(inp: GenerateInput) -> common_pb2.SamplingParams:
     s = inp.sampling
-    return common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                     max_tokens=inp.max_tokens, seed=inp.seed, ignore_eos=inp.ignore_eos)
+    return common_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=inp.max_tokens,
+        seed=inp.seed,
+        ignore_eos=inp.ignore_eos,
+    )
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -58,9 +64,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         token_timeout_s: longest wait for the next message of a decode stream.
     """
 
-    def __init__(self, builder: PromptBuilder, pool: InstancePool, admission: AdmissionQueue,
-                 eos_token_ids: frozenset[int], rpc_timeout_s: float, prefill_timeout_base_s: float,
-                 prefill_min_tokens_per_s: float, token_timeout_s: float) -> None:
+    def __init__(
+        self,
+        builder: PromptBuilder,
+        pool: InstancePool,
+        admission: AdmissionQueue,
+        eos_token_ids: frozenset[int],
+        rpc_timeout_s: float,
+        prefill_timeout_base_s: float,
+        prefill_min_tokens_per_s: float,
+        token_timeout_s: float,
+    ) -> None:
         self.builder = builder
         self.pool = pool
         self.admission = admission
@@ -71,44 +85,61 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.token_timeout_s = token_timeout_s
 
     async def ListModels(self, request, context):
-        return gateway_pb2.ListModelsResponse(models=[self.builder.model_name],
-                                              max_context_tokens=self.builder.max_context,
-                                              max_tokens_limit=self.builder.max_tokens_limit,
-                                              has_chat_template=bool(self.builder.tokenizer.chat_template))
+        return gateway_pb2.ListModelsResponse(
+            models=[self.builder.model_name],
+            max_context_tokens=self.builder.max_context,
+            max_tokens_limit=self.builder.max_tokens_limit,
+            has_chat_template=bool(self.builder.tokenizer.chat_template),
+        )
 
     def _to_internal(self, request) -> GenerateInput:
         b = self.builder
         check_request_id(request.request_id)
         b.check_model(request.model)
         s = request.sampling
-        ids = b.tokenize(request.prompt, [(m.role, m.content) for m in request.messages], request.chat,
-                         request.prompt_token_ids)
-        return b.build(request.request_id or uuid.uuid4().hex, ids, s.temperature,
-                       s.top_p if s.HasField("top_p") else None, s.top_k,
-                       s.max_tokens if s.HasField("max_tokens") else None,
-                       s.seed if s.HasField("seed") else None, list(s.stop), s.ignore_eos)
+        ids = b.tokenize(
+            request.prompt, [(m.role, m.content) for m in request.messages], request.chat, request.prompt_token_ids
+        )
+        return b.build(
+            request.request_id or uuid.uuid4().hex,
+            ids,
+            s.temperature,
+            s.top_p if s.HasField("top_p") else None,
+            s.top_k,
+            s.max_tokens if s.HasField("max_tokens") else None,
+            s.seed if s.HasField("seed") else None,
+            list(s.stop),
+            s.ignore_eos,
+        )
 
     async def Generate(self, request, context):
         """One trace per request (continuing the caller's traceparent), its metrics, its logs."""
         arrived = time.perf_counter()
-        span = tracing.tracer().start_span("gateway.generate", kind=SpanKind.SERVER,
-                                           context=tracing.extract(context.invocation_metadata()))
+        span = tracing.tracer().start_span(
+            "gateway.generate", kind=SpanKind.SERVER, context=tracing.extract(context.invocation_metadata())
+        )
         request_context.set(("", tracing.trace_id(span)))  # the id goes on log lines once it is checked
         final = None
         try:
             async for msg in self._generate(request, context, span, arrived):
                 if msg.HasField("final"):
                     final = msg.final
-                    span.set_attributes({"kvmesh.finish_reason": final.finish_reason,
-                                         "kvmesh.prompt_tokens": final.prompt_tokens,
-                                         "kvmesh.cached_tokens": final.cached_tokens,
-                                         "kvmesh.generated_tokens": final.generated_tokens,
-                                         "kvmesh.ttft_s": final.ttft_s, "kvmesh.retries": final.retries})
+                    span.set_attributes(
+                        {
+                            "kvmesh.finish_reason": final.finish_reason,
+                            "kvmesh.prompt_tokens": final.prompt_tokens,
+                            "kvmesh.cached_tokens": final.cached_tokens,
+                            "kvmesh.generated_tokens": final.generated_tokens,
+                            "kvmesh.ttft_s": final.ttft_s,
+                            "kvmesh.retries": final.retries,
+                        }
+                    )
                 yield msg
         except BaseException as exc:
             code = context.code() if hasattr(context, "code") else None
-            status = getattr(code, "name", None) or ("CANCELLED" if isinstance(exc, asyncio.CancelledError)
-                                                      else "UNKNOWN")
+            status = getattr(code, "name", None) or (
+                "CANCELLED" if isinstance(exc, asyncio.CancelledError) else "UNKNOWN"
+            )
             span.set_status(Status(StatusCode.ERROR, status))
             metrics.REQUESTS.labels("error", status).inc()
             logger.info("request ended: %s", status)
@@ -121,8 +152,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         metrics.E2E.observe(f.e2e_s)
         if f.generated_tokens > 1:
             metrics.ITL.observe(f.itl_s)
-        logger.info("request finished: %s, %d prompt (%d cached) + %d generated tokens, TTFT %.3f s, e2e %.3f s",
-                    f.finish_reason, f.prompt_tokens, f.cached_tokens, f.generated_tokens, f.ttft_s, f.e2e_s)
+        logger.info(
+            "request finished: %s, %d prompt (%d cached) + %d generated tokens, TTFT %.3f s, e2e %.3f s",
+            f.finish_reason,
+            f.prompt_tokens,
+            f.cached_tokens,
+            f.generated_tokens,
+            f.ttft_s,
+            f.e2e_s,
+        )
 
     async def _generate(self, request, context, span, arrived: float):
         t0 = tracing.now_ns()
@@ -135,8 +173,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         span.set_attribute("kvmesh.request_id", rid)
         # the prompt's block hashes, once per request: the index lookup and routing read them
         hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size)
-        tracing.record(span, "gateway.tokenize", t0, tracing.now_ns(),
-                       {"kvmesh.prompt_tokens": len(inp.prompt_token_ids)})
+        tracing.record(
+            span, "gateway.tokenize", t0, tracing.now_ns(), {"kvmesh.prompt_tokens": len(inp.prompt_token_ids)}
+        )
         try:
             self.pool.check_usable()
         except MismatchError as exc:
@@ -172,19 +211,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             try:
                 t0 = tracing.now_ns()
                 try:
-                    prefill, decode, cached_hint = await self.pool.route(inp.prompt_token_ids, hashes,
-                                                                         frozenset(excluded))
+                    prefill, decode, cached_hint = await self.pool.route(
+                        inp.prompt_token_ids, hashes, frozenset(excluded)
+                    )
                 except LookupError as exc:
                     raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
                 n_prompt = len(inp.prompt_token_ids)
                 # the prefill tokens this request adds to the instance's queue
                 life = RequestLife(self.pool, rid, prefill, decode, n_prompt - cached_hint)
-                tracing.record(span, "gateway.route", t0, tracing.now_ns(), {
-                    "kvmesh.prefill.instance": prefill.instance_id or prefill.address,
-                    "kvmesh.decode.instance": decode.instance_id or decode.address,
-                    "kvmesh.index_cached_tokens": cached_hint, "kvmesh.routing_policy": self.pool.router.policy})
-                logger.info("[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s", rid, n_prompt,
-                            prefill.address, cached_hint, decode.address)
+                tracing.record(
+                    span,
+                    "gateway.route",
+                    t0,
+                    tracing.now_ns(),
+                    {
+                        "kvmesh.prefill.instance": prefill.instance_id or prefill.address,
+                        "kvmesh.decode.instance": decode.instance_id or decode.address,
+                        "kvmesh.index_cached_tokens": cached_hint,
+                        "kvmesh.routing_policy": self.pool.router.policy,
+                    },
+                )
+                logger.info(
+                    "[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s",
+                    rid,
+                    n_prompt,
+                    prefill.address,
+                    cached_hint,
+                    decode.address,
+                )
                 async for msg in self._run(life, inp, span, arrived, waited, retries, streamed):
                     yield msg
                 return
@@ -213,16 +267,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Base + the tokens queued on the instance (this prompt's included) at the floor rate."""
         return self.prefill_timeout_base_s + queued_tokens(life.prefill) / self.prefill_min_tokens_per_s
 
-    async def _run(self, life: RequestLife, inp: GenerateInput, span, arrived: float, waited: float,
-                   retries: int, streamed: list[int]):
+    async def _run(
+        self,
+        life: RequestLife,
+        inp: GenerateInput,
+        span,
+        arrived: float,
+        waited: float,
+        retries: int,
+        streamed: list[int],
+    ):
         rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
         prefill, decode = life.prefill, life.decode
         prefill_deadline = self._prefill_deadline_s(life)
         kv_deadline = prefill_deadline + self.rpc_timeout_s
-        reserve_call = self.pool.spawn(self.pool.decode_stub(decode).Reserve(
-            decode_pb2.ReserveRequest(request_id=rid, num_prompt_tokens=n_prompt, max_tokens=inp.max_tokens,
-                                      page_size=self.pool.page_size, kv_deadline_s=kv_deadline),
-            timeout=self.rpc_timeout_s, metadata=tracing.inject(span)))
+        reserve_call = self.pool.spawn(
+            self.pool.decode_stub(decode).Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id=rid,
+                    num_prompt_tokens=n_prompt,
+                    max_tokens=inp.max_tokens,
+                    page_size=self.pool.page_size,
+                    kv_deadline_s=kv_deadline,
+                ),
+                timeout=self.rpc_timeout_s,
+                metadata=tracing.inject(span),
+            )
+        )
         life.reserving(reserve_call)
         try:
             # shielded: a client that leaves now must not cut the call off mid-way, or decode
@@ -236,10 +307,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         life.reserved(reserve.transfer_id)
         try:
             pre = await self.pool.prefill_stub(prefill).Prefill(
-                prefill_pb2.PrefillRequest(request_id=rid, token_ids=inp.prompt_token_ids,
-                                           sampling=_sampling_pb(inp), decode_kv_address=reserve.kv_address,
-                                           transfer_id=reserve.transfer_id, page_size=self.pool.page_size),
-                timeout=prefill_deadline, metadata=tracing.inject(span))
+                prefill_pb2.PrefillRequest(
+                    request_id=rid,
+                    token_ids=inp.prompt_token_ids,
+                    sampling=_sampling_pb(inp),
+                    decode_kv_address=reserve.kv_address,
+                    transfer_id=reserve.transfer_id,
+                    page_size=self.pool.page_size,
+                ),
+                timeout=prefill_deadline,
+                metadata=tracing.inject(span),
+            )
         except grpc.aio.AioRpcError as exc:
             raise failure_from_rpc(exc, "prefill", prefill, decode, rid, slow_is_lost=False) from None
         life.prefilled()
@@ -254,11 +332,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if hit:
             finish = FinishReason.STOP
         if finish is None:
-            call = self.pool.decode_stub(decode).Generate(decode_pb2.DecodeRequest(
-                request_id=rid, transfer_id=reserve.transfer_id, prompt_token_ids=inp.prompt_token_ids,
-                first_token=pre.first_token, sampling=_sampling_pb(inp), kv_timeout_s=self.rpc_timeout_s),
+            call = self.pool.decode_stub(decode).Generate(
+                decode_pb2.DecodeRequest(
+                    request_id=rid,
+                    transfer_id=reserve.transfer_id,
+                    prompt_token_ids=inp.prompt_token_ids,
+                    first_token=pre.first_token,
+                    sampling=_sampling_pb(inp),
+                    kv_timeout_s=self.rpc_timeout_s,
+                ),
                 # decode's work continues the KV push, so its spans hang under prefill's
-                metadata=[("traceparent", pre.traceparent)] if pre.traceparent else tracing.inject(span))
+                metadata=[("traceparent", pre.traceparent)] if pre.traceparent else tracing.inject(span),
+            )
             life.decoding(call)
             messages = call.__aiter__()
             # the first message waits for admission into decode's batch; then one step each
@@ -266,13 +351,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             while finish is None:
                 try:
                     msg = await asyncio.wait_for(messages.__anext__(), bound)
-                except asyncio.TimeoutError:
-                    raise RequestFailed(FailureCause.INSTANCE_LOST, f"[{rid}] decode "
-                                        f"{decode.instance_id or decode.address}: no token for {bound:.0f} s",
-                                        decode) from None
+                except TimeoutError:
+                    raise RequestFailed(
+                        FailureCause.INSTANCE_LOST,
+                        f"[{rid}] decode {decode.instance_id or decode.address}: no token for {bound:.0f} s",
+                        decode,
+                    ) from None
                 except StopAsyncIteration:
-                    raise RequestFailed(FailureCause.INTERNAL,
-                                        f"[{rid}] decode stream ended without a finish reason") from None
+                    raise RequestFailed(
+                        FailureCause.INTERNAL, f"[{rid}] decode stream ended without a finish reason"
+                    ) from None
                 except grpc.aio.AioRpcError as exc:
                     raise failure_from_rpc(exc, "decode", decode, decode, rid) from None
                 bound = self.token_timeout_s
@@ -284,20 +372,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     text += stops.feed(detok.flush(), final=True)[0]
                 if text or msg.token_ids:
                     yield gateway_pb2.GenerateResponse(
-                        delta=gateway_pb2.TextDelta(text=text, token_ids=list(msg.token_ids)))
+                        delta=gateway_pb2.TextDelta(text=text, token_ids=list(msg.token_ids))
+                    )
                 finish = FinishReason.STOP if hit else ended
         life.finish()
         done = time.perf_counter()
         n_gen = len(streamed)
-        yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(
-            finish_reason=finish.value, finish=FINISH_TO_PB[finish], prompt_tokens=n_prompt,
-            cached_tokens=pre.num_cached_tokens, generated_tokens=n_gen, ttft_s=first_at - arrived,
-            e2e_s=done - arrived, itl_s=(done - first_at) / (n_gen - 1) if n_gen > 1 else 0.0,
-            prefill_instance=pre.instance_id, decode_instance=reserve.instance_id, request_id=rid,
-            queue_s=pre.queue_s, prefill_s=pre.compute_s, retries=retries, admission_s=waited,
-            kv_transfer=gateway_pb2.KVTransfer(num_pages=pre.num_pages, page_nbytes=pre.page_nbytes,
-                                               nbytes=pre.nbytes_sent, seconds=pre.transfer_s,
-                                               prefill_digest=pre.kv_digest, decode_digest=decode_digest)))
+        yield gateway_pb2.GenerateResponse(
+            final=gateway_pb2.Final(
+                finish_reason=finish.value,
+                finish=FINISH_TO_PB[finish],
+                prompt_tokens=n_prompt,
+                cached_tokens=pre.num_cached_tokens,
+                generated_tokens=n_gen,
+                ttft_s=first_at - arrived,
+                e2e_s=done - arrived,
+                itl_s=(done - first_at) / (n_gen - 1) if n_gen > 1 else 0.0,
+                prefill_instance=pre.instance_id,
+                decode_instance=reserve.instance_id,
+                request_id=rid,
+                queue_s=pre.queue_s,
+                prefill_s=pre.compute_s,
+                retries=retries,
+                admission_s=waited,
+                kv_transfer=gateway_pb2.KVTransfer(
+                    num_pages=pre.num_pages,
+                    page_nbytes=pre.page_nbytes,
+                    nbytes=pre.nbytes_sent,
+                    seconds=pre.transfer_s,
+                    prefill_digest=pre.kv_digest,
+                    decode_digest=decode_digest,
+                ),
+            )
+        )
 
     def _finish(self, inp: GenerateInput, token: int, num_generated: int) -> FinishReason | None:
         if token in self.eos_token_ids and not inp.ignore_eos:

@@ -22,8 +22,8 @@ in it, which keeps that true.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +64,14 @@ class AttentionMetadata:
     prefills: tuple[PrefillGroup, ...]
 
 
-def build_attention_metadata(num_computed: Sequence[int], num_new: Sequence[int],
-                             block_ids: Sequence[Sequence[int]], page_size: int, num_layers: int,
-                             num_pages: int) -> AttentionMetadata:
+def build_attention_metadata(
+    num_computed: Sequence[int],
+    num_new: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    page_size: int,
+    num_layers: int,
+    num_pages: int,
+) -> AttentionMetadata:
     """Plan a forward: K/V write rows for the new tokens and read blocks for each group.
 
     num_computed[b] tokens of sequence b are already in its pages, num_new[b] >= 1 follow
@@ -75,8 +80,10 @@ def build_attention_metadata(num_computed: Sequence[int], num_new: Sequence[int]
     a page outside [0, num_pages).
     """
     if not len(num_computed) == len(num_new) == len(block_ids):
-        raise ValueError(f"need one num_computed, num_new and block_ids entry per sequence, got "
-                         f"{len(num_computed)}, {len(num_new)} and {len(block_ids)}")
+        raise ValueError(
+            f"need one num_computed, num_new and block_ids entry per sequence, got "
+            f"{len(num_computed)}, {len(num_new)} and {len(block_ids)}"
+        )
     S, L = page_size, num_layers
     rows_per_page = L * 2 * S
     writes: list[int] = []
@@ -86,14 +93,11 @@ def build_attention_metadata(num_computed: Sequence[int], num_new: Sequence[int]
     for b, (nc, n, pages) in enumerate(zip(num_computed, num_new, block_ids)):
         total = nc + n
         if n < 1 or nc < 0:
-            raise ValueError(f"sequence {b}: need num_computed >= 0 and >= 1 new token, "
-                             f"got {nc} and {n}")
+            raise ValueError(f"sequence {b}: need num_computed >= 0 and >= 1 new token, got {nc} and {n}")
         if len(pages) * S < total:
-            raise ValueError(f"sequence {b}: {len(pages)} pages of {S} tokens cannot hold "
-                             f"{total} tokens")
+            raise ValueError(f"sequence {b}: {len(pages)} pages of {S} tokens cannot hold {total} tokens")
         if min(pages) < 0 or max(pages) >= num_pages:
-            raise ValueError(f"sequence {b}: page ids must be in [0, {num_pages}), "
-                             f"got {list(pages)}")
+            raise ValueError(f"sequence {b}: page ids must be in [0, {num_pages}), got {list(pages)}")
         writes.extend(pages[p // S] * rows_per_page + p % S for p in range(nc, total))
         if n == 1:
             decode_b.append(b)
@@ -105,8 +109,9 @@ def build_attention_metadata(num_computed: Sequence[int], num_new: Sequence[int]
     decode = None
     if decode_b:
         all_decode = len(decode_b) == len(num_new)
-        decode = _decode_group(decode_b, num_computed, block_ids, S, L,
-                               token_index=None if all_decode else _token_rows(decode_b, num_new))
+        decode = _decode_group(
+            decode_b, num_computed, block_ids, S, L, token_index=None if all_decode else _token_rows(decode_b, num_new)
+        )
     return AttentionMetadata(write_rows=write_rows, decode=decode, prefills=tuple(prefills))
 
 
@@ -123,34 +128,43 @@ def _read_blocks(table: torch.Tensor, L: int) -> torch.Tensor:
     return table * (2 * L) + layer_kv
 
 
-def _decode_group(seqs: list[int], num_computed: Sequence[int], block_ids: Sequence[Sequence[int]],
-                  S: int, L: int, token_index: torch.Tensor | None) -> DecodeGroup:
+def _decode_group(
+    seqs: list[int],
+    num_computed: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+    S: int,
+    L: int,
+    token_index: torch.Tensor | None,
+) -> DecodeGroup:
     lens = [num_computed[b] + 1 for b in seqs]
     M = (max(lens) + S - 1) // S
     # pad short page tables with their own first page: real memory, masked out below
-    table = torch.tensor([list(block_ids[b][:M]) + [block_ids[b][0]] * max(0, M - len(block_ids[b]))
-                          for b in seqs])  # [B, M]
+    table = torch.tensor(
+        [list(block_ids[b][:M]) + [block_ids[b][0]] * max(0, M - len(block_ids[b])) for b in seqs]
+    )  # [B, M]
     mask = None
     if any(n != M * S for n in lens):
         mask = (torch.arange(M * S) < torch.tensor(lens)[:, None])[:, None, None, :]  # [B,1,1,M*S]
-    return DecodeGroup(token_index=token_index, read_blocks=_read_blocks(table, L).flatten(2),
-                       mask=mask, num_seqs=len(seqs))
+    return DecodeGroup(
+        token_index=token_index, read_blocks=_read_blocks(table, L).flatten(2), mask=mask, num_seqs=len(seqs)
+    )
 
 
-def _prefill_group(start: int, nc: int, n: int, pages: Sequence[int], S: int,
-                   L: int) -> PrefillGroup:
+def _prefill_group(start: int, nc: int, n: int, pages: Sequence[int], S: int, L: int) -> PrefillGroup:
     if nc == 0:
         return PrefillGroup(start=start, end=start + n, read_blocks=None, mask=None)
     total = nc + n
     M = (total + S - 1) // S
     # new token i sits at position nc + i and sees keys 0 .. nc + i (so never the padding)
     mask = torch.arange(M * S)[None, :] <= torch.arange(nc, total)[:, None]  # [n, M*S]
-    return PrefillGroup(start=start, end=start + n,
-                        read_blocks=_read_blocks(torch.tensor(list(pages[:M])), L), mask=mask)
+    return PrefillGroup(
+        start=start, end=start + n, read_blocks=_read_blocks(torch.tensor(list(pages[:M])), L), mask=mask
+    )
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    layer: int, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata
+) -> torch.Tensor:
     """Write the new tokens' K/V into their pages, then attend each query to its context.
 
     q [T, Q, D], k and v [T, K, D] (strided views are fine); kv_cache [P, L, 2, S, K, D],
@@ -173,8 +187,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         qd = q.index_select(0, g.token_index)  # [B, Q, D]
         out.index_copy_(0, g.token_index, _decode(qd, kv_blocks, layer, g).view(-1, Q * D))
     for p in meta.prefills:
-        out[p.start:p.end] = _prefill(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
-                                      kv_blocks, layer, p)
+        out[p.start : p.end] = _prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], kv_blocks, layer, p)
     return out
 
 
@@ -183,12 +196,14 @@ def _decode(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, g: DecodeGroup
     kv = kv_blocks.index_select(0, g.read_blocks[layer].view(-1)).view(2, B, -1, K, D)  # N = M*S
     # the R query heads sharing a kv head act as R query rows against it: no K/V repeat
     qg = q.reshape(B, K, -1, D)  # [B, K, R, D]
-    return F.scaled_dot_product_attention(qg, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-                                          attn_mask=g.mask)  # [B, K, R, D]
+    return F.scaled_dot_product_attention(
+        qg, kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=g.mask
+    )  # [B, K, R, D]
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_blocks: torch.Tensor,
-             layer: int, p: PrefillGroup) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_blocks: torch.Tensor, layer: int, p: PrefillGroup
+) -> torch.Tensor:
     n, Q, D = q.shape
     if p.read_blocks is None:
         keys, values = k, v  # [n, K, D]: no prefix, the new tokens are the whole context
@@ -196,6 +211,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_blocks: torch
         kv = kv_blocks.index_select(0, p.read_blocks[layer].view(-1))  # [2*M, S, K, D]
         keys, values = kv.view(2, -1, *kv.shape[2:]).unbind(0)  # [M*S, K, D] each
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-        attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True)  # [1, Q, n, D]
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+        enable_gqa=True,
+    )  # [1, Q, n, D]
     return o[0].transpose(0, 1).reshape(n, Q * D)

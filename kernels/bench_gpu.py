@@ -35,20 +35,18 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _row(name: str, path: str, ms: float, flops: float, nbytes: float, err: str = "") -> None:
-    print(f"{name:<44} {path:<7} {ms:9.3f} ms {flops / ms / 1e9:9.2f} TFLOP/s "
-          f"{nbytes / ms / 1e6:9.1f} GB/s  {err}")
+    print(f"{name:<44} {path:<7} {ms:9.3f} ms {flops / ms / 1e9:9.2f} TFLOP/s {nbytes / ms / 1e6:9.1f} GB/s  {err}")
 
 
-def bench_moe(tokens: tuple[int, ...], H: int = 4096, I: int = 2048, E: int = 256,
-              K: int = 6) -> bool:
+def bench_moe(tokens: tuple[int, ...], H: int = 4096, I: int = 2048, E: int = 256, K: int = 6) -> bool:
     """Routed experts at DeepSeek-V4 shapes, bf16: Triton against the PyTorch path."""
     from triton.testing import do_bench
 
     from kernels.moe import moe_experts, moe_experts_triton, route_topk
 
     dev, dt = "cuda", torch.bfloat16
-    w_gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt).mul_(H ** -0.5)  # [E, 2I, H]
-    w_down = torch.randn(E, H, I, device=dev, dtype=dt).mul_(I ** -0.5)  # [E, H, I]
+    w_gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt).mul_(H**-0.5)  # [E, 2I, H]
+    w_down = torch.randn(E, H, I, device=dev, dtype=dt).mul_(I**-0.5)  # [E, H, I]
     ok = True
     for T in tokens:
         x = torch.randn(T, H, device=dev, dtype=dt)
@@ -61,16 +59,19 @@ def bench_moe(tokens: tuple[int, ...], H: int = 4096, I: int = 2048, E: int = 25
         touched = int(ids.unique().numel())
         nbytes = touched * 3 * I * H * 2 + 2 * T * H * 2
         name = f"moe_experts T={T} H={H} I={I} E={E} K={K}"
-        _row(name, "triton", do_bench(lambda: moe_experts_triton(
-            x, w_gate_up, w_down, weights, ids, 10.0)), flops, nbytes,
-            f"rel err vs torch {err:.1e}" + ("" if err < 2e-2 else "  FAIL"))
-        _row(name, "torch", do_bench(lambda: moe_experts(
-            x, w_gate_up, w_down, weights, ids, 10.0)), flops, nbytes)
+        _row(
+            name,
+            "triton",
+            do_bench(lambda: moe_experts_triton(x, w_gate_up, w_down, weights, ids, 10.0)),
+            flops,
+            nbytes,
+            f"rel err vs torch {err:.1e}" + ("" if err < 2e-2 else "  FAIL"),
+        )
+        _row(name, "torch", do_bench(lambda: moe_experts(x, w_gate_up, w_down, weights, ids, 10.0)), flops, nbytes)
     return ok
 
 
-def bench_indexer(tokens: tuple[int, ...], Hi: int = 64, Di: int = 128, N: int = 4096,
-                  top_k: int = 512) -> bool:
+def bench_indexer(tokens: tuple[int, ...], Hi: int = 64, Di: int = 128, N: int = 4096, top_k: int = 512) -> bool:
     """Lightning Indexer scores at DeepSeek-V4 shapes, bf16 q/k: Triton against PyTorch."""
     from triton.testing import do_bench
 
@@ -81,9 +82,9 @@ def bench_indexer(tokens: tuple[int, ...], Hi: int = 64, Di: int = 128, N: int =
     ok = True
     for T in tokens:
         q = torch.randn(T, Hi, Di, device=dev, dtype=dt)  # [T, Hi, Di]
-        w = torch.randn(T, Hi, device=dev) * Hi ** -0.5  # [T, Hi]
+        w = torch.randn(T, Hi, device=dev) * Hi**-0.5  # [T, Hi]
         num_valid = torch.randint(1, N + 1, (T,), device=dev)
-        scale = Di ** -0.5
+        scale = Di**-0.5
         want = indexer_scores(q, k, w, scale)
         got = indexer_scores_triton(q, k, w, scale)
         err = _rel_err(got, want)
@@ -96,9 +97,14 @@ def bench_indexer(tokens: tuple[int, ...], Hi: int = 64, Di: int = 128, N: int =
         flops = 2.0 * T * Hi * N * Di
         nbytes = T * Hi * Di * 2 + N * Di * 2 + T * Hi * 4 + T * N * 4
         name = f"indexer_scores T={T} Hi={Hi} Di={Di} N={N}"
-        _row(name, "triton", do_bench(lambda: indexer_scores_triton(q, k, w, scale)), flops,
-             nbytes, f"rel err vs torch {err:.1e}, mask exact: {same_mask}"
-             + ("" if err < 1e-4 and same_mask else "  FAIL"))
+        _row(
+            name,
+            "triton",
+            do_bench(lambda: indexer_scores_triton(q, k, w, scale)),
+            flops,
+            nbytes,
+            f"rel err vs torch {err:.1e}, mask exact: {same_mask}" + ("" if err < 1e-4 and same_mask else "  FAIL"),
+        )
         _row(name, "torch", do_bench(lambda: indexer_scores(q, k, w, scale)), flops, nbytes)
         ms = do_bench(lambda: indexer_topk(want, top_k, num_valid))
         print(f"{f'indexer_topk T={T} N={N} k={top_k}':<44} {'torch':<7} {ms:9.3f} ms")

@@ -56,18 +56,21 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     layers = [[_q4_1(rng, k, n) for k, n in _LAYER_SHAPES] for _ in range(args.layers)]
     head_q, head_w = _q8_0(rng, *_LM_HEAD)
-    print(f"{'rows':>4}  {'fp32 layers ms':>14}  {'Q4_1 layers ms':>14}  {'ratio':>6}  "
-          f"{'fp32 lm_head ms':>15}  {'Q8_0 lm_head ms':>15}  {'ratio':>6}")
+    print(
+        f"{'rows':>4}  {'fp32 layers ms':>14}  {'Q4_1 layers ms':>14}  {'ratio':>6}  "
+        f"{'fp32 lm_head ms':>15}  {'Q8_0 lm_head ms':>15}  {'ratio':>6}"
+    )
     for rows in args.rows:
         xs = [torch.randn(rows, k) for k, _ in _LAYER_SHAPES]
         h = torch.randn(rows, _LM_HEAD[0])
         fp32 = _ms(lambda: [x @ w for layer in layers for x, (_, w) in zip(xs, layer)], args.repeats)
-        quant = _ms(lambda: [quantized_matmul(x, q) for layer in layers for x, (q, _) in zip(xs, layer)],
-                    args.repeats)
+        quant = _ms(lambda: [quantized_matmul(x, q) for layer in layers for x, (q, _) in zip(xs, layer)], args.repeats)
         head32 = _ms(lambda: torch.nn.functional.linear(h, head_w), args.repeats)
         head8 = _ms(lambda: quantized_matmul(h, head_q), args.repeats)
-        print(f"{rows:>4}  {fp32:>14.1f}  {quant:>14.1f}  {fp32 / quant:>5.2f}x  "
-              f"{head32:>15.2f}  {head8:>15.2f}  {head32 / head8:>5.2f}x")
+        print(
+            f"{rows:>4}  {fp32:>14.1f}  {quant:>14.1f}  {fp32 / quant:>5.2f}x  "
+            f"{head32:>15.2f}  {head8:>15.2f}  {head32 / head8:>5.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rope_table(max_positions: int, head_dim: int, theta: float,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(
+    max_positions: int, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Precomputed RoPE (Su et al. 2021, transformers' default rope) for positions [0, N).
 
     Returns (cos [N, D], sin_rot [N, D]) in `dtype`. The angles are computed in fp32 exactly as

@@ -76,12 +76,12 @@ def _tiles(rows: np.ndarray) -> np.ndarray:
 
 def _check_blocks(q: np.ndarray, scales: list[np.ndarray], per_byte: int) -> tuple[int, int]:
     if q.ndim != 2 or any(s.ndim != 2 or s.shape[0] != q.shape[0] for s in scales):
-        raise ValueError(f"expected 2-D q and scales with one row per output, got {q.shape}, "
-                         f"{[s.shape for s in scales]}")
+        raise ValueError(
+            f"expected 2-D q and scales with one row per output, got {q.shape}, {[s.shape for s in scales]}"
+        )
     n, k = q.shape[0], q.shape[1] * per_byte
     if k % QK or any(s.shape[1] != k // QK for s in scales):
-        raise ValueError(f"{k} inputs need {k // QK} blocks of {QK} a row, scales have "
-                         f"{[s.shape[1] for s in scales]}")
+        raise ValueError(f"{k} inputs need {k // QK} blocks of {QK} a row, scales have {[s.shape[1] for s in scales]}")
     return n, k
 
 
@@ -92,8 +92,7 @@ def pack_q4_1(qs: np.ndarray, d: np.ndarray, m: np.ndarray) -> Q4_1Weight:
     d, m [N, K/32] fp16 or fp32. Raises ValueError when the shapes disagree or K % 32 != 0.
     """
     n, k = _check_blocks(qs, [d, m], 2)
-    return Q4_1Weight(_tiles(qs.astype(np.uint8)), _tiles(d.astype(np.float32)),
-                      _tiles(m.astype(np.float32)), n, k)
+    return Q4_1Weight(_tiles(qs.astype(np.uint8)), _tiles(d.astype(np.float32)), _tiles(m.astype(np.float32)), n, k)
 
 
 def pack_q8_0(q: np.ndarray, d: np.ndarray) -> Q8_0Weight:
@@ -138,7 +137,7 @@ def _q4_1_matmul(x, qs, d, m, out):  # x [M, K] f32, qs [NT, K/2, TN] u8, out [M
                 s = xsum[r, b]
                 for n in range(TN):
                     acc[r, n] += d[t, b, n] * blk[r, n] + m[t, b, n] * s
-        out[:, t * TN:(t + 1) * TN] = acc
+        out[:, t * TN : (t + 1) * TN] = acc
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
@@ -158,7 +157,7 @@ def _q8_0_matmul(x, q, d, out):  # x [M, K] f32, q [NT, K, TN] i8, out [M, NT*TN
             for r in range(rows):
                 for n in range(TN):
                     acc[r, n] += d[t, b, n] * blk[r, n]
-        out[:, t * TN:(t + 1) * TN] = acc
+        out[:, t * TN : (t + 1) * TN] = acc
 
 
 def kernel_threads() -> tuple[str, int]:
@@ -189,4 +188,4 @@ def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight) -> torch.Tenso
         _q4_1_matmul(xn, w.qs, w.d, w.m, out.numpy())
     else:
         _q8_0_matmul(xn, w.q, w.d, out.numpy())
-    return out if tiles * TN == w.out_features else out[:, :w.out_features]
+    return out if tiles * TN == w.out_features else out[:, : w.out_features]

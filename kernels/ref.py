@@ -9,7 +9,7 @@ walks every token and page in Python loops so its indexing can be read at a glan
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -23,8 +23,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(dtype)
 
 
-def rope_cos_sin_ref(positions: torch.Tensor, head_dim: int,
-                     theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin_ref(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' `LlamaRotaryEmbedding` (default rope): positions [T] -> cos, sin [T, D]."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
     freqs = positions[:, None].float() * inv_freq[None, :]
@@ -34,8 +33,9 @@ def rope_cos_sin_ref(positions: torch.Tensor, head_dim: int,
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' `apply_rotary_pos_emb` for one of q/k: x [T, X, D], cos/sin [T, D]."""
+
     def rotate_half(t: torch.Tensor) -> torch.Tensor:
-        t1, t2 = t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2:]
+        t1, t2 = t[..., : t.shape[-1] // 2], t[..., t.shape[-1] // 2 :]
         return torch.cat((-t2, t1), dim=-1)
 
     cos, sin = cos[:, None, :], sin[:, None, :]
@@ -48,9 +48,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def paged_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                        layer: int, num_computed: Sequence[int], num_new: Sequence[int],
-                        block_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+def paged_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    num_computed: Sequence[int],
+    num_new: Sequence[int],
+    block_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
     """Write new K/V into the page-major cache, then causal GQA attention, one token at a time.
 
     q [T, Q, D], k/v [T, K, D] for the sequences' new tokens back to back; kv_cache

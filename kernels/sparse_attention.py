@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [n, Hq, D], kv [M, D] (keys and values), bias [n, M] additive (0 / -inf), sinks [Hq] fp32.
 
     Returns [n, Hq, D] in q's dtype. A query whose every key is masked attends only to its sink
@@ -24,8 +25,10 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks:
     """
     n, Hq, D = q.shape
     if kv.dim() != 2 or kv.shape[1] != D or bias.shape != (n, kv.shape[0]) or sinks.shape != (Hq,):
-        raise ValueError(f"sink_attention shapes: q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
-                         f"bias {tuple(bias.shape)}, sinks {tuple(sinks.shape)}")
+        raise ValueError(
+            f"sink_attention shapes: q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+            f"bias {tuple(bias.shape)}, sinks {tuple(sinks.shape)}"
+        )
     scores = torch.matmul(q, kv.t()) * scale + bias[:, None, :]  # [n, Hq, M]
     logits = torch.cat([scores, sinks.view(1, Hq, 1).expand(n, Hq, 1).to(scores.dtype)], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
@@ -40,9 +43,15 @@ def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
 
 
-def sparse_sink_attention(q: torch.Tensor, win_kv: torch.Tensor, win_bias: torch.Tensor,
-                          ent_kv: torch.Tensor | None, ent_bias: torch.Tensor | None, sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+def sparse_sink_attention(
+    q: torch.Tensor,
+    win_kv: torch.Tensor,
+    win_bias: torch.Tensor,
+    ent_kv: torch.Tensor | None,
+    ent_bias: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The same softmax as `sink_attention`, over only the keys each query can see.
 
     q [n, Hq, D]; win_kv [n, W, D] each query's own sliding window (gathered), win_bias [n, W];

@@ -23,8 +23,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
-PROMPTS = ["Tell me a story about a lighthouse keeper.", "Explain how rainbows form.",
-           "Describe a busy market in the morning.", "Write about a journey across the mountains."]
+PROMPTS = [
+    "Tell me a story about a lighthouse keeper.",
+    "Explain how rainbows form.",
+    "Describe a busy market in the morning.",
+    "Write about a journey across the mountains.",
+]
 
 
 def _hf_bench(model_name: str | None, new_tokens: int) -> Callable[[], float]:
@@ -38,8 +42,9 @@ def _hf_bench(model_name: str | None, new_tokens: int) -> Callable[[], float]:
     files = resolve_model(model_name)
     tok = load_tokenizer(files)
     model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
 
     def timed(n: int) -> float:
         start = time.perf_counter()
@@ -56,8 +61,12 @@ async def _round(address: str, concurrency: int, new_tokens: int, ttfts: list[fl
     from kvmesh.client import GatewayClient, make_request
 
     async with GatewayClient(address) as client:
-        reqs = [make_request(PROMPTS[i % len(PROMPTS)] + f" (variant {i})", chat=True, max_tokens=new_tokens,
-                             ignore_eos=True) for i in range(concurrency)]
+        reqs = [
+            make_request(
+                PROMPTS[i % len(PROMPTS)] + f" (variant {i})", chat=True, max_tokens=new_tokens, ignore_eos=True
+            )
+            for i in range(concurrency)
+        ]
         start = time.perf_counter()
         outs = await asyncio.gather(*[client.complete(r, timeout_s=900) for r in reqs])
         wall = time.perf_counter() - start
@@ -80,6 +89,7 @@ def run_bench(args) -> int:
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-", suffix=".log") as log:
         mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""})
         try:
+
             async def measure() -> dict[str, float]:
                 ttfts: list[float] = []
                 async with GatewayClient(mesh.gateway_address) as client:  # warm-up
@@ -92,9 +102,14 @@ def run_bench(args) -> int:
                 c4 = [(await _round(mesh.gateway_address, 4, n, ttfts))[0] for _ in range(args.rounds)]
                 c16 = [(await _round(mesh.gateway_address, 16, n, ttfts))[0] for _ in range(args.rounds)]
                 q = statistics.quantiles(ttfts, n=10)
-                return {"hf_tokens_per_s": statistics.median(hfs), "single_tokens_per_s": statistics.median(singles),
-                        "c4_tokens_per_s": statistics.median(c4), "c16_tokens_per_s": statistics.median(c16),
-                        "ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": q[8]}
+                return {
+                    "hf_tokens_per_s": statistics.median(hfs),
+                    "single_tokens_per_s": statistics.median(singles),
+                    "c4_tokens_per_s": statistics.median(c4),
+                    "c16_tokens_per_s": statistics.median(c16),
+                    "ttft_p50_s": statistics.median(ttfts),
+                    "ttft_p90_s": q[8],
+                }
 
             result = asyncio.run(measure())
         finally:
@@ -103,10 +118,12 @@ def run_bench(args) -> int:
         print(json.dumps(result))
         return 0
     print(f"\n{'measure':<42}{'value':>12}{'vs transformers':>18}")
-    rows = [("transformers generate, single stream (tok/s)", result["hf_tokens_per_s"]),
-            ("kvmesh single stream decode (tok/s)", result["single_tokens_per_s"]),
-            ("kvmesh 4 concurrent, aggregate (tok/s)", result["c4_tokens_per_s"]),
-            ("kvmesh 16 concurrent, aggregate (tok/s)", result["c16_tokens_per_s"])]
+    rows = [
+        ("transformers generate, single stream (tok/s)", result["hf_tokens_per_s"]),
+        ("kvmesh single stream decode (tok/s)", result["single_tokens_per_s"]),
+        ("kvmesh 4 concurrent, aggregate (tok/s)", result["c4_tokens_per_s"]),
+        ("kvmesh 16 concurrent, aggregate (tok/s)", result["c16_tokens_per_s"]),
+    ]
     for name, value in rows:
         print(f"{name:<42}{value:>12.1f}{value / result['hf_tokens_per_s']:>17.2f}x")
     print(f"{'TTFT p50 / p90 (ms)':<42}{result['ttft_p50_s'] * 1000:>7.0f} / {result['ttft_p90_s'] * 1000:.0f}")

@@ -34,19 +34,30 @@ def run_trace_bench(args) -> int:
     from kvmesh.routesim import TraceRequest, load_trace, router_chooser, simulate
     from protos.kvmesh.v1 import common_pb2, prefill_pb2_grpc
 
-    trace = load_trace(args.trace)[:args.limit]
+    trace = load_trace(args.trace)[: args.limit]
     B = args.block_tokens
     prompts = [[t for h in r.hash_ids for t in block_tokens(h, B)] for r in trace]
     # the simulator on the same scaled requests: blocks of B tokens, unlimited caches
     scaled = [TraceRequest(r.arrival_s, len(p), r.hash_ids) for r, p in zip(trace, prompts)]
     predicted = simulate(scaled, args.prefill, 0, router_chooser("cache_aware"), 1e9, "cache_aware")
-    print(f"replaying {len(trace)} requests ({sum(map(len, prompts))} prompt tokens, blocks of {B} tokens) "
-          f"through {args.prefill} prefill + 1 decode, {args.speedup:g}x the trace's pace ...", flush=True)
+    print(
+        f"replaying {len(trace)} requests ({sum(map(len, prompts))} prompt tokens, blocks of {B} tokens) "
+        f"through {args.prefill} prefill + 1 decode, {args.speedup:g}x the trace's pace ...",
+        flush=True,
+    )
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-trace-", suffix=".log") as log:
         # decode reserves a request's pages before its prefill: room for --concurrency long prompts
-        mesh = start_mesh(args.prefill, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""},
-                          extra_decode_args=["--num-pages", "4096"])
+        mesh = start_mesh(
+            args.prefill,
+            1,
+            args.model,
+            port=free_port(),
+            log=log,
+            env={"REDIS_URL": ""},
+            extra_decode_args=["--num-pages", "4096"],
+        )
         try:
+
             async def replay() -> tuple[list, list, float]:
                 async with GatewayClient(mesh.gateway_address) as client:
                     start = time.perf_counter()
@@ -55,16 +66,19 @@ def run_trace_bench(args) -> int:
                     async def one(r: TraceRequest, ids: list[int]):
                         await asyncio.sleep(max(0.0, r.arrival_s / args.speedup - (time.perf_counter() - start)))
                         async with slots:  # a client with a bounded number of requests in flight
-                            return await client.complete(make_request(prompt_token_ids=ids, ignore_eos=True,
-                                                                      max_tokens=args.max_tokens), timeout_s=600)
+                            return await client.complete(
+                                make_request(prompt_token_ids=ids, ignore_eos=True, max_tokens=args.max_tokens),
+                                timeout_s=600,
+                            )
 
                     outs = await asyncio.gather(*[one(r, p) for r, p in zip(trace, prompts)])
                     wall = time.perf_counter() - start
                 stats = []
                 for address in mesh.prefill_addresses:
                     async with grpc.aio.insecure_channel(address) as ch:
-                        stats.append(await prefill_pb2_grpc.PrefillStub(ch).GetStats(common_pb2.StatsRequest(),
-                                                                                      timeout=10))
+                        stats.append(
+                            await prefill_pb2_grpc.PrefillStub(ch).GetStats(common_pb2.StatsRequest(), timeout=10)
+                        )
                 return outs, stats, wall
 
             outs, stats, wall = asyncio.run(replay())
@@ -74,16 +88,24 @@ def run_trace_bench(args) -> int:
     computed = sum(s.num_prompt_tokens_computed for s in stats)
     per = [s.num_prompt_tokens_computed for s in stats]
     print(f"\n{'':<34}{'measured':>10}{'simulated':>11}")
-    print(f"{'prefix-cache hit rate (tokens)':<34}{cached / max(cached + computed, 1):>10.3f}{predicted.hit_rate:>11.3f}")
-    print(f"{'balancedness (computed tokens)':<34}{sum(per) / len(per) / max(max(per), 1):>10.3f}"
-          f"{predicted.balancedness:>11.3f}")
-    print(f"computed tokens per prefill instance: {per}; TTFT p50 "
-          f"{sorted(o.final.ttft_s for o in outs)[len(outs) // 2] * 1000:.0f} ms; {wall:.1f} s in all")
+    print(
+        f"{'prefix-cache hit rate (tokens)':<34}{cached / max(cached + computed, 1):>10.3f}{predicted.hit_rate:>11.3f}"
+    )
+    print(
+        f"{'balancedness (computed tokens)':<34}{sum(per) / len(per) / max(max(per), 1):>10.3f}"
+        f"{predicted.balancedness:>11.3f}"
+    )
+    print(
+        f"computed tokens per prefill instance: {per}; TTFT p50 "
+        f"{sorted(o.final.ttft_s for o in outs)[len(outs) // 2] * 1000:.0f} ms; {wall:.1f} s in all"
+    )
     return 0
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--trace", default=None, help="replay this Mooncake-format trace instead (see kvmesh/bench_trace.py)")
+    p.add_argument(
+        "--trace", default=None, help="replay this Mooncake-format trace instead (see kvmesh/bench_trace.py)"
+    )
     p.add_argument("--limit", type=int, default=100, help="with --trace: the first N requests")
     p.add_argument("--prefill", type=int, default=2, help="with --trace: prefill instances")
     p.add_argument("--block-tokens", type=int, default=16, help="with --trace: tokens per trace block (512 scaled)")

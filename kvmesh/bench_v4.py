@@ -57,6 +57,7 @@ def run_bench_v4(args: argparse.Namespace) -> int:
                 with torch.inference_mode():
                     hf.generate(short, max_new_tokens=k, min_new_tokens=k, do_sample=False)
                 return time.perf_counter() - start
+
             return (n - 1) / (timed(n) - timed(1))
 
         def hf_prefill() -> float:
@@ -70,10 +71,15 @@ def run_bench_v4(args: argparse.Namespace) -> int:
         with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
             mesh = start_mesh(1, 1, model_dir, port=free_port(), log=log, env={"REDIS_URL": ""})
             try:
+
                 async def mesh_decode(round_: int) -> float:
                     async with GatewayClient(mesh.gateway_address) as client:
-                        reqs = [make_request(_text(10 + 23 * i, 100 * round_ + i), chat=False, max_tokens=n,
-                                             ignore_eos=True) for i in range(args.concurrency)]
+                        reqs = [
+                            make_request(
+                                _text(10 + 23 * i, 100 * round_ + i), chat=False, max_tokens=n, ignore_eos=True
+                            )
+                            for i in range(args.concurrency)
+                        ]
                         start = time.perf_counter()
                         outs = await asyncio.gather(*[client.complete(r, timeout_s=600) for r in reqs])
                         wall = time.perf_counter() - start
@@ -83,16 +89,16 @@ def run_bench_v4(args: argparse.Namespace) -> int:
                 async def mesh_prefill(round_: int) -> float:
                     async with GatewayClient(mesh.gateway_address) as client:
                         # a new first word each round: no prefix-cache hit
-                        out = await client.complete(make_request(f"{round_} {long_text}", chat=False, max_tokens=1),
-                                                    timeout_s=600)
+                        out = await client.complete(
+                            make_request(f"{round_} {long_text}", chat=False, max_tokens=1), timeout_s=600
+                        )
                     f = out.final
                     return (f.prompt_tokens - f.cached_tokens) / f.prefill_s
 
                 async def measure() -> dict:
                     await mesh_decode(99)
                     await mesh_prefill(99)  # warm-up
-                    rows: dict[str, list[float]] = {"hf_decode": [], "c_decode": [], "hf_prefill": [],
-                                                    "prefill": []}
+                    rows: dict[str, list[float]] = {"hf_decode": [], "c_decode": [], "hf_prefill": [], "prefill": []}
                     for r in range(args.rounds):
                         rows["hf_decode"].append(hf_decode())
                         rows["c_decode"].append(await mesh_decode(r))
@@ -103,20 +109,29 @@ def run_bench_v4(args: argparse.Namespace) -> int:
                 m = asyncio.run(measure())
             finally:
                 mesh.stop()
-    result = {"hf_decode_tokens_per_s": m["hf_decode"], f"c{args.concurrency}_decode_tokens_per_s": m["c_decode"],
-              "decode_ratio": m["c_decode"] / m["hf_decode"], "hf_prefill_tokens_per_s": m["hf_prefill"],
-              "prefill_tokens_per_s": m["prefill"], "prefill_ratio": m["prefill"] / m["hf_prefill"],
-              "prefill_prompt_tokens": len(long_ids)}
+    result = {
+        "hf_decode_tokens_per_s": m["hf_decode"],
+        f"c{args.concurrency}_decode_tokens_per_s": m["c_decode"],
+        "decode_ratio": m["c_decode"] / m["hf_decode"],
+        "hf_prefill_tokens_per_s": m["hf_prefill"],
+        "prefill_tokens_per_s": m["prefill"],
+        "prefill_ratio": m["prefill"] / m["hf_prefill"],
+        "prefill_prompt_tokens": len(long_ids),
+    }
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"\n{'DeepSeek-V4 tiny config':<48}{'tok/s':>10}{'vs transformers':>18}")
     print(f"{'transformers generate, single stream decode':<48}{m['hf_decode']:>10.1f}{1:>17.2f}x")
-    print(f"{f'kvmesh {args.concurrency} concurrent, aggregate decode':<48}{m['c_decode']:>10.1f}"
-          f"{result['decode_ratio']:>17.2f}x   (target 3x)")
+    print(
+        f"{f'kvmesh {args.concurrency} concurrent, aggregate decode':<48}{m['c_decode']:>10.1f}"
+        f"{result['decode_ratio']:>17.2f}x   (target 3x)"
+    )
     print(f"{f'transformers prefill, {len(long_ids)}-token prompt':<48}{m['hf_prefill']:>10.1f}{1:>17.2f}x")
-    print(f"{f'kvmesh prefill, {len(long_ids)}-token prompt':<48}{m['prefill']:>10.1f}"
-          f"{result['prefill_ratio']:>17.2f}x   (target 1x)")
+    print(
+        f"{f'kvmesh prefill, {len(long_ids)}-token prompt':<48}{m['prefill']:>10.1f}"
+        f"{result['prefill_ratio']:>17.2f}x   (target 1x)"
+    )
     return 0
 
 

@@ -30,9 +30,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 chat = (await client.list_models()).has_chat_template
             # argv that is not UTF-8 travels as its raw bytes; the gateway says what is wrong
             prompt = args.prompt.encode("utf-8", "surrogateescape")
-            request = make_request(prompt, chat=chat, max_tokens=args.max_tokens, temperature=args.temperature,
-                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [],
-                                   model=args.model or "")
+            request = make_request(
+                prompt,
+                chat=chat,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop or [],
+                model=args.model or "",
+            )
             async for msg in client.stream(request):
                 if msg.HasField("delta"):
                     sys.stdout.write(msg.delta.text)
@@ -40,10 +48,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     state["printed"] = True
                 elif args.verbose:
                     f = msg.final
-                    print(f"\n[{f.finish_reason}: {f.prompt_tokens} prompt ({f.cached_tokens} cached), "
-                          f"{f.generated_tokens} generated, TTFT {f.ttft_s * 1000:.0f} ms, "
-                          f"ITL {f.itl_s * 1000:.1f} ms, prefill {f.prefill_instance}, decode {f.decode_instance}]",
-                          file=sys.stderr)
+                    print(
+                        f"\n[{f.finish_reason}: {f.prompt_tokens} prompt ({f.cached_tokens} cached), "
+                        f"{f.generated_tokens} generated, TTFT {f.ttft_s * 1000:.0f} ms, "
+                        f"ITL {f.itl_s * 1000:.1f} ms, prefill {f.prefill_instance}, decode {f.decode_instance}]",
+                        file=sys.stderr,
+                    )
             print()
         return 0
 
@@ -143,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     from prefill_svc import config as prefill_config
 
     parser = argparse.ArgumentParser(
-        prog="kvmesh", description="kvmesh: an LLM serving mesh with disaggregated prefill and decode. "
-        "Start a local mesh with `kvmesh up`, then ask it with `kvmesh generate PROMPT`.")
+        prog="kvmesh",
+        description="kvmesh: an LLM serving mesh with disaggregated prefill and decode. "
+        "Start a local mesh with `kvmesh up`, then ask it with `kvmesh generate PROMPT`.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local mesh (Redis, prefill, decode, gateway) until Ctrl-C")
@@ -164,9 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=_seed, default=None, help="sampling seed in [0, 2**63)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--model", default=None)
-    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
-                     help="apply the chat template (default: on when the model has one)")
-    gen.add_argument("-v", "--verbose", action="store_true", help="print token counts, timings and the instances used (to stderr)")
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on when the model has one)",
+    )
+    gen.add_argument(
+        "-v", "--verbose", action="store_true", help="print token counts, timings and the instances used (to stderr)"
+    )
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="run one service (for deployments across machines)")
@@ -188,22 +206,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
     from kvmesh.bench_v4 import add_arguments as add_bench_v4_arguments
 
-    bench_v4 = sub.add_parser("bench-v4", help="DeepSeek-V4 tiny config: 8-concurrent decode and 2K prefill "
-                              "vs transformers")
+    bench_v4 = sub.add_parser(
+        "bench-v4", help="DeepSeek-V4 tiny config: 8-concurrent decode and 2K prefill vs transformers"
+    )
     add_bench_v4_arguments(bench_v4)
     bench_v4.set_defaults(func=_cmd_bench_v4)
 
     from kvmesh.routesim import add_arguments as add_routesim_arguments
 
-    routesim = sub.add_parser("routesim", help="replay a Mooncake trace against the routing policies (simulated "
-                              "instances): hit rate vs oracle, balancedness, queueing")
+    routesim = sub.add_parser(
+        "routesim",
+        help="replay a Mooncake trace against the routing policies (simulated "
+        "instances): hit rate vs oracle, balancedness, queueing",
+    )
     add_routesim_arguments(routesim)
     routesim.set_defaults(func=_cmd_routesim)
 
     from kvmesh.fuzz import add_arguments as add_fuzz_arguments
 
-    fuzz = sub.add_parser("fuzz", help="random and hostile requests against a gateway: counts by status, "
-                          "fails on UNKNOWN/INTERNAL or a mesh that stops answering")
+    fuzz = sub.add_parser(
+        "fuzz",
+        help="random and hostile requests against a gateway: counts by status, "
+        "fails on UNKNOWN/INTERNAL or a mesh that stops answering",
+    )
     add_fuzz_arguments(fuzz)
     fuzz.set_defaults(func=_cmd_fuzz)
 

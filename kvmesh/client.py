@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from runtime.service import GRPC_OPTIONS
 from protos.kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from runtime.service import GRPC_OPTIONS
 
 
 @dataclass
@@ -20,14 +20,24 @@ class Completion:
     final: gateway_pb2.Final | None = None
 
 
-def make_request(prompt: str | bytes = b"", *, messages: list[tuple[str, str]] | None = None, chat: bool = False,
-                 max_tokens: int | None = None, temperature: float = 0.0, top_p: float | None = None,
-                 top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                 ignore_eos: bool = False, model: str = "", request_id: str = "",
-                 prompt_token_ids: list[int] | None = None) -> gateway_pb2.GenerateRequest:
+def make_request(
+    prompt: str | bytes = b"",
+    *,
+    messages: list[tuple[str, str]] | None = None,
+    chat: bool = False,
+    max_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: list[str] | None = None,
+    ignore_eos: bool = False,
+    model: str = "",
+    request_id: str = "",
+    prompt_token_ids: list[int] | None = None,
+) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids."""
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=stop or [],
-                                         ignore_eos=ignore_eos)
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
     if top_p is not None:
         sampling.top_p = top_p
     if max_tokens is not None:
@@ -35,9 +45,14 @@ def make_request(prompt: str | bytes = b"", *, messages: list[tuple[str, str]] |
     if seed is not None:
         sampling.seed = seed
     return gateway_pb2.GenerateRequest(
-        request_id=request_id, model=model, prompt=prompt.encode() if isinstance(prompt, str) else prompt,
-        messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in (messages or [])], chat=chat,
-        sampling=sampling, prompt_token_ids=prompt_token_ids or [])
+        request_id=request_id,
+        model=model,
+        prompt=prompt.encode() if isinstance(prompt, str) else prompt,
+        messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in (messages or [])],
+        chat=chat,
+        sampling=sampling,
+        prompt_token_ids=prompt_token_ids or [],
+    )
 
 
 class GatewayClient:
@@ -48,7 +63,7 @@ class GatewayClient:
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
-    async def __aenter__(self) -> "GatewayClient":
+    async def __aenter__(self) -> GatewayClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -57,8 +72,9 @@ class GatewayClient:
     async def list_models(self, timeout_s: float = 10.0) -> gateway_pb2.ListModelsResponse:
         return await self.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout_s)
 
-    async def stream(self, request: gateway_pb2.GenerateRequest,
-                     timeout_s: float | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def stream(
+        self, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Yield the gateway's messages as they arrive; raises grpc.aio.AioRpcError on failure."""
         async for msg in self.stub.Generate(request, timeout=timeout_s):
             yield msg

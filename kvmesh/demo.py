@@ -28,15 +28,21 @@ async def _ask(address: str) -> None:
                     sys.stdout.flush()
                 else:
                     f = msg.final
-                    print(f"\n    [{f.finish_reason}; {f.prompt_tokens} prompt tokens ({f.cached_tokens} cached), "
-                          f"{f.generated_tokens} generated; TTFT {f.ttft_s * 1000:.0f} ms, "
-                          f"ITL {f.itl_s * 1000:.1f} ms; KV pushed {f.kv_transfer.nbytes / 1e6:.1f} MB "
-                          f"in {f.kv_transfer.num_pages} pages]", flush=True)
+                    print(
+                        f"\n    [{f.finish_reason}; {f.prompt_tokens} prompt tokens ({f.cached_tokens} cached), "
+                        f"{f.generated_tokens} generated; TTFT {f.ttft_s * 1000:.0f} ms, "
+                        f"ITL {f.itl_s * 1000:.1f} ms; KV pushed {f.kv_transfer.nbytes / 1e6:.1f} MB "
+                        f"in {f.kv_transfer.num_pages} pages]",
+                        flush=True,
+                    )
 
 
 def main() -> int:
-    print("kvmesh demo: starting Redis, 1 prefill, 1 decode and the gateway on the default model "
-          "(the first start converts the GGUF, ~20 s) ...", flush=True)
+    print(
+        "kvmesh demo: starting Redis, 1 prefill, 1 decode and the gateway on the default model "
+        "(the first start converts the GGUF, ~20 s) ...",
+        flush=True,
+    )
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-demo-", suffix=".log", delete=False) as log:
         try:
             mesh = start_mesh(1, 1, port=free_port(), log=log)

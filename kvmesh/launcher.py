@@ -74,10 +74,19 @@ def _serve(kind: str, args: list[str], env: dict[str, str], log) -> subprocess.P
     return subprocess.Popen(cmd, env={**env, PARENT_PID_ENV: str(os.getpid())}, stdout=log, stderr=subprocess.STDOUT)
 
 
-def start_mesh(num_prefill: int = 1, num_decode: int = 1, model: str | None = None, port: int = 50051,
-               host: str = "127.0.0.1", extra_prefill_args: list[str] | None = None,
-               extra_decode_args: list[str] | None = None, extra_gateway_args: list[str] | None = None,
-               env: dict[str, str] | None = None, log=None, ready_timeout_s: float = 600.0) -> Mesh:
+def start_mesh(
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    model: str | None = None,
+    port: int = 50051,
+    host: str = "127.0.0.1",
+    extra_prefill_args: list[str] | None = None,
+    extra_decode_args: list[str] | None = None,
+    extra_gateway_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    log=None,
+    ready_timeout_s: float = 600.0,
+) -> Mesh:
     """Start Redis (unless REDIS_URL answers), the instances and the gateway; wait until all are SERVING.
 
     Raises ValueError for an unknown model, RuntimeError when a child exits during start-up,
@@ -102,23 +111,49 @@ def start_mesh(num_prefill: int = 1, num_decode: int = 1, model: str | None = No
     else:
         redis_proc = RedisProcess(die_with_parent=True)
         redis_url = redis_proc.url
-    mesh = Mesh(gateway_address=f"{host}:{port}", redis_url=redis_url, prefill_addresses=[],
-                decode_addresses=[], redis=redis_proc)
+    mesh = Mesh(
+        gateway_address=f"{host}:{port}",
+        redis_url=redis_url,
+        prefill_addresses=[],
+        decode_addresses=[],
+        redis=redis_proc,
+    )
     try:
         for i in range(num_decode):
             p = free_port(host)
             mesh.decode_addresses.append(f"{host}:{p}")
-            mesh.procs.append((f"decode-{i}", _serve("decode", ["--host", host, "--port", str(p),
-                                                                *(extra_decode_args or [])], env, log)))
+            mesh.procs.append(
+                (
+                    f"decode-{i}",
+                    _serve("decode", ["--host", host, "--port", str(p), *(extra_decode_args or [])], env, log),
+                )
+            )
         for i in range(num_prefill):
             p = free_port(host)
             mesh.prefill_addresses.append(f"{host}:{p}")
-            mesh.procs.append((f"prefill-{i}", _serve("prefill", ["--host", host, "--port", str(p), "--redis-url",
-                                                                  redis_url, *(extra_prefill_args or [])], env, log)))
+            mesh.procs.append(
+                (
+                    f"prefill-{i}",
+                    _serve(
+                        "prefill",
+                        ["--host", host, "--port", str(p), "--redis-url", redis_url, *(extra_prefill_args or [])],
+                        env,
+                        log,
+                    ),
+                )
+            )
         _wait_ready(mesh, mesh.prefill_addresses + mesh.decode_addresses, ready_timeout_s)
-        gw_args = ["--host", host, "--port", str(port), "--redis-url", redis_url,
-                   *[a for d in mesh.prefill_addresses for a in ("--prefill", d)],
-                   *[a for d in mesh.decode_addresses for a in ("--decode", d)], *(extra_gateway_args or [])]
+        gw_args = [
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--redis-url",
+            redis_url,
+            *[a for d in mesh.prefill_addresses for a in ("--prefill", d)],
+            *[a for d in mesh.decode_addresses for a in ("--decode", d)],
+            *(extra_gateway_args or []),
+        ]
         mesh.procs.append(("gateway", _serve("gateway", gw_args, env, log)))
         _wait_ready(mesh, [mesh.gateway_address], 120.0)
     except BaseException:
@@ -160,6 +195,7 @@ def _wait_ready(mesh: Mesh, addresses: list[str], timeout_s: float) -> None:
 
 def run_up(num_prefill: int, num_decode: int, model: str | None, port: int) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death."""
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt  # start_mesh stops what it started on the way out
 
@@ -176,9 +212,12 @@ def run_up(num_prefill: int, num_decode: int, model: str | None, port: int) -> i
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"kvmesh is up: gateway {mesh.gateway_address} (prefill {', '.join(mesh.prefill_addresses)}; "
-          f"decode {', '.join(mesh.decode_addresses)}; redis {mesh.redis_url})", flush=True)
-    print(f"try: kvmesh generate --gateway {mesh.gateway_address} \"What is the capital of France?\"", flush=True)
+    print(
+        f"kvmesh is up: gateway {mesh.gateway_address} (prefill {', '.join(mesh.prefill_addresses)}; "
+        f"decode {', '.join(mesh.decode_addresses)}; redis {mesh.redis_url})",
+        flush=True,
+    )
+    print(f'try: kvmesh generate --gateway {mesh.gateway_address} "What is the capital of France?"', flush=True)
     code = 0
     try:
         while not stop.wait(0.5):

@@ -44,16 +44,40 @@ class RedisProcess:
         a small exec shim, so no Python runs between fork and exec)."""
         binary = shutil.which("redis-server")
         if binary is None:
-            raise FileNotFoundError("redis-server not found: install it (apt-get install redis-server) or set REDIS_URL")
+            raise FileNotFoundError(
+                "redis-server not found: install it (apt-get install redis-server) or set REDIS_URL"
+            )
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="kvmesh-redis-")
-        shim = [sys.executable, "-c", "import ctypes, os, signal, sys; "
-                "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); os.execv(sys.argv[1], sys.argv[1:])"]
+        shim = [
+            sys.executable,
+            "-c",
+            "import ctypes, os, signal, sys; "
+            "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); os.execv(sys.argv[1], sys.argv[1:])",
+        ]
         self.proc = subprocess.Popen(
-            [*(shim if die_with_parent else []), binary, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                *(shim if die_with_parent else []),
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir.name,
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout_s
         while not ping(self.url):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -117,9 +117,14 @@ def oracle_hit_rate(trace: Sequence[TraceRequest], capacity_blocks: int) -> floa
     return hits / max(total, 1)
 
 
-def simulate(trace: Sequence[TraceRequest], num_instances: int, capacity_blocks: int,
-             choose: Callable[[TraceRequest, list[InstanceLoad], list[LRUBlocks]], int],
-             tokens_per_s: float, policy: str = "") -> SimResult:
+def simulate(
+    trace: Sequence[TraceRequest],
+    num_instances: int,
+    capacity_blocks: int,
+    choose: Callable[[TraceRequest, list[InstanceLoad], list[LRUBlocks]], int],
+    tokens_per_s: float,
+    policy: str = "",
+) -> SimResult:
     """Replay `trace` with `choose(request, loads, caches) -> instance index`; see the module docstring."""
     caches = [LRUBlocks(capacity_blocks) for _ in range(num_instances)]
     loads = [InstanceLoad(address=f"sim-{k}", instance_id=f"sim-{k}") for k in range(num_instances)]
@@ -148,9 +153,15 @@ def simulate(trace: Sequence[TraceRequest], num_instances: int, capacity_blocks:
         loads[k].total_routed_tokens += uncached
         computed[k] += uncached
     q = statistics.quantiles(delays, n=10) if len(delays) > 1 else [delays[0]] * 9
-    return SimResult(policy, hits / max(total, 1), oracle_hit_rate(trace, capacity_blocks * num_instances),
-                     statistics.mean(computed) / max(max(computed), 1), statistics.median(delays), q[8],
-                     tuple(computed))
+    return SimResult(
+        policy,
+        hits / max(total, 1),
+        oracle_hit_rate(trace, capacity_blocks * num_instances),
+        statistics.mean(computed) / max(max(computed), 1),
+        statistics.median(delays),
+        q[8],
+        tuple(computed),
+    )
 
 
 def router_chooser(policy: str, **router_args) -> Callable:
@@ -186,38 +197,65 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit must be >= 0 (0: the whole trace), got {args.limit}")
     trace = load_trace(args.trace)
     if args.limit:
-        trace = trace[:args.limit]
+        trace = trace[: args.limit]
     if not trace:
         raise ValueError(f"{args.trace} holds no requests")
     policies = args.policy or list(POLICIES)
     rows: list[SimResult] = []
     for p in policies:
-        rows.append(simulate(trace, args.instances, args.capacity_blocks,
-                             router_chooser(p, cache_threshold=args.cache_threshold, load_weight=args.load_weight),
-                             args.tokens_per_s, policy=p))
+        rows.append(
+            simulate(
+                trace,
+                args.instances,
+                args.capacity_blocks,
+                router_chooser(p, cache_threshold=args.cache_threshold, load_weight=args.load_weight),
+                args.tokens_per_s,
+                policy=p,
+            )
+        )
     if args.sglang:
         from kvmesh.sglang_router import sglang_assignments
 
         with open(args.trace) as f:  # the raw rows: the replay also holds requests for their output length
-            raw = [{"output_length": 0, **json.loads(line)} for line in f if line.strip()][:len(trace)]
+            raw = [{"output_length": 0, **json.loads(line)} for line in f if line.strip()][: len(trace)]
         for p in ("cache_aware", "prefix_hash"):
-            rows.append(simulate(trace, args.instances, args.capacity_blocks,
-                                 fixed_chooser(sglang_assignments(raw, args.instances, p)),
-                                 args.tokens_per_s, policy=f"sglang:{p}"))
+            rows.append(
+                simulate(
+                    trace,
+                    args.instances,
+                    args.capacity_blocks,
+                    fixed_chooser(sglang_assignments(raw, args.instances, p)),
+                    args.tokens_per_s,
+                    policy=f"sglang:{p}",
+                )
+            )
     if args.json:
         for row in rows:
-            print(json.dumps({"policy": row.policy, "hit_rate": row.hit_rate, "oracle_hit_rate": row.oracle_hit_rate,
-                              "balancedness": row.balancedness, "queue_p50_s": row.queue_p50_s,
-                              "queue_p90_s": row.queue_p90_s}))
+            print(
+                json.dumps(
+                    {
+                        "policy": row.policy,
+                        "hit_rate": row.hit_rate,
+                        "oracle_hit_rate": row.oracle_hit_rate,
+                        "balancedness": row.balancedness,
+                        "queue_p50_s": row.queue_p50_s,
+                        "queue_p90_s": row.queue_p90_s,
+                    }
+                )
+            )
         return 0
     cap = "unlimited" if not args.capacity_blocks else f"{args.capacity_blocks} blocks"
-    print(f"{len(trace)} requests, {args.instances} instances, capacity {cap} each, "
-          f"{args.tokens_per_s:.0f} prefill tok/s per instance")
+    print(
+        f"{len(trace)} requests, {args.instances} instances, capacity {cap} each, "
+        f"{args.tokens_per_s:.0f} prefill tok/s per instance"
+    )
     print(f"{'policy':<20}{'hit rate':>10}{'oracle':>9}{'vs oracle':>11}{'balanced':>10}{'queue p50':>11}{'p90':>9}")
     for row in rows:
-        print(f"{row.policy:<20}{row.hit_rate:>10.4f}{row.oracle_hit_rate:>9.4f}"
-              f"{row.hit_rate / max(row.oracle_hit_rate, 1e-9):>11.3f}{row.balancedness:>10.3f}"
-              f"{row.queue_p50_s:>10.2f}s{row.queue_p90_s:>8.2f}s")
+        print(
+            f"{row.policy:<20}{row.hit_rate:>10.4f}{row.oracle_hit_rate:>9.4f}"
+            f"{row.hit_rate / max(row.oracle_hit_rate, 1e-9):>11.3f}{row.balancedness:>10.3f}"
+            f"{row.queue_p50_s:>10.2f}s{row.queue_p90_s:>8.2f}s"
+        )
     return 0
 
 
@@ -225,8 +263,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="Mooncake-format JSONL trace")
     p.add_argument("--instances", type=int, default=4)
     p.add_argument("--capacity-blocks", type=int, default=0, help="LRU blocks per instance (0: unlimited)")
-    p.add_argument("--policy", action="append", choices=POLICIES,
-                   help="policy to run (repeatable; default: every policy)")
+    p.add_argument(
+        "--policy", action="append", choices=POLICIES, help="policy to run (repeatable; default: every policy)"
+    )
     p.add_argument("--tokens-per-s", type=float, default=10000.0, help="prefill tokens/s of one instance")
     p.add_argument("--cache-threshold", type=float, default=PrefillRouter.cache_threshold)
     p.add_argument("--load-weight", type=float, default=PrefillRouter.load_weight)

@@ -223,8 +223,16 @@ class _Board:
 class _Replay:
     """Sends trace requests through the router in virtual time (see sglang_assignments)."""
 
-    def __init__(self, port: int, urls: list[str], log_path: str, board: _Board, deadline: float,
-                 track_load: bool, key_blocks: int) -> None:
+    def __init__(
+        self,
+        port: int,
+        urls: list[str],
+        log_path: str,
+        board: _Board,
+        deadline: float,
+        track_load: bool,
+        key_blocks: int,
+    ) -> None:
         self.port, self.urls, self.log_path, self.board, self.deadline = port, urls, log_path, board, deadline
         self.track_load = track_load  # sync with the router's load counters before each decision
         self.key_blocks = key_blocks  # > 0: send X-SMG-Routing-Key built from this many leading blocks
@@ -355,8 +363,13 @@ class _StubHandler(BaseHTTPRequestHandler):
         p = self.board.arrive(rid, self.worker_index)
         if p is not None:
             p.release.wait(max(0.0, self.board.deadline - time.monotonic()))
-        meta = {"id": rid, "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 0,
-                "completion_tokens": 1, "cached_tokens": 0}
+        meta = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": 0,
+            "completion_tokens": 1,
+            "cached_tokens": 0,
+        }
         self._reply({"text": "", "meta_info": meta})
 
     def _reply(self, obj: dict) -> None:
@@ -395,21 +408,44 @@ class _StubWorker:
 def _router(worker_urls: list[str], policy: str, deadline: float) -> Iterator[tuple[int, str]]:
     """Run sglang-router on loopback until the block exits; yield (port, log file path)."""
     port, metrics_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-c", _LAUNCHER, policy, "--worker-urls", *worker_urls,
-           "--host", "127.0.0.1", "--port", str(port),
-           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-           "--log-level", "warn"]
+    cmd = [
+        sys.executable,
+        "-c",
+        _LAUNCHER,
+        policy,
+        "--worker-urls",
+        *worker_urls,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--log-level",
+        "warn",
+    ]
     # Anything the router tries to fetch from outside goes to a closed loopback port instead.
     guard = "http://127.0.0.1:9"
-    env = dict(os.environ, HTTP_PROXY=guard, HTTPS_PROXY=guard, ALL_PROXY=guard,
-               http_proxy=guard, https_proxy=guard, all_proxy=guard,
-               NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    env = dict(
+        os.environ,
+        HTTP_PROXY=guard,
+        HTTPS_PROXY=guard,
+        ALL_PROXY=guard,
+        http_proxy=guard,
+        https_proxy=guard,
+        all_proxy=guard,
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+    )
     fd, log_path = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
     logger.debug("starting sglang-router (%s) on 127.0.0.1:%d for %s, log %s", policy, port, worker_urls, log_path)
     try:
         with os.fdopen(fd, "wb") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         try:
             _wait_ready(proc, port, len(worker_urls), min(deadline, time.monotonic() + _STARTUP_TIMEOUT_S), log_path)
             yield port, log_path
@@ -423,8 +459,9 @@ def _wait_ready(proc: subprocess.Popen, port: int, num_workers: int, deadline: f
     """Block until the router lists all workers as healthy; RuntimeError if it exits or stalls."""
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"sglang-router exited with code {proc.returncode} before it was ready\n"
-                               f"{_log_tail(log_path)}")
+            raise RuntimeError(
+                f"sglang-router exited with code {proc.returncode} before it was ready\n{_log_tail(log_path)}"
+            )
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/workers")
@@ -435,8 +472,9 @@ def _wait_ready(proc: subprocess.Popen, port: int, num_workers: int, deadline: f
         except (OSError, ValueError, http.client.HTTPException):
             pass  # not listening yet, or workers still registering
         if time.monotonic() > deadline:
-            raise RuntimeError(f"sglang-router did not register {num_workers} healthy workers in time\n"
-                               f"{_log_tail(log_path)}")
+            raise RuntimeError(
+                f"sglang-router did not register {num_workers} healthy workers in time\n{_log_tail(log_path)}"
+            )
         time.sleep(0.1)
 
 

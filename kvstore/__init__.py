@@ -27,9 +27,18 @@ _LAZY = {
 }
 
 __all__ = [
-    "BlockHash", "BlockHasher", "hash_block", "hash_blocks",
-    "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent",
-    "BlockPool", "PrefixMatch", "Allocation", "NoFreeBlocksError",
+    "BlockHash",
+    "BlockHasher",
+    "hash_block",
+    "hash_blocks",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "KVEvent",
+    "BlockPool",
+    "PrefixMatch",
+    "Allocation",
+    "NoFreeBlocksError",
     *_LAZY,
 ]
 

@@ -92,7 +92,7 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
     prev = _check_parent(parent)
     hashes: list[BlockHash] = []
     for start in range(0, tokens.size - block_size + 1, block_size):
-        prev = _digest(prev, tokens[start:start + block_size])
+        prev = _digest(prev, tokens[start : start + block_size])
         hashes.append(prev)
     return hashes
 
@@ -133,5 +133,5 @@ class BlockHasher:
         parent = self.hashes[-1] if self.hashes else None
         new = hash_blocks(tokens, self.block_size, parent)
         self.hashes.extend(new)
-        self._pending = tokens[len(new) * self.block_size:].copy()
+        self._pending = tokens[len(new) * self.block_size :].copy()
         return new

@@ -66,8 +66,13 @@ class BlockPool:
             cleared), in the order the changes happened.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_events: Callable[[list[KVEvent]], None] | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -144,7 +149,8 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"asked for {num_blocks} KV blocks, only {self.num_free_blocks} free "
-                f"(of {self.num_blocks}, {self._num_referenced} in use)")
+                f"(of {self.num_blocks}, {self._num_referenced} in use)"
+            )
         block_ids: list[int] = []
         evicted: list[BlockHash] = []
         while len(block_ids) < num_blocks and self._free:
@@ -213,7 +219,8 @@ class BlockPool:
             drops[block_id] = drops.get(block_id, 0) + 1
         for block_id, n in drops.items():
             assert self._refcount[block_id] >= n, (
-                f"double free of block {block_id}: refcount {self._refcount[block_id]}, freed {n} times")
+                f"double free of block {block_id}: refcount {self._refcount[block_id]}, freed {n} times"
+            )
         for block_id in block_ids:
             self._refcount[block_id] -= 1
             if self._refcount[block_id] == 0:
@@ -262,11 +269,16 @@ class BlockPool:
         assert not free & referenced, f"blocks both free and referenced: {sorted(free & referenced)}"
         assert not evictable & referenced, f"blocks both evictable and referenced: {sorted(evictable & referenced)}"
         assert len(free) + len(evictable) + len(referenced) == self.num_blocks, (
-            len(free), len(evictable), len(referenced), self.num_blocks)
+            len(free),
+            len(evictable),
+            len(referenced),
+            self.num_blocks,
+        )
         assert self._num_referenced == len(referenced), (self._num_referenced, len(referenced))
         for block_hash, block_id in self._by_hash.items():
             assert self._hash_of[block_id] == block_hash, (
-                f"hash map says block {block_id} holds {block_hash.hex()}, block says {self._hash_of[block_id]!r}")
+                f"hash map says block {block_id} holds {block_hash.hex()}, block says {self._hash_of[block_id]!r}"
+            )
         cached = {b for b, h in enumerate(self._hash_of) if h is not None}
         assert len(cached) == len(self._by_hash), f"{len(cached)} blocks hold hashes, hash map has {len(self._by_hash)}"
         assert evictable <= cached, f"evictable blocks without a hash: {sorted(evictable - cached)}"

@@ -65,8 +65,9 @@ class _Keys:
         return f"{self.prefix}:instance:{instance_id}:blocks"
 
 
-def _leading_runs(rows: Sequence[Sequence[int]], instance_ids: Sequence[str],
-                  leases: Sequence[str | None]) -> dict[str, int]:
+def _leading_runs(
+    rows: Sequence[Sequence[int]], instance_ids: Sequence[str], leases: Sequence[str | None]
+) -> dict[str, int]:
     """rows[i][j] = 1 when instance j holds block i; count each instance's leading 1s.
     Instances whose lease is missing (leases[j] falsy) count 0."""
     counts = dict.fromkeys(instance_ids, 0)
@@ -97,8 +98,9 @@ class RedisKVIndex:
         self.namespace = namespace
         self._keys = _Keys(namespace, model)
         # bounded by default: a stopped Redis must not hold a caller forever (the URL may override)
-        self._redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2.0,
-                                           socket_connect_timeout=2.0)
+        self._redis = redis.Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
         self._seq: dict[str, int] = {}
 
@@ -163,11 +165,16 @@ class RedisKVIndex:
             else:
                 raise TypeError(f"not a KV event: {event!r}")
             seq = self._seq[instance_id] = self._seq.get(instance_id, 0) + 1  # this writer's count
-            pipe.xadd(keys.stream, {"instance": instance_id, "seq": seq, "type": kind, "hashes": ",".join(hexes)},
-                      maxlen=STREAM_MAXLEN, approximate=True)
+            pipe.xadd(
+                keys.stream,
+                {"instance": instance_id, "seq": seq, "type": kind, "hashes": ",".join(hexes)},
+                maxlen=STREAM_MAXLEN,
+                approximate=True,
+            )
             if kind == "cleared":
-                self._clear_script(keys=[keys.instance(instance_id)], args=[keys.block_prefix, instance_id],
-                                   client=pipe)
+                self._clear_script(
+                    keys=[keys.instance(instance_id)], args=[keys.block_prefix, instance_id], client=pipe
+                )
             elif hexes:
                 op = pipe.sadd if kind == "stored" else pipe.srem
                 for h in hexes:
@@ -218,8 +225,9 @@ class AsyncRedisKVIndexReader:
         self.model = model
         self.namespace = namespace
         self._keys = _Keys(namespace, model)
-        self._redis = redis.asyncio.Redis.from_url(redis_url, decode_responses=True, socket_timeout=2.0,
-                                                   socket_connect_timeout=2.0)
+        self._redis = redis.asyncio.Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
 
     async def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:

@@ -34,8 +34,11 @@ _TAG_HEADER = 1 << 60
 _TAG_SIZES = _TAG_HEADER + 1
 _TAG_ACK = _TAG_HEADER + 2
 ACK_OK, ACK_UNKNOWN, ACK_SIZE_MISMATCH, ACK_PROTOCOL = 0, 1, 2, 3
-_ACK_MEANING = {ACK_UNKNOWN: "unknown or cancelled transfer id", ACK_SIZE_MISMATCH: "page size mismatch",
-                ACK_PROTOCOL: "protocol mismatch"}
+_ACK_MEANING = {
+    ACK_UNKNOWN: "unknown or cancelled transfer id",
+    ACK_SIZE_MISMATCH: "page size mismatch",
+    ACK_PROTOCOL: "protocol mismatch",
+}
 
 
 class TransferError(Exception):
@@ -74,8 +77,10 @@ class _UcxRuntime:
     def acquire(self) -> None:
         loop = asyncio.get_running_loop()
         if self._users and loop is not self._loop:
-            raise RuntimeError("kvstore's UCX transport is already bound to another event loop; "
-                               "use one event loop per process (or close every KVSender/KVReceiver first)")
+            raise RuntimeError(
+                "kvstore's UCX transport is already bound to another event loop; "
+                "use one event loop per process (or close every KVSender/KVReceiver first)"
+            )
         if self._users == 0:
             try:
                 ucxx.init(progress_mode="thread", enable_python_future=True)
@@ -179,5 +184,3 @@ def _post_all(ep, op, buffers: Sequence[Array]) -> list:
         return await op(buf, tag=i)
 
     return [post(i, buf) for i, buf in enumerate(buffers)]
-
-

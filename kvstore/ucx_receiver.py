@@ -15,9 +15,24 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
-from kvstore.ucx_common import (ACK_OK, ACK_PROTOCOL, ACK_SIZE_MISMATCH, ACK_UNKNOWN, MAGIC, MAX_BUFFERS,
-                                 VERSION, TransferError, TransferResult, _as_buffer, _check_transfer_id,
-                                 _post_all, _runtime, _TAG_ACK, _TAG_HEADER, _TAG_SIZES)
+from kvstore.ucx_common import (
+    _TAG_ACK,
+    _TAG_HEADER,
+    _TAG_SIZES,
+    ACK_OK,
+    ACK_PROTOCOL,
+    ACK_SIZE_MISMATCH,
+    ACK_UNKNOWN,
+    MAGIC,
+    MAX_BUFFERS,
+    VERSION,
+    TransferError,
+    TransferResult,
+    _as_buffer,
+    _check_transfer_id,
+    _post_all,
+    _runtime,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +119,7 @@ class KVReceiver:
 
     @property
     def address(self) -> str:
-        """"host:port" senders push to."""
+        """ "host:port" senders push to."""
         return f"{self.host}:{self.port}"
 
     def expect(self, transfer_id: int, buffers: Sequence[np.ndarray]) -> asyncio.Future:
@@ -214,8 +229,14 @@ class KVReceiver:
             await ep.recv(header, tag=_TAG_HEADER)  # idle here between pushes
             magic, version, tid, n = (int(x) for x in header)
             if magic != MAGIC or version != VERSION or n > MAX_BUFFERS:
-                logger.warning("KV receiver %s: %s sent a bad header (magic %#x, version %d, n %d); dropping it",
-                               self.address, peer, magic, version, n)
+                logger.warning(
+                    "KV receiver %s: %s sent a bad header (magic %#x, version %d, n %d); dropping it",
+                    self.address,
+                    peer,
+                    magic,
+                    version,
+                    n,
+                )
                 await self._ack(ep, ACK_PROTOCOL)
                 return
             sizes = np.empty(n, dtype="<u8")
@@ -223,14 +244,17 @@ class KVReceiver:
                 await ep.recv(sizes, tag=_TAG_SIZES)
             entry = self._pending.pop(tid, None)
             if entry is None or entry.future.done():
-                logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: draining %d pages",
-                               tid, peer, n)
+                logger.warning(
+                    "[transfer %d] push from %s for an unknown or cancelled transfer: draining %d pages", tid, peer, n
+                )
                 await self._drain(ep, sizes)
                 await self._ack(ep, ACK_UNKNOWN)
                 continue
             if sizes.tolist() != entry.sizes:
-                msg = (f"[transfer {tid}] size mismatch: pushed {n} pages of {sizes.tolist()[:4]}... bytes, "
-                       f"expected {len(entry.sizes)} pages of {entry.sizes[:4]}... bytes")
+                msg = (
+                    f"[transfer {tid}] size mismatch: pushed {n} pages of {sizes.tolist()[:4]}... bytes, "
+                    f"expected {len(entry.sizes)} pages of {entry.sizes[:4]}... bytes"
+                )
                 logger.warning("%s (from %s)", msg, peer)
                 self._finish(entry, error=TransferError(f"{msg} at {self.address}"))
                 await self._drain(ep, sizes)
@@ -253,13 +277,18 @@ class KVReceiver:
             error = exc
         if error is not None:
             ep.abort()  # no receive may stay posted into pages once the future is done
-            self._finish(entry, error=TransferError(
-                f"[transfer {entry.transfer_id}] push from {peer} to {self.address} broke off: {error!r}"))
+            self._finish(
+                entry,
+                error=TransferError(
+                    f"[transfer {entry.transfer_id}] push from {peer} to {self.address} broke off: {error!r}"
+                ),
+            )
             raise error
         seconds = time.perf_counter() - started
         self._finish(entry, result=TransferResult(entry.transfer_id, n, sum(entry.sizes), seconds))
-        logger.debug("[transfer %d] %d pages, %d bytes landed in %.6f s", entry.transfer_id, n,
-                     sum(entry.sizes), seconds)
+        logger.debug(
+            "[transfer %d] %d pages, %d bytes landed in %.6f s", entry.transfer_id, n, sum(entry.sizes), seconds
+        )
 
     async def _drain(self, ep, sizes: np.ndarray) -> None:
         """Receive and discard a push nobody wants, so the endpoint stays in step."""
@@ -272,8 +301,9 @@ class KVReceiver:
     async def _ack(self, ep, code: int) -> None:
         await ep.send(np.array([code], dtype=np.uint8), tag=_TAG_ACK)
 
-    def _finish(self, entry: _Expected, result: TransferResult | None = None,
-                error: BaseException | None = None) -> None:
+    def _finish(
+        self, entry: _Expected, result: TransferResult | None = None, error: BaseException | None = None
+    ) -> None:
         self._active.pop(entry.transfer_id, None)
         entry.started = False
         entry.ep = None
@@ -290,5 +320,3 @@ class KVReceiver:
     def _forget(self, entry: _Expected) -> None:
         if self._pending.get(entry.transfer_id) is entry:
             del self._pending[entry.transfer_id]
-
-

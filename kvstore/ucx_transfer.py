@@ -22,6 +22,7 @@ messages; each incoming connection gets its own receive loop.
 The receiver is in kvstore/ucx_receiver.py and the shared runtime, constants and helpers
 in kvstore/ucx_common.py; this module holds the sender and re-exports the rest.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,15 +36,32 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
-from kvstore.ucx_common import (MAGIC, MAX_BUFFERS, VERSION, TransferError, TransferResult, _as_buffer,
-                                 _check_transfer_id, parse_address, _post_all, _runtime, _TAG_ACK, _TAG_HEADER,
-                                 _TAG_SIZES, _ACK_MEANING, ACK_OK, ACK_SIZE_MISMATCH, ACK_UNKNOWN,
-                                 pages_digest)
+from kvstore.ucx_common import (
+    _ACK_MEANING,
+    _TAG_ACK,
+    _TAG_HEADER,
+    _TAG_SIZES,
+    ACK_OK,
+    ACK_SIZE_MISMATCH,
+    ACK_UNKNOWN,
+    MAGIC,
+    MAX_BUFFERS,
+    VERSION,
+    TransferError,
+    TransferResult,
+    _as_buffer,
+    _check_transfer_id,
+    _post_all,
+    _runtime,
+    pages_digest,
+    parse_address,
+)
 from kvstore.ucx_receiver import KVReceiver
 
 __all__ = ["KVReceiver", "KVSender", "TransferError", "TransferResult", "pages_digest", "parse_address"]
 
 logger = logging.getLogger(__name__)
+
 
 class KVSender:
     """Prefill side: pushes pages to decode receivers, one cached UCX endpoint per address.
@@ -103,8 +121,9 @@ class KVSender:
             except BaseException as exc:
                 self._drop(address)  # aborting cancels every send still reading the pages
                 if isinstance(exc, TimeoutError):
-                    raise TransferError(f"[transfer {tid}] push to {address} timed out after "
-                                        f"{self.transfer_timeout_s} s (peer stalled)") from exc
+                    raise TransferError(
+                        f"[transfer {tid}] push to {address} timed out after {self.transfer_timeout_s} s (peer stalled)"
+                    ) from exc
                 if isinstance(exc, (UCXError, OSError)):
                     raise TransferError(f"[transfer {tid}] push to {address} failed: {exc!r}") from exc
                 raise
@@ -112,8 +131,9 @@ class KVSender:
         if code != ACK_OK:
             if code not in (ACK_UNKNOWN, ACK_SIZE_MISMATCH):
                 self._drop(address)
-            raise TransferError(f"[transfer {tid}] receiver at {address} refused the push: "
-                                f"{_ACK_MEANING.get(code, f'ack code {code}')}")
+            raise TransferError(
+                f"[transfer {tid}] receiver at {address} refused the push: {_ACK_MEANING.get(code, f'ack code {code}')}"
+            )
         return TransferResult(tid, len(arrays), int(sizes.sum()), seconds)
 
     async def close(self) -> None:
@@ -134,7 +154,8 @@ class KVSender:
         self._drop(address)
         try:
             ep = await asyncio.wait_for(
-                ucxx.create_endpoint(host, port, connect_timeout=self.connect_timeout_s), self.connect_timeout_s)
+                ucxx.create_endpoint(host, port, connect_timeout=self.connect_timeout_s), self.connect_timeout_s
+            )
         except (UCXError, TimeoutError, OSError, RuntimeError) as exc:
             # a bad host: UCXError at once. Nobody listening, or a listener that is closed
             # but whose process lives: TimeoutError after connect_timeout_s (with Python

@@ -58,24 +58,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_flag(parser, "--model", "KVMESH_MODEL", None, "model name or path (none: SmolLM2-135M-Instruct)")
     env_flag(parser, "--host", "KVMESH_HOST", "127.0.0.1", "address the gRPC server binds to")
     env_flag(parser, "--port", "KVMESH_PORT", 0, "gRPC port (0: any free port)", int)
-    env_flag(parser, "--num-pages", "KVMESH_NUM_PAGES", 1024, "KV pages in the pool (the rest hold the prefix cache)", int)
+    env_flag(
+        parser, "--num-pages", "KVMESH_NUM_PAGES", 1024, "KV pages in the pool (the rest hold the prefix cache)", int
+    )
     env_flag(parser, "--page-size", "KVMESH_PAGE_SIZE", 16, "tokens per page (same on every service)", int)
-    env_flag(parser, "--max-batch-tokens", "KVMESH_MAX_BATCH_TOKENS", 4096,
-             "most prompt tokens prefilled together in one forward", int)
+    env_flag(
+        parser,
+        "--max-batch-tokens",
+        "KVMESH_MAX_BATCH_TOKENS",
+        4096,
+        "most prompt tokens prefilled together in one forward",
+        int,
+    )
     env_flag(parser, "--torch-threads", "KVMESH_TORCH_THREADS", 0, "intra-op threads of the model (0: all cores)", int)
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not keep prompt blocks after a request")
     env_flag(parser, "--redis-url", "REDIS_URL", "", "Redis of the prefix index, fed by KV events (empty: no index)")
     env_flag(parser, "--metrics-port", "KVMESH_METRICS_PORT", 0, "HTTP port of Prometheus /metrics (0: none)", int)
-    env_flag(parser, "--instance-id", "KVMESH_INSTANCE_ID", "",
-             "name in the prefix index (empty: host:port; the gateway learns it from GetStats)")
-    env_flag(parser, "--lease-ttl", "KVMESH_LEASE_TTL_S", 10.0,
-             "seconds the instance's index entries count after its last heartbeat", float)
+    env_flag(
+        parser,
+        "--instance-id",
+        "KVMESH_INSTANCE_ID",
+        "",
+        "name in the prefix index (empty: host:port; the gateway learns it from GetStats)",
+    )
+    env_flag(
+        parser,
+        "--lease-ttl",
+        "KVMESH_LEASE_TTL_S",
+        10.0,
+        "seconds the instance's index entries count after its last heartbeat",
+        float,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> PrefillConfig:
-    return PrefillConfig(model=args.model, host=args.host, port=args.port, num_pages=args.num_pages,
-                         page_size=args.page_size, enable_prefix_caching=not args.no_prefix_caching,
-                         max_batch_tokens=args.max_batch_tokens, torch_threads=args.torch_threads,
-                         redis_url=args.redis_url, instance_id=args.instance_id, metrics_port=args.metrics_port,
-                         lease_ttl_s=args.lease_ttl,
-                         kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1")
+    return PrefillConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_batch_tokens=args.max_batch_tokens,
+        torch_threads=args.torch_threads,
+        redis_url=args.redis_url,
+        instance_id=args.instance_id,
+        metrics_port=args.metrics_port,
+        lease_ttl_s=args.lease_ttl,
+        kv_digest=os.environ.get("KVMESH_KV_DIGEST") == "1",
+    )

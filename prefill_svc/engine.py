@@ -69,9 +69,16 @@ class PrefillJob:
 class PrefillEngine:
     """Prefix cache + model runner for one prefill instance."""
 
-    def __init__(self, runner: Runner, page_size: int, num_pages: int, enable_prefix_caching: bool,
-                 publish=None, executor: concurrent.futures.Executor | None = None,
-                 max_batch_tokens: int = 4096) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        page_size: int,
+        num_pages: int,
+        enable_prefix_caching: bool,
+        publish=None,
+        executor: concurrent.futures.Executor | None = None,
+        max_batch_tokens: int = 4096,
+    ) -> None:
         """`publish(events)` is called on the worker thread with each batch of KV events.
 
         `executor` must run one callable at a time; None makes a single-thread executor.
@@ -81,8 +88,9 @@ class PrefillEngine:
         self.runner = runner
         self.page_size = page_size
         self._publish = publish
-        self.pool = BlockPool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching,
-                              on_events=self._on_events)
+        self.pool = BlockPool(
+            num_pages, page_size, enable_prefix_caching=enable_prefix_caching, on_events=self._on_events
+        )
         self.slots = StateSlots(runner.num_state_slots)
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
@@ -160,8 +168,11 @@ class PrefillEngine:
                     continue
                 needs = math.ceil(len(job.token_ids) / self.page_size)
                 if needs > self.pool.num_blocks:
-                    job.future.set_exception(NoFreeBlocksError(
-                        f"[{job.request_id}] needs {needs} KV pages, more than this instance's {self.pool.num_blocks}"))
+                    job.future.set_exception(
+                        NoFreeBlocksError(
+                            f"[{job.request_id}] needs {needs} KV pages, more than this instance's {self.pool.num_blocks}"
+                        )
+                    )
                     continue
                 if waiting:  # keep arrival order behind a job that waits
                     waiting.append(job)
@@ -210,13 +221,16 @@ class PrefillEngine:
     def _compute(self, ready: list) -> None:
         started = time.perf_counter()
         cpu_started = time.process_time()
-        items = [ForwardItem(job.token_ids[cached:], cached, block_ids, slot)
-                 for job, _, block_ids, cached, slot in ready]
+        items = [
+            ForwardItem(job.token_ids[cached:], cached, block_ids, slot) for job, _, block_ids, cached, slot in ready
+        ]
         try:
             logits = self.runner.forward(items)  # [B, V]
-            first_tokens = sample(logits, [job.sampling for job, *_ in ready],
-                                  [torch.Generator().manual_seed(job.seed) if not job.sampling.greedy else None
-                                   for job, *_ in ready])
+            first_tokens = sample(
+                logits,
+                [job.sampling for job, *_ in ready],
+                [torch.Generator().manual_seed(job.seed) if not job.sampling.greedy else None for job, *_ in ready],
+            )
         except Exception as exc:
             for job, _, block_ids, _, slot in ready:
                 self._release(list(block_ids), slot)
@@ -228,10 +242,25 @@ class PrefillEngine:
             self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
             self.num_prompt_tokens_computed += len(job.token_ids) - cached
             self.num_prompt_tokens_cached += cached
-            logger.info("[%s] prefill %d tokens (%d cached) in %.3f s, batch of %d", job.request_id,
-                        len(job.token_ids), cached, done - started, len(ready))
-            job.future.set_result(PrefillResult(first_token, block_ids, slot, cached, len(job.token_ids) - cached,
-                                                queue_s=started - job.submitted_at, compute_s=done - started))
+            logger.info(
+                "[%s] prefill %d tokens (%d cached) in %.3f s, batch of %d",
+                job.request_id,
+                len(job.token_ids),
+                cached,
+                done - started,
+                len(ready),
+            )
+            job.future.set_result(
+                PrefillResult(
+                    first_token,
+                    block_ids,
+                    slot,
+                    cached,
+                    len(job.token_ids) - cached,
+                    queue_s=started - job.submitted_at,
+                    compute_s=done - started,
+                )
+            )
 
     def stats(self, check: bool = True) -> dict[str, int | str]:
         """Pool figures. Through call() (on the worker thread) they are exact and the pool's
@@ -241,9 +270,13 @@ class PrefillEngine:
         if check and not error and not self.pool.num_referenced_blocks and self.slots.num_used:
             error = f"{self.slots.num_used} state slots held by no request"
         return {
-            "num_pages": self.pool.num_blocks, "num_free_pages": self.pool.num_free_blocks,
-            "num_cached_pages": self.pool.num_cached_blocks, "num_referenced_pages": self.pool.num_referenced_blocks,
-            "num_active_requests": self.num_active, "num_queued_tokens": self.num_queued_tokens,
-            "integrity_error": error, "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "num_pages": self.pool.num_blocks,
+            "num_free_pages": self.pool.num_free_blocks,
+            "num_cached_pages": self.pool.num_cached_blocks,
+            "num_referenced_pages": self.pool.num_referenced_blocks,
+            "num_active_requests": self.num_active,
+            "num_queued_tokens": self.num_queued_tokens,
+            "integrity_error": error,
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_prompt_tokens_cached": self.num_prompt_tokens_cached,
         }

@@ -9,7 +9,6 @@ import logging
 from engine.checkpoint import model_fingerprint
 from engine.loader import load_config, resolve_model
 from engine.runners import create_runner
-from runtime import service, tracing
 from kvstore.redis_index import RedisKVIndex
 from kvstore.ucx_transfer import KVSender
 from prefill_svc import metrics
@@ -18,6 +17,7 @@ from prefill_svc.engine import PrefillEngine
 from prefill_svc.kv_publisher import KVEventPublisher
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
+from runtime import service, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -44,21 +44,37 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     publish = publisher.publish if publisher else None
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
-    runner = await asyncio.wrap_future(executor.submit(create_runner, files, config.num_pages, config.page_size,
-                                                          PREFILL_STATE_SLOTS))
-    engine = PrefillEngine(runner, config.page_size, config.num_pages, config.enable_prefix_caching, publish,
-                           executor=executor, max_batch_tokens=config.max_batch_tokens)
+    runner = await asyncio.wrap_future(
+        executor.submit(create_runner, files, config.num_pages, config.page_size, PREFILL_STATE_SLOTS)
+    )
+    engine = PrefillEngine(
+        runner,
+        config.page_size,
+        config.num_pages,
+        config.enable_prefix_caching,
+        publish,
+        executor=executor,
+        max_batch_tokens=config.max_batch_tokens,
+    )
     sender = KVSender()
-    servicer = PrefillServicer(engine, sender, instance_id, model_config.vocab_size,
-                               model_config.max_position_embeddings, config.push_timeout_s, config.kv_digest,
-                               model_fingerprint(files))
+    servicer = PrefillServicer(
+        engine,
+        sender,
+        instance_id,
+        model_config.vocab_size,
+        model_config.max_position_embeddings,
+        config.push_timeout_s,
+        config.kv_digest,
+        model_fingerprint(files),
+    )
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
-    heartbeat = (asyncio.ensure_future(_heartbeat(index, publisher, instance_id, config.lease_ttl_s, engine))
-                 if index else None)
+    heartbeat = (
+        asyncio.ensure_future(_heartbeat(index, publisher, instance_id, config.lease_ttl_s, engine)) if index else None
+    )
     await svc.mark_serving()
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
     await stop.wait()
@@ -77,8 +93,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     tracing.shutdown_tracing()
 
 
-async def _heartbeat(index: RedisKVIndex, publisher: KVEventPublisher, instance_id: str, ttl_s: float,
-                     engine: PrefillEngine) -> None:
+async def _heartbeat(
+    index: RedisKVIndex, publisher: KVEventPublisher, instance_id: str, ttl_s: float, engine: PrefillEngine
+) -> None:
     """Renew this instance's lease every ttl/3 s; a Redis outage only delays it (logged once).
 
     When the index has forgotten this instance (Redis restarted empty) or events were
@@ -92,8 +109,7 @@ async def _heartbeat(index: RedisKVIndex, publisher: KVEventPublisher, instance_
             lost = await asyncio.to_thread(index.heartbeat, instance_id, ttl_s)
             resync = lost or publisher.needs_resync
             if resync:
-                await asyncio.wrap_future(engine.call(
-                    lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
+                await asyncio.wrap_future(engine.call(lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
             if down:
                 logger.info("prefix index reachable again; lease renewed%s", ", cache re-published" if resync else "")
             down = False

@@ -10,23 +10,32 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REGISTRY = CollectorRegistry()
 
 QUEUE_DEPTH = Gauge("kvmesh_prefill_queue_depth", "Prefill requests queued or computing", registry=REGISTRY)
-QUEUED_TOKENS = Gauge("kvmesh_prefill_queued_tokens", "Prompt tokens of the queued or computing requests",
-                      registry=REGISTRY)
+QUEUED_TOKENS = Gauge(
+    "kvmesh_prefill_queued_tokens", "Prompt tokens of the queued or computing requests", registry=REGISTRY
+)
 PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages referenced by requests in flight", registry=REGISTRY)
-PAGES_FREE = Gauge("kvmesh_kv_pages_free", "KV pages a request could get now (free, or cached and evictable)",
-                   registry=REGISTRY)
+PAGES_FREE = Gauge(
+    "kvmesh_kv_pages_free", "KV pages a request could get now (free, or cached and evictable)", registry=REGISTRY
+)
 PAGES_CACHED = Gauge("kvmesh_kv_pages_cached", "KV pages holding a prefix-cache block", registry=REGISTRY)
-CACHE_HIT_TOKENS = Counter("kvmesh_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
-                           registry=REGISTRY)
+CACHE_HIT_TOKENS = Counter(
+    "kvmesh_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=REGISTRY
+)
 COMPUTED_TOKENS = Counter("kvmesh_prefill_computed_tokens", "Prompt tokens computed (not cached)", registry=REGISTRY)
 PREFILLS = Counter("kvmesh_prefill_requests", "Prefills computed", registry=REGISTRY)
 KV_BYTES = Counter("kvmesh_kv_transfer_bytes", "Bytes of KV state pushed to decode instances", registry=REGISTRY)
-KV_SECONDS = Histogram("kvmesh_kv_transfer_seconds", "Duration of one request's KV push",
-                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-                       registry=REGISTRY)
-STEP_CPU = Histogram("kvmesh_engine_step_cpu_seconds", "Process CPU seconds of one engine step (batched forward)",
-                     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-                     registry=REGISTRY)
+KV_SECONDS = Histogram(
+    "kvmesh_kv_transfer_seconds",
+    "Duration of one request's KV push",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    registry=REGISTRY,
+)
+STEP_CPU = Histogram(
+    "kvmesh_engine_step_cpu_seconds",
+    "Process CPU seconds of one engine step (batched forward)",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
+)
 
 
 def bind(engine) -> None:

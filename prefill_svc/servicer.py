@@ -9,13 +9,13 @@ import random
 from opentelemetry.trace import Status, StatusCode
 
 from engine.outcomes import FailureCause
-from runtime import tracing
-from runtime.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
-from prefill_svc import metrics
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.ucx_transfer import KVSender, TransferError, pages_digest, parse_address
+from prefill_svc import metrics
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from runtime import tracing
+from runtime.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +24,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Runs each prefill on the engine's worker thread, then pushes the request's pages
     to the decode instance in one scatter-gather UCX transfer."""
 
-    def __init__(self, engine: PrefillEngine, sender: KVSender, instance_id: str, vocab_size: int,
-                 max_context: int, push_timeout_s: float, kv_digest: bool, model_fingerprint: str = "") -> None:
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        sender: KVSender,
+        instance_id: str,
+        vocab_size: int,
+        max_context: int,
+        push_timeout_s: float,
+        kv_digest: bool,
+        model_fingerprint: str = "",
+    ) -> None:
         self.engine = engine
         self.sender = sender
         self.instance_id = instance_id
@@ -92,38 +101,74 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
         queued_ns = submitted_ns + int(result.queue_s * 1e9)
         tracing.record(span, "prefill.queue", submitted_ns, queued_ns)
-        tracing.record(span, "prefill.forward", queued_ns, queued_ns + int(result.compute_s * 1e9), {
-            "kvmesh.prompt_tokens": len(request.token_ids), "kvmesh.cached_tokens": result.num_cached_tokens,
-            "kvmesh.computed_tokens": result.num_computed_tokens})
+        tracing.record(
+            span,
+            "prefill.forward",
+            queued_ns,
+            queued_ns + int(result.compute_s * 1e9),
+            {
+                "kvmesh.prompt_tokens": len(request.token_ids),
+                "kvmesh.cached_tokens": result.num_cached_tokens,
+                "kvmesh.computed_tokens": result.num_computed_tokens,
+            },
+        )
         metrics.observe_prefill(result)
-        push_span = tracing.child(span, "prefill.kv_push", attributes={
-            "kvmesh.kv.pages": len(result.block_ids), "kvmesh.decode.kv_address": request.decode_kv_address})
+        push_span = tracing.child(
+            span,
+            "prefill.kv_push",
+            attributes={
+                "kvmesh.kv.pages": len(result.block_ids),
+                "kvmesh.decode.kv_address": request.decode_kv_address,
+            },
+        )
         push = asyncio.ensure_future(self._push_and_release(request, result))
         # a push that outlives its caller (cancelled, or the caller's connection died while
         # this process was stopped) fails on its own: retrieve its error so it is logged once
-        push.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                               or logger.info("[%s] KV push ended after its caller left: %s", rid, f.exception()))
+        push.add_done_callback(
+            lambda f: (
+                f.cancelled()
+                or f.exception() is None
+                or logger.info("[%s] KV push ended after its caller left: %s", rid, f.exception())
+            )
+        )
         try:
             nbytes, seconds, digest = await asyncio.shield(push)
         except asyncio.CancelledError:
             push_span.end()
             raise  # the push finishes (or fails) on its own and releases the pages
-        except (TransferError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, TransferError) as exc:
             push_span.set_status(Status(StatusCode.ERROR, str(exc)))
             push_span.end()
-            await abort(context, FailureCause.KV_PUSH_FAILED,
-                        f"[{rid}] KV push to decode {request.decode_kv_address} failed: {exc}")
+            await abort(
+                context,
+                FailureCause.KV_PUSH_FAILED,
+                f"[{rid}] KV push to decode {request.decode_kv_address} failed: {exc}",
+            )
         push_span.set_attributes({"kvmesh.kv.bytes": nbytes, "kvmesh.kv.seconds": seconds})
         push_span.end()
         metrics.observe_push(nbytes, seconds)
-        logger.info("[%s] prefilled %d tokens (%d cached), pushed %d bytes in %.3f s", rid, len(request.token_ids),
-                    result.num_cached_tokens, nbytes, seconds)
+        logger.info(
+            "[%s] prefilled %d tokens (%d cached), pushed %d bytes in %.3f s",
+            rid,
+            len(request.token_ids),
+            result.num_cached_tokens,
+            nbytes,
+            seconds,
+        )
         return prefill_pb2.PrefillResponse(
-            first_token=result.first_token, num_cached_tokens=result.num_cached_tokens,
-            num_computed_tokens=result.num_computed_tokens, num_pages=len(result.block_ids),
-            page_nbytes=self.engine.runner.page_nbytes, nbytes_sent=nbytes, transfer_s=seconds,
-            queue_s=result.queue_s, compute_s=result.compute_s, instance_id=self.instance_id, kv_digest=digest,
-            traceparent=tracing.traceparent(push_span))
+            first_token=result.first_token,
+            num_cached_tokens=result.num_cached_tokens,
+            num_computed_tokens=result.num_computed_tokens,
+            num_pages=len(result.block_ids),
+            page_nbytes=self.engine.runner.page_nbytes,
+            nbytes_sent=nbytes,
+            transfer_s=seconds,
+            queue_s=result.queue_s,
+            compute_s=result.compute_s,
+            instance_id=self.instance_id,
+            kv_digest=digest,
+            traceparent=tracing.traceparent(push_span),
+        )
 
     def _release_if_computed(self, cfut) -> None:
         if not cfut.cancelled() and cfut.exception() is None:
@@ -138,7 +183,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             buffers = [runner.page_buffer(b) for b in result.block_ids] + runner.state_buffers(result.state_slot)
             digest = pages_digest(buffers) if self.kv_digest else ""
             sent = await asyncio.wait_for(
-                self.sender.push(request.decode_kv_address, request.transfer_id, buffers), self.push_timeout_s)
+                self.sender.push(request.decode_kv_address, request.transfer_id, buffers), self.push_timeout_s
+            )
             return sent.nbytes, sent.seconds, digest
         finally:
             self.engine.release(result.block_ids, result.state_slot)
@@ -149,7 +195,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         future = self.engine.call(self.engine.stats)
         try:
             stats = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=0.2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             stats = self.engine.stats(check=False)
-        return common_pb2.InstanceStats(instance_id=self.instance_id, page_size=self.engine.page_size,
-                                        model_fingerprint=self.model_fingerprint, **stats)
+        return common_pb2.InstanceStats(
+            instance_id=self.instance_id,
+            page_size=self.engine.page_size,
+            model_fingerprint=self.model_fingerprint,
+            **stats,
+        )

@@ -15,5 +15,6 @@ def env_flag(parser: argparse.ArgumentParser, flag: str, env: str, default, help
     """
     value = os.environ.get(env)
     shown = "none" if default is None else default
-    parser.add_argument(flag, type=type, default=value if value is not None else default,
-                        help=f"{help} (env {env}; default {shown})")
+    parser.add_argument(
+        flag, type=type, default=value if value is not None else default, help=f"{help} (env {env}; default {shown})"
+    )

@@ -21,8 +21,9 @@ class _RequestFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rid, tid = request_context.get()
         record.request_id, record.trace_id = getattr(record, "request_id", rid), getattr(record, "trace_id", tid)
-        record.request_suffix = "".join(f" {k}={v}" for k, v in (("request", record.request_id),
-                                                                 ("trace", record.trace_id)) if v)
+        record.request_suffix = "".join(
+            f" {k}={v}" for k, v in (("request", record.request_id), ("trace", record.trace_id)) if v
+        )
         return True
 
 
@@ -34,9 +35,15 @@ class JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"time": self.formatTime(record), "service": self.service, "level": record.levelname,
-               "logger": record.name, "message": record.getMessage(),
-               "request_id": getattr(record, "request_id", ""), "trace_id": getattr(record, "trace_id", "")}
+        out = {
+            "time": self.formatTime(record),
+            "service": self.service,
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "request_id": getattr(record, "request_id", ""),
+            "trace_id": getattr(record, "trace_id", ""),
+        }
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out)
@@ -53,8 +60,9 @@ def setup_logging(service: str, fmt: str | None = None) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter(service))
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"
-                                               "%(request_suffix)s"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s%(request_suffix)s")
+        )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(os.environ.get("KVMESH_LOG_LEVEL", "INFO").upper())

@@ -93,8 +93,7 @@ class Service:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # grpcurl / grpcui can list and call the services without the .proto files
-        reflection.enable_server_reflection([*serving_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                            self.server)
+        reflection.enable_server_reflection([*serving_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.serving_names = serving_names
         try:
             self.port = self.server.add_insecure_port(f"{host}:{port}")

@@ -41,8 +41,11 @@ def setup_tracing(default_service_name: str) -> bool:
     _provider = TracerProvider(resource=Resource.create({"service.name": name}))
     _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(_provider)
-    logger.info("tracing to %s as %s", os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-                or os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"], name)
+    logger.info(
+        "tracing to %s as %s",
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"],
+        name,
+    )
     return True
 
 
@@ -80,15 +83,18 @@ def trace_id(span: trace.Span) -> str:
     return format(ctx.trace_id, "032x") if ctx.is_valid else ""
 
 
-def child(parent: trace.Span, name: str, start_ns: int | None = None,
-          attributes: Mapping[str, object] | None = None) -> trace.Span:
+def child(
+    parent: trace.Span, name: str, start_ns: int | None = None, attributes: Mapping[str, object] | None = None
+) -> trace.Span:
     """Start a child span of `parent` (optionally back-dated to start_ns, epoch ns)."""
-    return tracer().start_span(name, context=trace.set_span_in_context(parent), start_time=start_ns,
-                               attributes=dict(attributes or {}))
+    return tracer().start_span(
+        name, context=trace.set_span_in_context(parent), start_time=start_ns, attributes=dict(attributes or {})
+    )
 
 
-def record(parent: trace.Span, name: str, start_ns: int, end_ns: int,
-           attributes: Mapping[str, object] | None = None) -> None:
+def record(
+    parent: trace.Span, name: str, start_ns: int, end_ns: int, attributes: Mapping[str, object] | None = None
+) -> None:
     """A finished child span for work timed elsewhere (e.g. on an engine thread)."""
     span = child(parent, name, start_ns, attributes)
     span.end(end_time=end_ns)
@@ -106,15 +112,18 @@ def server_span(name: str, context, request_id: str, instance: str) -> Iterator[
     Also points `runtime.logs.request_context` at this request, so its log lines carry both ids.
     """
     from runtime.logs import request_context
-
     from runtime.wire import check_request_id
 
     try:
         check_request_id(request_id)
     except ValueError:
         request_id = "<invalid request_id>"  # the handler refuses it; the log shows no caller text
-    span = tracer().start_span(name, kind=trace.SpanKind.SERVER, context=extract(context.invocation_metadata()),
-                               attributes={"kvmesh.request_id": request_id, "kvmesh.instance": instance})
+    span = tracer().start_span(
+        name,
+        kind=trace.SpanKind.SERVER,
+        context=extract(context.invocation_metadata()),
+        attributes={"kvmesh.request_id": request_id, "kvmesh.instance": instance},
+    )
     request_context.set((request_id, trace_id(span)))
     try:
         yield span

@@ -19,8 +19,12 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
 
     Raises ValueError (from SamplingParams) when a field is out of range.
     """
-    return SamplingParams(temperature=pb.temperature, top_p=pb.top_p if pb.HasField("top_p") else 1.0, top_k=pb.top_k,
-                          seed=pb.seed if pb.HasField("seed") else None)
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        top_k=pb.top_k,
+        seed=pb.seed if pb.HasField("seed") else None,
+    )
 
 
 # The trailing-metadata key naming a failure's cause (kvmesh.v1.FailureCause without its prefix).
@@ -71,8 +75,10 @@ def page_size_mismatch(instance: str, page_size: int, assumed: int) -> str:
     message that names both (the status is FAILED_PRECONDITION: FailureCause.MISMATCH)."""
     if not assumed or assumed == page_size:
         return ""
-    return (f"{instance} has page_size {page_size}, the caller assumes {assumed}: every service and the "
-            "gateway need the same --page-size")
+    return (
+        f"{instance} has page_size {page_size}, the caller assumes {assumed}: every service and the "
+        "gateway need the same --page-size"
+    )
 
 
 async def abort(context, cause: FailureCause, message: str, retry_after_s: float | None = None) -> None:
@@ -97,6 +103,8 @@ def check_request_id(request_id: str) -> str:
     (ids are written into logs and status messages; a newline or an escape sequence in one
     could forge log lines). Raises ValueError saying what is allowed."""
     if len(request_id) > MAX_REQUEST_ID_CHARS or not _REQUEST_ID.fullmatch(request_id):
-        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters of letters, digits and "
-                         f"._:@/+=- (got {len(request_id)} characters, {request_id[:32]!r}...)")
+        raise ValueError(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters of letters, digits and "
+            f"._:@/+=- (got {len(request_id)} characters, {request_id[:32]!r}...)"
+        )
     return request_id

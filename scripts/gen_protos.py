@@ -22,8 +22,15 @@ def generate(out_root: Path) -> list[Path]:
     """Run protoc on every .proto into out_root (same relative layout); return the outputs."""
     protos = sorted(p.relative_to(ROOT).as_posix() for p in PROTO_DIR.glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
-    args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_root}",
-            f"--pyi_out={out_root}", f"--grpc_python_out={out_root}", *protos]
+    args = [
+        "protoc",
+        f"-I{ROOT}",
+        f"-I{include}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     return sorted((out_root / "protos" / "kvmesh" / "v1").glob("*_pb2*.py*"))
@@ -38,8 +45,11 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        stale = [f.name for f in fresh
-                 if not (PROTO_DIR / f.name).exists() or not filecmp.cmp(f, PROTO_DIR / f.name, shallow=False)]
+        stale = [
+            f.name
+            for f in fresh
+            if not (PROTO_DIR / f.name).exists() or not filecmp.cmp(f, PROTO_DIR / f.name, shallow=False)
+        ]
         extra = {p.name for p in PROTO_DIR.glob("*_pb2*.py*")} - {f.name for f in fresh}
     if stale or extra:
         print(f"generated proto code is stale: {sorted(stale) + sorted(extra)}; run python scripts/gen_protos.py")

@@ -25,7 +25,8 @@ def check(address: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool
     with grpc.insecure_channel(address) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=False)
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s, wait_for_ready=False
+            )
         except grpc.RpcError as exc:
             return False, f"{exc.code().name}: {exc.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

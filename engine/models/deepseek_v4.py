@@ -22,8 +22,8 @@ Token ties in the indexer's top-k go to the lower entry index (kernels/indexer).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +105,9 @@ class _Rope:
 class DeepseekV4Model:
     """DeepSeek-V4 weights and the batched forward over pages and slots; holds no state itself."""
 
-    def __init__(self, config, tensors: dict[str, torch.Tensor], layout: V4StateLayout,
-                 name: str = "deepseek_v4") -> None:
+    def __init__(
+        self, config, tensors: dict[str, torch.Tensor], layout: V4StateLayout, name: str = "deepseek_v4"
+    ) -> None:
         """config: transformers `DeepseekV4Config`; tensors: the checkpoint's (either naming).
 
         Raises ValueError naming a missing, misshapen or unused tensor, or an unknown layer type.
@@ -122,8 +123,10 @@ class DeepseekV4Model:
         self.topk_boundary_ties = 0
         g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
         # o_a_proj as [g, in_per_group, o_lora_rank] for one bmm (DeepseekV4GroupedLinear)
-        self.o_a = [self.w[f"model.layers.{i}.self_attn.o_a_proj.weight"].view(g, -1, nh * D // g)
-                    .transpose(1, 2).contiguous() for i in range(c.num_hidden_layers)]
+        self.o_a = [
+            self.w[f"model.layers.{i}.self_attn.o_a_proj.weight"].view(g, -1, nh * D // g).transpose(1, 2).contiguous()
+            for i in range(c.num_hidden_layers)
+        ]
 
     # -- hyper-connections ------------------------------------------------------------------
     def _hc(self, streams: torch.Tensor, p: str):
@@ -153,22 +156,39 @@ class DeepseekV4Model:
         c, p = self.config, f"model.layers.{i}.mlp."
         logits = F.linear(x, self.w[p + "gate.weight"])  # [T, E]
         if c.mlp_layer_types[i] == "hash_moe":
-            weights, experts = route_hash(logits, c.scoring_func, self.w[p + "gate.tid2eid"], ids,
-                                          c.routed_scaling_factor)
+            weights, experts = route_hash(
+                logits, c.scoring_func, self.w[p + "gate.tid2eid"], ids, c.routed_scaling_factor
+            )
         else:
-            weights, experts = route_topk(logits, c.scoring_func, c.num_experts_per_tok,
-                                          self.w[p + "gate.e_score_correction_bias"], c.routed_scaling_factor)
-        routed = moe_experts(x, self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"],
-                             weights, experts, c.swiglu_limit)
+            weights, experts = route_topk(
+                logits,
+                c.scoring_func,
+                c.num_experts_per_tok,
+                self.w[p + "gate.e_score_correction_bias"],
+                c.routed_scaling_factor,
+            )
+        routed = moe_experts(
+            x, self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], weights, experts, c.swiglu_limit
+        )
         lim = c.swiglu_limit
         gate = F.linear(x, self.w[p + "shared_experts.gate_proj.weight"]).clamp(max=lim)
         up = F.linear(x, self.w[p + "shared_experts.up_proj.weight"]).clamp(min=-lim, max=lim)
         return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"])
 
     # -- compressors ------------------------------------------------------------------------
-    def _compress(self, i: int, prefix: str, kv: torch.Tensor, gate: torch.Tensor, item: ForwardItem,
-                  table: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, overlap: bool,
-                  names: tuple[str, ...]) -> None:
+    def _compress(
+        self,
+        i: int,
+        prefix: str,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        item: ForwardItem,
+        table: torch.Tensor,
+        pages: torch.Tensor,
+        slots: torch.Tensor,
+        overlap: bool,
+        names: tuple[str, ...],
+    ) -> None:
         """Run one compressor (`DeepseekV4CSACompressor`, `DeepseekV4HCACompressor` or the
         indexer's) over one sequence's new tokens' projections kv, gate [n, Wd] (kv_proj and
         gate_proj of the attention input, computed for the whole batch): extend the open window in the slot,
@@ -228,8 +248,17 @@ class DeepseekV4Model:
         return self.layout.page_view(pages, name, i)[table[idx // per_page], idx % per_page]
 
     # -- attention --------------------------------------------------------------------------
-    def _attention(self, i: int, x: torch.Tensor, items: Sequence[ForwardItem], starts: list[int],
-                   positions: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def _attention(
+        self,
+        i: int,
+        x: torch.Tensor,
+        items: Sequence[ForwardItem],
+        starts: list[int],
+        positions: torch.Tensor,
+        pages: torch.Tensor,
+        slots: torch.Tensor,
+        plan: _Plan,
+    ) -> torch.Tensor:
         c, lay, p = self.config, self.layout, f"model.layers.{i}.self_attn."
         kind = c.layer_types[i]
         T, nh, D, S, W = x.shape[0], c.num_attention_heads, c.head_dim, lay.page_size, c.sliding_window
@@ -246,7 +275,7 @@ class DeepseekV4Model:
             Hi, Di = c.index_n_heads, c.index_head_dim
             ic, isn = self.rope["compress"](positions)
             iq = _rope(F.linear(q_res, self.w[ip + "q_b_proj.weight"]).view(T, Hi, Di), ic, isn)
-            iw = F.linear(x, self.w[ip + "scorer.weights_proj.weight"]) * Hi ** -0.5  # [T, Hi]
+            iw = F.linear(x, self.w[ip + "scorer.weights_proj.weight"]) * Hi**-0.5  # [T, Hi]
             i_kv = F.linear(x, self.w[ip + "kv_proj.weight"])  # [T, 2Di]
             i_gate = F.linear(x, self.w[ip + "gate_proj.weight"])
         if kind != SLIDING:
@@ -258,15 +287,36 @@ class DeepseekV4Model:
         if kind != SLIDING:  # extend every sequence's windows before anyone reads entries
             for b, it in enumerate(items):
                 lo, hi = starts[b], starts[b + 1]
-                self._compress(i, cp, c_kv[lo:hi], c_gate[lo:hi], it, plan.tables[b], pages, slots, kind == CSA,
-                               ("entries", "buf_kv", "buf_gate", "ov_kv", "ov_gate"))
+                self._compress(
+                    i,
+                    cp,
+                    c_kv[lo:hi],
+                    c_gate[lo:hi],
+                    it,
+                    plan.tables[b],
+                    pages,
+                    slots,
+                    kind == CSA,
+                    ("entries", "buf_kv", "buf_gate", "ov_kv", "ov_gate"),
+                )
                 if kind == CSA:
-                    self._compress(i, ip, i_kv[lo:hi], i_gate[lo:hi], it, plan.tables[b], pages, slots, True,
-                                   ("ikeys", "ibuf_kv", "ibuf_gate", "iov_kv", "iov_gate"))
+                    self._compress(
+                        i,
+                        ip,
+                        i_kv[lo:hi],
+                        i_gate[lo:hi],
+                        it,
+                        plan.tables[b],
+                        pages,
+                        slots,
+                        True,
+                        ("ikeys", "ibuf_kv", "ibuf_gate", "iov_kv", "iov_gate"),
+                    )
         if plan.dec:
             r = plan.dec_rows
-            out[r] = self._decode_attention(i, q[r], iq[r] if kind == CSA else None,
-                                            iw[r] if kind == CSA else None, plan, pages, sinks)
+            out[r] = self._decode_attention(
+                i, q[r], iq[r] if kind == CSA else None, iw[r] if kind == CSA else None, plan, pages, sinks
+            )
         offsets = torch.arange(-W + 1, 1)  # [W] a query's window, oldest first
         for b, it in enumerate(items):
             lo, hi = starts[b], starts[b + 1]
@@ -290,7 +340,7 @@ class DeepseekV4Model:
                     entries = self._entries("entries", i, table, count, pages)  # [C, D]
                     if kind == CSA:
                         ikeys = self._entries("ikeys", i, table, count, pages)  # [C, Di]
-                        scores = indexer_scores(iq[lo:hi], ikeys, iw[lo:hi], Di ** -0.5)  # [n, C]
+                        scores = indexer_scores(iq[lo:hi], ikeys, iw[lo:hi], Di**-0.5)  # [n, C]
                         k = min(c.index_topk, count)
                         top = indexer_topk(scores, k, num_valid)  # [n, k], -1 = none
                         if self.count_topk_ties:
@@ -300,8 +350,9 @@ class DeepseekV4Model:
                     else:  # HCA: every closed window
                         ent_kv = entries
                         ent_bias = torch.zeros(n, count).masked_fill_(
-                            torch.arange(count)[None, :] >= num_valid[:, None], float("-inf"))
-            out[lo:hi] = sparse_sink_attention(q[lo:hi], win_kv, win_bias, ent_kv, ent_bias, sinks, D ** -0.5)
+                            torch.arange(count)[None, :] >= num_valid[:, None], float("-inf")
+                        )
+            out[lo:hi] = sparse_sink_attention(q[lo:hi], win_kv, win_bias, ent_kv, ent_bias, sinks, D**-0.5)
         out = _rope(out, cos, -sin)  # undo the rope V carried (K=V), at the query's position
         g = c.o_groups
         grouped = torch.bmm(out.view(T, g, -1).transpose(0, 1), self.o_a[i]).transpose(0, 1)  # [T, g, olr]
@@ -326,11 +377,21 @@ class DeepseekV4Model:
             cmax = max(int(count.max()) if dec else 0, 1)
             e = torch.arange(cmax)[None, :].expand(len(dec), cmax)
             entries[r] = (dtab.gather(1, (e * r) // S), e % (S // r), count)
-        return _Plan(tables, write_page, positions % S, dec, dec_rows, dtab.gather(1, wc // S), wc % S,
-                     torch.zeros(wpos.shape).masked_fill_(wpos < 0, float("-inf")), entries)
+        return _Plan(
+            tables,
+            write_page,
+            positions % S,
+            dec,
+            dec_rows,
+            dtab.gather(1, wc // S),
+            wc % S,
+            torch.zeros(wpos.shape).masked_fill_(wpos < 0, float("-inf")),
+            entries,
+        )
 
-    def _decode_attention(self, i: int, q: torch.Tensor, iq, iw, plan: _Plan, pages: torch.Tensor,
-                          sinks: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(
+        self, i: int, q: torch.Tensor, iq, iw, plan: _Plan, pages: torch.Tensor, sinks: torch.Tensor
+    ) -> torch.Tensor:
         """Every one-new-token sequence at once: q [Bd, Hq, D] -> [Bd, Hq, D]."""
         c, lay = self.config, self.layout
         kind, D = c.layer_types[i], c.head_dim
@@ -346,8 +407,11 @@ class DeepseekV4Model:
                     Di = c.index_head_dim
                     ikeys = lay.page_view(pages, "ikeys", i)[pg, row]  # [Bd, Cmax, Di]
                     # indexer_scores per query: sum_h w_h * relu(q_h . k) * Di^-0.5
-                    scores = (torch.matmul(iq.float(), ikeys.transpose(1, 2).float()).relu() * Di ** -0.5
-                              * iw.float().unsqueeze(-1)).sum(dim=1)  # [Bd, Cmax]
+                    scores = (
+                        torch.matmul(iq.float(), ikeys.transpose(1, 2).float()).relu()
+                        * Di**-0.5
+                        * iw.float().unsqueeze(-1)
+                    ).sum(dim=1)  # [Bd, Cmax]
                     k = min(c.index_topk, pg.shape[1])
                     top = indexer_topk(scores, k, count)  # [Bd, k], -1 = none
                     if self.count_topk_ties:
@@ -355,7 +419,7 @@ class DeepseekV4Model:
                     safe = top.clamp(min=0)
                     ent_kv = ent_kv.gather(1, safe[..., None].expand(-1, -1, D))  # [Bd, k, D]
                     ent_bias = torch.zeros(top.shape).masked_fill_(top < 0, float("-inf"))
-        return sparse_sink_attention(q, win_kv, plan.win_bias, ent_kv, ent_bias, sinks, D ** -0.5)
+        return sparse_sink_attention(q, win_kv, plan.win_bias, ent_kv, ent_bias, sinks, D**-0.5)
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -372,8 +436,10 @@ class DeepseekV4Model:
         for b, it in enumerate(items):
             n, nc = len(it.token_ids), it.num_computed_tokens
             if n < 1 or len(it.block_ids) * S < nc + n:
-                raise ValueError(f"item {b}: needs >= 1 new token and pages for {nc + n} tokens, "
-                                 f"got {n} new and {len(it.block_ids)} pages of {S}")
+                raise ValueError(
+                    f"item {b}: needs >= 1 new token and pages for {nc + n} tokens, "
+                    f"got {n} new and {len(it.block_ids)} pages of {S}"
+                )
             ids.extend(it.token_ids)
             pos.extend(range(nc, nc + n))
             starts.append(starts[-1] + n)
@@ -393,7 +459,12 @@ class DeepseekV4Model:
         last = torch.tensor(starts[1:]) - 1
         streams = streams.index_select(0, last)  # [B, N, H]
         flat = _rms(streams.flatten(1), None, self.eps)
-        pre = torch.sigmoid(F.linear(flat, self.w["model.hc_head.hc_fn"]) * self.w["model.hc_head.hc_scale"]
-                            + self.w["model.hc_head.hc_base"]) + self.hc_eps  # [B, N]
+        pre = (
+            torch.sigmoid(
+                F.linear(flat, self.w["model.hc_head.hc_fn"]) * self.w["model.hc_head.hc_scale"]
+                + self.w["model.hc_head.hc_base"]
+            )
+            + self.hc_eps
+        )  # [B, N]
         h = _rms((pre.unsqueeze(-1) * streams).sum(dim=1), self.w["model.norm.weight"], self.eps)
         return F.linear(h, self.w["lm_head.weight"]).float()  # [B, V]

@@ -67,8 +67,10 @@ class V4StateLayout:
         S, D, Di = self.page_size, self.head_dim, self.index_head_dim
         for r in self.rates:
             if r and (S < r or S % r):
-                raise ValueError(f"page_size {S} must be a positive multiple of every compress rate "
-                                 f"{sorted(set(x for x in self.rates if x))}")
+                raise ValueError(
+                    f"page_size {S} must be a positive multiple of every compress rate "
+                    f"{sorted(set(x for x in self.rates if x))}"
+                )
         off = 0
 
         def add(table: dict, name: str, layer: int, rows: int, width: int) -> None:
@@ -91,13 +93,21 @@ class V4StateLayout:
                 add(self.slot, "buf_kv", l, r, D)
                 add(self.slot, "buf_gate", l, r, D)
             elif kind == CSA:
-                for name, w in (("buf_kv", 2 * D), ("buf_gate", 2 * D), ("ov_kv", D), ("ov_gate", D),
-                                ("ibuf_kv", 2 * Di), ("ibuf_gate", 2 * Di), ("iov_kv", Di), ("iov_gate", Di)):
+                for name, w in (
+                    ("buf_kv", 2 * D),
+                    ("buf_gate", 2 * D),
+                    ("ov_kv", D),
+                    ("ov_gate", D),
+                    ("ibuf_kv", 2 * Di),
+                    ("ibuf_gate", 2 * Di),
+                    ("iov_kv", Di),
+                    ("iov_gate", Di),
+                ):
                     add(self.slot, name, l, r, w)
         self.slot_floats = max(off, 1)
 
     @classmethod
-    def from_config(cls, config, page_size: int) -> "V4StateLayout":
+    def from_config(cls, config, page_size: int) -> V4StateLayout:
         """Layout for a transformers `DeepseekV4Config` and a page size in tokens."""
         rates = [0 if t == SLIDING else config.compress_rates[t] for t in config.layer_types]
         return cls(list(config.layer_types), rates, config.head_dim, config.index_head_dim, page_size)
@@ -112,12 +122,12 @@ class V4StateLayout:
     def page_view(self, pages: torch.Tensor, name: str, layer: int) -> torch.Tensor:
         """pages [P, page_floats] -> the field's view [P, rows, width] (shares storage)."""
         f = self.page[(name, layer)]
-        return pages[:, f.offset:f.offset + f.rows * f.width].view(-1, f.rows, f.width)
+        return pages[:, f.offset : f.offset + f.rows * f.width].view(-1, f.rows, f.width)
 
     def slot_view(self, slots: torch.Tensor, slot: int, name: str, layer: int) -> torch.Tensor:
         """slots [R, slot_floats] -> one slot's field [rows, width] (shares storage)."""
         f = self.slot[(name, layer)]
-        return slots[slot, f.offset:f.offset + f.rows * f.width].view(f.rows, f.width)
+        return slots[slot, f.offset : f.offset + f.rows * f.width].view(f.rows, f.width)
 
     def restore_slot(self, pages: torch.Tensor, last_page: int, slots: torch.Tensor, slot: int) -> None:
         """Start `slot` as it stood at the end of page `last_page` (a prefix-cache hit).

@@ -13,12 +13,16 @@ def main() -> None:
 
     from engine.tiny_models import deepseek_v4_tiny_config
 
-    for name, cfg in (("tiny test config", deepseek_v4_tiny_config()),
-                      ("DeepSeek-V4-Flash (transformers' defaults)", DeepseekV4Config())):
+    for name, cfg in (
+        ("tiny test config", deepseek_v4_tiny_config()),
+        ("DeepSeek-V4-Flash (transformers' defaults)", DeepseekV4Config()),
+    ):
         lay = V4StateLayout.from_config(cfg, V4StateLayout.default_page_size(cfg))
-        print(f"{name}: page {lay.page_size} tokens, {lay.page_floats * 4} B/page fp32, "
-              f"{lay.bytes_per_token(4):.0f} B/token fp32 ({lay.bytes_per_token(2):.0f} in bf16), "
-              f"slot {lay.slot_floats * 4} B per running request")
+        print(
+            f"{name}: page {lay.page_size} tokens, {lay.page_floats * 4} B/page fp32, "
+            f"{lay.bytes_per_token(4):.0f} B/token fp32 ({lay.bytes_per_token(2):.0f} in bf16), "
+            f"slot {lay.slot_floats * 4} B per running request"
+        )
 
 
 if __name__ == "__main__":

@@ -19,26 +19,42 @@ from engine.models.deepseek_v4_state import CSA, HCA, SLIDING
 
 # (pattern, replacement) applied in order to keys under model.layers.
 _LAYER_RENAMES = [
-    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
     (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
-    (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn$", ".attn_hc.fn"),
+    (r"\.hc_attn_base$", ".attn_hc.base"),
+    (r"\.hc_attn_scale$", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn$", ".ffn_hc.fn"),
+    (r"\.hc_ffn_base$", ".ffn_hc.base"),
+    (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
     (r"\.attn_sink$", ".sinks"),
     (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
     (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
-    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."), (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."), (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
     (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
     (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
     (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 ]
-_TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
-                "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
-                "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}
+_TOP_RENAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 
 
@@ -81,10 +97,13 @@ def normalize_names(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[
     for prefix, per_expert in experts.items():
         ids = sorted(per_expert)
         if ids != list(range(num_experts)) or any(len(per_expert[e]) != 3 for e in ids):
-            raise ValueError(f"checkpoint tensors {prefix}.N.w1/w2/w3 must cover experts 0..{num_experts - 1} "
-                             f"with all three weights, got experts {ids}")
+            raise ValueError(
+                f"checkpoint tensors {prefix}.N.w1/w2/w3 must cover experts 0..{num_experts - 1} "
+                f"with all three weights, got experts {ids}"
+            )
         out[prefix + ".gate_up_proj"] = torch.stack(
-            [torch.cat([per_expert[e]["w1"], per_expert[e]["w3"]]) for e in ids])
+            [torch.cat([per_expert[e]["w1"], per_expert[e]["w3"]]) for e in ids]
+        )
         out[prefix + ".down_proj"] = torch.stack([per_expert[e]["w2"] for e in ids])
     return out
 
@@ -100,8 +119,12 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     nh, qr, g, olr = c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
     Hi, Di = c.index_n_heads, c.index_head_dim
     shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "model.norm.weight": (H,),
-        "model.hc_head.hc_fn": (N, N * H), "model.hc_head.hc_base": (N,), "model.hc_head.hc_scale": (1,),
+        "model.embed_tokens.weight": (V, H),
+        "lm_head.weight": (V, H),
+        "model.norm.weight": (H,),
+        "model.hc_head.hc_fn": (N, N * H),
+        "model.hc_head.hc_base": (N,),
+        "model.hc_head.hc_scale": (1,),
     }
     mix = (2 + N) * N
     for i, (attn, mlp) in enumerate(zip(c.layer_types, c.mlp_layer_types)):
@@ -110,18 +133,32 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
             raise ValueError(f"layer_types[{i}] is {attn!r}; known: {[SLIDING, CSA, HCA]}")
         if mlp not in ("hash_moe", "moe"):
             raise ValueError(f"mlp_layer_types[{i}] is {mlp!r}; known: ['hash_moe', 'moe']")
-        shapes.update({
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "attn_hc.fn": (mix, N * H), p + "attn_hc.base": (mix,), p + "attn_hc.scale": (3,),
-            p + "ffn_hc.fn": (mix, N * H), p + "ffn_hc.base": (mix,), p + "ffn_hc.scale": (3,),
-            p + "self_attn.q_a_proj.weight": (qr, H), p + "self_attn.q_a_norm.weight": (qr,),
-            p + "self_attn.q_b_proj.weight": (nh * D, qr), p + "self_attn.kv_proj.weight": (D, H),
-            p + "self_attn.kv_norm.weight": (D,), p + "self_attn.o_a_proj.weight": (g * olr, nh * D // g),
-            p + "self_attn.o_b_proj.weight": (H, g * olr), p + "self_attn.sinks": (nh,),
-            p + "mlp.gate.weight": (E, H), p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
-            p + "mlp.experts.down_proj": (E, H, I), p + "mlp.shared_experts.gate_proj.weight": (I, H),
-            p + "mlp.shared_experts.up_proj.weight": (I, H), p + "mlp.shared_experts.down_proj.weight": (H, I),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "attn_hc.fn": (mix, N * H),
+                p + "attn_hc.base": (mix,),
+                p + "attn_hc.scale": (3,),
+                p + "ffn_hc.fn": (mix, N * H),
+                p + "ffn_hc.base": (mix,),
+                p + "ffn_hc.scale": (3,),
+                p + "self_attn.q_a_proj.weight": (qr, H),
+                p + "self_attn.q_a_norm.weight": (qr,),
+                p + "self_attn.q_b_proj.weight": (nh * D, qr),
+                p + "self_attn.kv_proj.weight": (D, H),
+                p + "self_attn.kv_norm.weight": (D,),
+                p + "self_attn.o_a_proj.weight": (g * olr, nh * D // g),
+                p + "self_attn.o_b_proj.weight": (H, g * olr),
+                p + "self_attn.sinks": (nh,),
+                p + "mlp.gate.weight": (E, H),
+                p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
+                p + "mlp.experts.down_proj": (E, H, I),
+                p + "mlp.shared_experts.gate_proj.weight": (I, H),
+                p + "mlp.shared_experts.up_proj.weight": (I, H),
+                p + "mlp.shared_experts.down_proj.weight": (H, I),
+            }
+        )
         if mlp == "hash_moe":
             shapes[p + "mlp.gate.tid2eid"] = (V, K)
         else:
@@ -129,16 +166,31 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
         cp = p + "self_attn.compressor."
         if attn == HCA:
             r = c.compress_rates[HCA]
-            shapes.update({cp + "kv_proj.weight": (D, H), cp + "gate_proj.weight": (D, H),
-                           cp + "position_bias": (r, D), cp + "kv_norm.weight": (D,)})
+            shapes.update(
+                {
+                    cp + "kv_proj.weight": (D, H),
+                    cp + "gate_proj.weight": (D, H),
+                    cp + "position_bias": (r, D),
+                    cp + "kv_norm.weight": (D,),
+                }
+            )
         elif attn == CSA:
             r = c.compress_rates[CSA]
             ip = cp + "indexer."
-            shapes.update({cp + "kv_proj.weight": (2 * D, H), cp + "gate_proj.weight": (2 * D, H),
-                           cp + "position_bias": (r, 2 * D), cp + "kv_norm.weight": (D,),
-                           ip + "kv_proj.weight": (2 * Di, H), ip + "gate_proj.weight": (2 * Di, H),
-                           ip + "position_bias": (r, 2 * Di), ip + "kv_norm.weight": (Di,),
-                           ip + "q_b_proj.weight": (Hi * Di, qr), ip + "scorer.weights_proj.weight": (Hi, H)})
+            shapes.update(
+                {
+                    cp + "kv_proj.weight": (2 * D, H),
+                    cp + "gate_proj.weight": (2 * D, H),
+                    cp + "position_bias": (r, 2 * D),
+                    cp + "kv_norm.weight": (D,),
+                    ip + "kv_proj.weight": (2 * Di, H),
+                    ip + "gate_proj.weight": (2 * Di, H),
+                    ip + "position_bias": (r, 2 * Di),
+                    ip + "kv_norm.weight": (Di,),
+                    ip + "q_b_proj.weight": (Hi * Di, qr),
+                    ip + "scorer.weights_proj.weight": (Hi, H),
+                }
+            )
     return shapes
 
 
@@ -157,8 +209,9 @@ def check_and_take(tensors: dict[str, torch.Tensor], config, name: str) -> dict[
         if t is None:
             raise ValueError(f"checkpoint of {name!r} lacks tensor {key!r}")
         if tuple(t.shape) != shape:
-            raise ValueError(f"tensor {key!r} of {name!r} has shape {tuple(t.shape)}, expected {shape} "
-                             f"from its config.json")
+            raise ValueError(
+                f"tensor {key!r} of {name!r} has shape {tuple(t.shape)}, expected {shape} from its config.json"
+            )
         out[key] = t.float() if t.is_floating_point() else t.long()
     if tensors:
         raise ValueError(f"checkpoint of {name!r} has tensors its config does not use, e.g. {sorted(tensors)[:3]}")

@@ -38,11 +38,11 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Layer:
     input_norm: torch.Tensor  # [H]
-    w_qkv: torch.Tensor       # [H, (Q + 2K) * D], input-major
-    w_o: torch.Tensor         # [Q * D, H]
-    post_norm: torch.Tensor   # [H]
-    w_gate_up: torch.Tensor   # [H, 2I]
-    w_down: torch.Tensor      # [I, H]
+    w_qkv: torch.Tensor  # [H, (Q + 2K) * D], input-major
+    w_o: torch.Tensor  # [Q * D, H]
+    post_norm: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [H, 2I]
+    w_down: torch.Tensor  # [I, H]
     # the same weights as GGUF blocks, output-major like the file ([N, K]); None: fp32 only
     q_qkv: Q4_1Weight | Q8_0Weight | None = None
     q_o: Q4_1Weight | Q8_0Weight | None = None
@@ -75,8 +75,13 @@ def _mm(x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None) -> 
 class LlamaModel:
     """Llama weights plus the forward pass; holds no KV, which `LlamaRunner` (engine/llama_runner.py) owns."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, blocks: dict[str, GGUFBlocks] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        blocks: dict[str, GGUFBlocks] | None = None,
+    ) -> None:
         """Take transformers-named tensors (`model.layers.{i}.self_attn.q_proj.weight`, ...).
 
         `blocks` are GGUF blocks of some of those weights (`engine.gguf_blocks.load_blocks`),
@@ -102,22 +107,38 @@ class LlamaModel:
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            self.layers.append(_Layer(
-                input_norm=take(p + "input_layernorm.weight", (H,)),
-                w_qkv=torch.cat([take(p + "self_attn.q_proj.weight", (q_out, H)),
-                                 take(p + "self_attn.k_proj.weight", (kv_out, H)),
-                                 take(p + "self_attn.v_proj.weight", (kv_out, H))]).t().contiguous(),
-                w_o=take(p + "self_attn.o_proj.weight", (H, q_out)).t().contiguous(),
-                post_norm=take(p + "post_attention_layernorm.weight", (H,)),
-                w_gate_up=torch.cat([take(p + "mlp.gate_proj.weight", (I, H)),
-                                     take(p + "mlp.up_proj.weight", (I, H))]).t().contiguous(),
-                w_down=take(p + "mlp.down_proj.weight", (H, I)).t().contiguous(),
-                **({} if not blocks else {
-                    "q_qkv": _pack(blocks, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
-                    "q_o": _pack(blocks, [p + "self_attn.o_proj.weight"]),
-                    "q_gate_up": _pack(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    "q_down": _pack(blocks, [p + "mlp.down_proj.weight"])}),
-            ))
+            self.layers.append(
+                _Layer(
+                    input_norm=take(p + "input_layernorm.weight", (H,)),
+                    w_qkv=torch.cat(
+                        [
+                            take(p + "self_attn.q_proj.weight", (q_out, H)),
+                            take(p + "self_attn.k_proj.weight", (kv_out, H)),
+                            take(p + "self_attn.v_proj.weight", (kv_out, H)),
+                        ]
+                    )
+                    .t()
+                    .contiguous(),
+                    w_o=take(p + "self_attn.o_proj.weight", (H, q_out)).t().contiguous(),
+                    post_norm=take(p + "post_attention_layernorm.weight", (H,)),
+                    w_gate_up=torch.cat(
+                        [take(p + "mlp.gate_proj.weight", (I, H)), take(p + "mlp.up_proj.weight", (I, H))]
+                    )
+                    .t()
+                    .contiguous(),
+                    w_down=take(p + "mlp.down_proj.weight", (H, I)).t().contiguous(),
+                    **(
+                        {}
+                        if not blocks
+                        else {
+                            "q_qkv": _pack(blocks, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                            "q_o": _pack(blocks, [p + "self_attn.o_proj.weight"]),
+                            "q_gate_up": _pack(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                            "q_down": _pack(blocks, [p + "mlp.down_proj.weight"]),
+                        }
+                    ),
+                )
+            )
         self.norm = take("model.norm.weight", (H,))
         if c.tie_word_embeddings:
             left.pop("lm_head.weight", None)  # some exports store the tied copy too
@@ -128,12 +149,17 @@ class LlamaModel:
         self.q_lm_head = _pack(blocks, [head]) if blocks else None
         left = [n for n in left if not n.endswith("rotary_emb.inv_freq")]
         if left:
-            raise ValueError(f"checkpoint of {c.name!r} has tensors this Llama does not use, "
-                             f"e.g. {sorted(left)[:3]}")
+            raise ValueError(f"checkpoint of {c.name!r} has tensors this Llama does not use, e.g. {sorted(left)[:3]}")
 
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: torch.Tensor,
-                logits_index: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin_rot: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        logits_index: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Run all layers over a flat batch of new tokens; return fp32 logits of chosen rows.
 
         input_ids [T] int64; cos, sin_rot [T, 1, D] RoPE rows at each token's position

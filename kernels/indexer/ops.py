@@ -18,8 +18,7 @@ import torch
 _CHUNK_ELEMENTS = 1 << 25  # 128 MiB
 
 
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor,
-                   softmax_scale: float) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """Index scores of every query for every compressed entry (DeepSeek-V4 §2.3.1).
 
     q [T, Hi, Di] indexer queries (after RoPE); k [N, Di] compressed indexer keys;
@@ -37,10 +36,10 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor,
     out = torch.empty(T, N, dtype=torch.float32, device=q.device)
     step = max(1, _CHUNK_ELEMENTS // max(1, Hi * N))
     for t0 in range(0, T, step):
-        qc = q[t0:t0 + step].float()  # [t, Hi, Di]
+        qc = q[t0 : t0 + step].float()  # [t, Hi, Di]
         s = (qc.reshape(-1, Di) @ kt).view(qc.shape[0], Hi, N)  # [t, Hi, N]
         s = torch.relu(s) * softmax_scale
-        torch.sum(s * w[t0:t0 + step, :, None], dim=1, out=out[t0:t0 + step])  # [t, N]
+        torch.sum(s * w[t0 : t0 + step, :, None], dim=1, out=out[t0 : t0 + step])  # [t, N]
     return out
 
 
@@ -62,8 +61,7 @@ def indexer_topk(scores: torch.Tensor, top_k: int, num_valid: torch.Tensor) -> t
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if scores.dim() != 2 or num_valid.shape != (scores.shape[0],):
-        raise ValueError(f"need scores [T, N] and num_valid [T], got {list(scores.shape)} and "
-                         f"{list(num_valid.shape)}")
+        raise ValueError(f"need scores [T, N] and num_valid [T], got {list(scores.shape)} and {list(num_valid.shape)}")
     T, N = scores.shape
     kk = min(top_k, N)
     entry = torch.arange(N, device=scores.device)  # [N]
@@ -77,11 +75,11 @@ def indexer_topk(scores: torch.Tensor, top_k: int, num_valid: torch.Tensor) -> t
     return torch.where(picked < num_valid[:, None], picked, -1)
 
 
-def check_score_args(q: torch.Tensor, k: torch.Tensor,
-                     head_weights: torch.Tensor) -> tuple[int, int, int]:
+def check_score_args(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor) -> tuple[int, int, int]:
     """Shapes shared by both score paths; returns (T, Hi, Di) or raises ValueError."""
-    if q.dim() != 3 or k.dim() != 2 or k.shape[1] != q.shape[2] or \
-            head_weights.shape != q.shape[:2]:
-        raise ValueError(f"need q [T, Hi, Di], k [N, Di], head_weights [T, Hi], got "
-                         f"{list(q.shape)}, {list(k.shape)}, {list(head_weights.shape)}")
+    if q.dim() != 3 or k.dim() != 2 or k.shape[1] != q.shape[2] or head_weights.shape != q.shape[:2]:
+        raise ValueError(
+            f"need q [T, Hi, Di], k [N, Di], head_weights [T, Hi], got "
+            f"{list(q.shape)}, {list(k.shape)}, {list(head_weights.shape)}"
+        )
     return q.shape[0], q.shape[1], q.shape[2]

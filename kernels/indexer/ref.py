@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor,
-                       softmax_scale: float) -> torch.Tensor:
+def indexer_scores_ref(
+    q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
     """q [T, Hi, Di], k [N, Di], head_weights [T, Hi] -> fp32 [T, N], head by head:
     score = sum_h head_weights[:, h] * relu(q[:, h] @ k^T) * softmax_scale."""
     T, Hi, _ = q.shape
@@ -23,8 +24,9 @@ def indexer_scores_ref(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Ten
     return out
 
 
-def indexer_masked_scores_ref(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor,
-                              softmax_scale: float, num_valid: torch.Tensor) -> torch.Tensor:
+def indexer_masked_scores_ref(
+    q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float, num_valid: torch.Tensor
+) -> torch.Tensor:
     """`indexer_scores_ref` with -inf where entry n >= num_valid[t] (the Triton kernel's mask)."""
     out = indexer_scores_ref(q, k, head_weights, softmax_scale)
     for t, nv in enumerate(num_valid.tolist()):
@@ -45,5 +47,5 @@ def indexer_topk_ref(scores: torch.Tensor, top_k: int, num_valid: torch.Tensor) 
         row = scores[t].tolist()
         candidates = range(min(int(num_valid[t]), N))
         best = sorted(candidates, key=lambda n: (-row[n], n))[:kk]
-        out[t, :len(best)] = torch.tensor(best, dtype=torch.int64)
+        out[t, : len(best)] = torch.tensor(best, dtype=torch.int64)
     return out

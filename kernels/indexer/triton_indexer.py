@@ -28,11 +28,32 @@ import triton.language as tl
 from kernels.indexer.ops import check_score_args
 
 
-def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, valid_ptr, out_ptr, T, N, Hi, Di, scale,
-                           stride_qt, stride_qh, stride_qd, stride_kn, stride_kd,
-                           stride_wt, stride_wh, stride_ot, stride_on,
-                           HAS_VALID: tl.constexpr, DOT_FP32: tl.constexpr, BT: tl.constexpr,
-                           BN: tl.constexpr, BD: tl.constexpr):
+def _indexer_scores_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    valid_ptr,
+    out_ptr,
+    T,
+    N,
+    Hi,
+    Di,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kn,
+    stride_kd,
+    stride_wt,
+    stride_wh,
+    stride_ot,
+    stride_on,
+    HAS_VALID: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = pid_t * BT + tl.arange(0, BT)  # [BT] queries
@@ -43,14 +64,18 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, valid_ptr, out_ptr, T, N, Hi, Di
     n64 = n.to(tl.int64)
     d = tl.arange(0, BD)  # the whole head_dim in one step
     d_ok = d < Di
-    kb = tl.load(k_ptr + n64[None, :] * stride_kn + d[:, None] * stride_kd,
-                 mask=d_ok[:, None] & n_ok[None, :], other=0.0)  # [BD, BN], reused by all heads
+    kb = tl.load(
+        k_ptr + n64[None, :] * stride_kn + d[:, None] * stride_kd, mask=d_ok[:, None] & n_ok[None, :], other=0.0
+    )  # [BD, BN], reused by all heads
     if DOT_FP32:
         kb = kb.to(tl.float32)
     score = tl.full((BT, BN), 0.0, tl.float32)
     for h in range(0, Hi):
-        qa = tl.load(q_ptr + t64[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
-                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # [BT, BD]
+        qa = tl.load(
+            q_ptr + t64[:, None] * stride_qt + h * stride_qh + d[None, :] * stride_qd,
+            mask=t_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BT, BD]
         if DOT_FP32:  # full fp32 products (fp32 inputs; 16-bit ones under the interpreter)
             logits = tl.dot(qa.to(tl.float32), kb, input_precision="ieee")  # [BT, BN]
         else:
@@ -61,8 +86,7 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, valid_ptr, out_ptr, T, N, Hi, Di
     if HAS_VALID:
         nv = tl.load(valid_ptr + t, mask=t_ok, other=0)  # [BT]
         score = tl.where(n[None, :] < nv[:, None], score, float("-inf"))
-    tl.store(out_ptr + t64[:, None] * stride_ot + n64[None, :] * stride_on, score,
-             mask=t_ok[:, None] & n_ok[None, :])
+    tl.store(out_ptr + t64[:, None] * stride_ot + n64[None, :] * stride_on, score, mask=t_ok[:, None] & n_ok[None, :])
 
 
 @functools.cache
@@ -71,9 +95,16 @@ def _jit(fn, interpret: bool):
     return triton.jit(fn)
 
 
-def indexer_scores_triton(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor,
-                          softmax_scale: float, num_valid: torch.Tensor | None = None, *,
-                          block_t: int = 16, block_n: int = 64) -> torch.Tensor:
+def indexer_scores_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    head_weights: torch.Tensor,
+    softmax_scale: float,
+    num_valid: torch.Tensor | None = None,
+    *,
+    block_t: int = 16,
+    block_n: int = 64,
+) -> torch.Tensor:
     """`indexer_scores` by a Triton kernel, optionally masking entries a query may not select.
 
     q [T, Hi, Di]; k [N, Di]; head_weights [T, Hi] (already scaled); num_valid [T] int64 or
@@ -90,8 +121,7 @@ def indexer_scores_triton(q: torch.Tensor, k: torch.Tensor, head_weights: torch.
     if num_valid is not None and num_valid.shape != (T,):
         raise ValueError(f"num_valid must have shape [{T}], got {list(num_valid.shape)}")
     if any(b < 16 or b & (b - 1) for b in (block_t, block_n)):
-        raise ValueError(f"block_t and block_n must be powers of two >= 16, got {block_t}, "
-                         f"{block_n}")
+        raise ValueError(f"block_t and block_n must be powers of two >= 16, got {block_t}, {block_n}")
     out = torch.empty(T, N, dtype=torch.float32, device=q.device)
     if T == 0 or N == 0:
         return out
@@ -102,8 +132,24 @@ def indexer_scores_triton(q: torch.Tensor, k: torch.Tensor, head_weights: torch.
     # (triton-lang/triton#11584); 16-bit products are exact in fp32, so upcasting is lossless
     dot_fp32 = q.dtype == torch.float32 or interpret
     _jit(_indexer_scores_kernel, interpret)[(triton.cdiv(T, block_t), triton.cdiv(N, block_n))](
-        q, k, head_weights, num_valid if num_valid is not None else out, out,
-        T, N, Hi, Di, float(softmax_scale), *q.stride(), *k.stride(), *head_weights.stride(),
-        *out.stride(), HAS_VALID=num_valid is not None, DOT_FP32=dot_fp32,
-        BT=block_t, BN=block_n, BD=max(16, triton.next_power_of_2(Di)))
+        q,
+        k,
+        head_weights,
+        num_valid if num_valid is not None else out,
+        out,
+        T,
+        N,
+        Hi,
+        Di,
+        float(softmax_scale),
+        *q.stride(),
+        *k.stride(),
+        *head_weights.stride(),
+        *out.stride(),
+        HAS_VALID=num_valid is not None,
+        DOT_FP32=dot_fp32,
+        BT=block_t,
+        BN=block_n,
+        BD=max(16, triton.next_power_of_2(Di)),
+    )
     return out

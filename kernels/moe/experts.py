@@ -16,25 +16,30 @@ import torch
 import torch.nn.functional as F
 
 
-def check_moe_args(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   weights: torch.Tensor,
-                   expert_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+def check_moe_args(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+) -> tuple[int, int, int, int, int]:
     """Shapes and dtypes shared by both MoE paths; returns (T, H, E, I, K) or raises ValueError."""
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
-        raise ValueError(f"need x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], got "
-                         f"{list(x.shape)}, {list(w_gate_up.shape)}, {list(w_down.shape)}")
+        raise ValueError(
+            f"need x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], got "
+            f"{list(x.shape)}, {list(w_gate_up.shape)}, {list(w_down.shape)}"
+        )
     T, H = x.shape
     E, I2, H_w = w_gate_up.shape
     I = I2 // 2
     if H_w != H or I2 % 2 or tuple(w_down.shape) != (E, H, I):
-        raise ValueError(f"need w_gate_up [E, 2I, {H}] and w_down [E, {H}, I], got "
-                         f"{list(w_gate_up.shape)} and {list(w_down.shape)}")
+        raise ValueError(
+            f"need w_gate_up [E, 2I, {H}] and w_down [E, {H}, I], got {list(w_gate_up.shape)} and {list(w_down.shape)}"
+        )
     if expert_ids.dim() != 2 or expert_ids.shape[0] != T or weights.shape != expert_ids.shape:
-        raise ValueError(f"need weights and expert_ids [{T}, K], got {list(weights.shape)} and "
-                         f"{list(expert_ids.shape)}")
+        raise ValueError(
+            f"need weights and expert_ids [{T}, K], got {list(weights.shape)} and {list(expert_ids.shape)}"
+        )
     if not (x.dtype == w_gate_up.dtype == w_down.dtype):
-        raise ValueError(f"x, w_gate_up and w_down must share a dtype, got {x.dtype}, "
-                         f"{w_gate_up.dtype}, {w_down.dtype}")
+        raise ValueError(
+            f"x, w_gate_up and w_down must share a dtype, got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}"
+        )
     return T, H, E, I, expert_ids.shape[1]
 
 
@@ -51,9 +56,14 @@ def swiglu(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                weights: torch.Tensor, expert_ids: torch.Tensor,
-                swiglu_limit: float | None) -> torch.Tensor:
+def moe_experts(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
     """Routed experts: out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t]).
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows: transformers'
@@ -82,9 +92,9 @@ def moe_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        tokens = token_of[start:start + n]  # [n]
+        tokens = token_of[start : start + n]  # [n]
         h = swiglu(F.linear(x[tokens], w_gate_up[e]), swiglu_limit)  # [n, I]
         y = F.linear(h, w_down[e])  # [n, H]
-        out.index_add_(0, tokens, y.float() * weight_of[start:start + n, None])
+        out.index_add_(0, tokens, y.float() * weight_of[start : start + n, None])
         start += n
     return out.to(x.dtype)

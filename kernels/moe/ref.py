@@ -19,8 +19,7 @@ def score_ref(logit_row: list[float], scoring_func: str) -> list[float]:
     if scoring_func == "sqrtsoftplus":  # sqrt(log(1 + e^x)), written to not overflow for large x
         return [math.sqrt(max(v, 0.0) + math.log1p(math.exp(-abs(v)))) for v in logit_row]
     if scoring_func == "sigmoid":
-        return [1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v))
-                for v in logit_row]
+        return [1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v)) for v in logit_row]
     if scoring_func == "softmax":
         m = max(logit_row)
         exps = [math.exp(v - m) for v in logit_row]
@@ -28,9 +27,13 @@ def score_ref(logit_row: list[float], scoring_func: str) -> list[float]:
     raise ValueError(scoring_func)
 
 
-def route_topk_ref(logits: torch.Tensor, scoring_func: str, top_k: int,
-                   correction_bias: torch.Tensor | None,
-                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk_ref(
+    logits: torch.Tensor,
+    scoring_func: str,
+    top_k: int,
+    correction_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, K] fp32, expert_ids [T, K] int64), token by token.
 
     Experts ranked by (score + bias descending, id ascending); weights are the picked scores
@@ -45,13 +48,19 @@ def route_topk_ref(logits: torch.Tensor, scoring_func: str, top_k: int,
         total = sum(scores[e] for e in picked)
         weights.append([scores[e] / (total + 1e-20) * routed_scaling_factor for e in picked])
         ids.append(picked)
-    return (torch.tensor(weights, dtype=torch.float32).view(T, top_k),
-            torch.tensor(ids, dtype=torch.int64).view(T, top_k))
+    return (
+        torch.tensor(weights, dtype=torch.float32).view(T, top_k),
+        torch.tensor(ids, dtype=torch.int64).view(T, top_k),
+    )
 
 
-def route_hash_ref(logits: torch.Tensor, scoring_func: str, tid2eid: torch.Tensor,
-                   input_ids: torch.Tensor,
-                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_hash_ref(
+    logits: torch.Tensor,
+    scoring_func: str,
+    tid2eid: torch.Tensor,
+    input_ids: torch.Tensor,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Hash routing, token by token: the experts of token id v are row v of tid2eid [V, K]."""
     T, K = logits.shape[0], tid2eid.shape[1]
     weights, ids = [], []
@@ -61,13 +70,17 @@ def route_hash_ref(logits: torch.Tensor, scoring_func: str, tid2eid: torch.Tenso
         total = sum(scores[e] for e in picked)
         weights.append([scores[e] / (total + 1e-20) * routed_scaling_factor for e in picked])
         ids.append(picked)
-    return (torch.tensor(weights, dtype=torch.float32).view(T, K),
-            torch.tensor(ids, dtype=torch.int64).view(T, K))
+    return (torch.tensor(weights, dtype=torch.float32).view(T, K), torch.tensor(ids, dtype=torch.int64).view(T, K))
 
 
-def moe_experts_ref(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                    weights: torch.Tensor, expert_ids: torch.Tensor,
-                    swiglu_limit: float | None) -> torch.Tensor:
+def moe_experts_ref(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * down_e(silu(clamp(gate)) * clamp(up)), e = expert_ids[t, k].
 
     x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; computed in fp32 one (token, expert) at

@@ -32,9 +32,13 @@ def score_fn(scoring_func: str):
     return fn
 
 
-def route_topk(logits: torch.Tensor, scoring_func: str, top_k: int,
-               correction_bias: torch.Tensor | None,
-               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(
+    logits: torch.Tensor,
+    scoring_func: str,
+    top_k: int,
+    correction_bias: torch.Tensor | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Learned top-K routing, `DeepseekV4TopKRouter`'s numbers (DeepSeek-V4 §2.1).
 
     logits [T, E] fp32 (router gate output; another float dtype is computed in fp32);
@@ -54,8 +58,7 @@ def route_topk(logits: torch.Tensor, scoring_func: str, top_k: int,
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must be in [1, {E}] (the number of experts), got {top_k}")
     if correction_bias is not None and correction_bias.shape != (E,):
-        raise ValueError(f"correction_bias must have shape [{E}], got "
-                         f"{list(correction_bias.shape)}")
+        raise ValueError(f"correction_bias must have shape [{E}], got {list(correction_bias.shape)}")
     scores = score_fn(scoring_func)(logits.float())  # [T, E]
     choice = scores if correction_bias is None else scores + correction_bias.float()  # [T, E]
     # a stable descending sort keeps equal values in id order: the lower id wins the tie
@@ -64,9 +67,13 @@ def route_topk(logits: torch.Tensor, scoring_func: str, top_k: int,
     return _normalized_weights(scores, expert_ids, routed_scaling_factor), expert_ids
 
 
-def route_hash(logits: torch.Tensor, scoring_func: str, tid2eid: torch.Tensor,
-               input_ids: torch.Tensor,
-               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_hash(
+    logits: torch.Tensor,
+    scoring_func: str,
+    tid2eid: torch.Tensor,
+    input_ids: torch.Tensor,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Hash routing, `DeepseekV4HashRouter`'s numbers (DeepSeek-V4 §2.1, hash-MoE layers).
 
     logits [T, E] fp32; tid2eid [V, K] integer table of expert ids per token id; input_ids [T]
@@ -82,14 +89,12 @@ def route_hash(logits: torch.Tensor, scoring_func: str, tid2eid: torch.Tensor,
         raise ValueError(f"input_ids has {ids.numel()} tokens but logits has {T} rows")
     scores = score_fn(scoring_func)(logits.float())  # [T, E]
     if T and (int(ids.min()) < 0 or int(ids.max()) >= V):
-        raise ValueError(f"token ids must be in [0, {V}) (rows of tid2eid), got "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(f"token ids must be in [0, {V}) (rows of tid2eid), got [{int(ids.min())}, {int(ids.max())}]")
     expert_ids = tid2eid[ids].long()  # [T, K]
     return _normalized_weights(scores, expert_ids, routed_scaling_factor), expert_ids
 
 
-def _normalized_weights(scores: torch.Tensor, expert_ids: torch.Tensor,
-                        routed_scaling_factor: float) -> torch.Tensor:
+def _normalized_weights(scores: torch.Tensor, expert_ids: torch.Tensor, routed_scaling_factor: float) -> torch.Tensor:
     weights = scores.gather(1, expert_ids)  # [T, K]
     weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor

@@ -75,15 +75,34 @@ def align_block_size(expert_ids: torch.Tensor, num_experts: int, block_m: int) -
     sorted_ids[rows] = order.to(torch.int32)
     block_start = torch.arange(0, p_max, block_m, device=dev)  # [P_max / BM]
     block_expert = torch.searchsorted(padded_end, block_start, right=True)  # E past the end
-    return Alignment(sorted_ids, block_expert.to(torch.int32),
-                     padded_end[-1:].to(torch.int32))
+    return Alignment(sorted_ids, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32))
 
 
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                    num_assignments, H, I, limit,
-                    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_aa, stride_ai,
-                    TOP_K: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assignments,
+    H,
+    I,
+    limit,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    stride_aa,
+    stride_ai,
+    TOP_K: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -100,13 +119,18 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num
     for k0 in range(0, H, BK):
         ks = k0 + tl.arange(0, BK)  # [BK]
         k_ok = ks < H
-        a = tl.load(x_ptr + token[:, None] * stride_xt + ks[None, :] * stride_xh,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+        a = tl.load(
+            x_ptr + token[:, None] * stride_xt + ks[None, :] * stride_xh,
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BM, BK]
         b_mask = k_ok[:, None] & col_ok[None, :]
-        b_gate = tl.load(w_e + cols[None, :] * stride_wn + ks[:, None] * stride_wh,
-                         mask=b_mask, other=0.0)  # [BK, BN] rows [0, I) of w_gate_up[e]
-        b_up = tl.load(w_e + (cols[None, :] + I) * stride_wn + ks[:, None] * stride_wh,
-                       mask=b_mask, other=0.0)  # [BK, BN] rows [I, 2I)
+        b_gate = tl.load(
+            w_e + cols[None, :] * stride_wn + ks[:, None] * stride_wh, mask=b_mask, other=0.0
+        )  # [BK, BN] rows [0, I) of w_gate_up[e]
+        b_up = tl.load(
+            w_e + (cols[None, :] + I) * stride_wn + ks[:, None] * stride_wh, mask=b_mask, other=0.0
+        )  # [BK, BN] rows [I, 2I)
         if DOT_FP32:  # full fp32 products, not TF32 (see _dot_fp32)
             a = a.to(tl.float32)
             acc_gate = tl.dot(a, b_gate.to(tl.float32), acc_gate, input_precision="ieee")
@@ -118,14 +142,36 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr, num
         acc_gate = tl.minimum(acc_gate, limit)
         acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # silu(gate) * up, [BM, BN]
-    tl.store(act_ptr + slot[:, None].to(tl.int64) * stride_aa + cols[None, :] * stride_ai,
-             act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        act_ptr + slot[:, None].to(tl.int64) * stride_aa + cols[None, :] * stride_ai,
+        act.to(act_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
-def _down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, sorted_ids_ptr, block_expert_ptr,
-                 num_padded_ptr, num_assignments, H, I,
-                 stride_aa, stride_ai, stride_we, stride_wn, stride_wi, stride_oa, stride_oh,
-                 DOT_FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _down_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    weight_ptr,
+    sorted_ids_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_assignments,
+    H,
+    I,
+    stride_aa,
+    stride_ai,
+    stride_we,
+    stride_wn,
+    stride_wi,
+    stride_oa,
+    stride_oh,
+    DOT_FP32: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BM >= tl.load(num_padded_ptr):
@@ -141,17 +187,24 @@ def _down_kernel(act_ptr, w_ptr, out_ptr, weight_ptr, sorted_ids_ptr, block_expe
     for k0 in range(0, I, BK):
         ks = k0 + tl.arange(0, BK)
         k_ok = ks < I
-        a = tl.load(act_ptr + slot64[:, None] * stride_aa + ks[None, :] * stride_ai,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(w_e + cols[None, :] * stride_wn + ks[:, None] * stride_wi,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BK, BN] of w_down[e]
+        a = tl.load(
+            act_ptr + slot64[:, None] * stride_aa + ks[None, :] * stride_ai,
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BM, BK]
+        b = tl.load(
+            w_e + cols[None, :] * stride_wn + ks[:, None] * stride_wi, mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )  # [BK, BN] of w_down[e]
         if DOT_FP32:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
     w = tl.load(weight_ptr + slot64, mask=row_ok, other=0.0)  # [BM] fp32 routing weights
-    tl.store(out_ptr + slot64[:, None] * stride_oa + cols[None, :] * stride_oh,
-             acc * w[:, None], mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        out_ptr + slot64[:, None] * stride_oa + cols[None, :] * stride_oh,
+        acc * w[:, None],
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 def _dot_fp32(dtype: torch.dtype, interpret: bool) -> bool:
@@ -169,10 +222,16 @@ def _jit(fn, interpret: bool):
     return triton.jit(fn)
 
 
-def moe_experts_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                       weights: torch.Tensor, expert_ids: torch.Tensor,
-                       swiglu_limit: float | None, *,
-                       block_sizes: BlockSizes | None = None) -> torch.Tensor:
+def moe_experts_triton(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    swiglu_limit: float | None,
+    *,
+    block_sizes: BlockSizes | None = None,
+) -> torch.Tensor:
     """Routed experts by Triton fused-MoE kernels; same inputs and result as `moe_experts`.
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; weights [T, K]
@@ -198,14 +257,45 @@ def moe_experts_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.T
     dot_fp32 = _dot_fp32(x.dtype, interpret)
     act = torch.empty(A, I, dtype=x.dtype, device=x.device)  # [A, I] by assignment
     _jit(_gate_up_kernel, interpret)[(num_blocks, triton.cdiv(I, bs.n))](
-        x, w_gate_up, act, al.sorted_ids, al.block_expert, al.num_padded,
-        A, H, I, 0.0 if swiglu_limit is None else float(swiglu_limit),
-        x.stride(0), x.stride(1), *w_gate_up.stride(), *act.stride(),
-        TOP_K=K, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, BM=bs.m, BN=bs.n, BK=bs.k)
+        x,
+        w_gate_up,
+        act,
+        al.sorted_ids,
+        al.block_expert,
+        al.num_padded,
+        A,
+        H,
+        I,
+        0.0 if swiglu_limit is None else float(swiglu_limit),
+        x.stride(0),
+        x.stride(1),
+        *w_gate_up.stride(),
+        *act.stride(),
+        TOP_K=K,
+        HAS_LIMIT=swiglu_limit is not None,
+        DOT_FP32=dot_fp32,
+        BM=bs.m,
+        BN=bs.n,
+        BK=bs.k,
+    )
     routed = torch.empty(A, H, dtype=torch.float32, device=x.device)  # [A, H] weighted outputs
     _jit(_down_kernel, interpret)[(num_blocks, triton.cdiv(H, bs.n))](
-        act, w_down, routed, weights.reshape(-1).float().contiguous(), al.sorted_ids,
-        al.block_expert, al.num_padded, A, H, I,
-        *act.stride(), *w_down.stride(), *routed.stride(),
-        DOT_FP32=dot_fp32, BM=bs.m, BN=bs.n, BK=bs.k)
+        act,
+        w_down,
+        routed,
+        weights.reshape(-1).float().contiguous(),
+        al.sorted_ids,
+        al.block_expert,
+        al.num_padded,
+        A,
+        H,
+        I,
+        *act.stride(),
+        *w_down.stride(),
+        *routed.stride(),
+        DOT_FP32=dot_fp32,
+        BM=bs.m,
+        BN=bs.n,
+        BK=bs.k,
+    )
     return routed.view(T, K, H).sum(dim=1).to(x.dtype)  # [T, H]

@@ -15,14 +15,30 @@ from tests.conftest import instance_stats
 
 
 @contextmanager
-def running_mesh(num_prefill: int = 1, num_decode: int = 1, prefill_args=None, decode_args=None, gateway_args=None,
-                 model: str | None = None, redis_url: str = "", env: dict[str, str] | None = None):
+def running_mesh(
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    prefill_args=None,
+    decode_args=None,
+    gateway_args=None,
+    model: str | None = None,
+    redis_url: str = "",
+    env: dict[str, str] | None = None,
+):
     """A mesh with its own Redis, KV digests on; prints the services' log if start-up fails."""
     log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-test-", suffix=".log", delete=False)
     try:
-        mesh = start_mesh(num_prefill, num_decode, model, port=free_port(), log=log,
-                          env={"KVMESH_KV_DIGEST": "1", "REDIS_URL": redis_url, **(env or {})}, extra_prefill_args=prefill_args,
-                          extra_decode_args=decode_args, extra_gateway_args=gateway_args)
+        mesh = start_mesh(
+            num_prefill,
+            num_decode,
+            model,
+            port=free_port(),
+            log=log,
+            env={"KVMESH_KV_DIGEST": "1", "REDIS_URL": redis_url, **(env or {})},
+            extra_prefill_args=prefill_args,
+            extra_decode_args=decode_args,
+            extra_gateway_args=gateway_args,
+        )
     except Exception:
         log.seek(0)
         print(log.read()[-6000:])
@@ -53,6 +69,7 @@ def complete(mesh: Mesh, prompt, **kwargs) -> Completion:
 
 def complete_many(mesh: Mesh, requests: list[dict]) -> list[Completion]:
     """Send all requests at once (concurrently) and return their completions in order."""
+
     async def run() -> list[Completion]:
         async with GatewayClient(mesh.gateway_address) as client:
             return await asyncio.gather(*[client.complete(make_request(**r), timeout_s=600) for r in requests])
@@ -66,8 +83,9 @@ def wait_idle(mesh: Mesh, timeout_s: float = 20.0) -> None:
     while True:
         decs = [instance_stats(a, "decode") for a in mesh.decode_addresses]
         pres = [instance_stats(a, "prefill") for a in mesh.prefill_addresses]
-        idle = (all(d.num_free_pages == d.num_pages and d.num_active_requests == 0 for d in decs)
-                and all(p.num_referenced_pages == 0 and p.num_active_requests == 0 for p in pres))
+        idle = all(d.num_free_pages == d.num_pages and d.num_active_requests == 0 for d in decs) and all(
+            p.num_referenced_pages == 0 and p.num_active_requests == 0 for p in pres
+        )
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -32,8 +32,13 @@ def _alive(pid: int) -> bool:
 def test_kvmesh_up_then_generate_names_paris():
     port = free_port()
     env = {**os.environ, "REDIS_URL": ""}
-    up = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         lines = []
         for line in up.stdout:
@@ -43,8 +48,20 @@ def test_kvmesh_up_then_generate_names_paris():
         assert "kvmesh is up" in "".join(lines), "".join(lines)[-3000:]
         children = _children(up.pid)
         assert len(children) >= 4  # redis, prefill, decode, gateway
-        gen = subprocess.run([sys.executable, "-m", "kvmesh.cli", "generate", "--gateway", f"127.0.0.1:{port}",
-                              "What is the capital of France?"], capture_output=True, text=True, timeout=300)
+        gen = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvmesh.cli",
+                "generate",
+                "--gateway",
+                f"127.0.0.1:{port}",
+                "What is the capital of France?",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert gen.returncode == 0, gen.stderr
         assert "Paris" in gen.stdout
     finally:
@@ -58,9 +75,13 @@ def test_kvmesh_up_then_generate_names_paris():
 def test_children_die_with_a_killed_launcher():
     # SIGKILL gives the launcher no chance to stop anything: the children's PDEATHSIG does
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port)],
-                          env={**os.environ, "REDIS_URL": ""}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(port)],
+        env={**os.environ, "REDIS_URL": ""},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in up.stdout:
             if "kvmesh is up" in line:

@@ -29,8 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]
 HEALTH_SCRIPT = ROOT / "scripts" / "grpc_health_check.py"
 REDIS_URL = "redis://redis:6379/0"
 # compose service -> `kvmesh serve` kind
-KVMESH_SERVICES = {"gateway": "gateway", "prefill-0": "prefill", "prefill-1": "prefill",
-                   "decode-0": "decode", "decode-1": "decode"}
+KVMESH_SERVICES = {
+    "gateway": "gateway",
+    "prefill-0": "prefill",
+    "prefill-1": "prefill",
+    "decode-0": "decode",
+    "decode-1": "decode",
+}
 GRPC_NAMES = {"gateway": "kvmesh.v1.Gateway", "prefill": "kvmesh.v1.Prefill", "decode": "kvmesh.v1.Decode"}
 
 
@@ -110,7 +115,8 @@ def test_every_address_names_a_compose_service_and_its_port(services):
     for kind, addresses in (("prefill", gateway.prefill_addresses), ("decode", gateway.decode_addresses)):
         # every instance of the kind, each once
         assert sorted(_host_port(a)[0] for a in addresses) == sorted(
-            n for n, k in KVMESH_SERVICES.items() if k == kind), addresses
+            n for n, k in KVMESH_SERVICES.items() if k == kind
+        ), addresses
         for address in addresses:
             host, port = _host_port(address)
             assert port == ports[host], f"gateway's --{kind} {address}: {host} listens on {ports[host]}"
@@ -164,6 +170,7 @@ def test_dockerfile_runs_kvmesh_as_a_user_with_the_model_converted():
 
 
 # -- live: the same shape on loopback ------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def mesh(services):

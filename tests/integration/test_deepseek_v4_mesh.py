@@ -22,8 +22,10 @@ from engine.models.deepseek_v4_weights import load_config as load_v4_config
 from engine.tiny_models import make_tiny_model
 from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
 
-WORDS = ("the lighthouse keeper walked along the cliff and counted every ship that passed "
-         "through the narrow channel before the storm ").split()
+WORDS = (
+    "the lighthouse keeper walked along the cliff and counted every ship that passed "
+    "through the narrow channel before the storm "
+).split()
 
 
 def _text(n_words: int) -> str:
@@ -55,7 +57,7 @@ def hf_greedy(reference, prompt: str, new_tokens: int) -> list[int]:
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_greedy_64_tokens_equal_transformers_generate(mesh, reference):

@@ -23,18 +23,29 @@ def mesh():
 
 def _run(mesh, body):
     async def main():
-        async with grpc.aio.insecure_channel(mesh.decode_addresses[0]) as dch, \
-                grpc.aio.insecure_channel(mesh.prefill_addresses[0]) as pch:
+        async with (
+            grpc.aio.insecure_channel(mesh.decode_addresses[0]) as dch,
+            grpc.aio.insecure_channel(mesh.prefill_addresses[0]) as pch,
+        ):
             return await body(decode_pb2_grpc.DecodeStub(dch), prefill_pb2_grpc.PrefillStub(pch))
+
     return asyncio.run(main())
 
 
 async def _reserve_and_push(decode, prefill, max_tokens=8):
-    res = await decode.Reserve(decode_pb2.ReserveRequest(request_id="t", num_prompt_tokens=len(PROMPT),
-                                                         max_tokens=max_tokens), timeout=10)
-    pre = await prefill.Prefill(prefill_pb2.PrefillRequest(
-        request_id="t", token_ids=PROMPT, sampling=common_pb2.SamplingParams(), decode_kv_address=res.kv_address,
-        transfer_id=res.transfer_id), timeout=60)
+    res = await decode.Reserve(
+        decode_pb2.ReserveRequest(request_id="t", num_prompt_tokens=len(PROMPT), max_tokens=max_tokens), timeout=10
+    )
+    pre = await prefill.Prefill(
+        prefill_pb2.PrefillRequest(
+            request_id="t",
+            token_ids=PROMPT,
+            sampling=common_pb2.SamplingParams(),
+            decode_kv_address=res.kv_address,
+            transfer_id=res.transfer_id,
+        ),
+        timeout=60,
+    )
     return res, pre
 
 
@@ -50,15 +61,24 @@ def test_bad_generate_is_invalid_argument_and_other_streams_go_on(mesh):
     async def body(decode, prefill):
         async with GatewayClient(mesh.gateway_address) as client:
             # a long answer decoding in the batch while the bad call arrives
-            victim = asyncio.ensure_future(client.complete(make_request(
-                "Count slowly from one to fifty.", chat=True, max_tokens=60, ignore_eos=True)))
+            victim = asyncio.ensure_future(
+                client.complete(
+                    make_request("Count slowly from one to fifty.", chat=True, max_tokens=60, ignore_eos=True)
+                )
+            )
             await asyncio.sleep(1.0)
             res, pre = await _reserve_and_push(decode, prefill)
 
             async def bad_generate():
-                async for _ in decode.Generate(decode_pb2.DecodeRequest(
-                        request_id="t", transfer_id=res.transfer_id, prompt_token_ids=PROMPT,
-                        first_token=10**6, sampling=common_pb2.SamplingParams())):
+                async for _ in decode.Generate(
+                    decode_pb2.DecodeRequest(
+                        request_id="t",
+                        transfer_id=res.transfer_id,
+                        prompt_token_ids=PROMPT,
+                        first_token=10**6,
+                        sampling=common_pb2.SamplingParams(),
+                    )
+                ):
                     pass
 
             code = await _code(bad_generate())
@@ -73,8 +93,9 @@ def test_bad_generate_is_invalid_argument_and_other_streams_go_on(mesh):
 
 def test_reserve_beyond_the_context_is_invalid_argument(mesh):
     async def body(decode, prefill):
-        return await _code(decode.Reserve(decode_pb2.ReserveRequest(
-            request_id="t", num_prompt_tokens=9000, max_tokens=1), timeout=10))
+        return await _code(
+            decode.Reserve(decode_pb2.ReserveRequest(request_id="t", num_prompt_tokens=9000, max_tokens=1), timeout=10)
+        )
 
     assert _run(mesh, body) == grpc.StatusCode.INVALID_ARGUMENT
     wait_idle(mesh)
@@ -83,9 +104,18 @@ def test_reserve_beyond_the_context_is_invalid_argument(mesh):
 @pytest.mark.parametrize("address", ["garbage", "127.0.0.1:0", "127.0.0.1:99999", ":123"])
 def test_malformed_kv_address_is_invalid_argument(mesh, address):
     async def body(decode, prefill):
-        return await _code(prefill.Prefill(prefill_pb2.PrefillRequest(
-            request_id="t", token_ids=PROMPT, sampling=common_pb2.SamplingParams(), decode_kv_address=address,
-            transfer_id=1), timeout=30))
+        return await _code(
+            prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="t",
+                    token_ids=PROMPT,
+                    sampling=common_pb2.SamplingParams(),
+                    decode_kv_address=address,
+                    transfer_id=1,
+                ),
+                timeout=30,
+            )
+        )
 
     assert _run(mesh, body) == grpc.StatusCode.INVALID_ARGUMENT
     wait_idle(mesh)
@@ -93,18 +123,35 @@ def test_malformed_kv_address_is_invalid_argument(mesh, address):
 
 def test_release_while_generate_waits_keeps_pages_until_no_push_can_land(mesh):
     async def body(decode, prefill):
-        res = await decode.Reserve(decode_pb2.ReserveRequest(request_id="a", num_prompt_tokens=len(PROMPT),
-                                                             max_tokens=8), timeout=10)
-        call = decode.Generate(decode_pb2.DecodeRequest(
-            request_id="a", transfer_id=res.transfer_id, prompt_token_ids=PROMPT, first_token=5,
-            sampling=common_pb2.SamplingParams(), kv_timeout_s=30))
+        res = await decode.Reserve(
+            decode_pb2.ReserveRequest(request_id="a", num_prompt_tokens=len(PROMPT), max_tokens=8), timeout=10
+        )
+        call = decode.Generate(
+            decode_pb2.DecodeRequest(
+                request_id="a",
+                transfer_id=res.transfer_id,
+                prompt_token_ids=PROMPT,
+                first_token=5,
+                sampling=common_pb2.SamplingParams(),
+                kv_timeout_s=30,
+            )
+        )
         waiting = asyncio.ensure_future(_code(call.read()))
         await asyncio.sleep(0.5)  # Generate is now waiting for the push
         await decode.Release(decode_pb2.ReleaseRequest(request_id="a", transfer_id=res.transfer_id), timeout=10)
         # a late push for the released transfer is refused, never written into pages
-        late = await _code(prefill.Prefill(prefill_pb2.PrefillRequest(
-            request_id="a", token_ids=PROMPT, sampling=common_pb2.SamplingParams(),
-            decode_kv_address=res.kv_address, transfer_id=res.transfer_id), timeout=30))
+        late = await _code(
+            prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="a",
+                    token_ids=PROMPT,
+                    sampling=common_pb2.SamplingParams(),
+                    decode_kv_address=res.kv_address,
+                    transfer_id=res.transfer_id,
+                ),
+                timeout=30,
+            )
+        )
         return await waiting, late
 
     generate_code, late_code = _run(mesh, body)
@@ -115,8 +162,11 @@ def test_release_while_generate_waits_keeps_pages_until_no_push_can_land(mesh):
 
 
 def test_unknown_chat_role_and_oversized_prompt_are_invalid_argument(mesh):
-    for prompt, kwargs in ((b"", dict(messages=[("", "hi")])), (b"", dict(messages=[("wizard", "hi")])),
-                           (b"a" * 3_000_000, {})):
+    for prompt, kwargs in (
+        (b"", dict(messages=[("", "hi")])),
+        (b"", dict(messages=[("wizard", "hi")])),
+        (b"a" * 3_000_000, {}),
+    ):
         try:
             complete(mesh, prompt, **kwargs, max_tokens=2)
             raise AssertionError(f"accepted {list(kwargs)}")

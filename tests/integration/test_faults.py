@@ -22,9 +22,9 @@ import pytest
 
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.redis_server import free_port
+from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc
 from runtime.service import wait_for_health
 from runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
-from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc
 from tests.conftest import instance_stats
 from tests.integration.meshutil import running_mesh, wait_idle
 
@@ -39,8 +39,9 @@ def mesh():
 
 def proc_of(mesh, address: str) -> subprocess.Popen:
     """The service process listening at `address` (launcher order: decodes, then prefills)."""
-    names = [f"decode-{i}" for i in range(len(mesh.decode_addresses))] + \
-            [f"prefill-{i}" for i in range(len(mesh.prefill_addresses))]
+    names = [f"decode-{i}" for i in range(len(mesh.decode_addresses))] + [
+        f"prefill-{i}" for i in range(len(mesh.prefill_addresses))
+    ]
     addresses = [*mesh.decode_addresses, *mesh.prefill_addresses]
     return dict(mesh.procs)[names[addresses.index(address)]]
 
@@ -65,8 +66,12 @@ def start_service(kind: str, args: list[str], log_path: str) -> tuple[subprocess
     """An extra `kvmesh serve KIND` beside the module's mesh; waits until it is SERVING."""
     port = free_port()
     log = open(log_path, "a")
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
     address = f"127.0.0.1:{port}"
     try:
         asyncio.run(wait_for_health(address, 300))
@@ -86,8 +91,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def gateway_args(mesh, *extra: str) -> list[str]:
-    return [*(f"--prefill={a}" for a in mesh.prefill_addresses), *(f"--decode={a}" for a in mesh.decode_addresses),
-            "--redis-url", mesh.redis_url, *extra]
+    return [
+        *(f"--prefill={a}" for a in mesh.prefill_addresses),
+        *(f"--decode={a}" for a in mesh.decode_addresses),
+        "--redis-url",
+        mesh.redis_url,
+        *extra,
+    ]
 
 
 def test_cancels_at_every_stage_free_every_page_and_leave_routing_even(mesh):
@@ -95,8 +105,10 @@ def test_cancels_at_every_stage_free_every_page_and_leave_routing_even(mesh):
     while decoding), then an idle mesh: every page is back on both sides, and cache_aware
     splits the next 20 equal, unrelated prompts evenly (a cancelled request's routed tokens
     are taken back, so they do not tip the tie-break)."""
+
     async def cancels():
         async with GatewayClient(mesh.gateway_address) as client:
+
             async def one(k: int) -> None:
                 # long prompts (several hundred ms of prefill) so cancels land inside compute and push
                 req = make_request(prompt_token_ids=ids(300 + 97 * (k % 7), 1000 + k), max_tokens=64, ignore_eos=True)
@@ -115,8 +127,9 @@ def test_cancels_at_every_stage_free_every_page_and_leave_routing_even(mesh):
         async with GatewayClient(mesh.gateway_address) as client:
             finals = []
             for k in range(20):
-                out = await client.complete(make_request(prompt_token_ids=ids(48, 5000 + k), max_tokens=1),
-                                            timeout_s=120)
+                out = await client.complete(
+                    make_request(prompt_token_ids=ids(48, 5000 + k), max_tokens=1), timeout_s=120
+                )
                 finals.append(out.final)
             return finals
 
@@ -131,9 +144,14 @@ def test_eight_concurrent_over_two_idle_decodes_split_four_four(mesh):
 
     async def burst():
         async with GatewayClient(mesh.gateway_address) as client:
-            return await asyncio.gather(*(client.complete(make_request(prompt_token_ids=ids(24, 7000 + k),
-                                                                       max_tokens=4, ignore_eos=True), timeout_s=120)
-                                          for k in range(8)))
+            return await asyncio.gather(
+                *(
+                    client.complete(
+                        make_request(prompt_token_ids=ids(24, 7000 + k), max_tokens=4, ignore_eos=True), timeout_s=120
+                    )
+                    for k in range(8)
+                )
+            )
 
     served = Counter(out.final.decode_instance for out in asyncio.run(burst()))
     assert sorted(served.values()) == [4, 4], served
@@ -147,9 +165,12 @@ def test_burst_past_the_decode_slots_queues_at_the_gateway_and_all_finish(mesh):
 
     async def burst():
         async with GatewayClient(mesh.gateway_address) as client:
-            return await asyncio.gather(*(outcome(client, make_request(prompt_token_ids=ids(20, 8000 + k),
-                                                                       max_tokens=8, ignore_eos=True))
-                                          for k in range(n)))
+            return await asyncio.gather(
+                *(
+                    outcome(client, make_request(prompt_token_ids=ids(20, 8000 + k), max_tokens=8, ignore_eos=True))
+                    for k in range(n)
+                )
+            )
 
     results = asyncio.run(burst())
     assert Counter(r[0][0] for r in results) == {"OK": n}, Counter(r[0][0] for r in results)
@@ -162,14 +183,19 @@ def test_burst_past_the_decode_slots_queues_at_the_gateway_and_all_finish(mesh):
 def test_past_the_queue_bound_resource_exhausted_at_once_with_a_retry_hint(mesh, tmp_path):
     """A gateway whose queue holds 4: of 40 concurrent streams, 16 take the slots, 4 wait, and
     the other 20 get RESOURCE_EXHAUSTED at once, with a retry-after hint; the 20 finish."""
-    proc, address = start_service("gateway", gateway_args(mesh, "--max-queued-requests", "4"),
-                                  str(tmp_path / "gateway.log"))
+    proc, address = start_service(
+        "gateway", gateway_args(mesh, "--max-queued-requests", "4"), str(tmp_path / "gateway.log")
+    )
     try:
+
         async def burst():
             async with GatewayClient(address) as client:
-                return await asyncio.gather(*(outcome(client, make_request(prompt_token_ids=ids(20, 9000 + k),
-                                                                           max_tokens=4, ignore_eos=True))
-                                              for k in range(40)))
+                return await asyncio.gather(
+                    *(
+                        outcome(client, make_request(prompt_token_ids=ids(20, 9000 + k), max_tokens=4, ignore_eos=True))
+                        for k in range(40)
+                    )
+                )
 
         results = asyncio.run(burst())
     finally:
@@ -191,6 +217,7 @@ def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh, tmp_
     a Reserve assumes another page size."""
     proc, address = start_service("gateway", gateway_args(mesh, "--page-size", "32"), str(tmp_path / "gateway.log"))
     try:
+
         async def ask():
             async with GatewayClient(address) as client:
                 return await outcome(client, make_request("Hello there", max_tokens=4), timeout_s=30)
@@ -204,7 +231,8 @@ def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh, tmp_
     async def reserve():
         async with grpc.aio.insecure_channel(mesh.decode_addresses[0]) as ch:
             await decode_pb2_grpc.DecodeStub(ch).Reserve(
-                decode_pb2.ReserveRequest(request_id="r", num_prompt_tokens=8, max_tokens=8, page_size=32), timeout=10)
+                decode_pb2.ReserveRequest(request_id="r", num_prompt_tokens=8, max_tokens=8, page_size=32), timeout=10
+            )
 
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(reserve())
@@ -218,19 +246,34 @@ def test_decode_whose_kv_listener_cannot_be_reached_leaves_rotation(mesh, tmp_pa
     retried on the good decode (no token had reached the client), and after 3 failed pushes
     its circuit opens, so the requests after that go to the good decode at once."""
     log = str(tmp_path / "services.log")
-    bad, bad_address = start_service("decode", ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()),
-                                                "--instance-id", "decode-unreachable"], log)
+    bad, bad_address = start_service(
+        "decode",
+        ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()), "--instance-id", "decode-unreachable"],
+        log,
+    )
     try:
-        gw, gw_address = start_service("gateway", [f"--prefill={mesh.prefill_addresses[0]}",
-                                                   f"--decode={mesh.decode_addresses[0]}", f"--decode={bad_address}",
-                                                   "--redis-url", mesh.redis_url], log)
+        gw, gw_address = start_service(
+            "gateway",
+            [
+                f"--prefill={mesh.prefill_addresses[0]}",
+                f"--decode={mesh.decode_addresses[0]}",
+                f"--decode={bad_address}",
+                "--redis-url",
+                mesh.redis_url,
+            ],
+            log,
+        )
         try:
+
             async def run():
                 async with GatewayClient(gw_address) as client:
                     out = []
                     for k in range(12):
-                        out.append(await outcome(client, make_request(prompt_token_ids=ids(20, 11000 + k),
-                                                                      max_tokens=2, ignore_eos=True)))
+                        out.append(
+                            await outcome(
+                                client, make_request(prompt_token_ids=ids(20, 11000 + k), max_tokens=2, ignore_eos=True)
+                            )
+                        )
                     return out
 
             results = asyncio.run(run())
@@ -259,8 +302,10 @@ async def _streams_under_fault(mesh, n: int, seed: int, fault, max_tokens: int =
             result = ("NO_FINAL", None)
             try:
                 n_tokens, released = 0, False
-                async for msg in client.stream(make_request(prompt_token_ids=ids(30, seed + k), max_tokens=max_tokens,
-                                                            ignore_eos=True), timeout_s=120):
+                async for msg in client.stream(
+                    make_request(prompt_token_ids=ids(30, seed + k), max_tokens=max_tokens, ignore_eos=True),
+                    timeout_s=120,
+                ):
                     n_tokens += len(msg.delta.token_ids)
                     if n_tokens >= 3 and not released:
                         released = True
@@ -288,8 +333,9 @@ def test_decode_frozen_under_load_is_unavailable_within_seconds_and_gives_its_pa
     stopped: list[subprocess.Popen] = []
 
     async def freeze():
-        active = [(await asyncio.to_thread(instance_stats, a, "decode")).num_active_requests
-                  for a in mesh.decode_addresses]
+        active = [
+            (await asyncio.to_thread(instance_stats, a, "decode")).num_active_requests for a in mesh.decode_addresses
+        ]
         frozen = mesh.decode_addresses[active.index(max(active))]
         proc_of(mesh, frozen).send_signal(signal.SIGSTOP)
         stopped.append(proc_of(mesh, frozen))
@@ -300,8 +346,9 @@ def test_decode_frozen_under_load_is_unavailable_within_seconds_and_gives_its_pa
             frozen, results = await _streams_under_fault(mesh, 6, 12000, freeze, max_tokens=150)
             await asyncio.sleep(5)  # the gateway's polls mark it unreachable
             async with GatewayClient(mesh.gateway_address) as client:
-                after, _ = await outcome(client, make_request(prompt_token_ids=ids(30, 12100), max_tokens=4),
-                                         timeout_s=30)
+                after, _ = await outcome(
+                    client, make_request(prompt_token_ids=ids(30, 12100), max_tokens=4), timeout_s=30
+                )
         finally:
             for proc in stopped:
                 proc.send_signal(signal.SIGCONT)
@@ -329,14 +376,17 @@ def test_prefill_frozen_while_computing_is_retried_elsewhere_and_decode_frees_it
 
     async def scenario():
         async with GatewayClient(mesh.gateway_address) as client:
-            task = asyncio.ensure_future(outcome(client, make_request(prompt_token_ids=ids(1500, 13000),
-                                                                      max_tokens=4, ignore_eos=True)))
+            task = asyncio.ensure_future(
+                outcome(client, make_request(prompt_token_ids=ids(1500, 13000), max_tokens=4, ignore_eos=True))
+            )
             deadline = time.monotonic() + 30
             busy = None
             while busy is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-                active = [(await asyncio.to_thread(instance_stats, a, "prefill")).num_active_requests
-                          for a in mesh.prefill_addresses]
+                active = [
+                    (await asyncio.to_thread(instance_stats, a, "prefill")).num_active_requests
+                    for a in mesh.prefill_addresses
+                ]
                 busy = mesh.prefill_addresses[active.index(1)] if 1 in active else None
             assert busy is not None, "the long prompt never reached a prefill"
             proc = proc_of(mesh, busy)
@@ -370,9 +420,13 @@ def test_redis_stopped_under_load_every_request_finishes(mesh):
 
     async def load():
         async with GatewayClient(mesh.gateway_address) as client:
+
             async def one(k):
-                return await outcome(client, make_request(prompt_token_ids=ids(40, 14000 + k), max_tokens=8,
-                                                          ignore_eos=True), timeout_s=60)
+                return await outcome(
+                    client,
+                    make_request(prompt_token_ids=ids(40, 14000 + k), max_tokens=8, ignore_eos=True),
+                    timeout_s=60,
+                )
 
             first = asyncio.gather(*(one(k) for k in range(6)))
             await asyncio.sleep(0.2)
@@ -393,8 +447,12 @@ def _survivors_idle(addresses: list[tuple[str, str]], timeout_s: float = 30) -> 
     deadline = time.monotonic() + timeout_s
     while True:
         stats = [(kind, instance_stats(a, kind)) for a, kind in addresses]
-        idle = all((s.num_free_pages == s.num_pages and s.num_active_requests == 0) if kind == "decode"
-                   else (s.num_referenced_pages == 0 and s.num_active_requests == 0) for kind, s in stats)
+        idle = all(
+            (s.num_free_pages == s.num_pages and s.num_active_requests == 0)
+            if kind == "decode"
+            else (s.num_referenced_pages == 0 and s.num_active_requests == 0)
+            for kind, s in stats
+        )
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -409,8 +467,9 @@ def test_decode_then_prefill_killed_under_load_every_stream_ends_within_seconds(
     wait_idle(mesh)
 
     async def kill_busiest_decode():
-        active = [(await asyncio.to_thread(instance_stats, a, "decode")).num_active_requests
-                  for a in mesh.decode_addresses]
+        active = [
+            (await asyncio.to_thread(instance_stats, a, "decode")).num_active_requests for a in mesh.decode_addresses
+        ]
         victim = mesh.decode_addresses[active.index(max(active))]
         proc_of(mesh, victim).kill()
         return victim
@@ -424,16 +483,20 @@ def test_decode_then_prefill_killed_under_load_every_stream_ends_within_seconds(
 
     async def prefill_killed_mid_compute():
         async with GatewayClient(mesh.gateway_address) as client:
+
             async def one(k):
-                result, _ = await outcome(client, make_request(prompt_token_ids=ids(600, 16000 + k), max_tokens=4,
-                                                               ignore_eos=True))
+                result, _ = await outcome(
+                    client, make_request(prompt_token_ids=ids(600, 16000 + k), max_tokens=4, ignore_eos=True)
+                )
                 return result, time.monotonic()
 
             tasks = [asyncio.ensure_future(one(k)) for k in range(6)]
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                active = [(await asyncio.to_thread(instance_stats, a, "prefill")).num_active_requests
-                          for a in mesh.prefill_addresses]
+                active = [
+                    (await asyncio.to_thread(instance_stats, a, "prefill")).num_active_requests
+                    for a in mesh.prefill_addresses
+                ]
                 if max(active) > 0:
                     break
                 await asyncio.sleep(0.05)
@@ -444,11 +507,12 @@ def test_decode_then_prefill_killed_under_load_every_stream_ends_within_seconds(
             return victim, results, killed_at
 
     dead_prefill, results, killed_at = asyncio.run(prefill_killed_mid_compute())
-    for (status, *rest), ended in results:
+    for (status, *rest), _ended in results:
         # no token had reached these clients: each is retried once on the live prefill
         assert status == "OK", (status, rest)
         assert rest[0].retries <= 1
     assert any(r[1].retries == 1 for r, _ in results), results
-    survivors = [(a, "decode") for a in mesh.decode_addresses if a != dead_decode] + \
-                [(a, "prefill") for a in mesh.prefill_addresses if a != dead_prefill]
+    survivors = [(a, "decode") for a in mesh.decode_addresses if a != dead_decode] + [
+        (a, "prefill") for a in mesh.prefill_addresses if a != dead_prefill
+    ]
     _survivors_idle(survivors)

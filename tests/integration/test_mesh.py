@@ -44,11 +44,12 @@ def reference():
 
 def hf_greedy(reference, prompt: str, new_tokens: int) -> list[int]:
     model, tok, _ = reference
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=new_tokens, do_sample=False)
-    return out[0, ids["input_ids"].shape[1]:].tolist()
+    return out[0, ids["input_ids"].shape[1] :].tolist()
 
 
 def test_greedy_tokens_equal_transformers_generate(mesh, reference):
@@ -77,8 +78,9 @@ def test_kv_moved_bitwise_over_ucx(mesh, reference):
 
 
 def test_sixteen_concurrent_equal_sequential_and_share_steps(mesh):
-    prompts = [f"Give me fact number {i} about {topic}." for i, topic in
-               enumerate(["cats", "dogs", "rivers", "stars"] * 4)]
+    prompts = [
+        f"Give me fact number {i} about {topic}." for i, topic in enumerate(["cats", "dogs", "rivers", "stars"] * 4)
+    ]
     sequential = [complete(mesh, p, chat=True, max_tokens=24).token_ids for p in prompts]
     before = instance_stats(mesh.decode_addresses[0], "decode")
     concurrent = complete_many(mesh, [dict(prompt=p, chat=True, max_tokens=24) for p in prompts])
@@ -100,20 +102,23 @@ def _status(mesh, prompt=b"", **kwargs) -> tuple[grpc.StatusCode, str, float]:
     return grpc.StatusCode.OK, "", time.monotonic() - start
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(prompt=b""), "prompt is empty"),
-    (dict(prompt="   "), "prompt is empty"),
-    (dict(prompt=b"caf\xc3 ok \xff"), "not valid UTF-8"),
-    (dict(prompt="hello " * 9000), "context"),
-    (dict(prompt="hi", max_tokens=0), "max_tokens must be in"),
-    (dict(prompt="hi", max_tokens=-3), "max_tokens must be in"),
-    (dict(prompt="hi", max_tokens=100000), "max_tokens must be in"),
-    (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),
-    (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
-    (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
-    (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
-    (dict(prompt="hi", model="gpt-4"), "unknown model"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(prompt=b""), "prompt is empty"),
+        (dict(prompt="   "), "prompt is empty"),
+        (dict(prompt=b"caf\xc3 ok \xff"), "not valid UTF-8"),
+        (dict(prompt="hello " * 9000), "context"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens must be in"),
+        (dict(prompt="hi", max_tokens=-3), "max_tokens must be in"),
+        (dict(prompt="hi", max_tokens=100000), "max_tokens must be in"),
+        (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),
+        (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
+        (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
+        (dict(prompt="hi", model="gpt-4"), "unknown model"),
+    ],
+)
 def test_bad_input_is_invalid_argument_and_mesh_keeps_serving(mesh, kwargs, needle):
     code, details, _ = _status(mesh, **kwargs)
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
@@ -126,8 +131,9 @@ def test_bad_input_is_invalid_argument_and_mesh_keeps_serving(mesh, kwargs, need
 def test_cancelled_stream_frees_pages(mesh):
     async def cancel_after_three() -> int:
         async with GatewayClient(mesh.gateway_address) as client:
-            call = client.stub.Generate(make_request("Count from one to one thousand.", chat=True,
-                                                     max_tokens=400, ignore_eos=True))
+            call = client.stub.Generate(
+                make_request("Count from one to one thousand.", chat=True, max_tokens=400, ignore_eos=True)
+            )
             seen = 0
             async for _msg in call:
                 seen += 1

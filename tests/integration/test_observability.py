@@ -60,11 +60,20 @@ def collector():
 @pytest.fixture(scope="module")
 def mesh(collector):
     ports = {k: free_port() for k in ("gateway", "prefill", "decode")}
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_EXPORTER_OTLP_INSECURE": "true",
-           "OTEL_BSP_SCHEDULE_DELAY": "100", "KVMESH_LOG_FORMAT": "json"}
-    with running_mesh(1, 1, env=env, prefill_args=["--metrics-port", str(ports["prefill"])],
-                      decode_args=["--metrics-port", str(ports["decode"])],
-                      gateway_args=["--metrics-port", str(ports["gateway"])]) as m:
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "KVMESH_LOG_FORMAT": "json",
+    }
+    with running_mesh(
+        1,
+        1,
+        env=env,
+        prefill_args=["--metrics-port", str(ports["prefill"])],
+        decode_args=["--metrics-port", str(ports["decode"])],
+        gateway_args=["--metrics-port", str(ports["gateway"])],
+    ) as m:
         m.metrics = {k: f"http://127.0.0.1:{p}/metrics" for k, p in ports.items()}
         yield m
 
@@ -74,8 +83,11 @@ def _generate_with_traceparent(mesh, prompt: str):
         async with grpc.aio.insecure_channel(mesh.gateway_address) as ch:
             call = gateway_pb2_grpc.GatewayStub(ch).Generate(
                 make_request(prompt, chat=True, max_tokens=6, ignore_eos=True, request_id="traced-1"),
-                metadata=[("traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01")], timeout=120)
+                metadata=[("traceparent", f"00-{CALLER_TRACE}-{CALLER_SPAN}-01")],
+                timeout=120,
+            )
             return [msg async for msg in call]
+
     return asyncio.run(run())
 
 
@@ -92,8 +104,19 @@ def test_one_trace_gateway_prefill_decode(mesh, collector):
     assert msgs[-1].final.generated_tokens == 6
     deadline = time.monotonic() + 20
     names: set[str] = set()
-    want = {"gateway.generate", "gateway.tokenize", "gateway.route", "decode.reserve", "prefill", "prefill.queue",
-            "prefill.forward", "prefill.kv_push", "decode.generate", "decode.kv_receive", "decode.admission"}
+    want = {
+        "gateway.generate",
+        "gateway.tokenize",
+        "gateway.route",
+        "decode.reserve",
+        "prefill",
+        "prefill.queue",
+        "prefill.forward",
+        "prefill.kv_push",
+        "decode.generate",
+        "decode.kv_receive",
+        "decode.admission",
+    }
     while time.monotonic() < deadline and not want <= names:
         time.sleep(0.2)
         names = {sp.name for _, sp in collector.of_trace(CALLER_TRACE)}
@@ -118,7 +141,9 @@ def test_one_trace_gateway_prefill_decode(mesh, collector):
     assert route["kvmesh.prefill.instance"] == final.prefill_instance
     assert "kvmesh.index_cached_tokens" in route
     push = _attrs(spans["prefill.kv_push"][1])
-    assert push["kvmesh.kv.bytes"] == final.kv_transfer.nbytes and push["kvmesh.kv.pages"] == final.kv_transfer.num_pages
+    assert (
+        push["kvmesh.kv.bytes"] == final.kv_transfer.nbytes and push["kvmesh.kv.pages"] == final.kv_transfer.num_pages
+    )
     assert push["kvmesh.kv.seconds"] > 0
     fwd = _attrs(spans["prefill.forward"][1])
     assert fwd["kvmesh.prompt_tokens"] == final.prompt_tokens
@@ -165,7 +190,8 @@ def test_metrics_move_by_what_the_requests_did(mesh):
     assert moved("prefill", "kvmesh_prefill_requests_total") == 3
     assert moved("prefill", "kvmesh_prefix_cache_hit_tokens_total") == sum(o.final.cached_tokens for o in outs)
     assert moved("prefill", "kvmesh_prefill_computed_tokens_total") == sum(
-        o.final.prompt_tokens - o.final.cached_tokens for o in outs)
+        o.final.prompt_tokens - o.final.cached_tokens for o in outs
+    )
     assert moved("prefill", "kvmesh_kv_transfer_bytes_total") == sum(o.final.kv_transfer.nbytes for o in outs)
     assert moved("prefill", "kvmesh_kv_transfer_seconds_count") == 3
     assert moved("prefill", "kvmesh_engine_step_cpu_seconds_count") >= 1
@@ -181,12 +207,16 @@ def test_metrics_move_by_what_the_requests_did(mesh):
 def test_health_serving_and_reflection_lists_the_services(mesh):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    for address, name in ((mesh.gateway_address, "kvmesh.v1.Gateway"), (mesh.prefill_addresses[0], "kvmesh.v1.Prefill"),
-                          (mesh.decode_addresses[0], "kvmesh.v1.Decode")):
+    for address, name in (
+        (mesh.gateway_address, "kvmesh.v1.Gateway"),
+        (mesh.prefill_addresses[0], "kvmesh.v1.Prefill"),
+        (mesh.decode_addresses[0], "kvmesh.v1.Decode"),
+    ):
         with grpc.insecure_channel(address) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
             assert status.status == health_pb2.HealthCheckResponse.SERVING
             replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
             listed = {s.name for r in replies for s in r.list_services_response.service}
             assert {name, "grpc.health.v1.Health"} <= listed

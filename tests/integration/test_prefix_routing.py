@@ -42,8 +42,12 @@ def _prefill_only(address: str, token_ids: list[int]) -> prefill_pb2.PrefillResp
     async def call():
         async with grpc.aio.insecure_channel(address) as ch:
             return await prefill_pb2_grpc.PrefillStub(ch).Prefill(
-                prefill_pb2.PrefillRequest(request_id="evict", token_ids=token_ids,
-                                           sampling=common_pb2.SamplingParams()), timeout=120)
+                prefill_pb2.PrefillRequest(
+                    request_id="evict", token_ids=token_ids, sampling=common_pb2.SamplingParams()
+                ),
+                timeout=120,
+            )
+
     return asyncio.run(call())
 
 
@@ -56,12 +60,20 @@ def test_shared_first_block_does_not_pile_onto_one_instance(mesh):
     # the prompt) cost the same everywhere; ties go to the instance sent fewer tokens,
     # so they alternate instead of all going to the shared block's holder. In the burst
     # each in-flight request adds its tokens plus a fixed 256 to its instance's queue.
-    used = [complete(mesh, f"{i}: please describe, in two or three sentences, the main idea behind this "
-                           f"number and why someone curious might care about it at all.", chat=True,
-                     max_tokens=2).final.prefill_instance for i in range(4)]
+    used = [
+        complete(
+            mesh,
+            f"{i}: please describe, in two or three sentences, the main idea behind this "
+            f"number and why someone curious might care about it at all.",
+            chat=True,
+            max_tokens=2,
+        ).final.prefill_instance
+        for i in range(4)
+    ]
     assert used[0] != used[1] and used[0] == used[2] and used[1] == used[3], used
-    burst = complete_many(mesh, [dict(prompt=f"Question {i}: name a color.", chat=True, max_tokens=2)
-                                 for i in range(8)])
+    burst = complete_many(
+        mesh, [dict(prompt=f"Question {i}: name a color.", chat=True, max_tokens=2) for i in range(8)]
+    )
     counts = Counter(c.final.prefill_instance for c in burst)
     assert len(counts) == 2 and min(counts.values()) >= 2, counts
     wait_idle(mesh)

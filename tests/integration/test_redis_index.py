@@ -84,15 +84,26 @@ def test_stored_removed_cleared_update_sets_and_stream(index, ns, raw):
     # the stream recorded every event in order with its fields
     entries = raw.xrange(f"{ns}:{MODEL}:kv_events")
     assert [(e["instance"], e["seq"], e["type"]) for _, e in entries] == [
-        ("p0", "1", "stored"), ("p0", "2", "removed"), ("p1", "1", "stored"), ("p0", "3", "cleared")]
+        ("p0", "1", "stored"),
+        ("p0", "2", "removed"),
+        ("p1", "1", "stored"),
+        ("p0", "3", "cleared"),
+    ]
     assert entries[0][1]["hashes"] == ",".join(h.hex() for h in PROMPT[:3])
     assert entries[3][1]["hashes"] == ""
 
 
 def test_events_in_one_batch_apply_in_order(index):
     # stored then removed then stored again in one publish: the last one wins
-    index.publish("p0", [BlockStored((PROMPT[0], PROMPT[1])), BlockRemoved((PROMPT[0],)),
-                         AllBlocksCleared(), BlockStored((PROMPT[1],))])
+    index.publish(
+        "p0",
+        [
+            BlockStored((PROMPT[0], PROMPT[1])),
+            BlockRemoved((PROMPT[0],)),
+            AllBlocksCleared(),
+            BlockStored((PROMPT[1],)),
+        ],
+    )
     assert index.instances_holding(PROMPT[0]) == set()
     assert index.instances_holding(PROMPT[1]) == {"p0"}
 
@@ -142,8 +153,8 @@ def test_pool_events_drive_the_index(index):
     pool = BlockPool(4, BS, on_events=lambda events: index.publish("p0", events))
     ids = pool.allocate(3).block_ids
     pool.cache_blocks(ids, PROMPT[:3])
-    pool.free(reversed(ids))          # eviction queue [2, 1, 0]
-    pool.allocate(3)                  # block 3, then evicts 2 and 1
+    pool.free(reversed(ids))  # eviction queue [2, 1, 0]
+    pool.allocate(3)  # block 3, then evicts 2 and 1
     assert index.longest_prefix(PROMPT, ["p0"]) == {"p0": 1}
     held = {h for h in PROMPT if index.instances_holding(h)}
     assert held == pool.cached_hashes() == {PROMPT[0]}

@@ -13,8 +13,10 @@ import pytest
 from kvmesh.redis_server import RedisProcess, free_port
 from tests.integration.meshutil import complete, running_mesh, wait_idle
 
-SHARED = ("You are reviewing a long design document about a lighthouse network along a rocky coast, "
-          "with keepers, supply boats, weather reports and a radio schedule that every station follows. ") * 3
+SHARED = (
+    "You are reviewing a long design document about a lighthouse network along a rocky coast, "
+    "with keepers, supply boats, weather reports and a radio schedule that every station follows. "
+) * 3
 
 
 @pytest.fixture
@@ -24,8 +26,13 @@ def redis_and_mesh():
     holder = {"server": server}
     try:
         metrics_port = free_port()
-        with running_mesh(2, 1, prefill_args=["--lease-ttl", "1.5"], redis_url=server.url,
-                          gateway_args=["--metrics-port", str(metrics_port)]) as mesh:
+        with running_mesh(
+            2,
+            1,
+            prefill_args=["--lease-ttl", "1.5"],
+            redis_url=server.url,
+            gateway_args=["--metrics-port", str(metrics_port)],
+        ) as mesh:
             mesh.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
             yield mesh, holder, port
     finally:

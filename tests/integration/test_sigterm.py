@@ -21,10 +21,16 @@ def _proc(mesh, name: str):
 
 def test_decode_drains_in_flight_streams_then_exits_0():
     with running_mesh(1, 1) as mesh:
+
         async def run():
             async with GatewayClient(mesh.gateway_address) as client:
-                reqs = [client.complete(make_request(f"Tell me a long story number {i}.", chat=True, max_tokens=40,
-                                                     ignore_eos=True), timeout_s=120) for i in range(3)]
+                reqs = [
+                    client.complete(
+                        make_request(f"Tell me a long story number {i}.", chat=True, max_tokens=40, ignore_eos=True),
+                        timeout_s=120,
+                    )
+                    for i in range(3)
+                ]
                 tasks = [asyncio.ensure_future(r) for r in reqs]
                 await asyncio.sleep(2.0)  # the three are decoding now
                 _proc(mesh, "decode-0").send_signal(signal.SIGTERM)

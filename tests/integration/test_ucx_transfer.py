@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import uvloop
 
-from kvstore.ucx_transfer import (MAGIC, VERSION, KVReceiver, KVSender, TransferError, _TAG_ACK, _TAG_HEADER,
-                                  _TAG_SIZES)
+from kvstore.ucx_transfer import _TAG_HEADER, _TAG_SIZES, MAGIC, VERSION, KVReceiver, KVSender, TransferError
 from tests.integration.ucx_peer import Peer, page_data, receiver_main, sender_main
 
 NUM_PAGES = 16
@@ -83,7 +82,7 @@ def test_pages_land_bitwise_in_the_reserved_pages(decode):
 
 def test_unknown_id_and_size_mismatch_are_nacked_and_the_receiver_keeps_serving(decode):
     good = page_data(seed=2, num_pages=2, page_nbytes=PAGE)
-    decode.call("expect", 202, [0, 1])     # 2 pages expected
+    decode.call("expect", 202, [0, 1])  # 2 pages expected
     decode.call("expect", 203, [3, 4])
 
     async def scenario():
@@ -158,8 +157,7 @@ def test_cancel_during_a_push_cuts_it_off_and_leaves_the_pages_untouched(decode)
             # the sender is "stopped": no page arrives, yet the pages come free within seconds
             assert await call(decode, "wait", 404, 5) == ("cancelled",)
             # the sender wakes up and sends its pages: the endpoint is gone, nothing lands
-            late = await asyncio.gather(ep.send(pages[0], tag=0), ep.send(pages[1], tag=1),
-                                        return_exceptions=True)
+            late = await asyncio.gather(ep.send(pages[0], tag=0), ep.send(pages[1], tag=1), return_exceptions=True)
             return late
         finally:
             if ep is not None:
@@ -220,7 +218,7 @@ def test_concurrent_pushes_from_two_sender_processes(decode):
     # prefill 1: another process, 3 transfers at once; prefill 2: this process, 3 at once
     remote = Peer(sender_main)
     try:
-        remote_jobs = [(500 + i, 50 + i, 2, PAGE) for i in range(3)]   # (tid, seed, pages, bytes)
+        remote_jobs = [(500 + i, 50 + i, 2, PAGE) for i in range(3)]  # (tid, seed, pages, bytes)
         local_jobs = [(600 + i, 60 + i, 1, PAGE) for i in range(3)]
         layout = {500: [0, 1], 501: [2, 3], 502: [4, 5], 600: [6], 601: [7], 602: [8]}
         for tid, page_ids in layout.items():
@@ -230,8 +228,12 @@ def test_concurrent_pushes_from_two_sender_processes(decode):
             tx = KVSender()
             try:
                 remote_push = asyncio.create_task(call(remote, "push_many", decode.hello, remote_jobs))
-                local = await asyncio.gather(*(
-                    tx.push(decode.hello, tid, list(page_data(seed, n, nbytes))) for tid, seed, n, nbytes in local_jobs))
+                local = await asyncio.gather(
+                    *(
+                        tx.push(decode.hello, tid, list(page_data(seed, n, nbytes)))
+                        for tid, seed, n, nbytes in local_jobs
+                    )
+                )
                 return [r.nbytes for r in local], await remote_push
             finally:
                 await tx.close()

@@ -134,8 +134,9 @@ def sender_main(conn) -> None:
             if op == "push_many":  # (address, [(tid, seed, num_pages, page_nbytes)]) -> [nbytes]
                 address, jobs = args
                 started = time.perf_counter()
-                results = await asyncio.gather(*(
-                    tx.push(address, tid, list(page_data(seed, n, nbytes))) for tid, seed, n, nbytes in jobs))
+                results = await asyncio.gather(
+                    *(tx.push(address, tid, list(page_data(seed, n, nbytes))) for tid, seed, n, nbytes in jobs)
+                )
                 return [r.nbytes for r in results], time.perf_counter() - started
             if op == "close":
                 await tx.close()

@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_hash_is_blake2b_16_over_parent_and_int64_le_tokens():
     # the definition other languages / services can reimplement: blake2b-128 over
     # 16 zero bytes (no parent) followed by the ids as little-endian int64
-    expected = hashlib.blake2b(bytes(16) + b"".join(t.to_bytes(8, "little", signed=True) for t in (1, 2, 3)),
-                               digest_size=16).digest()
+    expected = hashlib.blake2b(
+        bytes(16) + b"".join(t.to_bytes(8, "little", signed=True) for t in (1, 2, 3)), digest_size=16
+    ).digest()
     assert hash_block(None, [1, 2, 3]) == expected
     assert len(expected) == 16
 
@@ -96,8 +97,7 @@ def test_incremental_equals_batch():
 
 def test_same_hash_in_another_process():
     tokens = list(range(100, 133))  # 33 tokens, block 8: 4 hashes
-    code = ("from kvstore.block_hash import hash_blocks; "
-            f"print(','.join(h.hex() for h in hash_blocks({tokens!r}, 8)))")
+    code = f"from kvstore.block_hash import hash_blocks; print(','.join(h.hex() for h in hash_blocks({tokens!r}, 8)))"
     # a different PYTHONHASHSEED proves Python's hash() plays no part
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=REPO)

@@ -35,7 +35,7 @@ def test_fresh_pool_hands_out_lowest_ids_first():
 
 def test_cache_match_and_lru_eviction_order():
     pool, events = make_pool(6)
-    a = prompt_hashes(0, 3)    # request A: 3 full blocks
+    a = prompt_hashes(0, 3)  # request A: 3 full blocks
     b = prompt_hashes(100, 2)  # request B: 2 full blocks
 
     # A gets blocks 0, 1, 2 and caches them
@@ -100,8 +100,8 @@ def test_allocate_is_all_or_nothing():
     h = prompt_hashes(0, 2)
     ids = pool.allocate(2).block_ids  # (0, 1)
     pool.cache_blocks(ids, h)
-    pool.free(ids)                    # evictable: [0, 1]
-    pool.allocate(1)                  # block 2 (never cached), refcount 1
+    pool.free(ids)  # evictable: [0, 1]
+    pool.allocate(1)  # block 2 (never cached), refcount 1
     # 3 allocatable (block 3 free, blocks 0, 1 evictable); asking for 4 changes nothing
     with pytest.raises(NoFreeBlocksError, match=r"asked for 4 KV blocks, only 3 free"):
         pool.allocate(4)
@@ -140,8 +140,8 @@ def test_double_free_asserts_and_changes_nothing():
 
 def test_freed_uncached_blocks_return_to_the_free_list_tail():
     pool, _ = make_pool(4)
-    pool.allocate(4)            # 0, 1, 2, 3
-    pool.free([2, 0])           # free list: [2, 0]
+    pool.allocate(4)  # 0, 1, 2, 3
+    pool.free([2, 0])  # free list: [2, 0]
     assert pool.allocate(2) == Allocation((2, 0))
     pool.check_integrity()
 
@@ -177,7 +177,7 @@ def test_clear_cache_drops_every_hash_and_emits_cleared():
     h = prompt_hashes(0, 3)
     ids = pool.allocate(3).block_ids  # (0, 1, 2)
     pool.cache_blocks(ids, h)
-    pool.free([2, 1])                 # 2, 1 evictable; block 0 still referenced
+    pool.free([2, 1])  # 2, 1 evictable; block 0 still referenced
     events.clear()
     pool.clear_cache()
     assert events == [AllBlocksCleared()]
@@ -186,7 +186,7 @@ def test_clear_cache_drops_every_hash_and_emits_cleared():
     # free list is now [3, 2, 1]; block 0 is still referenced and uncached
     assert pool.num_referenced_blocks == 1 and pool.num_free_blocks == 3
     pool.check_integrity()
-    pool.free([0])                    # uncached now: back to the free list -> [3, 2, 1, 0]
+    pool.free([0])  # uncached now: back to the free list -> [3, 2, 1, 0]
     assert pool.allocate(4) == Allocation((3, 2, 1, 0))
     assert events == [AllBlocksCleared()]  # no BlockRemoved: the hashes were already gone
     pool.check_integrity()

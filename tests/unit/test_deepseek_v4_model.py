@@ -76,7 +76,7 @@ def test_decode_logits_match_transformers_cache(tiny, length):
         cache, theirs = out.cache, [out.logits[0, -1]]
         for t in range(length, length + 6):
             ours.append(model.forward([ForwardItem([int(ids[t])], t, blocks, 2)], pages, slots)[0])
-            out = hf(ids[None, t:t + 1], cache=cache, use_cache=True)
+            out = hf(ids[None, t : t + 1], cache=cache, use_cache=True)
             cache = out.cache
             theirs.append(out.logits[0, -1])
     assert model.topk_boundary_ties == 0
@@ -101,7 +101,7 @@ def test_batched_steps_equal_single_runs(tiny):
     cfg, hf, lay, model = tiny
     prompts = [_prompt(n, 50 + n) for n in (5, 17, 40, 129)]
     alone = []
-    for b, p in enumerate(prompts):
+    for p in prompts:
         pages, slots = _state(lay)
         blocks = _pages_for(lay, len(p) + 3)
         row = [model.forward([ForwardItem(p.tolist(), 0, blocks, 0)], pages, slots)[0]]
@@ -111,8 +111,10 @@ def test_batched_steps_equal_single_runs(tiny):
     pages, slots = _state(lay, pages=128)
     tables = [_pages_for(lay, len(p) + 3, first=3 + 20 * b) for b, p in enumerate(prompts)]
     first = model.forward([ForwardItem(p.tolist(), 0, tables[b], b) for b, p in enumerate(prompts)], pages, slots)
-    steps = [first] + [model.forward([ForwardItem([7 + t], len(p) + t, tables[b], b) for b, p in enumerate(prompts)],
-                                     pages, slots) for t in range(3)]
+    steps = [first] + [
+        model.forward([ForwardItem([7 + t], len(p) + t, tables[b], b) for b, p in enumerate(prompts)], pages, slots)
+        for t in range(3)
+    ]
     for b in range(len(prompts)):
         for t in range(4):
             torch.testing.assert_close(steps[t][b], alone[b][t], atol=1e-5, rtol=0)
@@ -125,11 +127,11 @@ def test_prefix_hit_resumes_from_cached_pages(tiny):
     cfg, hf, lay, model = tiny
     S = lay.page_size
     a = _prompt(3 * S, 11)
-    b = torch.cat([a[:2 * S], _prompt(21, 12)])
+    b = torch.cat([a[: 2 * S], _prompt(21, 12)])
     pages, slots = _state(lay)
     model.forward([ForwardItem(a.tolist(), 0, [3, 4, 5], 0)], pages, slots)
     lay.restore_slot(pages, 4, slots, 1)
-    hit = model.forward([ForwardItem(b[2 * S:].tolist(), 2 * S, [3, 4, 9, 10], 1)], pages, slots)[0]
+    hit = model.forward([ForwardItem(b[2 * S :].tolist(), 2 * S, [3, 4, 9, 10], 1)], pages, slots)[0]
     fresh_pages, fresh_slots = _state(lay)
     cold = model.forward([ForwardItem(b.tolist(), 0, [3, 4, 5, 6], 1)], fresh_pages, fresh_slots)[0]
     torch.testing.assert_close(hit, cold, atol=1e-5, rtol=0)
@@ -152,7 +154,6 @@ def test_bad_checkpoints_name_what_is_wrong(tiny):
     extra = dict(good, **{"model.layers.0.self_attn.surprise": torch.zeros(1)})
     with pytest.raises(ValueError, match="surprise"):
         DeepseekV4Model(cfg, extra, lay)
-
 
 
 def test_unknown_layer_type_fails_at_load(tmp_path):

@@ -14,8 +14,9 @@ def tokenizer():
     return load_tokenizer(resolve_model(None))
 
 
-@pytest.mark.parametrize("text", ["Paris is the capital of France.", "naïve café — 東京タワー 🎉🎉 ok",
-                                  "emoji 👩‍👩‍👧 and math ∑ x²"])
+@pytest.mark.parametrize(
+    "text", ["Paris is the capital of France.", "naïve café — 東京タワー 🎉🎉 ok", "emoji 👩‍👩‍👧 and math ∑ x²"]
+)
 def test_one_token_at_a_time_rebuilds_the_text_without_broken_characters(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer)

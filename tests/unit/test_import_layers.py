@@ -182,8 +182,10 @@ def test_the_gateway_and_the_runtime_import_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import gateway.main, gateway.servicer, runtime.service, runtime.wire, "
-            "engine.config, engine.sampling_params, engine.outcomes, engine.loader, engine.checkpoint; "
-            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; import gateway.main, gateway.servicer, runtime.service, runtime.wire, "
+        "engine.config, engine.sampling_params, engine.outcomes, engine.loader, engine.checkpoint; "
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert "torch" not in out.stdout, out.stdout

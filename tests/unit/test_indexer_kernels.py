@@ -5,7 +5,6 @@ tie-break against a per-query sort, and the Triton scores under the interpreter 
 (KVMESH_TEST_DEVICE=cuda, as `python -m kernels.bench_gpu` sets it, runs them on a GPU).
 """
 
-
 import pytest
 import torch
 from transformers import DeepseekV4Config
@@ -16,7 +15,6 @@ from kernels.indexer import indexer_scores, indexer_scores_triton, indexer_topk
 from kernels.indexer.ref import indexer_masked_scores_ref, indexer_scores_ref, indexer_topk_ref
 
 
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -24,23 +22,23 @@ def _seed():
 
 def _inputs(T, Hi, Di, N, dtype=torch.float32):
     q, k = torch.randn(T, Hi, Di), torch.randn(N, Di)
-    w = torch.randn(T, Hi) * Hi ** -0.5  # signed, as weights_proj(h) * Hi^-0.5 is
+    w = torch.randn(T, Hi) * Hi**-0.5  # signed, as weights_proj(h) * Hi^-0.5 is
     return q.to(dtype), k.to(dtype), w
 
 
 # --- scores ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("T,Hi,Di,N", [(1, 8, 16, 5), (7, 3, 40, 70), (13, 64, 128, 33)])
 def test_indexer_scores_matches_reference(T, Hi, Di, N):
     q, k, w = _inputs(T, Hi, Di, N)
-    out = indexer_scores(q, k, w, Di ** -0.5)
+    out = indexer_scores(q, k, w, Di**-0.5)
     assert out.dtype == torch.float32 and out.shape == (T, N)
-    torch.testing.assert_close(out, indexer_scores_ref(q, k, w, Di ** -0.5))
+    torch.testing.assert_close(out, indexer_scores_ref(q, k, w, Di**-0.5))
 
 
 def test_indexer_scores_matches_transformers_scorer():
-    cfg = DeepseekV4Config(hidden_size=32, num_hidden_layers=2, vocab_size=50, index_n_heads=4,
-                           index_head_dim=16)
+    cfg = DeepseekV4Config(hidden_size=32, num_hidden_layers=2, vocab_size=50, index_n_heads=4, index_head_dim=16)
     scorer = DeepseekV4IndexerScorer(cfg)
     with torch.no_grad():
         scorer.weights_proj.weight.copy_(torch.randn(4, 32))
@@ -80,6 +78,7 @@ def test_indexer_scores_rejects_mismatched_shapes():
 
 # --- top-k -------------------------------------------------------------------------------
 
+
 def test_indexer_topk_equal_scores_go_to_the_lower_index():
     # ReLU zeros tie: 0.0404 first, 0.0052 second, then the zeros in index order
     scores = torch.tensor([[0.0404, 0.0, 0.0, 0.0052, 0.0]])
@@ -97,10 +96,9 @@ def test_indexer_topk_negative_zero_ties_with_zero():
 
 
 def test_indexer_topk_num_valid_masks_with_minus_one():
-    scores = torch.tensor([[0.1, 0.9, 0.5, 0.7],
-                           [0.1, 0.9, 0.5, 0.7],
-                           [0.1, 0.9, 0.5, 0.7],
-                           [float("-inf"), 0.9, 0.5, 0.7]])
+    scores = torch.tensor(
+        [[0.1, 0.9, 0.5, 0.7], [0.1, 0.9, 0.5, 0.7], [0.1, 0.9, 0.5, 0.7], [float("-inf"), 0.9, 0.5, 0.7]]
+    )
     num_valid = torch.tensor([0, 1, 3, 4])  # query 3's entry 0 is valid though -inf
     got = indexer_topk(scores, 3, num_valid)
     assert got.tolist() == [[-1, -1, -1], [0, -1, -1], [1, 2, 0], [1, 3, 2]]
@@ -123,8 +121,9 @@ def test_indexer_topk_matches_reference_with_many_ties():
     num_valid = torch.randint(0, N + 1, (T,))
     num_valid[0] = N
     for top_k in (1, 17, 128, 300):
-        torch.testing.assert_close(indexer_topk(scores, top_k, num_valid),
-                                   indexer_topk_ref(scores, top_k, num_valid), rtol=0, atol=0)
+        torch.testing.assert_close(
+            indexer_topk(scores, top_k, num_valid), indexer_topk_ref(scores, top_k, num_valid), rtol=0, atol=0
+        )
 
 
 def test_indexer_topk_rejects_bad_arguments():
@@ -136,17 +135,20 @@ def test_indexer_topk_rejects_bad_arguments():
 
 # --- Triton scores -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("T,Hi,Di,N,block_n", [
-    (21, 3, 40, 70, 32),   # nothing a multiple of a block: 2 query blocks, 3 entry blocks
-    (1, 8, 16, 37, 16),    # decode: one query, 8 heads
-    (3, 64, 128, 20, 16),  # V4's indexer heads and head_dim
-])
+
+@pytest.mark.parametrize(
+    "T,Hi,Di,N,block_n",
+    [
+        (21, 3, 40, 70, 32),  # nothing a multiple of a block: 2 query blocks, 3 entry blocks
+        (1, 8, 16, 37, 16),  # decode: one query, 8 heads
+        (3, 64, 128, 20, 16),  # V4's indexer heads and head_dim
+    ],
+)
 def test_indexer_scores_triton_matches_reference(triton_device, T, Hi, Di, N, block_n):
     q, k, w = _inputs(T, Hi, Di, N)
     dev = triton_device
-    out = indexer_scores_triton(q.to(dev), k.to(dev), w.to(dev), Di ** -0.5,
-                                block_n=block_n).cpu()
-    torch.testing.assert_close(out, indexer_scores_ref(q, k, w, Di ** -0.5), rtol=1e-5, atol=1e-5)
+    out = indexer_scores_triton(q.to(dev), k.to(dev), w.to(dev), Di**-0.5, block_n=block_n).cpu()
+    torch.testing.assert_close(out, indexer_scores_ref(q, k, w, Di**-0.5), rtol=1e-5, atol=1e-5)
 
 
 def test_indexer_scores_triton_masks_unselectable_entries(triton_device):
@@ -154,8 +156,7 @@ def test_indexer_scores_triton_masks_unselectable_entries(triton_device):
     q, k, w = _inputs(T, Hi, Di, N)
     num_valid = torch.tensor([0, 1, 17, 49, 50, 33])
     dev = triton_device
-    out = indexer_scores_triton(q.to(dev), k.to(dev), w.to(dev), 0.2, num_valid.to(dev),
-                                block_n=16).cpu()
+    out = indexer_scores_triton(q.to(dev), k.to(dev), w.to(dev), 0.2, num_valid.to(dev), block_n=16).cpu()
     ref = indexer_masked_scores_ref(q, k, w, 0.2, num_valid)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.isneginf(out[0]).all() and torch.isfinite(out[4]).all()
@@ -166,7 +167,6 @@ def test_indexer_scores_triton_masks_unselectable_entries(triton_device):
 def test_indexer_scores_triton_bf16(triton_device):
     q, k, w = _inputs(4, 8, 32, 45, dtype=torch.bfloat16)
     dev = triton_device
-    out = indexer_scores_triton(q.to(dev), k.to(dev), w.to(dev), 32 ** -0.5,
-                                block_n=16).cpu()
+    out = indexer_scores_triton(q.to(dev), k.to(dev), w.to(dev), 32**-0.5, block_n=16).cpu()
     # bf16 products are exact in fp32: only the summation order differs from the reference
-    torch.testing.assert_close(out, indexer_scores_ref(q, k, w, 32 ** -0.5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, indexer_scores_ref(q, k, w, 32**-0.5), rtol=1e-5, atol=1e-5)

@@ -77,10 +77,12 @@ def test_decode_logits_match_transformers_at_every_position(runner, hf, tokenize
 
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three colors of the rainbow, please."}],
-        add_generation_prompt=True, tokenize=True)
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids) + _prompt(20, seed=7)[1:]
     split = 10  # prefill 10 tokens, then one token a step, in both engines
-    full = _hf_logits(hf, ids)[split - 1:]  # [n - split + 1, V]: every position in one pass
+    full = _hf_logits(hf, ids)[split - 1 :]  # [n - split + 1, V]: every position in one pass
     pages = Pages().take(len(ids))
     ours = [runner.forward([ForwardItem(ids[:split], 0, pages)])[0]]
     with torch.inference_mode():
@@ -127,10 +129,10 @@ def test_batched_decode_equals_each_sequence_alone(runner):
         runner.forward([ForwardItem(p, 0, ap)])
     tokens = [11, 22, 33, 44]
     for step in range(steps):
-        batch = runner.forward([ForwardItem([t], n + step, bp)
-                                for t, n, bp in zip(tokens, lengths, batch_pages)])
-        alone = torch.cat([runner.forward([ForwardItem([t], n + step, ap)])
-                           for t, n, ap in zip(tokens, lengths, alone_pages)])
+        batch = runner.forward([ForwardItem([t], n + step, bp) for t, n, bp in zip(tokens, lengths, batch_pages)])
+        alone = torch.cat(
+            [runner.forward([ForwardItem([t], n + step, ap)]) for t, n, ap in zip(tokens, lengths, alone_pages)]
+        )
         torch.testing.assert_close(batch, alone, atol=ATOL, rtol=0)
         tokens = batch.argmax(-1).tolist()
 
@@ -145,11 +147,14 @@ def test_mixed_prefill_and_decode_batch_equals_separate_steps(runner):
     runner.forward([ForwardItem(c[:20], 0, pc)])
     runner.forward([ForwardItem(c[:20], 0, qc)])
     # one step: a decodes, b prefills from scratch, c prefills after its 20 cached tokens
-    mixed = runner.forward([ForwardItem([7], 30, pa), ForwardItem(b, 0, pb),
-                            ForwardItem(c[20:], 20, pc)])
-    separate = torch.cat([runner.forward([ForwardItem([7], 30, qa)]),
-                          runner.forward([ForwardItem(b, 0, alloc.take(12))]),
-                          runner.forward([ForwardItem(c[20:], 20, qc)])])
+    mixed = runner.forward([ForwardItem([7], 30, pa), ForwardItem(b, 0, pb), ForwardItem(c[20:], 20, pc)])
+    separate = torch.cat(
+        [
+            runner.forward([ForwardItem([7], 30, qa)]),
+            runner.forward([ForwardItem(b, 0, alloc.take(12))]),
+            runner.forward([ForwardItem(c[20:], 20, qc)]),
+        ]
+    )
     torch.testing.assert_close(mixed, separate, atol=ATOL, rtol=0)
 
 
@@ -165,20 +170,25 @@ def _greedy(runner, prompt: list[int], max_new: int, eos: tuple[int, ...]) -> li
         logits = runner.forward([ForwardItem([tok], len(prompt) + len(out) - 1, pages)])
 
 
-@pytest.mark.parametrize("question", [
-    "What is the capital of France?",
-    "Write a short poem about autumn leaves.",
-    "Explain what a CPU cache is in two sentences.",
-])
+@pytest.mark.parametrize(
+    "question",
+    [
+        "What is the capital of France?",
+        "Write a short poem about autumn leaves.",
+        "Explain what a CPU cache is in two sentences.",
+    ],
+)
 def test_greedy_generation_matches_transformers_generate(runner, hf, tokenizer, question):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                        add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     eos = runner.config.eos_token_ids
     assert eos == (2,)  # <|im_end|>: both loops stop on the same token
     with torch.inference_mode():
-        ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32,
-                          eos_token_id=list(eos), pad_token_id=eos[0])[0, len(ids):].tolist()
+        ref = hf.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=32, eos_token_id=list(eos), pad_token_id=eos[0]
+        )[0, len(ids) :].tolist()
     ours = _greedy(runner, ids, 32, eos)
     assert ours == ref, (tokenizer.decode(ours), tokenizer.decode(ref))
 

@@ -9,17 +9,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.checkpoint import ModelFiles
+from engine.config import ModelConfig
 from engine.loader import DEFAULT_MODEL, cache_root, default_gguf_path, load_config, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 
 SMOL = {  # the fields of SmolLM2-135M-Instruct's config.json that matter
-    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
-    "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1,
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
     "eos_token_id": 2,
 }
 
@@ -35,29 +43,33 @@ def test_config_from_hf_dict_and_kv_bytes():
 
 
 def test_config_defaults_and_older_layouts():
-    d = {k: v for k, v in SMOL.items() if k not in ("head_dim", "num_key_value_heads",
-                                                     "rope_parameters")}
+    d = {k: v for k, v in SMOL.items() if k not in ("head_dim", "num_key_value_heads", "rope_parameters")}
     c = ModelConfig.from_hf_dict({**d, "rope_theta": 10000.0, "eos_token_id": [2, 7]}, "old")
     assert c.head_dim == 576 // 9 and c.num_kv_heads == 9  # derived defaults
     assert c.rope_theta == 1e4 and c.eos_token_ids == (2, 7)
 
 
-@pytest.mark.parametrize("change,message", [
-    (dict(num_hidden_layers=None), "lacks required field 'num_hidden_layers'"),
-    (dict(rope_parameters={"rope_type": "default"}), "lacks required field 'rope_theta'"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_type 'llama3'"),
-    (dict(num_key_value_heads=4), r"num_heads \(9\) must be a multiple of num_kv_heads \(4\)"),
-    (dict(hidden_size=0), "hidden_size must be a positive integer"),
-    (dict(eos_token_id="2"), "eos_token_id must be an int or a list"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(num_hidden_layers=None), "lacks required field 'num_hidden_layers'"),
+        (dict(rope_parameters={"rope_type": "default"}), "lacks required field 'rope_theta'"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "rope_type 'llama3'"),
+        (dict(num_key_value_heads=4), r"num_heads \(9\) must be a multiple of num_kv_heads \(4\)"),
+        (dict(hidden_size=0), "hidden_size must be a positive integer"),
+        (dict(eos_token_id="2"), "eos_token_id must be an int or a list"),
+    ],
+)
 def test_config_errors_name_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict({**SMOL, **change}, "broken")
 
 
 def test_unknown_model_says_what_to_pass(tmp_path):
-    expected = (f"unknown model 'no-such-model': pass a path to a .gguf file or a Hugging Face "
-                f"checkpoint folder, or '{DEFAULT_MODEL}'")
+    expected = (
+        f"unknown model 'no-such-model': pass a path to a .gguf file or a Hugging Face "
+        f"checkpoint folder, or '{DEFAULT_MODEL}'"
+    )
     with pytest.raises(ValueError) as err:
         resolve_model("no-such-model")
     assert str(err.value) == expected
@@ -92,12 +104,19 @@ def test_default_model_resolves_to_a_converted_checkpoint():
 def test_concurrent_first_use_converts_once(tmp_path):
     # two processes start at once on an empty cache, one by name, one by the GGUF path: both
     # get the same folder, built once under the lock, with no temporary folder left behind
-    code = ("import sys; from engine.loader import resolve_model; "
-            "print(resolve_model(sys.argv[1]).checkpoint_dir)")
+    code = "import sys; from engine.loader import resolve_model; print(resolve_model(sys.argv[1]).checkpoint_dir)"
     env = {**os.environ, "KVMESH_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", code, arg], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for arg in (DEFAULT_MODEL, str(default_gguf_path()))]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, arg],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for arg in (DEFAULT_MODEL, str(default_gguf_path()))
+    ]
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert outs[0] == outs[1]

@@ -9,13 +9,20 @@ from engine.loader import load_config, resolve_model
 
 def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "tiny"
-    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "make-tiny-model", "--arch", "deepseek_v4", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "make-tiny-model", "--arch", "deepseek_v4", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "deepseek_v4"
-    assert set(cfg["layer_types"]) == {"sliding_attention", "compressed_sparse_attention",
-                                       "heavily_compressed_attention"}
+    assert set(cfg["layer_types"]) == {
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    }
     assert set(cfg["mlp_layer_types"]) == {"hash_moe", "moe"}
     mc = load_config(resolve_model(str(out)))
     assert mc.vocab_size == 49152 and mc.eos_token_ids == (2,)
@@ -23,6 +30,10 @@ def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path):
 
 
 def test_unknown_arch_is_refused(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "kvmesh.cli", "make-tiny-model", "--arch", "mixtral", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "make-tiny-model", "--arch", "mixtral", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2 and "invalid choice" in run.stderr

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import resolve_model
 from engine.forward import ForwardItem
 from engine.llama_runner import LlamaRunner
+from engine.loader import resolve_model
 
 PAGE = 4
 
@@ -17,10 +17,19 @@ def tiny(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
     model.save_pretrained(path)

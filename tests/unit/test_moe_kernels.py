@@ -12,9 +12,11 @@ import sys
 import pytest
 import torch
 from transformers import DeepseekV4Config
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Experts,
-                                                                  DeepseekV4HashRouter,
-                                                                  DeepseekV4TopKRouter)
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4Experts,
+    DeepseekV4HashRouter,
+    DeepseekV4TopKRouter,
+)
 
 from kernels.moe import moe_experts, moe_experts_triton, route_hash, route_topk
 from kernels.moe.ref import moe_experts_ref, route_hash_ref, route_topk_ref
@@ -29,10 +31,17 @@ def _seed():
 
 
 def _config(**overrides) -> DeepseekV4Config:
-    args = dict(hidden_size=32, moe_intermediate_size=24, n_routed_experts=8,
-                num_experts_per_tok=3, vocab_size=50, num_hidden_layers=2,
-                routed_scaling_factor=2.5, swiglu_limit=10.0,
-                experts_implementation="eager")  # DeepseekV4Experts' own per-expert loop
+    args = dict(
+        hidden_size=32,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        vocab_size=50,
+        num_hidden_layers=2,
+        routed_scaling_factor=2.5,
+        swiglu_limit=10.0,
+        experts_implementation="eager",
+    )  # DeepseekV4Experts' own per-expert loop
     args.update(overrides)
     return DeepseekV4Config(**args)
 
@@ -44,6 +53,7 @@ def _by_expert_id(weights, ids):
 
 
 # --- routing -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid", "softmax"])
 def test_route_topk_matches_reference(scoring_func):
@@ -83,8 +93,9 @@ def test_route_topk_equal_scores_go_to_the_lower_expert_id():
     assert ids.tolist() == [[0, 1, 2, 3, 4]]
     # ties made by the bias, exact in fp32: sigmoid(0) = 0.5, sigmoid(40) = 1.0, so
     # score + bias = [1.0, 1.0, 1.0, 0.5]: expert 0 beats the higher-scoring expert 1
-    weights, ids = route_topk(torch.tensor([[0.0, 40.0, 0.0, 0.0]]), "sigmoid", 2,
-                              torch.tensor([0.5, 0.0, 0.5, 0.0]), 3.0)
+    weights, ids = route_topk(
+        torch.tensor([[0.0, 40.0, 0.0, 0.0]]), "sigmoid", 2, torch.tensor([0.5, 0.0, 0.5, 0.0]), 3.0
+    )
     assert ids.tolist() == [[0, 1]]
     torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0]]))  # [0.5, 1.0] / 1.5 * 3
 
@@ -142,18 +153,23 @@ def test_route_hash_rejects_token_ids_outside_the_table():
 
 # --- experts, PyTorch path ---------------------------------------------------------------
 
+
 def _moe_inputs(T, H, I, E, K, scale=1.0, dtype=torch.float32):
     x = torch.randn(T, H) * scale
-    w_gate_up = torch.randn(E, 2 * I, H) / H ** 0.5
-    w_down = torch.randn(E, H, I) / I ** 0.5
+    w_gate_up = torch.randn(E, 2 * I, H) / H**0.5
+    w_down = torch.randn(E, H, I) / I**0.5
     weights, ids = route_topk(torch.randn(T, E), "sqrtsoftplus", K, None, 1.5)
     return x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), weights, ids
 
 
 def _transformers_experts(w_gate_up, w_down, limit):
     E, I2, H = w_gate_up.shape
-    cfg = _config(hidden_size=H, moe_intermediate_size=I2 // 2, n_routed_experts=E,
-                  swiglu_limit=float("inf") if limit is None else limit)
+    cfg = _config(
+        hidden_size=H,
+        moe_intermediate_size=I2 // 2,
+        n_routed_experts=E,
+        swiglu_limit=float("inf") if limit is None else limit,
+    )
     experts = DeepseekV4Experts(cfg)
     with torch.no_grad():
         experts.gate_up_proj.copy_(w_gate_up)
@@ -161,12 +177,15 @@ def _transformers_experts(w_gate_up, w_down, limit):
     return experts
 
 
-@pytest.mark.parametrize("T,E,K,limit,scale,idle", [
-    (1, 8, 1, 10.0, 1.0, True),     # one decode token, one expert
-    (7, 8, 3, 10.0, 1.0, True),     # K>1, some experts get no tokens
-    (33, 16, 6, 0.5, 4.0, False),   # the clamp is active: large inputs, small limit
-    (20, 4, 4, None, 4.0, False),   # no clamp; every token on every expert
-])
+@pytest.mark.parametrize(
+    "T,E,K,limit,scale,idle",
+    [
+        (1, 8, 1, 10.0, 1.0, True),  # one decode token, one expert
+        (7, 8, 3, 10.0, 1.0, True),  # K>1, some experts get no tokens
+        (33, 16, 6, 0.5, 4.0, False),  # the clamp is active: large inputs, small limit
+        (20, 4, 4, None, 4.0, False),  # no clamp; every token on every expert
+    ],
+)
 def test_moe_experts_matches_transformers_experts(T, E, K, limit, scale, idle):
     H, I = 32, 24
     x, w_gate_up, w_down, weights, ids = _moe_inputs(T, H, I, E, K, scale)
@@ -176,8 +195,7 @@ def test_moe_experts_matches_transformers_experts(T, E, K, limit, scale, idle):
         hf = experts(x, ids, weights)
     out = moe_experts(x, w_gate_up, w_down, weights, ids, limit)
     torch.testing.assert_close(out, hf, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out, moe_experts_ref(x, w_gate_up, w_down, weights, ids, limit),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, moe_experts_ref(x, w_gate_up, w_down, weights, ids, limit), atol=1e-5, rtol=1e-5)
     if limit is not None and limit < 1:  # guard the case: the clamp really changed values
         unclamped = moe_experts(x, w_gate_up, w_down, weights, ids, None)
         assert (unclamped - out).abs().max() > 0.1
@@ -192,8 +210,7 @@ def test_moe_experts_never_reads_experts_without_tokens():
     w_down[unused] = float("nan")
     out = moe_experts(x, w_gate_up, w_down, weights, ids, 10.0)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, moe_experts_ref(x, w_gate_up, w_down, weights, ids, 10.0),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, moe_experts_ref(x, w_gate_up, w_down, weights, ids, 10.0), atol=1e-5, rtol=1e-5)
 
 
 def test_moe_experts_bf16_close_to_fp32_reference():
@@ -224,30 +241,46 @@ def test_moe_experts_no_tokens():
 
 # --- experts, Triton path ----------------------------------------------------------------
 
+
 def test_align_block_size_pads_each_expert_group_to_the_block():
     # tokens' experts: t0 -> 2, 0; t1 -> 2, 1; t2 -> 0, 2. Assignment a = t*K + k, sentinel 6.
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
     al = align_block_size(ids, num_experts=4, block_m=4)
     pad = 6
-    assert al.sorted_ids.tolist()[:12] == [1, 4, pad, pad,    # expert 0: (t0,k1), (t2,k0)
-                                           3, pad, pad, pad,  # expert 1: (t1,k1)
-                                           0, 2, 5, pad]      # expert 2: (t0,k0), (t1,k0), (t2,k1)
+    assert al.sorted_ids.tolist()[:12] == [
+        1,
+        4,
+        pad,
+        pad,  # expert 0: (t0,k1), (t2,k0)
+        3,
+        pad,
+        pad,
+        pad,  # expert 1: (t1,k1)
+        0,
+        2,
+        5,
+        pad,
+    ]  # expert 2: (t0,k0), (t1,k0), (t2,k1)
     assert set(al.sorted_ids.tolist()[12:]) <= {pad}
     assert al.num_padded.tolist() == [12]
     assert al.block_expert.tolist()[:3] == [0, 1, 2]  # blocks past row 12 exit unread
 
 
-@pytest.mark.parametrize("T,E,K,H,I,limit,blocks", [
-    (5, 6, 2, 72, 40, 10.0, None),                 # default blocks: partial K and N tiles
-    (1, 8, 3, 40, 24, 10.0, None),                 # decode: one token
-    (9, 4, 3, 40, 24, 0.5, BlockSizes(16, 16, 16)),  # clamp active, several K and N tiles
-    (40, 3, 2, 24, 20, None, BlockSizes(16, 16, 16)),  # groups larger than a row block
-])
+@pytest.mark.parametrize(
+    "T,E,K,H,I,limit,blocks",
+    [
+        (5, 6, 2, 72, 40, 10.0, None),  # default blocks: partial K and N tiles
+        (1, 8, 3, 40, 24, 10.0, None),  # decode: one token
+        (9, 4, 3, 40, 24, 0.5, BlockSizes(16, 16, 16)),  # clamp active, several K and N tiles
+        (40, 3, 2, 24, 20, None, BlockSizes(16, 16, 16)),  # groups larger than a row block
+    ],
+)
 def test_moe_experts_triton_matches_reference(triton_device, T, E, K, H, I, limit, blocks):
     x, w_gate_up, w_down, weights, ids = _moe_inputs(T, H, I, E, K, scale=4.0)
     dev = triton_device
-    out = moe_experts_triton(x.to(dev), w_gate_up.to(dev), w_down.to(dev), weights.to(dev),
-                             ids.to(dev), limit, block_sizes=blocks)
+    out = moe_experts_triton(
+        x.to(dev), w_gate_up.to(dev), w_down.to(dev), weights.to(dev), ids.to(dev), limit, block_sizes=blocks
+    )
     ref = moe_experts_ref(x, w_gate_up, w_down, weights, ids, limit)
     torch.testing.assert_close(out.cpu(), ref, atol=1e-5, rtol=1e-5)
 
@@ -260,18 +293,15 @@ def test_moe_experts_triton_never_reads_experts_without_tokens(triton_device):
     w_gate_up[unused] = float("nan")
     w_down[unused] = float("nan")
     dev = triton_device
-    out = moe_experts_triton(x.to(dev), w_gate_up.to(dev), w_down.to(dev), weights.to(dev),
-                             ids.to(dev), 10.0).cpu()
+    out = moe_experts_triton(x.to(dev), w_gate_up.to(dev), w_down.to(dev), weights.to(dev), ids.to(dev), 10.0).cpu()
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, moe_experts_ref(x, w_gate_up, w_down, weights, ids, 10.0),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, moe_experts_ref(x, w_gate_up, w_down, weights, ids, 10.0), atol=1e-5, rtol=1e-5)
 
 
 def test_moe_experts_triton_bf16_close_to_fp32_reference(triton_device):
     x, w_gate_up, w_down, weights, ids = _moe_inputs(6, 40, 24, 5, 2, dtype=torch.bfloat16)
     dev = triton_device
-    out = moe_experts_triton(x.to(dev), w_gate_up.to(dev), w_down.to(dev), weights.to(dev),
-                             ids.to(dev), 10.0).cpu()
+    out = moe_experts_triton(x.to(dev), w_gate_up.to(dev), w_down.to(dev), weights.to(dev), ids.to(dev), 10.0).cpu()
     assert out.dtype == torch.bfloat16
     ref = moe_experts_ref(x, w_gate_up, w_down, weights, ids, 10.0)  # fp32 math
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
@@ -279,9 +309,11 @@ def test_moe_experts_triton_bf16_close_to_fp32_reference(triton_device):
 
 # --- the GPU benchmark without a GPU -----------------------------------------------------
 
+
 def test_bench_gpu_without_a_gpu_says_so_and_exits_0():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench_gpu"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernels.bench_gpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA GPU: nothing to benchmark" in proc.stdout

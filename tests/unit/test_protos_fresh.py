@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_generated_proto_code_is_up_to_date():
     # regenerates into a temporary folder and compares byte for byte
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--check"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

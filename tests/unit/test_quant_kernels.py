@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
 from engine.checkpoint import load_checkpoint_tensors
+from engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
 from engine.loader import default_gguf_path, resolve_model
 from kernels.quant import TN, pack_q4_1, pack_q8_0, quantized_matmul
 from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref, quantized_matmul_ref
@@ -47,7 +47,7 @@ def test_each_row_is_computed_the_same_alone_or_in_a_batch():
     rng = np.random.default_rng(7)
     w = pack_q4_1(*_q4_1(rng, 192, 64))
     x = torch.randn(4, 64)
-    alone = torch.cat([quantized_matmul(x[i:i + 1], w) for i in range(4)])
+    alone = torch.cat([quantized_matmul(x[i : i + 1], w) for i in range(4)])
     assert torch.equal(quantized_matmul(x, w), alone)
 
 
@@ -91,8 +91,12 @@ def test_loader_keeps_blocks_equal_to_the_fp32_checkpoint():
     assert len(blocks) == 30 * 7 + 1
     assert blocks["model.embed_tokens.weight"].kind == "q8_0"
     fp32 = load_checkpoint_tensors(files.checkpoint_dir)
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
-                 "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"]:
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.29.self_attn.k_proj.weight",
+        "model.layers.7.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    ]:
         # q_proj and k_proj rows went through transformers' RoPE un-permutation too
         assert torch.equal(blocks[name].dequantize(), fp32[name]), name
 

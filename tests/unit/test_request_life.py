@@ -68,8 +68,11 @@ def test_a_success_resets_the_count_of_failures_in_a_row():
 
 
 def test_pick_decode_skips_open_circuits_and_full_instances():
-    full, open_, free = InstanceLoad("full", max_requests=2, in_flight_requests=2), InstanceLoad("open"), \
-        InstanceLoad("free", in_flight_requests=1, max_requests=8)
+    full, open_, free = (
+        InstanceLoad("full", max_requests=2, in_flight_requests=2),
+        InstanceLoad("open"),
+        InstanceLoad("free", in_flight_requests=1, max_requests=8),
+    )
     for _ in range(3):
         open_.breaker.record_failure()
     assert pick_decode([full, open_, free], 0).address == "free"
@@ -159,16 +162,19 @@ def test_an_aborted_attempt_undoes_its_accounting_and_releases_the_reservation_o
     async def scenario():
         pool, p, d = FakePool(), InstanceLoad("p"), InstanceLoad("d")
         life = RequestLife(pool, "r1", p, d, queued_tokens=100)
-        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens, d.in_flight_requests) == \
-            (1, 100, 100, 1)
+        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens, d.in_flight_requests) == (
+            1,
+            100,
+            100,
+            1,
+        )
         life.reserved(7)
         failure = RequestFailed(FailureCause.INSTANCE_LOST, "prefill p: lost", instance=p)
         life.abort(failure)
         life.abort(failure)  # a second abort changes nothing
         await asyncio.sleep(0)
         assert pool.released == [("d", "r1", 7)]
-        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens, d.in_flight_requests) == \
-            (0, 0, 0, 0)
+        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens, d.in_flight_requests) == (0, 0, 0, 0)
         assert p.breaker.consecutive_failures == 1 and d.breaker.consecutive_failures == 0
         assert life.stage == Stage.ABORTED
 
@@ -207,22 +213,34 @@ def test_instances_that_disagree_on_page_size_or_model_are_not_routed_to():
     from protos.kvmesh.v1 import common_pb2
 
     async def scenario():
-        pool = InstancePool(["p1:1", "p2:1"], ["d1:1"], page_size=16, index=None, cache_threshold=0.3,
-                            load_weight=0.02, rpc_timeout_s=1.0, model_fingerprint="abc")
+        pool = InstancePool(
+            ["p1:1", "p2:1"],
+            ["d1:1"],
+            page_size=16,
+            index=None,
+            cache_threshold=0.3,
+            load_weight=0.02,
+            rpc_timeout_s=1.0,
+            model_fingerprint="abc",
+        )
         try:
             p1, p2 = pool.prefills
-            assert pool._mismatch(p1, common_pb2.InstanceStats(instance_id="p1", page_size=16,
-                                                               model_fingerprint="abc")) == ""
-            p2.mismatch = pool._mismatch(p2, common_pb2.InstanceStats(instance_id="p2", page_size=32,
-                                                                      model_fingerprint="abc"))
+            assert (
+                pool._mismatch(p1, common_pb2.InstanceStats(instance_id="p1", page_size=16, model_fingerprint="abc"))
+                == ""
+            )
+            p2.mismatch = pool._mismatch(
+                p2, common_pb2.InstanceStats(instance_id="p2", page_size=32, model_fingerprint="abc")
+            )
             assert p2.mismatch == "p2 has page_size 32, the gateway 16"
             pool.check_usable()  # one prefill still agrees
             for k in range(4):
                 prefill, _, _ = await pool.route(list(range(40 + k)), [])
                 assert prefill is p1
             d1 = pool.decodes[0]
-            d1.mismatch = pool._mismatch(d1, common_pb2.InstanceStats(instance_id="d1", page_size=16,
-                                                                      model_fingerprint="xyz"))
+            d1.mismatch = pool._mismatch(
+                d1, common_pb2.InstanceStats(instance_id="d1", page_size=16, model_fingerprint="xyz")
+            )
             with pytest.raises(MismatchError, match="d1 serves model xyz, the gateway abc"):
                 pool.check_usable()
         finally:

@@ -65,8 +65,11 @@ def test_bad_weights_are_rejected():
 
 
 def test_decode_is_least_active_requests():
-    ds = [InstanceLoad("d0", in_flight_requests=3), InstanceLoad("d1", in_flight_requests=1),
-          InstanceLoad("d2", reported_active_requests=2)]
+    ds = [
+        InstanceLoad("d0", in_flight_requests=3),
+        InstanceLoad("d1", in_flight_requests=1),
+        InstanceLoad("d2", reported_active_requests=2),
+    ]
     assert pick_decode(ds, 0).address == "d1"
     ds[1].reachable = False
     assert pick_decode(ds, 0).address == "d2"

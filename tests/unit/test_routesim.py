@@ -6,8 +6,12 @@ import random
 from kvmesh.routesim import LRUBlocks, TraceRequest, oracle_hit_rate, router_chooser, simulate
 
 # four requests, all at t=0, prefill at 1024 tokens/s, 512-token blocks
-TINY = [TraceRequest(0.0, 1024, (0, 1)), TraceRequest(0.0, 1024, (0, 2)),
-        TraceRequest(0.0, 1536, (0, 1, 3)), TraceRequest(0.0, 2048, (0, 2, 4, 5))]
+TINY = [
+    TraceRequest(0.0, 1024, (0, 1)),
+    TraceRequest(0.0, 1024, (0, 2)),
+    TraceRequest(0.0, 1536, (0, 1, 3)),
+    TraceRequest(0.0, 2048, (0, 2, 4, 5)),
+]
 
 
 def test_round_robin_and_oracle_by_hand():
@@ -77,9 +81,11 @@ def test_out_of_range_trace_values_are_refused(tmp_path):
 
     from kvmesh.routesim import load_trace
 
-    for row, what in (('{"timestamp": 0, "input_length": 600, "hash_ids": [-1]}', "hash_ids"),
-                      ('{"timestamp": NaN, "input_length": 600, "hash_ids": [1]}', "timestamp"),
-                      ('{"timestamp": 0, "input_length": 1.5e400, "hash_ids": [1]}', "input_length")):
+    for row, what in (
+        ('{"timestamp": 0, "input_length": 600, "hash_ids": [-1]}', "hash_ids"),
+        ('{"timestamp": NaN, "input_length": 600, "hash_ids": [1]}', "timestamp"),
+        ('{"timestamp": 0, "input_length": 1.5e400, "hash_ids": [1]}', "input_length"),
+    ):
         path = tmp_path / "t.jsonl"
         path.write_text(row + "\n")
         with pytest.raises(ValueError, match=what):

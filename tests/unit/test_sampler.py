@@ -77,8 +77,8 @@ def test_top_p_nucleus_matches_transformers_rule():
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.9), (1.3, 10, 1.0), (1.0, 8, 0.6)])
 def test_filter_keeps_the_same_tokens_as_transformers_warpers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import (TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
     from engine.sampler import _filtered_probs
 
     logits = _logits()
@@ -95,8 +95,12 @@ def test_filter_keeps_the_same_tokens_as_transformers_warpers(temperature, top_k
 
 def test_mixed_batch_keeps_greedy_rows_greedy():
     logits = _logits()
-    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(),
-              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=4)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=4),
+    ]
     gens = [make_generator(p) for p in params]
     out = sample(logits, params, gens)
     argmax = logits.argmax(-1).tolist()
@@ -104,15 +108,18 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
     assert out[3] in logits[3].topk(5).indices.tolist()
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(temperature=-1), "temperature must be >= 0, got -1"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(top_k=-2), "top_k must be an integer >= 0"),
-    (dict(top_k=2.5), "top_k must be an integer >= 0"),
-    (dict(seed=-1), "seed must be None or an integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(temperature=-1), "temperature must be >= 0, got -1"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(top_k=-2), "top_k must be an integer >= 0"),
+        (dict(top_k=2.5), "top_k must be an integer >= 0"),
+        (dict(seed=-1), "seed must be None or an integer"),
+    ],
+)
 def test_validation_says_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

@@ -17,9 +17,10 @@ def test_dense_sink_attention_is_transformers_eager():
     bias[:, 0] = 0.0  # every query sees at least one key
     module = nn.Module()
     module.num_key_value_groups, module.sinks, module.training = Hq, sinks, False
-    ref, _ = eager_attention_forward(module, q.transpose(0, 1)[None], kv[None, None], kv[None, None],
-                                     bias[None, None], scaling=D ** -0.5)
-    torch.testing.assert_close(sink_attention(q, kv, bias, sinks, D ** -0.5), ref[0], atol=1e-6, rtol=1e-5)
+    ref, _ = eager_attention_forward(
+        module, q.transpose(0, 1)[None], kv[None, None], kv[None, None], bias[None, None], scaling=D**-0.5
+    )
+    torch.testing.assert_close(sink_attention(q, kv, bias, sinks, D**-0.5), ref[0], atol=1e-6, rtol=1e-5)
 
 
 def test_sparse_equals_dense_over_the_same_visible_keys():
@@ -43,12 +44,20 @@ def test_sparse_equals_dense_over_the_same_visible_keys():
     dense_kv = torch.cat([keys, ent])
     win_dense = window_bias(qpos, torch.arange(3 + n), W)
     csa_dense = torch.cat([win_dense, torch.zeros(n, C).masked_fill_(~chosen, float("-inf"))], dim=1)
-    sparse = sparse_sink_attention(q, win_kv, win_bias, ent[top.clamp(min=0)],
-                                   torch.zeros(n, 3).masked_fill_(top < 0, float("-inf")), sinks, D ** -0.5)
-    torch.testing.assert_close(sparse, sink_attention(q, dense_kv, csa_dense, sinks, D ** -0.5), atol=1e-6, rtol=1e-5)
+    sparse = sparse_sink_attention(
+        q,
+        win_kv,
+        win_bias,
+        ent[top.clamp(min=0)],
+        torch.zeros(n, 3).masked_fill_(top < 0, float("-inf")),
+        sinks,
+        D**-0.5,
+    )
+    torch.testing.assert_close(sparse, sink_attention(q, dense_kv, csa_dense, sinks, D**-0.5), atol=1e-6, rtol=1e-5)
     hca_bias = torch.zeros(n, C).masked_fill_(torch.arange(C)[None] >= ((qpos + 1) // 2)[:, None], float("-inf"))
-    sparse = sparse_sink_attention(q, win_kv, win_bias, ent, hca_bias, sinks, D ** -0.5)
-    torch.testing.assert_close(sparse, sink_attention(q, dense_kv, torch.cat([win_dense, hca_bias], 1), sinks,
-                                                      D ** -0.5), atol=1e-6, rtol=1e-5)
-    sparse = sparse_sink_attention(q, win_kv, win_bias, None, None, sinks, D ** -0.5)
-    torch.testing.assert_close(sparse, sink_attention(q, keys, win_dense, sinks, D ** -0.5), atol=1e-6, rtol=1e-5)
+    sparse = sparse_sink_attention(q, win_kv, win_bias, ent, hca_bias, sinks, D**-0.5)
+    torch.testing.assert_close(
+        sparse, sink_attention(q, dense_kv, torch.cat([win_dense, hca_bias], 1), sinks, D**-0.5), atol=1e-6, rtol=1e-5
+    )
+    sparse = sparse_sink_attention(q, win_kv, win_bias, None, None, sinks, D**-0.5)
+    torch.testing.assert_close(sparse, sink_attention(q, keys, win_dense, sinks, D**-0.5), atol=1e-6, rtol=1e-5)
