@@ -39,7 +39,8 @@ Ending = FinishReason | Exception | None
 EmitFn = Callable[[list[int], Ending], None]
 # Runs one step's deliveries [(emit, token ids, ending)] where the emit functions may run
 # (the servicer hands the whole list to its event loop in one call_soon_threadsafe).
-DispatchFn = Callable[[list[tuple[EmitFn, list[int], Ending]]], None]
+Delivery = tuple[EmitFn, list[int], Ending]
+DispatchFn = Callable[[list[Delivery]], object]
 
 
 def deliver_all(deliveries) -> None:
@@ -128,12 +129,12 @@ class DecodeEngine:
     def start(self, executor: concurrent.futures.Executor | None = None) -> None:
         """Run the batch loop on `executor` (the service passes the main-thread executor,
         where torch is fastest) or, without one, on a thread of its own."""
-        own = executor is None
-        if own:
-            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-loop")
-        self._loop_done = executor.submit(self.run_loop)
-        if own:
-            executor.shutdown(wait=False)  # its thread ends when the loop returns
+        if executor is None:
+            own = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-loop")
+            self._loop_done = own.submit(self.run_loop)
+            own.shutdown(wait=False)  # its thread ends when the loop returns
+        else:
+            self._loop_done = executor.submit(self.run_loop)
 
     def shutdown(self) -> None:
         """Stop the loop after its current step and wait for it (30 s at most)."""
@@ -347,7 +348,7 @@ class DecodeEngine:
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
         metrics.STEPS.inc()
         metrics.TOKENS.inc(len(batch))
-        deliveries = []
+        deliveries: list[Delivery] = []
         with self._cond:
             self.num_steps += 1
             self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))

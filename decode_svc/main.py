@@ -8,15 +8,15 @@ import logging
 import socket
 
 from decode_svc import metrics
-from decode_svc.config import DecodeConfig, config_from_args
+from decode_svc.config import DecodeConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
 from engine.checkpoint import model_fingerprint
 from engine.loader import load_config, resolve_model
 from engine.runners import create_runner
-from kvstore.ucx_transfer import KVReceiver
+from kvstore.transports import create_receiver
 from protos.kvmesh.v1 import decode_pb2_grpc
-from runtime import service, tracing
+from runtime import service, settings, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +29,14 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(
-        executor.submit(create_runner, files, config.num_pages, config.page_size, config.max_batch_size)
+        executor.submit(
+            create_runner, files, config.num_pages, config.page_size, config.max_batch_size, config.kernel_backend
+        )
     )
     engine = DecodeEngine(config, runner)
     # a wildcard bind address is no address to push to: advertise a name others can reach
     kv_host = config.advertise_host or (socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
-    receiver = KVReceiver(kv_host, config.kv_port)
+    receiver = create_receiver(config.kv_transport, kv_host, config.kv_port)
     await receiver.start()
     model_config = load_config(files)
     servicer = DecodeServicer(
@@ -65,5 +67,5 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("decode")
     tracing.setup_tracing("kvmesh-decode")
-    config = config_from_args(args)
+    config = settings.from_args(DecodeConfig, args)
     service.run(lambda stop, executor: serve(config, stop, executor))

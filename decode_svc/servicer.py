@@ -16,7 +16,7 @@ import grpc
 from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deliver_all
 from decode_svc.transfers import TransferTable
 from engine.outcomes import FailureCause, FinishReason
-from kvstore.ucx_transfer import KVReceiver, pages_digest
+from kvstore.transport import KVPushReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime import tracing
 from runtime.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
@@ -31,7 +31,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(
         self,
         engine: DecodeEngine,
-        receiver: KVReceiver,
+        receiver: KVPushReceiver,
         instance_id: str,
         stop_token_ids: frozenset[int],
         vocab_size: int,

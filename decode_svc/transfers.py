@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from decode_svc.engine import DecodeEngine, Reservation
-from kvstore.ucx_transfer import KVReceiver
+from kvstore.transport import KVPushReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Transfer:
 class TransferTable:
     """Every open transfer of one decode instance (call from its event loop only)."""
 
-    def __init__(self, engine: DecodeEngine, receiver: KVReceiver) -> None:
+    def __init__(self, engine: DecodeEngine, receiver: KVPushReceiver) -> None:
         self.engine = engine
         self.receiver = receiver
         self._transfers: dict[int, Transfer] = {}

@@ -22,6 +22,7 @@ from engine.loader import load_config
 from engine.models.deepseek_v4 import DeepseekV4Model
 from engine.models.deepseek_v4_state import V4StateLayout
 from engine.models.deepseek_v4_weights import load_config as load_v4_config
+from kernels.backend import KernelBackend
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,14 @@ class DeepseekV4Runner:
     `page_nbytes` is one page's bytes; `state_buffers(slot)` the slot's buffer for the push.
     """
 
-    def __init__(self, files: ModelFiles, num_pages: int, page_size: int = 16, num_state_slots: int = 64) -> None:
+    def __init__(
+        self,
+        files: ModelFiles,
+        num_pages: int,
+        page_size: int = 16,
+        num_state_slots: int = 64,
+        kernels: KernelBackend | None = None,
+    ) -> None:
         """Raises ValueError for a bad config or checkpoint (naming the field or tensor), a
         page_size that is not a multiple of every compress rate, or num_pages / slots < 1."""
         if num_pages < 1 or num_state_slots < 1:
@@ -42,7 +50,7 @@ class DeepseekV4Runner:
         self.config = load_config(files)
         self.layout = V4StateLayout.from_config(self.hf_config, page_size)
         tensors = load_checkpoint_tensors(files.checkpoint_dir)
-        self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name)
+        self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name, kernels)
         del tensors
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
         self.pages = torch.zeros(num_pages, self.layout.page_floats)  # [P, page_floats]

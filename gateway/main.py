@@ -10,13 +10,13 @@ from engine.checkpoint import load_tokenizer, model_fingerprint
 from engine.loader import load_config, resolve_model
 from gateway import metrics
 from gateway.admission import AdmissionQueue
-from gateway.config import GatewayConfig, config_from_args
+from gateway.config import GatewayConfig
 from gateway.pool import InstancePool
 from gateway.requests import PromptBuilder
 from gateway.servicer import GatewayServicer
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from protos.kvmesh.v1 import gateway_pb2_grpc
-from runtime import service, tracing
+from runtime import service, settings, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -75,5 +75,5 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("gateway")
     tracing.setup_tracing("kvmesh-gateway")
-    config = config_from_args(args)
+    config = settings.from_args(GatewayConfig, args)
     service.run(lambda stop, _executor: serve(config, stop))

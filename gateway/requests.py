@@ -118,6 +118,7 @@ class PromptBuilder:
             text = prompt.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"prompt is not valid UTF-8 (bad byte at offset {exc.start}); send UTF-8 text") from None
+        conversation: list[dict[str, str]] | None
         if messages:
             conversation = [{"role": r, "content": c} for r, c in messages]
         elif not text.strip():

@@ -22,7 +22,7 @@ import hashlib
 import logging
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.breaker import CircuitBreaker
@@ -77,7 +77,89 @@ class RouteDecision:
     cost_tokens: float
 
 
-POLICIES = ("cache_aware", "round_robin", "random", "consistent_hash", "least_load")
+@dataclass(frozen=True)
+class RouteAsk:
+    """What a routing policy knows of one request."""
+
+    num_prompt_tokens: int
+    cached_blocks: Mapping[str, int]
+    """instance_id -> leading prompt blocks it holds, from the index (empty when it is down)."""
+    page_size: int
+    block_hashes: Sequence[bytes]
+    """The prompt's block hashes (only consistent_hash reads them)."""
+
+    def cached_tokens(self, inst: InstanceLoad) -> int:
+        """Tokens of this prompt `inst` would reuse: whole cached blocks short of the last prompt
+        token (whose logits prefill must compute), so the figure is what prefill will reuse."""
+        reusable_blocks = (self.num_prompt_tokens - 1) // self.page_size
+        return min(self.cached_blocks.get(inst.instance_id, 0), reusable_blocks) * self.page_size
+
+    def decide(self, inst: InstanceLoad) -> RouteDecision:
+        cached = self.cached_tokens(inst)
+        return RouteDecision(inst.address, cached, float(self.num_prompt_tokens - cached))
+
+
+Policy = Callable[["PrefillRouter", Sequence[InstanceLoad], RouteAsk], RouteDecision]
+"""(router, routable instances (at least one), request) -> the choice."""
+
+POLICIES: dict[str, Policy] = {}
+"""Routing policies by name; `--routing-policy` picks one."""
+
+
+def policy(name: str) -> Callable[[Policy], Policy]:
+    """Register a routing policy under `name`."""
+
+    def register(fn: Policy) -> Policy:
+        POLICIES[name] = fn
+        return fn
+
+    return register
+
+
+def check_policy(name: str) -> None:
+    """Raise ValueError naming the known policies when `name` is not one of them."""
+    if name not in POLICIES:
+        raise ValueError(f"routing policy must be one of {list(POLICIES)}, got {name!r}")
+
+
+@policy("cache_aware")
+def _cache_aware(router: PrefillRouter, healthy: Sequence[InstanceLoad], ask: RouteAsk) -> RouteDecision:
+    best: tuple[float, int, int] | None = None
+    choice: RouteDecision | None = None
+    rr = router.next_turn()
+    for pos, inst in enumerate(healthy):
+        cached = ask.cached_tokens(inst)
+        counted = cached if cached >= router.cache_threshold * ask.num_prompt_tokens and cached > 0 else 0
+        load = queued_tokens(inst) + router.request_cost_tokens * max(
+            inst.in_flight_requests, inst.reported_active_requests
+        )
+        cost = (ask.num_prompt_tokens - counted) + router.load_weight * load
+        key = (cost, inst.total_routed_tokens, (pos - rr) % len(healthy))
+        if best is None or key < best:
+            best, choice = key, RouteDecision(inst.address, cached, cost)
+    assert choice is not None
+    return choice
+
+
+@policy("round_robin")
+def _round_robin(router: PrefillRouter, healthy: Sequence[InstanceLoad], ask: RouteAsk) -> RouteDecision:
+    return ask.decide(healthy[router.next_turn() % len(healthy)])
+
+
+@policy("random")
+def _random(router: PrefillRouter, healthy: Sequence[InstanceLoad], ask: RouteAsk) -> RouteDecision:
+    return ask.decide(router.rng.choice(healthy))
+
+
+@policy("consistent_hash")
+def _consistent_hash(router: PrefillRouter, healthy: Sequence[InstanceLoad], ask: RouteAsk) -> RouteDecision:
+    return ask.decide(_ring_choice(healthy, b"".join(ask.block_hashes[: router.hash_blocks])))
+
+
+@policy("least_load")
+def _least_load(router: PrefillRouter, healthy: Sequence[InstanceLoad], ask: RouteAsk) -> RouteDecision:
+    rr, n = router.next_turn(), len(healthy)
+    return ask.decide(min(enumerate(healthy), key=lambda p: (queued_tokens(p[1]), (p[0] - rr) % n))[1])
 
 
 @dataclass
@@ -95,6 +177,7 @@ class PrefillRouter:
     request_cost_tokens: int = 256
     """Queue tokens each in-flight request adds on top of its prompt tokens."""
     policy: str = "cache_aware"
+    """A name in POLICIES."""
     hash_blocks: int = 2
     seed: int = 0
     _rr: int = field(default=0, init=False)
@@ -104,13 +187,18 @@ class PrefillRouter:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
             raise ValueError(f"load_weight must be a finite number >= 0, got {self.load_weight}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        check_policy(self.policy)
         if self.request_cost_tokens < 0:
             raise ValueError(f"request_cost_tokens must be >= 0, got {self.request_cost_tokens}")
         if self.hash_blocks < 1:
             raise ValueError(f"hash_blocks must be >= 1, got {self.hash_blocks}")
-        self._random = random.Random(self.seed)
+        self.rng = random.Random(self.seed)
+        self._choose = POLICIES[self.policy]
+
+    def next_turn(self) -> int:
+        """A counter that rotates ties between equal instances (and round_robin's pick)."""
+        self._rr += 1
+        return self._rr
 
     def choose(
         self,
@@ -129,43 +217,7 @@ class PrefillRouter:
         healthy = [i for i in self.instances if i.routable and i.address not in exclude]
         if not healthy:
             raise LookupError("no healthy prefill instance")
-        # prefill reuses whole cached blocks short of the last prompt token (whose logits it
-        # must compute): the same count here, so the index's figure is what prefill will reuse
-        reusable_blocks = (num_prompt_tokens - 1) // page_size
-
-        def cached_tokens(inst: InstanceLoad) -> int:
-            return min(cached_blocks.get(inst.instance_id, 0), reusable_blocks) * page_size
-
-        def decide(inst: InstanceLoad) -> RouteDecision:
-            cached = cached_tokens(inst)
-            return RouteDecision(inst.address, cached, float(num_prompt_tokens - cached))
-
-        if self.policy == "round_robin":
-            self._rr += 1
-            return decide(healthy[self._rr % len(healthy)])
-        if self.policy == "random":
-            return decide(self._random.choice(healthy))
-        if self.policy == "least_load":
-            self._rr += 1
-            n = len(healthy)
-            return decide(min(enumerate(healthy), key=lambda p: (queued_tokens(p[1]), (p[0] - self._rr) % n))[1])
-        if self.policy == "consistent_hash":
-            return decide(_ring_choice(healthy, b"".join(block_hashes[: self.hash_blocks])))
-        best: tuple[float, int, int] | None = None
-        choice: RouteDecision | None = None
-        self._rr += 1
-        for pos, inst in enumerate(healthy):
-            cached = cached_tokens(inst)
-            counted = cached if cached >= self.cache_threshold * num_prompt_tokens and cached > 0 else 0
-            load = queued_tokens(inst) + self.request_cost_tokens * max(
-                inst.in_flight_requests, inst.reported_active_requests
-            )
-            cost = (num_prompt_tokens - counted) + self.load_weight * load
-            key = (cost, inst.total_routed_tokens, (pos - self._rr) % len(healthy))
-            if best is None or key < best:
-                best, choice = key, RouteDecision(inst.address, cached, cost)
-        assert choice is not None
-        return choice
+        return self._choose(self, healthy, RouteAsk(num_prompt_tokens, cached_blocks, page_size, block_hashes))
 
 
 def queued_tokens(inst: InstanceLoad) -> int:

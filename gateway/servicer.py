@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -171,7 +172,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rid = inp.request_id
         request_context.set((rid, tracing.trace_id(span)))
         span.set_attribute("kvmesh.request_id", rid)
-        # the prompt's block hashes, once per request: the index lookup and routing read them
+        # the prompt's block hashes, once per request: the index lookup, routing and prefill's cache read them
         hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size)
         tracing.record(
             span, "gateway.tokenize", t0, tracing.now_ns(), {"kvmesh.prompt_tokens": len(inp.prompt_token_ids)}
@@ -198,7 +199,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             self.admission.done()
 
-    async def _attempts(self, inp: GenerateInput, hashes, span, arrived: float, waited: float):
+    async def _attempts(self, inp: GenerateInput, hashes: Sequence[bytes], span, arrived: float, waited: float):
         """Route and run the request; retry once on other instances while no token was sent."""
         rid = inp.request_id
         excluded: set[str] = set()
@@ -207,7 +208,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         give_up_at = loop.time() + self.admission.max_queue_time_s
         while True:
             life: RequestLife | None = None
-            streamed = []  # token ids sent to the client so far
+            streamed: list[int] = []  # token ids sent to the client so far
             try:
                 t0 = tracing.now_ns()
                 try:
@@ -239,7 +240,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     cached_hint,
                     decode.address,
                 )
-                async for msg in self._run(life, inp, span, arrived, waited, retries, streamed):
+                async for msg in self._run(life, inp, hashes, span, arrived, waited, retries, streamed):
                     yield msg
                 return
             except RequestFailed as failure:
@@ -271,6 +272,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self,
         life: RequestLife,
         inp: GenerateInput,
+        hashes: Sequence[bytes],
         span,
         arrived: float,
         waited: float,
@@ -314,6 +316,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     decode_kv_address=reserve.kv_address,
                     transfer_id=reserve.transfer_id,
                     page_size=self.pool.page_size,
+                    block_hashes=hashes,  # hashed once, here: prefill reuses them
                 ),
                 timeout=prefill_deadline,
                 metadata=tracing.inject(span),

@@ -8,7 +8,8 @@ import sys
 
 import grpc
 
-from runtime.flags import env_flag
+from runtime import settings
+from runtime.settings import env_flag
 
 
 def _seed(value: str) -> int:
@@ -189,11 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run one service (for deployments across machines)")
     kinds = serve.add_subparsers(dest="service", required=True)
-    for name, module in (("gateway", gateway_config), ("prefill", prefill_config), ("decode", decode_config)):
+    for name, module, config_cls in (
+        ("gateway", gateway_config, gateway_config.GatewayConfig),
+        ("prefill", prefill_config, prefill_config.PrefillConfig),
+        ("decode", decode_config, decode_config.DecodeConfig),
+    ):
         p = kinds.add_parser(name, help=f"the {name} service")
-        module.add_arguments(p)
+        settings.add_arguments(p, config_cls)
         env_flag(p, "--log-format", "KVMESH_LOG_FORMAT", "text", "text for people, json for machines")
-        p.set_defaults(func=_cmd_serve, service_module=module.__package__)
+        p.set_defaults(func=_cmd_serve, service_module=module.__package__, config_cls=config_cls)
 
     bench = sub.add_parser("bench", help="decode speed vs transformers, TTFT, at 1/4/16 concurrent requests")
     bench.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,5 +1,6 @@
-"""What both ends of the UCX KV push share: the wire constants, errors, the
-process-wide ucxx runtime and buffer helpers (the protocol is described in
+"""What both ends of the UCX KV push share: the wire constants, the process-wide ucxx
+runtime and buffer helpers (errors and results are the transport-neutral ones of
+kvstore/transport.py) (the protocol is described in
 kvstore/ucx_transfer.py).
 
 UCX runtime: ucxx keeps one process-wide context. kvstore initializes it on first use
@@ -12,18 +13,18 @@ first used it; it is reset when the last KVSender/KVReceiver closes, so close th
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
+
+from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address  # noqa: F401 (shared names)
 
 logger = logging.getLogger(__name__)
 
@@ -39,30 +40,6 @@ _ACK_MEANING = {
     ACK_SIZE_MISMATCH: "page size mismatch",
     ACK_PROTOCOL: "protocol mismatch",
 }
-
-
-class TransferError(Exception):
-    """A push failed: peer down, refused, timed out, or a protocol / size mismatch.
-
-    The message names the address and the cause; servicers map it to gRPC UNAVAILABLE.
-    """
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """A completed push.
-
-    Attributes:
-        transfer_id: the id decode registered the pages under.
-        num_buffers: pages moved.
-        nbytes: bytes moved (sum of the page sizes).
-        seconds: sender: connect (if needed) to ack; receiver: receives posted to last byte landed.
-    """
-
-    transfer_id: int
-    num_buffers: int
-    nbytes: int
-    seconds: float
 
 
 class _UcxRuntime:
@@ -114,14 +91,6 @@ class _UcxRuntime:
 _runtime = _UcxRuntime()
 
 
-def pages_digest(buffers) -> str:
-    """SHA-256 (hex) over page buffers in order: proves pages arrived bitwise equal."""
-    h = hashlib.sha256()
-    for buf in buffers:
-        h.update(memoryview(buf))
-    return h.hexdigest()
-
-
 # ucxx's progress thread waits on the worker's epoll fd with a 1 ms timeout, so it wakes
 # ~1000 times a second even when idle. Each wake-up preempts a model thread: on a small
 # machine the decode step's OpenMP regions then stall at their barriers (measured on 2
@@ -154,14 +123,6 @@ def _check_transfer_id(transfer_id: int) -> int:
     if not isinstance(transfer_id, (int, np.integer)) or not 0 <= int(transfer_id) < 1 << 64:
         raise ValueError(f"transfer_id must be an int in [0, 2**64), got {transfer_id!r}")
     return int(transfer_id)
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """'host:port' (IPv6 hosts in brackets) -> (host, port); ValueError naming the bad address."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"KV receiver address must be 'host:port', got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 _REFILL_EVERY = 32  # ucxx keeps 100 request futures ready and refills below 50

@@ -24,7 +24,7 @@ import torch
 from engine.forward import ForwardItem, Runner, StateSlots
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from kvstore.block_hash import hash_blocks
+from kvstore.block_hash import BlockHash, hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.kv_events import KVEvent
 from prefill_svc import metrics
@@ -53,14 +53,25 @@ class PrefillResult:
 class PrefillJob:
     """Handle on a submitted prefill; cancel() stops it if compute has not started."""
 
-    def __init__(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams, seed: int) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        seed: int,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> None:
+        """block_hashes: the prompt's full blocks' chained hashes (kvstore.block_hash) when the
+        caller computed them already (the gateway does, for routing); None hashes here."""
         self.request_id = request_id
         self.token_ids = list(token_ids)
+        self.block_hashes = block_hashes
         self.sampling = sampling
         self.seed = seed
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
-        self.future: concurrent.futures.Future | None = None
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        """Resolves to PrefillResult, or raises Cancelled / NoFreeBlocksError (see submit)."""
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -116,7 +127,6 @@ class PrefillEngine:
         Jobs queued while the worker is busy are computed together in one forward
         (up to max_batch_tokens prompt tokens), as vLLM and SGLang batch prefills.
         """
-        job.future = concurrent.futures.Future()
         with self._count_lock:
             self.num_queued_tokens += len(job.token_ids)
             self.num_active += 1
@@ -144,7 +154,8 @@ class PrefillEngine:
 
     def _take_batch(self) -> list[PrefillJob]:
         with self._count_lock:
-            batch, tokens = [], 0
+            batch: list[PrefillJob] = []
+            tokens = 0
             while self._pending and (not batch or tokens + len(self._pending[0].token_ids) <= self.max_batch_tokens):
                 job = self._pending.popleft()
                 batch.append(job)
@@ -200,12 +211,12 @@ class PrefillEngine:
         """Releases by requests in flight will make room for `job` (pages, state slot)."""
         return self.pool.num_referenced_blocks > 0 or self.slots.num_used > 0
 
-    def _allocate(self, job: PrefillJob) -> tuple[list, tuple[int, ...], int, int | None]:
+    def _allocate(self, job: PrefillJob) -> tuple[Sequence[BlockHash], tuple[int, ...], int, int | None]:
         """Reuse the cached prefix and allocate pages for the rest, plus a state slot:
         (hashes, block ids, cached tokens, slot)."""
         self.slots.require_free(NoFreeBlocksError)
         tokens, size = job.token_ids, self.page_size
-        hashes = hash_blocks(tokens, size)
+        hashes = job.block_hashes if job.block_hashes is not None else hash_blocks(tokens, size)
         # recompute at least the last prompt token so its logits exist
         match = self.pool.match_prefix(hashes[: (len(tokens) - 1) // size])
         try:

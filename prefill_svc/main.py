@@ -10,14 +10,14 @@ from engine.checkpoint import model_fingerprint
 from engine.loader import load_config, resolve_model
 from engine.runners import create_runner
 from kvstore.redis_index import RedisKVIndex
-from kvstore.ucx_transfer import KVSender
+from kvstore.transports import create_sender
 from prefill_svc import metrics
-from prefill_svc.config import PrefillConfig, config_from_args
+from prefill_svc.config import PrefillConfig
 from prefill_svc.engine import PrefillEngine
 from prefill_svc.kv_publisher import KVEventPublisher
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
-from runtime import service, tracing
+from runtime import service, settings, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(
-        executor.submit(create_runner, files, config.num_pages, config.page_size, PREFILL_STATE_SLOTS)
+        executor.submit(
+            create_runner, files, config.num_pages, config.page_size, PREFILL_STATE_SLOTS, config.kernel_backend
+        )
     )
     engine = PrefillEngine(
         runner,
@@ -56,7 +58,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         executor=executor,
         max_batch_tokens=config.max_batch_tokens,
     )
-    sender = KVSender()
+    sender = create_sender(config.kv_transport)
     servicer = PrefillServicer(
         engine,
         sender,
@@ -73,7 +75,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
     heartbeat = (
-        asyncio.ensure_future(_heartbeat(index, publisher, instance_id, config.lease_ttl_s, engine)) if index else None
+        asyncio.ensure_future(_heartbeat(index, publisher, instance_id, config.lease_ttl_s, engine))
+        if index and publisher
+        else None
     )
     await svc.mark_serving()
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
@@ -82,8 +86,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     await svc.stop(grace_s=5.0)
     engine.shutdown()
     await sender.close()
-    if index is not None:
+    if heartbeat is not None:
         heartbeat.cancel()
+    if index is not None and publisher is not None:
         await asyncio.to_thread(publisher.close)
         try:
             await asyncio.to_thread(index.leave, instance_id)
@@ -123,5 +128,5 @@ async def _heartbeat(
 def main(args: argparse.Namespace) -> None:
     service.setup_logging("prefill")
     tracing.setup_tracing("kvmesh-prefill")
-    config = config_from_args(args)
+    config = settings.from_args(PrefillConfig, args)
     service.run(lambda stop, executor: serve(config, stop, executor))

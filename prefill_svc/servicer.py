@@ -10,7 +10,8 @@ from opentelemetry.trace import Status, StatusCode
 
 from engine.outcomes import FailureCause
 from kvstore.block_pool import NoFreeBlocksError
-from kvstore.ucx_transfer import KVSender, TransferError, pages_digest, parse_address
+from kvstore.block_hash import HASH_NBYTES
+from kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
 from prefill_svc import metrics
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -27,7 +28,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(
         self,
         engine: PrefillEngine,
-        sender: KVSender,
+        sender: KVPushSender,
         instance_id: str,
         vocab_size: int,
         max_context: int,
@@ -55,6 +56,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if request.decode_kv_address:
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
+        if request.block_hashes:
+            full = n // self.engine.page_size
+            if len(request.block_hashes) != full or any(len(h) != HASH_NBYTES for h in request.block_hashes):
+                raise ValueError(
+                    f"block_hashes must hold one {HASH_NBYTES}-byte hash per full block of the prompt "
+                    f"({full} of {self.engine.page_size} tokens), got {len(request.block_hashes)}"
+                )
 
     async def Prefill(self, request, context):
         with tracing.server_span("prefill", context, request.request_id, self.instance_id) as span:
@@ -75,7 +83,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
         seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
-        job = PrefillJob(rid, request.token_ids, sampling, seed)
+        job = PrefillJob(rid, request.token_ids, sampling, seed, list(request.block_hashes) or None)
         submitted_ns = tracing.now_ns()
         cfut = self.engine.submit(job)
         outcome = asyncio.wrap_future(cfut)

@@ -20,10 +20,9 @@ request_context: contextvars.ContextVar[tuple[str, str]] = contextvars.ContextVa
 class _RequestFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rid, tid = request_context.get()
-        record.request_id, record.trace_id = getattr(record, "request_id", rid), getattr(record, "trace_id", tid)
-        record.request_suffix = "".join(
-            f" {k}={v}" for k, v in (("request", record.request_id), ("trace", record.trace_id)) if v
-        )
+        request_id, trace_id = getattr(record, "request_id", rid), getattr(record, "trace_id", tid)
+        record.request_id, record.trace_id = request_id, trace_id
+        record.request_suffix = "".join(f" {k}={v}" for k, v in (("request", request_id), ("trace", trace_id)) if v)
         return True
 
 

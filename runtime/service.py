@@ -69,7 +69,7 @@ def set_torch_threads(num_threads: int) -> None:
         import torch
 
         torch.set_num_threads(num_threads)
-        numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))  # kernels.quant
+        numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]  # kernels.quant
 
 
 def setup_logging(name: str) -> None:
@@ -184,7 +184,7 @@ def run(main: Callable[[asyncio.Event, MainThreadExecutor], Awaitable[None]]) ->
     def on_signal(signum, frame) -> None:
         state["stop_requested"] = True
         loop, stop = state.get("loop"), state.get("stop")
-        if loop is not None:
+        if loop is not None and stop is not None:
             loop.call_soon_threadsafe(stop.set)
 
     for sig in (signal.SIGINT, signal.SIGTERM):

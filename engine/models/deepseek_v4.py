@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from engine.forward import ForwardItem
 from engine.models.deepseek_v4_state import CSA, SLIDING, V4StateLayout
 from engine.models.deepseek_v4_weights import check_and_take
-from kernels.indexer import indexer_scores, indexer_topk
-from kernels.moe import moe_experts, route_hash, route_topk
+from kernels.backend import KernelBackend, create_kernel_backend
+from kernels.indexer import indexer_topk
+from kernels.moe import route_hash, route_topk
 from kernels.sparse_attention import sparse_sink_attention
 
 logger = logging.getLogger(__name__)
@@ -106,14 +107,21 @@ class DeepseekV4Model:
     """DeepSeek-V4 weights and the batched forward over pages and slots; holds no state itself."""
 
     def __init__(
-        self, config, tensors: dict[str, torch.Tensor], layout: V4StateLayout, name: str = "deepseek_v4"
+        self,
+        config,
+        tensors: dict[str, torch.Tensor],
+        layout: V4StateLayout,
+        name: str = "deepseek_v4",
+        kernels: KernelBackend | None = None,
     ) -> None:
-        """config: transformers `DeepseekV4Config`; tensors: the checkpoint's (either naming).
+        """config: transformers `DeepseekV4Config`; tensors: the checkpoint's (either naming);
+        kernels: the MoE and indexer kernels (default: the torch backend).
 
         Raises ValueError naming a missing, misshapen or unused tensor, or an unknown layer type.
         """
         self.config = c = config
         self.layout = layout
+        self.kernels = kernels or create_kernel_backend("torch")
         self.w = check_and_take(tensors, config, name)
         self.eps, self.hc_eps = c.rms_norm_eps, c.hc_eps
         self.rope = {"main": _Rope(c, "main"), "compress": _Rope(c, "compress")}
@@ -167,7 +175,7 @@ class DeepseekV4Model:
                 self.w[p + "gate.e_score_correction_bias"],
                 c.routed_scaling_factor,
             )
-        routed = moe_experts(
+        routed = self.kernels.moe_experts(
             x, self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], weights, experts, c.swiglu_limit
         )
         lim = c.swiglu_limit
@@ -340,7 +348,7 @@ class DeepseekV4Model:
                     entries = self._entries("entries", i, table, count, pages)  # [C, D]
                     if kind == CSA:
                         ikeys = self._entries("ikeys", i, table, count, pages)  # [C, Di]
-                        scores = indexer_scores(iq[lo:hi], ikeys, iw[lo:hi], Di**-0.5)  # [n, C]
+                        scores = self.kernels.indexer_scores(iq[lo:hi], ikeys, iw[lo:hi], Di**-0.5)  # [n, C]
                         k = min(c.index_topk, count)
                         top = indexer_topk(scores, k, num_valid)  # [n, k], -1 = none
                         if self.count_topk_ties:

@@ -12,7 +12,6 @@ to end, and runs scripts/grpc_health_check.py (what the healthchecks run) agains
 from __future__ import annotations
 
 import argparse
-import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 
 from kvmesh.cli import build_parser
 from kvmesh.redis_server import free_port
+from runtime import settings
 from tests.integration.meshutil import complete, running_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def _parse(command: list[str]) -> argparse.Namespace:
 def _config(service: dict):
     """The service's frozen config, built as its main() builds it."""
     args = _parse(service["command"])
-    return importlib.import_module(f"{args.service_module}.config").config_from_args(args)
+    return settings.from_args(args.config_cls, args)
 
 
 def _env(service: dict) -> dict[str, str]:

@@ -49,3 +49,27 @@ def test_a_job_short_of_pages_waits_for_a_release_instead_of_failing():
         assert stats["integrity_error"] == "" and stats["num_free_pages"] == 4 and stats["num_active_requests"] == 0
     finally:
         engine.shutdown()
+
+
+def test_hashes_from_the_caller_are_used_instead_of_hashing_again(monkeypatch):
+    # the gateway hashed the prompt for routing; prefill caches its blocks under those hashes
+    # and never hashes the prompt itself
+    import prefill_svc.engine as prefill_engine
+    from kvstore.block_hash import hash_blocks
+
+    tokens = list(range(10, 22))  # 3 full pages of 4
+    given = hash_blocks(tokens, 4)
+    calls = []
+    monkeypatch.setattr(prefill_engine, "hash_blocks", lambda *a: calls.append(a) or hash_blocks(*a))
+    engine = PrefillEngine(ArgmaxRunner(), 4, 8, enable_prefix_caching=True)
+    try:
+        a = engine.submit(PrefillJob("a", tokens, SamplingParams(), 0, given)).result(timeout=10)
+        engine.release(a.block_ids, a.state_slot).result()
+        assert calls == []
+        assert engine.call(lambda: engine.pool.cached_hashes()).result() == set(given)
+        # a request without hashes is hashed here, to the same keys: its prefix is found
+        b = engine.submit(_job("b", tokens)).result(timeout=10)
+        assert len(calls) == 1 and b.num_cached_tokens == 8  # 2 of 3 pages: the last token is recomputed
+        engine.release(b.block_ids, b.state_slot).result()
+    finally:
+        engine.shutdown()

@@ -1,0 +1,101 @@
+"""The KV transport interface: how prefill pushes a request's pages into the pages a decode
+instance reserved, whatever moves the bytes. UCX is the implementation (kvstore/ucx_transfer.py,
+kvstore/ucx_receiver.py); `kvstore.transports` picks one by name.
+
+The shape follows NIXL and Mooncake's transfer engine: the receiver registers destination
+buffers under a transfer id (`expect`) and hands the sender its address; the sender pushes a
+list of source buffers, buffer i into destination buffer i, and returns once the receiver
+acknowledged every byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+
+class TransferError(Exception):
+    """A push failed: peer down, refused, timed out, or a protocol / size mismatch.
+
+    The message names the address and the cause; servicers map it to gRPC UNAVAILABLE.
+    """
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """A completed push.
+
+    Attributes:
+        transfer_id: the id decode registered the pages under.
+        num_buffers: pages moved.
+        nbytes: bytes moved (sum of the page sizes).
+        seconds: sender: connect (if needed) to ack; receiver: receives posted to last byte landed.
+    """
+
+    transfer_id: int
+    num_buffers: int
+    nbytes: int
+    seconds: float
+
+
+def pages_digest(buffers: Sequence[np.ndarray]) -> str:
+    """SHA-256 (hex) over page buffers in order: proves pages arrived bitwise equal."""
+    h = hashlib.sha256()
+    for buf in buffers:
+        h.update(memoryview(buf))  # type: ignore[arg-type]  # numpy arrays are buffers
+    return h.hexdigest()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'host:port' (IPv6 hosts in brackets) -> (host, port); ValueError naming the bad address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"KV receiver address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class KVPushSender(Protocol):
+    """Prefill's end: pushes pages to receivers by address."""
+
+    async def push(self, address: str, transfer_id: int, buffers: Sequence[np.ndarray]) -> TransferResult:
+        """Push `buffers` (C-contiguous uint8 pages, read zero-copy; keep them unchanged until
+        this returns or raises) into the receiver's buffers registered under `transfer_id`.
+
+        Raises ValueError for a malformed address or id, TransferError when the push fails
+        (refused, peer lost, stalled past the sender's timeout, size mismatch)."""
+        ...
+
+    async def close(self) -> None:
+        """Abort every connection; pushes still running raise TransferError."""
+        ...
+
+
+class KVPushReceiver(Protocol):
+    """Decode's end: a listener that lands pushes into registered buffers."""
+
+    @property
+    def address(self) -> str:
+        """ "host:port" senders push to (valid after start())."""
+        ...
+
+    async def start(self) -> None:
+        """Start listening."""
+        ...
+
+    def expect(self, transfer_id: int, buffers: Sequence[np.ndarray]) -> asyncio.Future:
+        """Register writable destination buffers; the future resolves to a TransferResult when
+        every byte landed, or raises TransferError. Raises ValueError for a duplicate id."""
+        ...
+
+    def cancel(self, transfer_id: int) -> None:
+        """Forget `transfer_id`: a push in progress is cut off, a later one NACKed."""
+        ...
+
+    async def close(self) -> None:
+        """Stop listening and fail every expected transfer."""
+        ...

@@ -1,0 +1,47 @@
+"""KV transport by name -> its sender and receiver (the interface is kvstore/transport.py).
+Add a transport by adding its builders here; `--kv-transport` on prefill and decode picks one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.transport import KVPushReceiver, KVPushSender
+
+
+def _ucx_sender(**options: Any) -> KVPushSender:
+    from kvstore.ucx_transfer import KVSender  # imported on use: `import ucxx` alone takes ~0.6 s
+
+    return KVSender(**options)
+
+
+def _ucx_receiver(host: str, port: int) -> KVPushReceiver:
+    from kvstore.ucx_receiver import KVReceiver
+
+    return KVReceiver(host, port)
+
+
+TRANSPORTS: dict[str, tuple[Callable[..., KVPushSender], Callable[[str, int], KVPushReceiver]]] = {
+    "ucx": (_ucx_sender, _ucx_receiver),
+}
+"""Transport name -> (sender builder(**options), receiver builder(host, port))."""
+
+
+def check_transport(name: str) -> None:
+    """Raise ValueError naming the known transports when `name` is not one of them."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"KV transport must be one of {list(TRANSPORTS)}, got {name!r}")
+
+
+def create_sender(name: str = "ucx", **options: Any) -> KVPushSender:
+    """A sender of transport `name`; options go to its constructor (UCX: connect_timeout_s,
+    transfer_timeout_s, seconds). Raises ValueError for an unknown transport."""
+    check_transport(name)
+    return TRANSPORTS[name][0](**options)
+
+
+def create_receiver(name: str = "ucx", host: str = "127.0.0.1", port: int = 0) -> KVPushReceiver:
+    """A receiver of transport `name` listening on host:port (0: a free port); call start().
+    Raises ValueError for an unknown transport."""
+    check_transport(name)
+    return TRANSPORTS[name][1](host, port)

@@ -1,0 +1,47 @@
+"""Settings every model-serving process (prefill and decode) shares, declared once; each
+service's config dataclass extends `ModelServiceConfig` with its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.backend import BACKENDS
+from kvstore.transports import check_transport
+from runtime.settings import setting
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """Model, server, KV memory and kernel settings of a prefill or decode instance."""
+
+    model: str | None = setting(None, "--model", "model name or path (none: SmolLM2-135M-Instruct)")
+    host: str = setting("127.0.0.1", "--host", "address the gRPC server (and decode's KV listener) binds to")
+    port: int = setting(0, "--port", "gRPC port (0: any free port)")
+    num_pages: int = setting(
+        1024, "--num-pages", "KV pages in the pool (on prefill, pages left over hold the prefix cache)"
+    )
+    page_size: int = setting(16, "--page-size", "token slots per page; the same on every service of a mesh")
+    torch_threads: int = setting(0, "--torch-threads", "intra-op threads of the model (0: torch's default, every core)")
+    kernel_backend: str = setting(
+        "torch", "--kernel-backend", "MoE and indexer kernels: torch, or triton (a CUDA GPU, or TRITON_INTERPRET=1)"
+    )
+    kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
+    metrics_port: int = setting(0, "--metrics-port", "HTTP port of Prometheus /metrics (0: none)")
+    instance_id: str = setting(
+        "", "--instance-id", "name in the prefix index, logs and stats (empty: from the gRPC address)"
+    )
+    kv_digest: bool = setting(
+        False,
+        "--kv-digest",
+        "hash each request's KV pages (SHA-256) on both ends of a push and report it (tests)",
+        kind="flag",
+    )
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kernel_backend not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {list(BACKENDS)}, got {self.kernel_backend!r}")
+        check_transport(self.kv_transport)
