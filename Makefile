@@ -24,6 +24,9 @@ demo: install
 
 test: install
 	$(PY) scripts/gen_protos.py --check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 protos: install
