@@ -14,7 +14,7 @@ class IncrementalDetokenizer:
     `tokenizer` is a transformers tokenizer; special tokens (EOS) produce no text.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
         # the window starts at prefix_offset; text up to read_offset was already emitted
