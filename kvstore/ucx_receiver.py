@@ -69,7 +69,8 @@ class _TransferFuture(asyncio.Future):
 class _Expected:
     transfer_id: int
     buffers: list[Array]
-    future: _TransferFuture | None = None
+    future: _TransferFuture = field(init=False)
+    """Set by `expect` right after the entry is made (the future refers to its entry)."""
     started: bool = False
     cancel_requested: bool = False
     sizes: list[int] = field(default_factory=list)
@@ -91,7 +92,7 @@ class KVReceiver:
         self.host = host
         self.port = port
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._listener = None
+        self._listener: Any = None
         self._closed = False
         self._pending: dict[int, _Expected] = {}  # registered, push not started
         self._active: dict[int, _Expected] = {}  # pages landing now
@@ -207,6 +208,7 @@ class KVReceiver:
         self._num_conns += 1
         peer = f"conn#{self._num_conns}"
         task = asyncio.current_task()
+        assert task is not None, "ucxx calls the listener callback in a task"
         self._conns[task] = ep
         logger.debug("KV receiver %s: %s connected", self.address, peer)
         try:

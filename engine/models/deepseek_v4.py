@@ -208,9 +208,10 @@ class DeepseekV4Model:
         lay, S = self.layout, self.layout.page_size
         r = lay.rates[i]
         ent_name, bk, bg, ok, og = names
-        nc = item.num_computed_tokens
+        nc, slot = item.num_computed_tokens, item.state_slot
+        assert slot is not None, "the runner checked every item's state slot"
         nb, e0 = nc % r, nc // r
-        buf_kv, buf_gate = lay.slot_view(slots, item.state_slot, bk, i), lay.slot_view(slots, item.state_slot, bg, i)
+        buf_kv, buf_gate = lay.slot_view(slots, slot, bk, i), lay.slot_view(slots, slot, bg, i)
         kv = torch.cat([buf_kv[:nb], kv])
         gate = torch.cat([buf_gate[:nb], gate])
         usable = kv.shape[0] // r * r
@@ -228,7 +229,7 @@ class DeepseekV4Model:
             new_gate = cg.new_full((n_win, 2 * r, d), float("-inf"))
             new_kv[:, r:], new_gate[:, r:] = ck[..., d:], cg[..., d:]
             new_kv[1:, :r], new_gate[1:, :r] = ck[:-1, :, :d], cg[:-1, :, :d]
-            ov_kv, ov_gate = lay.slot_view(slots, item.state_slot, ok, i), lay.slot_view(slots, item.state_slot, og, i)
+            ov_kv, ov_gate = lay.slot_view(slots, slot, ok, i), lay.slot_view(slots, slot, og, i)
             if e0 > 0:
                 new_kv[0, :r], new_gate[0, :r] = ov_kv, ov_gate
             ov_kv.copy_(ck[-1, :, :d])
@@ -321,9 +322,9 @@ class DeepseekV4Model:
                         ("ikeys", "ibuf_kv", "ibuf_gate", "iov_kv", "iov_gate"),
                     )
         if plan.dec:
-            r = plan.dec_rows
-            out[r] = self._decode_attention(
-                i, q[r], iq[r] if kind == CSA else None, iw[r] if kind == CSA else None, plan, pages, sinks
+            rows = plan.dec_rows
+            out[rows] = self._decode_attention(
+                i, q[rows], iq[rows] if kind == CSA else None, iw[rows] if kind == CSA else None, plan, pages, sinks
             )
         offsets = torch.arange(-W + 1, 1)  # [W] a query's window, oldest first
         for b, it in enumerate(items):
@@ -440,7 +441,9 @@ class DeepseekV4Model:
         if not items:
             raise ValueError("forward needs at least one item")
         c, S = self.config, self.layout.page_size
-        starts, ids, pos = [0], [], []
+        starts: list[int] = [0]
+        ids: list[int] = []
+        pos: list[int] = []
         for b, it in enumerate(items):
             n, nc = len(it.token_ids), it.num_computed_tokens
             if n < 1 or len(it.block_ids) * S < nc + n:

@@ -201,8 +201,8 @@ def check_and_take(tensors: dict[str, torch.Tensor], config, name: str) -> dict[
     first the config does not use.
     """
     tensors = normalize_names(tensors, config.n_routed_experts)
-    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    if config.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     out = {}
     for key, shape in expected_shapes(config).items():
         t = tensors.pop(key, None)

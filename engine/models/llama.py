@@ -60,8 +60,8 @@ at 128."""
 def _pack(blocks: dict[str, GGUFBlocks], names: list[str]) -> Q4_1Weight | Q8_0Weight | None:
     """The named weights' blocks stacked along the output rows and packed; None unless all
     of them have blocks of one kind."""
-    parts = [blocks.get(n) for n in names]
-    if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+    parts = [blocks[n] for n in names if n in blocks]
+    if len(parts) != len(names) or len({p.kind for p in parts}) != 1:
         return None
     arrays = [np.concatenate(a) for a in zip(*(p.arrays for p in parts))]
     return pack_q4_1(*arrays) if parts[0].kind == "q4_1" else pack_q8_0(*arrays)
@@ -147,9 +147,9 @@ class LlamaModel:
             self.lm_head = take("lm_head.weight", (c.vocab_size, H))  # [V, H]
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         self.q_lm_head = _pack(blocks, [head]) if blocks else None
-        left = [n for n in left if not n.endswith("rotary_emb.inv_freq")]
-        if left:
-            raise ValueError(f"checkpoint of {c.name!r} has tensors this Llama does not use, e.g. {sorted(left)[:3]}")
+        unused = [n for n in left if not n.endswith("rotary_emb.inv_freq")]
+        if unused:
+            raise ValueError(f"checkpoint of {c.name!r} has tensors this Llama does not use, e.g. {sorted(unused)[:3]}")
 
     def forward(
         self,
