@@ -170,3 +170,52 @@ def test_layout_rejects_page_size_off_the_windows(tiny):
         V4StateLayout.from_config(cfg, 24)  # HCA rate 16 does not divide 24
     assert V4StateLayout.default_page_size(cfg) == 16
     assert V4StateLayout.default_page_size(DeepseekV4Config()) == 128  # V4-Flash: HCA rate 128
+
+
+def test_the_kernel_backend_is_chosen_by_name_and_triton_agrees_with_torch(tiny, triton_device, monkeypatch):
+    # the model calls the backend's kernels (never picks its own), and the Triton backend
+    # (Triton's interpreter on CPU here) gives the torch backend's logits
+    from dataclasses import replace
+
+    from kernels.backend import BACKENDS, create_kernel_backend
+
+    cfg, _, lay, loaded = tiny
+    weights = loaded.w  # the checkpoint's tensors, as the first model took them
+    calls = {"moe": 0, "indexer": 0}
+    torch_kernels = create_kernel_backend("torch")
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return run
+
+    counting = replace(
+        torch_kernels,
+        moe_experts=counted("moe", torch_kernels.moe_experts),
+        indexer_scores=counted("indexer", torch_kernels.indexer_scores),
+    )
+    ids = _prompt(40, 7).tolist()
+    logits = {}
+    for name, kernels in (("torch", counting), ("triton", create_kernel_backend("triton"))):
+        model = DeepseekV4Model(cfg, dict(weights), lay, kernels=kernels)
+        pages, slots = _state(lay)
+        logits[name] = model.forward([ForwardItem(ids, 0, _pages_for(lay, 40), 0)], pages, slots)[0]
+    # every MoE layer once; the CSA layers score entries for the prompt's queries
+    assert calls["moe"] == cfg.num_hidden_layers and calls["indexer"] > 0
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+    assert sorted(BACKENDS) == ["torch", "triton"]
+    if triton_device == "cpu":  # the interpreter runs the Triton kernels themselves
+        from kernels.indexer import indexer_scores_triton
+        from kernels.moe import moe_experts_triton
+
+        triton_kernels = create_kernel_backend("triton")
+        assert triton_kernels.moe_experts is moe_experts_triton
+        assert triton_kernels.indexer_scores is indexer_scores_triton
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            create_kernel_backend("triton")
+    with pytest.raises(ValueError, match=r"must be one of \['torch', 'triton'\], got 'cuda'"):
+        create_kernel_backend("cuda")
