@@ -47,8 +47,8 @@ USER kvmesh
 # GGUF -> safetensors (and its Q4_1 / Q8_0 blocks) once, at build time (~25 s), into
 # $KVMESH_CACHE_DIR; a warm-up step compiles the block kernels into $NUMBA_CACHE_DIR (numba
 # compiles again, once, on a CPU with other features)
-RUN python -c "from engine.loader import resolve_model; from engine.model_runner import ModelRunner; \
-ModelRunner(resolve_model(None), num_pages=1).warmup()"
+RUN python -c "from engine.loader import resolve_model; from engine.runners import create_runner; \
+create_runner(resolve_model(None), num_pages=1).warmup()"
 
 # gateway 50051; prefill 50061; decode 50071 (gRPC) and 50081 (UCX KV receiver)
 EXPOSE 50051 50061 50071 50081

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from kvstore.block_hash import BlockHash, BlockHasher, hash_block, hash_blocks
+from kvstore.block_hash import BlockHash, hash_block, hash_blocks
 from kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -28,7 +28,6 @@ _LAZY = {
 
 __all__ = [
     "BlockHash",
-    "BlockHasher",
     "hash_block",
     "hash_blocks",
     "BlockStored",

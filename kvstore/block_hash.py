@@ -9,6 +9,8 @@ The hash is blake2b with a 16-byte digest over the parent hash (16 zero bytes fo
 first block) followed by the token ids as little-endian int64. It never uses Python's
 `hash()`, so it is the same in every process and on every machine.
 
+`hash_block` is the one definition; `hash_blocks` chains it over a token sequence.
+
 Reference: vLLM v1 prefix caching (`vllm/v1/core/kv_cache_utils.py`,
 `hash_block_tokens` and the incremental request block hasher).
 """
@@ -28,7 +30,7 @@ HASH_NBYTES = 16
 _NO_PARENT = bytes(HASH_NBYTES)
 
 
-def _as_token_array(token_ids: Sequence[int]) -> np.ndarray:
+def _as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a contiguous little-endian int64 array (1-D)."""
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
@@ -46,13 +48,7 @@ def _check_parent(parent: BlockHash | None) -> bytes:
     return parent
 
 
-def _digest(parent: bytes, tokens: np.ndarray) -> BlockHash:
-    h = hashlib.blake2b(parent, digest_size=HASH_NBYTES)
-    h.update(tokens)  # contiguous int64 slice, hashed through the buffer protocol
-    return BlockHash(h.digest())
-
-
-def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int] | np.ndarray) -> BlockHash:
     """Hash one block of tokens chained onto its parent block's hash.
 
     Args:
@@ -69,11 +65,18 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     tokens = _as_token_array(token_ids)
     if tokens.size == 0:
         raise ValueError("token_ids must not be empty: a block holds at least one token")
-    return _digest(_check_parent(parent), tokens)
+    h = hashlib.blake2b(_check_parent(parent), digest_size=HASH_NBYTES)
+    h.update(tokens.data)  # the contiguous int64 buffer, no copy
+    return BlockHash(h.digest())
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None) -> list[BlockHash]:
-    """Chained hashes of every FULL block of `token_ids`.
+def hash_blocks(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, parent: BlockHash | None = None
+) -> list[BlockHash]:
+    """Chained hashes of every FULL block of `token_ids`: `hash_block` applied block by block.
+
+    To hash incrementally as tokens arrive, pass the tokens after the last full block and
+    that block's hash as `parent` (or call `hash_block(parent, block)` as each block fills).
 
     Args:
         token_ids: the sequence's token ids.
@@ -85,53 +88,14 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: BlockHash | N
 
     Raises:
         ValueError: block_size < 1, or parent is not 16 bytes.
+        TypeError: token_ids are not integers.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     tokens = _as_token_array(token_ids)
-    prev = _check_parent(parent)
+    _check_parent(parent)  # a bad parent is an error even when no block is full yet
     hashes: list[BlockHash] = []
     for start in range(0, tokens.size - block_size + 1, block_size):
-        prev = _digest(prev, tokens[start : start + block_size])
-        hashes.append(prev)
+        parent = hash_block(parent, tokens[start : start + block_size])
+        hashes.append(parent)
     return hashes
-
-
-class BlockHasher:
-    """Incremental block hashing as tokens arrive (prompt first, then generated tokens).
-
-    `extend` hashes each block as soon as it fills, so a request's hashes never have
-    to be recomputed from the start. The result equals `hash_blocks` over all the
-    tokens passed so far (vLLM's request block hasher works the same way).
-
-    Attributes:
-        block_size: tokens per block.
-        hashes: the hash of every full block seen so far, in order.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.hashes: list[BlockHash] = []
-        self._pending = np.empty(0, dtype="<i8")  # tokens of the block still filling
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens seen so far (hashed and pending)."""
-        return len(self.hashes) * self.block_size + self._pending.size
-
-    def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Add tokens; return the hashes of the blocks this call completed (maybe none).
-
-        Raises:
-            TypeError: token_ids are not integers.
-        """
-        tokens = _as_token_array(token_ids)
-        if self._pending.size:
-            tokens = np.concatenate([self._pending, tokens])
-        parent = self.hashes[-1] if self.hashes else None
-        new = hash_blocks(tokens, self.block_size, parent)
-        self.hashes.extend(new)
-        self._pending = tokens[len(new) * self.block_size :].copy()
-        return new

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.block_hash import BlockHash
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -62,8 +62,8 @@ class BlockPool:
         block_size: token slots per page, >= 1.
         enable_prefix_caching: when False, nothing is ever cached, matched or reported
             (decode pools run this way).
-        on_events: called synchronously with each batch of KV events (stored, removed,
-            cleared), in the order the changes happened.
+        on_events: called synchronously with each batch of KV events (stored, removed),
+            in the order the changes happened.
     """
 
     def __init__(
@@ -229,23 +229,6 @@ class BlockPool:
                     self._evictable[block_id] = None
                 else:
                     self._free.append(block_id)
-
-    def clear_cache(self) -> None:
-        """Drop every cached hash and emit AllBlocksCleared.
-
-        Unreferenced cached blocks go back to the free list (in LRU order). Referenced
-        ones stay with their requests but lose their hash, so that the pool agrees with
-        the prefix index, which forgets everything about this instance on AllBlocksCleared.
-        No-op when prefix caching is off.
-        """
-        if not self.enable_prefix_caching:
-            return
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        for block_id in self._by_hash.values():
-            self._hash_of[block_id] = None
-        self._by_hash.clear()
-        self._emit([AllBlocksCleared()])
 
     def integrity_error(self) -> str:
         """'' when check_integrity() passes, else its message (for stats endpoints)."""

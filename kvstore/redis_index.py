@@ -65,11 +65,19 @@ class _Keys:
         return f"{self.prefix}:instance:{instance_id}:blocks"
 
 
-def _leading_runs(
-    rows: Sequence[Sequence[int]], instance_ids: Sequence[str], leases: Sequence[str | None]
-) -> dict[str, int]:
-    """rows[i][j] = 1 when instance j holds block i; count each instance's leading 1s.
-    Instances whose lease is missing (leases[j] falsy) count 0."""
+def _queue_longest_prefix(pipe, keys: _Keys, block_hashes: Sequence[BlockHash], instance_ids: list[str]) -> None:
+    """Queue longest_prefix's reads on a (sync or asyncio) pipeline: the leases, then
+    SMISMEMBER per block (Redis >= 6.2). `_leading_runs` scores what it returns."""
+    pipe.mget([keys.lease(i) for i in instance_ids])
+    for h in block_hashes:
+        pipe.smismember(keys.block(h), instance_ids)
+
+
+def _leading_runs(results: Sequence, instance_ids: Sequence[str]) -> dict[str, int]:
+    """Score `_queue_longest_prefix`'s results: [leases, row 0, row 1, ...] where rows[i][j] = 1
+    when instance j holds block i; count each instance's leading 1s. Instances whose lease is
+    missing (leases[j] falsy) count 0."""
+    leases, *rows = results
     counts = dict.fromkeys(instance_ids, 0)
     alive = {j for j in range(len(instance_ids)) if leases[j]}
     for row in rows:
@@ -82,7 +90,8 @@ def _leading_runs(
 
 
 class RedisKVIndex:
-    """Synchronous writer (and reader) of the prefix index; prefill instances and tests use it.
+    """Synchronous writer of the prefix index (prefill instances use it); gateways read it
+    with AsyncRedisKVIndexReader, which also reaps expired instances.
 
     Args:
         redis_url: e.g. "redis://127.0.0.1:6379/0"; timeouts can ride in the query
@@ -133,18 +142,6 @@ class RedisKVIndex:
         pipe.srem(self._keys.instances, instance_id)
         pipe.execute()
 
-    def reap_expired(self) -> list[str]:
-        """Delete the entries of registered instances whose lease expired; return their ids."""
-        ids = sorted(self._redis.smembers(self._keys.instances))
-        if not ids:
-            return []
-        leases = self._redis.mget([self._keys.lease(i) for i in ids])
-        dead = [i for i, lease in zip(ids, leases) if not lease]
-        for i in dead:
-            self._clear_script(keys=[self._keys.instance(i)], args=[self._keys.block_prefix, i])
-            self._redis.srem(self._keys.instances, i)
-        return dead
-
     def publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
         """Append `events` to the stream and apply them to the index, in order, in ONE transaction.
 
@@ -186,10 +183,6 @@ class RedisKVIndex:
         """Forget every block of `instance_id` (at start-up and shutdown); recorded as a `cleared` event."""
         self.publish(instance_id, [AllBlocksCleared()])
 
-    def instances_holding(self, block_hash: BlockHash) -> set[str]:
-        """Ids of the instances holding `block_hash`."""
-        return set(self._redis.smembers(self._keys.block(block_hash)))
-
     def longest_prefix(self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]) -> dict[str, int]:
         """For each instance, how many consecutive leading blocks of `block_hashes` it holds.
 
@@ -203,11 +196,8 @@ class RedisKVIndex:
         if not instance_ids or not block_hashes:
             return dict.fromkeys(instance_ids, 0)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.mget([self._keys.lease(i) for i in instance_ids])
-        for h in block_hashes:
-            pipe.smismember(self._keys.block(h), instance_ids)
-        leases, *rows = pipe.execute()
-        return _leading_runs(rows, instance_ids, leases)
+        _queue_longest_prefix(pipe, self._keys, block_hashes, instance_ids)
+        return _leading_runs(pipe.execute(), instance_ids)
 
     def close(self) -> None:
         """Release the connection pool."""
@@ -236,15 +226,18 @@ class AsyncRedisKVIndexReader:
         if not instance_ids or not block_hashes:
             return dict.fromkeys(instance_ids, 0)
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.mget([self._keys.lease(i) for i in instance_ids])
-            for h in block_hashes:
-                pipe.smismember(self._keys.block(h), instance_ids)
-            leases, *rows = await pipe.execute()
-        return _leading_runs(rows, instance_ids, leases)
+            _queue_longest_prefix(pipe, self._keys, block_hashes, instance_ids)
+            results = await pipe.execute()
+        return _leading_runs(results, instance_ids)
 
     async def reap_expired(self) -> list[str]:
-        """Same as RedisKVIndex.reap_expired."""
-        ids = sorted(await self._redis.smembers(self._keys.instances))
+        """Delete the entries of registered instances whose lease expired; return their ids.
+
+        Idempotent: several gateways may run it; the second finds nothing to do.
+        """
+        # decode_responses=True: the members are str (redis' stubs say bytes | str)
+        members: set[str] = await self._redis.smembers(self._keys.instances)  # type: ignore[assignment]
+        ids = sorted(members)
         if not ids:
             return []
         leases = await self._redis.mget([self._keys.lease(i) for i in ids])

@@ -9,8 +9,8 @@ import random
 from opentelemetry.trace import Status, StatusCode
 
 from engine.outcomes import FailureCause
-from kvstore.block_pool import NoFreeBlocksError
 from kvstore.block_hash import HASH_NBYTES
+from kvstore.block_pool import NoFreeBlocksError
 from kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
 from prefill_svc import metrics
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult

@@ -88,7 +88,10 @@ def child(
 ) -> trace.Span:
     """Start a child span of `parent` (optionally back-dated to start_ns, epoch ns)."""
     return tracer().start_span(
-        name, context=trace.set_span_in_context(parent), start_time=start_ns, attributes=dict(attributes or {})  # type: ignore[arg-type]
+        name,
+        context=trace.set_span_in_context(parent),
+        start_time=start_ns,
+        attributes=dict(attributes or {}),  # type: ignore[arg-type]
     )
 
 

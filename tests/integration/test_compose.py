@@ -1,10 +1,13 @@
 """compose.yaml (the local cluster) checked against the `kvmesh` command line, then the same
 mesh shape run for real by `kvmesh up`'s launcher.
 
-There is no Docker engine on the test machines, so the file itself is checked: each kvmesh
-service's command goes through `kvmesh.cli.build_parser()` and its service's config, every
-address a service is given names a compose service and the port that service listens on,
-and healthchecks, start-up order and the OTLP endpoint are wired. The live part starts a
+There is no Docker engine on the test machines, so the files themselves are checked: each
+kvmesh service's command goes through `kvmesh.cli.build_parser()` and its service's config,
+every address a service is given names a compose service and the port that service listens
+on, and healthchecks, start-up order and the OTLP endpoint are wired. Of the Dockerfile, what
+holds without building it: every path it COPYs exists, every RUN step calls a tool the base
+image has or an earlier step installed, and its `python -c` steps import names the repository
+has (a build would fail on any of these). The live part starts a
 loopback mesh with as many prefill and decode instances as compose has, sends a request end
 to end, and runs scripts/grpc_health_check.py (what the healthchecks run) against it.
 """
@@ -12,8 +15,13 @@ to end, and runs scripts/grpc_health_check.py (what the healthchecks run) agains
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import json
+import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -159,7 +167,8 @@ def test_spans_go_to_jaegers_otlp_grpc_port(services):
         assert env["OTEL_SERVICE_NAME"] == f"kvmesh-{name}"
 
 
-def test_dockerfile_runs_kvmesh_as_a_user_with_the_model_converted():
+def test_dockerfile_text_names_the_base_image_user_entrypoint_and_model_conversion():
+    # the Dockerfile's text only (no Docker here); the tests below check what it refers to
     text = (ROOT / "Dockerfile").read_text()
     assert text.startswith("#") and "FROM python:3.11-slim" in text
     assert 'ENTRYPOINT ["kvmesh"]' in text
@@ -167,6 +176,111 @@ def test_dockerfile_runs_kvmesh_as_a_user_with_the_model_converted():
     assert "resolve_model(None)" in text  # the GGUF is converted at build time
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git"} <= set(ignored) and "scripts" not in ignored
+
+
+# What python:3.11-slim (Debian slim + CPython) has on its PATH among the tools our RUN steps may use.
+BASE_IMAGE_TOOLS = {"apt-get", "rm", "useradd", "mkdir", "chown", "python", "pip"}
+SHELL_SEPARATORS = {"&&", "||", ";", "|"}
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of each Dockerfile instruction: comments dropped, lines ending
+    in a backslash joined with the next (as Docker joins them)."""
+    steps, pending = [], ""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.lstrip().startswith("#") or not (pending or line.strip()):
+            continue
+        pending += line
+        if pending.endswith("\\"):
+            pending = pending[:-1]
+            continue
+        keyword, _, args = pending.strip().partition(" ")
+        steps.append((keyword.upper(), args.strip()))
+        pending = ""
+    assert not pending, f"Dockerfile ends inside a continued line: {pending!r}"
+    return steps
+
+
+def _shell_commands(run_args: str) -> list[list[str]]:
+    """The simple commands of a RUN line (split at &&, ||, ; and |), each as its words."""
+    lexer = shlex.shlex(run_args, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for word in lexer:
+        if word in SHELL_SEPARATORS:
+            commands.append([])
+        else:
+            commands[-1].append(word)
+    return [c for c in commands if c]
+
+
+def test_dockerfile_copies_only_paths_that_exist():
+    copies = [args.split() for keyword, args in _dockerfile() if keyword == "COPY"]
+    assert copies, "the Dockerfile copies nothing"
+    for words in copies:
+        sources = [w for w in words[:-1] if not w.startswith("--")]  # the last word is the destination
+        assert sources, words
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
+
+
+def test_dockerfile_run_steps_use_tools_the_image_has():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "kvmesh" in scripts
+    available = set(BASE_IMAGE_TOOLS)
+    for keyword, args in _dockerfile():
+        if keyword == "RUN":
+            for command in _shell_commands(args):
+                assert command[0] in available, f"RUN calls {command[0]!r}: not in the base image, not installed before"
+                if command[:2] == ["apt-get", "install"]:
+                    available |= {w for w in command[2:] if not w.startswith("-")}
+                if command[:2] == ["pip", "install"] and "." in command[2:]:
+                    available |= set(scripts)  # the project's console scripts
+        if keyword == "ENTRYPOINT":
+            entrypoint = json.loads(args)[0]
+            assert entrypoint in available, f"ENTRYPOINT {entrypoint!r} is not installed by an earlier step"
+
+
+def _python_steps() -> list[str]:
+    """The code of every `python -c CODE` in the Dockerfile's RUN steps."""
+    return [
+        command[command.index("-c") + 1]
+        for keyword, args in _dockerfile()
+        if keyword == "RUN"
+        for command in _shell_commands(args)
+        if command[0] == "python" and "-c" in command
+    ]
+
+
+def test_dockerfile_python_steps_import_what_the_repo_has():
+    codes = _python_steps()
+    assert len(codes) >= 2, codes  # the requirements list and the build-time model conversion
+    for code in codes:
+        tree = ast.parse(code)
+        imported = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    imported[alias.asname or alias.name] = importlib.import_module(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module, code
+                try:
+                    module = importlib.import_module(node.module)
+                except ModuleNotFoundError as exc:
+                    pytest.fail(f"a RUN step imports from {node.module}, which does not exist: {exc}")
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"a RUN step imports {alias.name} from {node.module}: not there"
+                    imported[alias.asname or alias.name] = getattr(module, alias.name)
+        # a method called on an instance of an imported class (`ModelRunner(...).warmup()`) exists too
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and isinstance(imported.get(node.value.func.id), type)
+            ):
+                cls = imported[node.value.func.id]
+                assert hasattr(cls, node.attr), f"a RUN step calls {cls.__name__}(...).{node.attr}: no such method"
 
 
 # -- live: the same shape on loopback ------------------------------------------------------------

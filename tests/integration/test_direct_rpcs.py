@@ -4,11 +4,12 @@ buggy gateway could send): each gets a clear status and nothing else is lost."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
 
-from kvmesh.client import GatewayClient, make_request
+from kvmesh.client import Completion, GatewayClient, make_request
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.integration.meshutil import complete, running_mesh, wait_idle
 
@@ -49,6 +50,14 @@ async def _reserve_and_push(decode, prefill, max_tokens=8):
     return res, pre
 
 
+async def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll `condition()` until true; fail after timeout_s seconds (a hang guard, not a speed check)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
 async def _code(call) -> grpc.StatusCode:
     try:
         await call
@@ -61,12 +70,20 @@ def test_bad_generate_is_invalid_argument_and_other_streams_go_on(mesh):
     async def body(decode, prefill):
         async with GatewayClient(mesh.gateway_address) as client:
             # a long answer decoding in the batch while the bad call arrives
-            victim = asyncio.ensure_future(
-                client.complete(
-                    make_request("Count slowly from one to fifty.", chat=True, max_tokens=60, ignore_eos=True)
-                )
-            )
-            await asyncio.sleep(1.0)
+            out = Completion()
+
+            async def consume() -> Completion:
+                request = make_request("Count slowly from one to fifty.", chat=True, max_tokens=60, ignore_eos=True)
+                async for msg in client.stream(request):
+                    if msg.HasField("delta"):
+                        out.token_ids.extend(msg.delta.token_ids)
+                    else:
+                        out.final = msg.final
+                return out
+
+            victim = asyncio.ensure_future(consume())
+            # decoding: a token streamed past prefill's first one
+            await _until(lambda: len(out.token_ids) >= 2, "the victim to decode")
             res, pre = await _reserve_and_push(decode, prefill)
 
             async def bad_generate():
@@ -126,18 +143,21 @@ def test_release_while_generate_waits_keeps_pages_until_no_push_can_land(mesh):
         res = await decode.Reserve(
             decode_pb2.ReserveRequest(request_id="a", num_prompt_tokens=len(PROMPT), max_tokens=8), timeout=10
         )
-        call = decode.Generate(
-            decode_pb2.DecodeRequest(
-                request_id="a",
-                transfer_id=res.transfer_id,
-                prompt_token_ids=PROMPT,
-                first_token=5,
-                sampling=common_pb2.SamplingParams(),
-                kv_timeout_s=30,
-            )
+        request = decode_pb2.DecodeRequest(
+            request_id="a",
+            transfer_id=res.transfer_id,
+            prompt_token_ids=PROMPT,
+            first_token=5,
+            sampling=common_pb2.SamplingParams(),
+            kv_timeout_s=30,
         )
-        waiting = asyncio.ensure_future(_code(call.read()))
-        await asyncio.sleep(0.5)  # Generate is now waiting for the push
+        # a transfer is claimed by one Generate only: of two calls, one waits for the push and
+        # the other is refused NOT_FOUND at once, which shows the first is now waiting
+        calls = [asyncio.ensure_future(_code(decode.Generate(request).read())) for _ in range(2)]
+        done, pending = await asyncio.wait(calls, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1 and len(pending) == 1, "expected one Generate refused and one waiting"
+        assert done.pop().result() == grpc.StatusCode.NOT_FOUND
+        waiting = pending.pop()
         await decode.Release(decode_pb2.ReleaseRequest(request_id="a", transfer_id=res.transfer_id), timeout=10)
         # a late push for the released transfer is refused, never written into pages
         late = await _code(

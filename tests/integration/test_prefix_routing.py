@@ -100,7 +100,7 @@ def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer
     # the index lists every full block of the first prompt under the holder
     index = RedisKVIndex(mesh.redis_url, model=resolve_model(None).name)
     hashes = hash_blocks(ids_a, PAGE)
-    assert all(a.final.prefill_instance in index.instances_holding(h) for h in hashes)
+    assert all(index.longest_prefix([h], [a.final.prefill_instance])[a.final.prefill_instance] == 1 for h in hashes)
     assert index.longest_prefix(hashes, [a.final.prefill_instance])[a.final.prefill_instance] == len(hashes)
 
     # fill the holder's cache with other prompts: LRU evicts the first prompt's blocks,
@@ -108,6 +108,6 @@ def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer
     for i in range(6):
         filler = tokenizer.encode(f"Unrelated filler text number {i}. " * 30, add_special_tokens=False)
         _prefill_only(holder, filler)
-    assert not any(a.final.prefill_instance in index.instances_holding(h) for h in hashes)
+    assert not any(index.longest_prefix([h], [a.final.prefill_instance])[a.final.prefill_instance] for h in hashes)
     index.close()
     wait_idle(mesh)

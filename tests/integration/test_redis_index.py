@@ -1,14 +1,17 @@
 """The Redis prefix index against a real Redis: events in, longest prefixes out.
 
+Redis comes from the session's `redis_url` fixture (tests/conftest.py: REDIS_URL, the
+machine's Redis, or a private redis-server), so these tests never skip for want of one.
 Each test writes under a random namespace and deletes every key of it afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 import redis
@@ -18,19 +21,15 @@ from kvstore.block_pool import BlockPool
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 MODEL = "tiny-model"
+T = TypeVar("T")
 BS = 4
 
 
 @pytest.fixture
-def ns():
+def ns(redis_url):
     """A random key namespace; every key under it is deleted after the test."""
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    try:
-        client.ping()
-    except redis.exceptions.ConnectionError as exc:
-        pytest.skip(f"no Redis at {REDIS_URL}: {exc}")
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
     namespace = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
     yield namespace
     keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
@@ -41,15 +40,15 @@ def ns():
 
 
 @pytest.fixture
-def raw():
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+def raw(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
     yield client
     client.close()
 
 
 @pytest.fixture
-def index(ns):
-    idx = RedisKVIndex(REDIS_URL, MODEL, namespace=ns)
+def index(redis_url, ns):
+    idx = RedisKVIndex(redis_url, MODEL, namespace=ns)
     yield idx
     idx.close()
 
@@ -63,21 +62,47 @@ def _live(index: RedisKVIndex, *ids: str, ttl_s: float = 60.0) -> None:
         index.heartbeat(i, ttl_s)
 
 
+def _holders(raw: redis.Redis, ns: str, block_hash: bytes) -> set[str]:
+    """The instance ids the index stores under a block (its `block:{hash}` set)."""
+    return raw.smembers(f"{ns}:{MODEL}:block:{block_hash.hex()}")
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Poll `condition` until it holds; fail after timeout_s seconds (a hang guard, not a speed check)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def _reader(redis_url: str, ns: str, calls: Callable[[AsyncRedisKVIndexReader], Awaitable[T]]) -> T:
+    """Run `calls(reader)` (a coroutine function) against a fresh async reader (a gateway's)."""
+
+    async def run():
+        reader = AsyncRedisKVIndexReader(redis_url, MODEL, namespace=ns)
+        try:
+            return await calls(reader)
+        finally:
+            await reader.close()
+
+    return asyncio.run(run())
+
+
 def test_stored_removed_cleared_update_sets_and_stream(index, ns, raw):
     index.publish("p0", [BlockStored(tuple(PROMPT[:3]))])
-    assert index.instances_holding(PROMPT[0]) == {"p0"}
+    assert _holders(raw, ns, PROMPT[0]) == {"p0"}
     assert raw.smembers(f"{ns}:{MODEL}:instance:p0:blocks") == {h.hex() for h in PROMPT[:3]}
 
     # p0 evicts block 2; the block set empties and Redis deletes it
     index.publish("p0", [BlockRemoved((PROMPT[2],))])
-    assert index.instances_holding(PROMPT[2]) == set()
+    assert _holders(raw, ns, PROMPT[2]) == set()
     assert not raw.exists(f"{ns}:{MODEL}:block:{PROMPT[2].hex()}")
     assert raw.smembers(f"{ns}:{MODEL}:instance:p0:blocks") == {h.hex() for h in PROMPT[:2]}
 
     # p1 holds block 0 too; p0 clears its cache: block 0 keeps p1 only, block 1 is gone
     index.publish("p1", [BlockStored((PROMPT[0],))])
     index.publish("p0", [AllBlocksCleared()])
-    assert index.instances_holding(PROMPT[0]) == {"p1"}
+    assert _holders(raw, ns, PROMPT[0]) == {"p1"}
     assert not raw.exists(f"{ns}:{MODEL}:block:{PROMPT[1].hex()}")
     assert not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
 
@@ -93,7 +118,7 @@ def test_stored_removed_cleared_update_sets_and_stream(index, ns, raw):
     assert entries[3][1]["hashes"] == ""
 
 
-def test_events_in_one_batch_apply_in_order(index):
+def test_events_in_one_batch_apply_in_order(index, ns, raw):
     # stored then removed then stored again in one publish: the last one wins
     index.publish(
         "p0",
@@ -104,8 +129,8 @@ def test_events_in_one_batch_apply_in_order(index):
             BlockStored((PROMPT[1],)),
         ],
     )
-    assert index.instances_holding(PROMPT[0]) == set()
-    assert index.instances_holding(PROMPT[1]) == {"p0"}
+    assert _holders(raw, ns, PROMPT[0]) == set()
+    assert _holders(raw, ns, PROMPT[1]) == {"p0"}
 
 
 def test_longest_prefix_for_two_instances(index):
@@ -133,9 +158,9 @@ def test_clear_instance_removes_every_entry(index, ns, raw):
     index.clear_instance("p0")  # idempotent
 
 
-def test_models_are_separate(ns):
-    a = RedisKVIndex(REDIS_URL, "model-a", namespace=ns)
-    b = RedisKVIndex(REDIS_URL, "model-b", namespace=ns)
+def test_models_are_separate(redis_url, ns):
+    a = RedisKVIndex(redis_url, "model-a", namespace=ns)
+    b = RedisKVIndex(redis_url, "model-b", namespace=ns)
     try:
         a.publish("p0", [BlockStored(tuple(PROMPT[:2]))])
         _live(a, "p0")
@@ -147,7 +172,7 @@ def test_models_are_separate(ns):
         b.close()
 
 
-def test_pool_events_drive_the_index(index):
+def test_pool_events_drive_the_index(index, ns, raw):
     # a real pool publishing through the index: what the index says == what the pool holds
     _live(index, "p0")
     pool = BlockPool(4, BS, on_events=lambda events: index.publish("p0", events))
@@ -156,26 +181,22 @@ def test_pool_events_drive_the_index(index):
     pool.free(reversed(ids))  # eviction queue [2, 1, 0]
     pool.allocate(3)  # block 3, then evicts 2 and 1
     assert index.longest_prefix(PROMPT, ["p0"]) == {"p0": 1}
-    held = {h for h in PROMPT if index.instances_holding(h)}
+    held = {h for h in PROMPT if _holders(raw, ns, h)}
     assert held == pool.cached_hashes() == {PROMPT[0]}
     pool.check_integrity()
 
 
-def test_async_reader_agrees_with_sync(index, ns):
+def test_async_reader_agrees_with_sync(redis_url, index, ns):
     index.publish("p0", [BlockStored(tuple(PROMPT[:5]))])
     index.publish("p1", [BlockStored(tuple(PROMPT[:1]))])
     index.publish("p2", [BlockStored(tuple(PROMPT[1:]))])  # no block 0: matches nothing
     ids = ["p0", "p1", "p2", "p3"]
     _live(index, *ids)
 
-    async def read():
-        reader = AsyncRedisKVIndexReader(REDIS_URL, MODEL, namespace=ns)
-        try:
-            return await reader.longest_prefix(PROMPT, ids), await reader.longest_prefix([], ids)
-        finally:
-            await reader.close()
+    async def read(reader):
+        return await reader.longest_prefix(PROMPT, ids), await reader.longest_prefix([], ids)
 
-    got, empty = asyncio.run(read())
+    got, empty = _reader(redis_url, ns, read)
     assert got == index.longest_prefix(PROMPT, ids) == {"p0": 5, "p1": 1, "p2": 0, "p3": 0}
     assert empty == dict.fromkeys(ids, 0)
 
@@ -193,37 +214,37 @@ def test_async_reader_raises_connection_error_when_redis_is_down():
         asyncio.run(read())
 
 
-def test_lease_expiry_drops_an_instance_at_once_and_reaping_cleans_up(index, ns, raw):
+def test_lease_expiry_drops_an_instance_at_once_and_reaping_cleans_up(redis_url, index, ns, raw):
     # p0 and p1 hold the same 4 blocks; p0's lease lapses, p1 keeps heartbeating
     index.publish("p0", [BlockStored(tuple(PROMPT[:4]))])
     index.publish("p1", [BlockStored(tuple(PROMPT[:4]))])
     _live(index, "p1")
-    _live(index, "p0", ttl_s=0.3)
+    _live(index, "p0", ttl_s=1.0)
     assert index.longest_prefix(PROMPT, ["p0", "p1"]) == {"p0": 4, "p1": 4}
-    time.sleep(0.5)
-    # its blocks stop counting before anyone cleans up; two readers (two gateways) agree
+    # its blocks stop counting when the lease lapses, before anyone cleans up
+    _wait_for(lambda: index.longest_prefix(PROMPT, ["p0"]) == {"p0": 0}, "p0's lease to lapse")
+    assert not raw.exists(f"{ns}:{MODEL}:lease:p0")
+    assert _holders(raw, ns, PROMPT[0]) == {"p0", "p1"}  # nothing reaped yet
     assert index.longest_prefix(PROMPT, ["p0", "p1"]) == {"p0": 0, "p1": 4}
 
-    async def reap():
-        reader = AsyncRedisKVIndexReader(REDIS_URL, MODEL, namespace=ns)
-        try:
-            return await reader.longest_prefix(PROMPT, ["p0", "p1"]), await reader.reap_expired()
-        finally:
-            await reader.close()
+    # two readers (two gateways) agree; the first one reaps p0, the second finds nothing to do
+    async def reap(reader):
+        return await reader.longest_prefix(PROMPT, ["p0", "p1"]), await reader.reap_expired()
 
-    seen, reaped = asyncio.run(reap())
+    seen, reaped = _reader(redis_url, ns, reap)
     assert seen == {"p0": 0, "p1": 4} and reaped == ["p0"]
-    assert index.instances_holding(PROMPT[0]) == {"p1"}
+    assert _holders(raw, ns, PROMPT[0]) == {"p1"}
+    assert all(_holders(raw, ns, h) == {"p1"} for h in PROMPT[:4])
     assert not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
     assert raw.smembers(f"{ns}:{MODEL}:instances") == {"p1"}
-    assert index.reap_expired() == []  # idempotent: a second gateway finds nothing to do
+    assert _reader(redis_url, ns, lambda reader: reader.reap_expired()) == []  # idempotent
 
 
-def test_restarted_instance_leaves_no_stale_entries(index, ns, raw):
+def test_restarted_instance_leaves_no_stale_entries(redis_url, index, ns, raw):
     index.publish("p0", [BlockStored(tuple(PROMPT[:5]))])
     # the process restarts: a new writer clears the old entries first (as prefill_svc does),
     # then its new cache fills with other blocks; its event numbers start again at 1
-    restarted = RedisKVIndex(REDIS_URL, MODEL, namespace=ns)
+    restarted = RedisKVIndex(redis_url, MODEL, namespace=ns)
     try:
         restarted.clear_instance("p0")
         other = hash_blocks(list(range(500, 500 + 2 * BS)), BS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 
 import pytest
@@ -41,7 +42,11 @@ def test_block_texts_share_nothing_across_ids():
     # the radix tree must match whole blocks only: different ids differ from the first character
     texts = [block_text(i, 64) for i in (1, 12, 123, 65533, 65534, 71423)]
     assert len({t[0] for t in texts}) == len(texts)
-    assert block_text(12, 64) == block_text(12, 64) and len(block_text(12, 64).split()) == 65
+    # block 12's text written out independently: its lead character (Unicode's private-use
+    # plane 15 + the id), the id, then 64 words of 4 hex digits from shake_128 of the id
+    digits = hashlib.shake_128(b"12").hexdigest(2 * 64)
+    expected = "\U000f000c" + "12: " + " ".join(digits[i : i + 4] for i in range(0, 256, 4)) + "\n"
+    assert block_text(12, 64) == expected and len(block_text(12, 64).split()) == 65
 
 
 def test_cache_aware_follows_the_cached_prefix():

@@ -10,8 +10,9 @@ import time
 import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.client import GatewayClient, make_request
+from kvmesh.client import Completion, GatewayClient, make_request
 from tests.integration.meshutil import complete, running_mesh
 
 
@@ -19,22 +20,54 @@ def _proc(mesh, name: str):
     return next(p for n, p in mesh.procs if n == name)
 
 
+async def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Poll `condition()` (a coroutine function) until true; fail after timeout_s (a hang guard)."""
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def _stopped_serving(address: str) -> bool:
+    """Whether the instance left SERVING: its grpc.health.v1 says NOT_SERVING (the first step
+    of its shutdown) or it no longer answers RPCs at all."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return True
+    return reply.status != health_pb2.HealthCheckResponse.SERVING
+
+
 def test_decode_drains_in_flight_streams_then_exits_0():
     with running_mesh(1, 1) as mesh:
 
         async def run():
             async with GatewayClient(mesh.gateway_address) as client:
-                reqs = [
-                    client.complete(
-                        make_request(f"Tell me a long story number {i}.", chat=True, max_tokens=40, ignore_eos=True),
-                        timeout_s=120,
+                outs = [Completion() for _ in range(3)]
+
+                async def consume(i: int) -> Completion:
+                    request = make_request(
+                        f"Tell me a long story number {i}.", chat=True, max_tokens=40, ignore_eos=True
                     )
-                    for i in range(3)
-                ]
-                tasks = [asyncio.ensure_future(r) for r in reqs]
-                await asyncio.sleep(2.0)  # the three are decoding now
+                    async for msg in client.stream(request, timeout_s=120):
+                        if msg.HasField("delta"):
+                            outs[i].token_ids.extend(msg.delta.token_ids)
+                        else:
+                            outs[i].final = msg.final
+                    return outs[i]
+
+                tasks = [asyncio.ensure_future(consume(i)) for i in range(3)]
+
+                # the three are decoding now: each streamed a token past prefill's first one
+                async def decoding() -> bool:
+                    return all(len(o.token_ids) >= 2 for o in outs)
+
+                await _until(decoding, "all three streams decoding")
+                assert all(o.final is None for o in outs), "a stream ended before SIGTERM: nothing to drain"
                 _proc(mesh, "decode-0").send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
+                # the signal is handled once health leaves SERVING; the server stops admitting then
+                await _until(lambda: _stopped_serving(mesh.decode_addresses[0]), "decode-0 to leave SERVING")
                 with pytest.raises(grpc.aio.AioRpcError) as refused:  # draining: no new work
                     await client.complete(make_request("One more?", chat=True, max_tokens=2), timeout_s=30)
                 return await asyncio.gather(*tasks), refused.value.code()

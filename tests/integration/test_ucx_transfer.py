@@ -20,6 +20,8 @@ from tests.integration.ucx_peer import Peer, page_data, receiver_main, sender_ma
 
 NUM_PAGES = 16
 PAGE = 32 * 1024  # bytes per page: above UCX's 8 KiB rendezvous threshold, so pages go zero-copy
+# bound on a push that must fail: a hang guard only (speed is not tested on shared machines)
+HANG_S = 30.0
 
 
 def run(coro):
@@ -248,23 +250,22 @@ def test_concurrent_pushes_from_two_sender_processes(decode):
         assert np.array_equal(pool[layout[tid]], page_data(seed, n, nbytes)), f"transfer {tid} landed wrong"
 
 
-def test_nobody_listening_fails_within_the_connect_timeout():
+def test_nobody_listening_fails_with_cannot_connect():
     # ucxx (with Python futures) only reports a refused connect when its peer-info
-    # exchange times out, so this takes connect_timeout_s, and no longer
+    # exchange times out, so this fails after connect_timeout_s with a connect error
     address = f"127.0.0.1:{free_port()}"
 
     async def scenario():
         tx = KVSender(connect_timeout_s=1.5)
         try:
-            started = time.monotonic()
             with pytest.raises(TransferError, match="cannot connect") as err:
-                await tx.push(address, 1, [np.zeros(PAGE, dtype=np.uint8)])
+                await asyncio.wait_for(tx.push(address, 1, [np.zeros(PAGE, dtype=np.uint8)]), HANG_S)
             assert address in str(err.value)
-            return time.monotonic() - started
+            assert address not in tx._endpoints  # no half-made endpoint is kept for the next push
         finally:
             await tx.close()
 
-    assert run(scenario()) < 1.5 + 1.0
+    run(scenario())
 
 
 def test_peer_killed_between_pushes_and_mid_push(doomed_decode):
@@ -283,22 +284,19 @@ def test_peer_killed_between_pushes_and_mid_push(doomed_decode):
             await asyncio.sleep(0.5)
             assert not push.done(), "a push to a stopped peer cannot have been acked"
             decode.kill()
-            started = time.monotonic()
-            with pytest.raises(TransferError, match=decode.hello):
-                await push
-            mid_push_s = time.monotonic() - started
-            # the next push finds nobody: a fresh connect fails within connect_timeout_s
-            started = time.monotonic()
-            with pytest.raises(TransferError):
-                await tx.push(decode.hello, 3, pages[:1])
-            return mid_push_s, time.monotonic() - started
+            # UCX reports the reset of an established connection: the push fails as such (not by
+            # its 60 s transfer timeout), and its endpoint is aborted, so UCX holds no page any more
+            with pytest.raises(TransferError, match=decode.hello) as mid_push:
+                await asyncio.wait_for(push, HANG_S)
+            assert "failed" in str(mid_push.value) and "timed out" not in str(mid_push.value)
+            assert decode.hello not in tx._endpoints
+            # the next push finds nobody: a fresh connect fails
+            with pytest.raises(TransferError, match="cannot connect"):
+                await asyncio.wait_for(tx.push(decode.hello, 3, pages[:1]), HANG_S)
         finally:
             await tx.close()
 
-    mid_push_s, next_push_s = run(scenario())
-    # UCX reports the reset of an established connection at once; no timeout involved
-    assert mid_push_s < 2.0
-    assert next_push_s < 1.5 + 1.0
+    run(scenario())
 
 
 def test_stalled_peer_times_out(doomed_decode):
@@ -313,13 +311,16 @@ def test_stalled_peer_times_out(doomed_decode):
             await tx.push(decode.hello, 1, [page])
             decode.stop_process()  # alive but silent: UCX sees no error
             started = time.monotonic()
-            with pytest.raises(TransferError, match="timed out"):
-                await tx.push(decode.hello, 2, [page])
+            with pytest.raises(TransferError, match=r"timed out after 1\.5 s \(peer stalled\)"):
+                await asyncio.wait_for(tx.push(decode.hello, 2, [page]), HANG_S)
+            # the stalled push is aborted, so UCX holds no reference to its page any more
+            assert decode.hello not in tx._endpoints
             return time.monotonic() - started
         finally:
             await tx.close()
 
-    assert 1.4 < run(scenario()) < 3.5
+    # it waited for its transfer timeout, not failing before it (a lower bound: never flaky)
+    assert run(scenario()) > 1.4
 
 
 def test_bad_arguments():

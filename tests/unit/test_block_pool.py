@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvstore.kv_events import BlockRemoved, BlockStored
 
 BS = 4  # tokens per block
 
@@ -172,26 +172,6 @@ def test_cache_blocks_skips_cached_ids_and_duplicate_hashes():
         pool.cache_blocks([3], h[:1])  # block 3 is free: nobody computed KV into it
 
 
-def test_clear_cache_drops_every_hash_and_emits_cleared():
-    pool, events = make_pool(4)
-    h = prompt_hashes(0, 3)
-    ids = pool.allocate(3).block_ids  # (0, 1, 2)
-    pool.cache_blocks(ids, h)
-    pool.free([2, 1])  # 2, 1 evictable; block 0 still referenced
-    events.clear()
-    pool.clear_cache()
-    assert events == [AllBlocksCleared()]
-    assert pool.num_cached_blocks == 0 and pool.cached_hashes() == set()
-    assert pool.match_prefix(h) == PrefixMatch(0, ())
-    # free list is now [3, 2, 1]; block 0 is still referenced and uncached
-    assert pool.num_referenced_blocks == 1 and pool.num_free_blocks == 3
-    pool.check_integrity()
-    pool.free([0])  # uncached now: back to the free list -> [3, 2, 1, 0]
-    assert pool.allocate(4) == Allocation((3, 2, 1, 0))
-    assert events == [AllBlocksCleared()]  # no BlockRemoved: the hashes were already gone
-    pool.check_integrity()
-
-
 def test_prefix_caching_off_never_caches_or_emits():
     pool, events = make_pool(3, caching=False)
     h = prompt_hashes(0, 2)
@@ -200,7 +180,6 @@ def test_prefix_caching_off_never_caches_or_emits():
     assert pool.num_cached_blocks == 0
     pool.free(ids)
     assert pool.match_prefix(h) == PrefixMatch(0, ())
-    pool.clear_cache()
     assert events == []
     assert pool.allocate(3) == Allocation((2, 0, 1))
     pool.check_integrity()

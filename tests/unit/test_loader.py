@@ -101,25 +101,61 @@ def test_default_model_resolves_to_a_converted_checkpoint():
     assert (c.hidden_size, c.num_layers, c.vocab_size, c.bos_token_id) == (576, 30, 49152, 1)
 
 
+# Run in each process: count every GGUF conversion and block extraction in a shared file
+# (one appended line each), then resolve the model twice.
+_COUNTING_RESOLVE = """
+import sys
+import engine.gguf_blocks
+import engine.loader
+from pathlib import Path
+
+log = Path(sys.argv[2])
+
+def counted(module, name):
+    real = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        with log.open("a") as f:  # one short append: whole lines even from two processes
+            f.write(name + "\\n")
+        return real(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+
+counted(engine.loader, "_convert_gguf")
+counted(engine.gguf_blocks, "write_blocks")
+first = engine.loader.resolve_model(sys.argv[1]).checkpoint_dir
+assert engine.loader.resolve_model(sys.argv[1]).checkpoint_dir == first  # second call: cached
+print(first)
+"""
+
+
 def test_concurrent_first_use_converts_once(tmp_path):
     # two processes start at once on an empty cache, one by name, one by the GGUF path: both
     # get the same folder, built once under the lock, with no temporary folder left behind
-    code = "import sys; from engine.loader import resolve_model; print(resolve_model(sys.argv[1]).checkpoint_dir)"
-    env = {**os.environ, "KVMESH_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, arg],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for arg in (DEFAULT_MODEL, str(default_gguf_path()))
-    ]
+    cache, log = tmp_path / "cache", tmp_path / "calls.log"
+    cache.mkdir()
+    log.touch()
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    # stderr to files, not pipes: a full pipe would stall the process holding the lock
+    errs = [tmp_path / f"stderr-{i}.log" for i in range(2)]
+    procs = []
+    for arg, err in zip((DEFAULT_MODEL, str(default_gguf_path())), errs):
+        with err.open("w") as stderr:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _COUNTING_RESOLVE, arg, str(log)],
+                    env=env,
+                    cwd=REPO,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                )
+            )
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0]
+    assert [p.returncode for p in procs] == [0, 0], [err.read_text()[-2000:] for err in errs]
     assert outs[0] == outs[1]
-    folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    folders = sorted(p.name for p in cache.iterdir() if p.is_dir())
     assert folders == [Path(outs[0]).name]
     assert (Path(outs[0]) / "model.safetensors").is_file()
+    # four resolve_model calls in two processes: one conversion and one block extraction in all
+    assert sorted(log.read_text().split()) == ["_convert_gguf", "write_blocks"]

@@ -90,10 +90,16 @@ def test_round_robin_cycles_and_least_load_takes_the_shortest_queue():
 
 
 def test_random_is_seeded():
-    picks = [[_four(policy="random", seed=7).choose(10, {}, PAGE).address for _ in range(1)] for _ in range(3)]
-    assert picks[0] == picks[1] == picks[2]
-    r = _four(policy="random", seed=7)
-    assert len({r.choose(10, {}, PAGE).address for _ in range(40)}) == 4
+    def picks(seed: int, n: int = 50) -> list[str]:
+        r = _four(policy="random", seed=seed)
+        return [r.choose(10, {}, PAGE).address for _ in range(n)]
+
+    # three routers with one seed make the same 50 picks; another seed makes other picks
+    runs = [picks(7) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert picks(8) != runs[0]
+    # and the picks spread: 40 of them reach all four instances
+    assert len(set(runs[0][:40])) == 4
 
 
 def test_consistent_hash_keeps_keys_when_another_instance_goes():

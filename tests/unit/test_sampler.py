@@ -46,6 +46,9 @@ def test_same_seed_same_samples_and_different_seeds_differ():
     a, b, c = zip(*runs)
     assert a == b  # rows with the same seed draw the same sequence
     assert a != c
+    # and they really sample: not the greedy token every time (sampling silently off would be)
+    greedy = int(logits[0].argmax())
+    assert a != (greedy,) * len(a) and len(set(a)) > 1, a
 
 
 def test_tiny_top_p_keeps_only_the_most_likely_token():
