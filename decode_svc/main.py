@@ -58,7 +58,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     print(f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})", flush=True)
     await stop.wait()
     logger.info("shutting down")
-    await svc.stop(grace_s=5.0)
+    await svc.stop(grace_s=config.drain_grace_s)
     engine.shutdown()
     await receiver.close()
     tracing.shutdown_tracing()

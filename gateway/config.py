@@ -78,6 +78,12 @@ class GatewayConfig:
     )
     stats_interval_s: float = setting(0.5, "--stats-interval", "seconds between polls of instances' load and health")
     metrics_port: int = setting(0, "--metrics-port", "HTTP port of Prometheus /metrics (0: none)")
+    drain_grace_s: float = setting(
+        25.0,
+        "--drain-grace",
+        "seconds in-flight requests may run on after SIGTERM before they are cut off "
+        "(keep it under Kubernetes' terminationGracePeriodSeconds)",
+    )
 
     def __post_init__(self) -> None:
         if not self.prefill_addresses:
@@ -103,6 +109,7 @@ class GatewayConfig:
             "token_timeout_s",
             "max_queue_time_s",
             "stats_interval_s",
+            "drain_grace_s",
         ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -67,7 +67,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     print(f"gateway serving {files.name} on {svc.address}", flush=True)
     await stop.wait()
     logger.info("shutting down")
-    await svc.stop(grace_s=5.0)
+    await svc.stop(grace_s=config.drain_grace_s)
     await pool.close()
     tracing.shutdown_tracing()
 

@@ -83,7 +83,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
     await stop.wait()
     logger.info("shutting down")
-    await svc.stop(grace_s=5.0)
+    await svc.stop(grace_s=config.drain_grace_s)
     engine.shutdown()
     await sender.close()
     if heartbeat is not None:

@@ -30,6 +30,12 @@ class ModelServiceConfig:
     instance_id: str = setting(
         "", "--instance-id", "name in the prefix index, logs and stats (empty: from the gRPC address)"
     )
+    drain_grace_s: float = setting(
+        25.0,
+        "--drain-grace",
+        "seconds in-flight requests may run on after SIGTERM before they are cut off "
+        "(keep it under Kubernetes' terminationGracePeriodSeconds)",
+    )
     kv_digest: bool = setting(
         False,
         "--kv-digest",
@@ -45,3 +51,5 @@ class ModelServiceConfig:
         if self.kernel_backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {list(BACKENDS)}, got {self.kernel_backend!r}")
         check_transport(self.kv_transport)
+        if not self.drain_grace_s >= 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
