@@ -1,4 +1,6 @@
-"""kvstore: paged KV block pool, block hashing, KV events, the Redis prefix index and the UCX KV transport.
+"""kvstore: paged KV block pool, block hashing, KV events, the Redis prefix index and the KV
+transport (the interface in `kvstore.transport`, made by name with `create_sender` /
+`create_receiver`; UCX is the implementation).
 
 The Redis and UCX parts load on first use (`import ucxx` alone takes ~0.6 s), so a
 process that only hashes blocks or manages a pool does not pay for them.
@@ -12,18 +14,18 @@ from typing import TYPE_CHECKING
 from kvstore.block_hash import BlockHash, hash_block, hash_blocks
 from kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.transport import KVPushReceiver, KVPushSender, TransferError, TransferResult
+from kvstore.transports import create_receiver, create_sender
 
 if TYPE_CHECKING:
     from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
-    from kvstore.ucx_transfer import KVReceiver, KVSender, TransferError, TransferResult
+    from kvstore.ucx_transfer import KVReceiver, KVSender
 
 _LAZY = {
     "RedisKVIndex": "kvstore.redis_index",
     "AsyncRedisKVIndexReader": "kvstore.redis_index",
     "KVReceiver": "kvstore.ucx_transfer",
     "KVSender": "kvstore.ucx_transfer",
-    "TransferError": "kvstore.ucx_transfer",
-    "TransferResult": "kvstore.ucx_transfer",
 }
 
 __all__ = [
@@ -38,6 +40,12 @@ __all__ = [
     "PrefixMatch",
     "Allocation",
     "NoFreeBlocksError",
+    "KVPushSender",
+    "KVPushReceiver",
+    "TransferError",
+    "TransferResult",
+    "create_sender",
+    "create_receiver",
     *_LAZY,
 ]
 

@@ -34,8 +34,8 @@ def check_transport(name: str) -> None:
 
 
 def create_sender(name: str = "ucx", **options: Any) -> KVPushSender:
-    """A sender of transport `name`; options go to its constructor (UCX: connect_timeout_s,
-    transfer_timeout_s, seconds). Raises ValueError for an unknown transport."""
+    """A sender of transport `name`; options go to its constructor (UCX: connect_timeout_s and
+    transfer_timeout_s, in seconds). Raises ValueError for an unknown transport."""
     check_transport(name)
     return TRANSPORTS[name][0](**options)
 
