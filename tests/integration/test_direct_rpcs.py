@@ -138,6 +138,37 @@ def test_malformed_kv_address_is_invalid_argument(mesh, address):
     wait_idle(mesh)
 
 
+LONG = PROMPT * 6  # 36 tokens: two full 16-token blocks
+
+
+@pytest.mark.parametrize(
+    "hashes, needle",
+    [
+        ([b"\x01" * 16], "one 16-byte hash per full block of the prompt (2 of 16 tokens), got 1"),
+        ([b"\x01" * 16, b"\x02" * 15], "got 2"),
+        ([b"\x01" * 16] * 3, "got 3"),
+    ],
+)
+def test_block_hashes_that_do_not_fit_the_prompt_are_invalid_argument(mesh, hashes, needle):
+    # the gateway's block hashes travel with Prefill; a caller's that cannot be the prompt's
+    # (wrong count or size) are refused before anything is computed or cached
+    async def body(decode, prefill):
+        try:
+            await prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="t", token_ids=LONG, sampling=common_pb2.SamplingParams(), block_hashes=hashes
+                ),
+                timeout=30,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+        return grpc.StatusCode.OK, ""
+
+    code, details = _run(mesh, body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, details
+    wait_idle(mesh)
+
+
 def test_release_while_generate_waits_keeps_pages_until_no_push_can_land(mesh):
     async def body(decode, prefill):
         res = await decode.Reserve(
