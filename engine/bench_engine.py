@@ -21,6 +21,7 @@ from engine.checkpoint import load_tokenizer
 from engine.forward import ForwardItem
 from engine.llama_runner import LlamaRunner
 from engine.loader import resolve_model
+from engine.models.llama import QUANTIZED_MAX_BATCH
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 
@@ -93,27 +94,31 @@ def main(argv: list[str] | None = None) -> None:
     prompts = _prompts(tokenizer, max(args.batch + [1]))
     print(
         f"model {files.name}, {torch.get_num_threads()} threads, {args.new_tokens} new tokens, "
-        f"prompt {len(prompts[0])} tokens, fp32"
+        f"prompt {len(prompts[0])} tokens; activations fp32"
     )
     hf_model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32)
     hf_model.eval()
     pages = max(args.batch + [1]) * ((max(map(len, prompts)) + args.new_tokens) // 16 + 2)
     runner = LlamaRunner(files, num_pages=pages)
     runner.warmup()
+    # decode steps of up to QUANTIZED_MAX_BATCH sequences read the GGUF file's Q4_1 / Q8_0 blocks
+    # (when the model came from a GGUF file); transformers reads the fp32 conversion
+    ours = "GGUF blocks" if runner.model.q_lm_head is not None else "fp32"
     bench_transformers(hf_model, prompts[0], 4)  # warm up
     # interleave the contenders, best of each: load from other processes hits both alike
-    hf_key = "transformers generate, B=1"
+    hf_key = "transformers generate, B=1 [fp32]"
     best: dict[str, float] = {}
     for _ in range(args.repeats):
         runs = {hf_key: bench_transformers(hf_model, prompts[0], args.new_tokens)}
         for b in [1] + args.batch:
-            runs[f"LlamaRunner, B={b}"] = bench_runner(runner, prompts[:b], args.new_tokens)
+            fmt = ours if b <= QUANTIZED_MAX_BATCH else "fp32"
+            runs[f"LlamaRunner, B={b} [{fmt}]"] = bench_runner(runner, prompts[:b], args.new_tokens)
         best = {k: max(v, best.get(k, 0.0)) for k, v in runs.items()}
     hf = best[hf_key]
     rows = list(best.items())
-    print(f"{'decode':<28}{'tokens/s':>10}{'x transformers':>16}")
+    print(f"{'decode [weights read]':<40}{'tokens/s':>10}{'x transformers':>16}")
     for name, tps in rows:
-        print(f"{name:<28}{tps:>10.1f}{tps / hf:>16.2f}")
+        print(f"{name:<40}{tps:>10.1f}{tps / hf:>16.2f}")
 
 
 if __name__ == "__main__":

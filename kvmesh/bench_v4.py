@@ -73,18 +73,25 @@ def run_bench_v4(args: argparse.Namespace) -> int:
             try:
 
                 async def mesh_decode(round_: int) -> float:
+                    """Aggregate decode tokens/s while every request decodes: tokens that arrive
+                    (client clock) between the last request's first token and the first request's
+                    end, over that interval; the tokens and the time are the same interval's."""
+                    arrivals: list[list[float]] = [[] for _ in range(args.concurrency)]
+
+                    async def one(client: GatewayClient, i: int) -> None:
+                        req = make_request(
+                            _text(10 + 23 * i, 100 * round_ + i), chat=False, max_tokens=n, ignore_eos=True
+                        )
+                        async for msg in client.stream(req, timeout_s=600):
+                            if msg.HasField("delta"):
+                                arrivals[i].extend([time.perf_counter()] * len(msg.delta.token_ids))
+
                     async with GatewayClient(mesh.gateway_address) as client:
-                        reqs = [
-                            make_request(
-                                _text(10 + 23 * i, 100 * round_ + i), chat=False, max_tokens=n, ignore_eos=True
-                            )
-                            for i in range(args.concurrency)
-                        ]
-                        start = time.perf_counter()
-                        outs = await asyncio.gather(*[client.complete(r, timeout_s=600) for r in reqs])
-                        wall = time.perf_counter() - start
-                    decode_wall = wall - max(o.final.ttft_s for o in outs)
-                    return sum(o.final.generated_tokens - 1 for o in outs) / decode_wall
+                        await asyncio.gather(*[one(client, i) for i in range(args.concurrency)])
+                    start = max(a[0] for a in arrivals)  # from here on every request is decoding
+                    end = min(a[-1] for a in arrivals)  # ... until the first one ends
+                    tokens = sum(1 for a in arrivals for t in a if start < t <= end)
+                    return tokens / (end - start)
 
                 async def mesh_prefill(round_: int) -> float:
                     async with GatewayClient(mesh.gateway_address) as client:

@@ -120,6 +120,12 @@ def _cmd_bench_v4(args: argparse.Namespace) -> int:
     return run_bench_v4(args)
 
 
+def _cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from kvmesh.bench_transfer import run
+
+    return run(args)
+
+
 def _cmd_fuzz(args: argparse.Namespace) -> int:
     from kvmesh.fuzz import run
 
@@ -216,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_v4_arguments(bench_v4)
     bench_v4.set_defaults(func=_cmd_bench_v4)
+
+    from kvmesh.bench_transfer import add_arguments as add_bench_transfer_arguments
+
+    bench_transfer = sub.add_parser(
+        "bench-transfer", help="KV push between two processes next to memcpy and Mooncake TE (GB/s)"
+    )
+    add_bench_transfer_arguments(bench_transfer)
+    bench_transfer.set_defaults(func=_cmd_bench_transfer)
 
     from kvmesh.routesim import add_arguments as add_routesim_arguments
 

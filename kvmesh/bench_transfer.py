@@ -1,0 +1,169 @@
+"""`kvmesh bench-transfer`: the KV push between two processes on one host, next to memcpy of the
+same bytes and (when installed) Mooncake Transfer Engine over TCP, in one run.
+
+Shapes:
+- `request`: a real request's pages, 2K tokens of the default model (128 pages of 737,280 B,
+  every layer's K and V for 16 tokens, 94 MB), as prefill pushes them into decode's pool;
+- `64x1MiB`: 64 buffers of 1 MiB.
+
+The push goes through the same sender and receiver the services use (`kvstore.transports`):
+the receiver process registers its pool's pages (`expect`) and the sender process pushes its
+own pages into them. `first_push_s` is the first push to a receiver not seen before, connect
+included; `push_gbps` is the median over `--rounds` later pushes. memcpy copies the same
+buffers in one process (numpy `copyto`, page by page). Mooncake Transfer Engine
+(`mooncake-transfer-engine-non-cuda`, an optional benchmark extra) writes the same buffers
+from one process's registered memory into the other's over its TCP transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+REQUEST_PAGES, REQUEST_PAGE_NBYTES = 128, 737_280  # 2K tokens of SmolLM2-135M: 30 layers x K,V x 16 x 3 x 64 x fp32
+SHAPES = {"request": (REQUEST_PAGES, REQUEST_PAGE_NBYTES), "64x1MiB": (64, 1 << 20)}
+
+
+@dataclass
+class ShapeResult:
+    shape: str
+    nbytes: int
+    push_gbps: float
+    memcpy_gbps: float
+    mooncake_gbps: float | None
+    first_push_s: float
+
+
+def _pages(num: int, nbytes: int, fill: int) -> list[np.ndarray]:
+    """`num` page views of one pool (as the KV cache is one tensor), each `nbytes` bytes."""
+    pool = np.full(num * nbytes, fill, dtype=np.uint8)
+    return [pool[i * nbytes : (i + 1) * nbytes] for i in range(num)]
+
+
+def _receiver(conn, transport: str) -> None:
+    """Decode's side: register a fresh pool's pages for each push the sender announces."""
+    from kvstore.transports import create_receiver
+
+    async def main() -> None:
+        rx = create_receiver(transport, "127.0.0.1", 0)
+        await rx.start()
+        conn.send(rx.address)
+        pools = {name: _pages(n, size, 0) for name, (n, size) in SHAPES.items()}
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = await loop.run_in_executor(None, conn.recv)
+            if msg is None:
+                break
+            tid, shape = msg
+            landed = rx.expect(tid, pools[shape])
+            conn.send("ready")
+            await landed
+            conn.send(all(int(p[0]) == tid % 251 and int(p[-1]) == tid % 251 for p in pools[shape]))
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def _memcpy_gbps(src: list[np.ndarray], rounds: int) -> float:
+    dst = [np.empty_like(p) for p in src]
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for d, s in zip(dst, src):
+            np.copyto(d, s)
+        times.append(time.perf_counter() - start)
+    return sum(p.nbytes for p in src) / statistics.median(times) / 1e9
+
+
+def _push_figures(transport: str, shape: str, rounds: int) -> tuple[float, float]:
+    """(first push seconds, median GB/s of the later pushes) of `shape`, from this process to a
+    receiver in a new process: the first push meets a receiver never seen, connect included."""
+    from kvstore.transports import create_sender
+
+    n, size = SHAPES[shape]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, transport), daemon=True)
+    proc.start()
+    times: list[float] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        address = await loop.run_in_executor(None, parent.recv)
+        sender = create_sender(transport)
+        try:
+            for tid in range(1, rounds + 2):
+                src = _pages(n, size, tid % 251)
+                parent.send((tid, shape))
+                assert await loop.run_in_executor(None, parent.recv) == "ready"
+                start = time.perf_counter()
+                await sender.push(address, tid, src)
+                times.append(time.perf_counter() - start)
+                assert await loop.run_in_executor(None, parent.recv), f"push {tid}: bytes differ on landing"
+        finally:
+            parent.send(None)
+            await sender.close()
+
+    asyncio.run(main())
+    proc.join(timeout=30)
+    first = times.pop(0)
+    return first, n * size / statistics.median(times) / 1e9
+
+
+def _mooncake_gbps(rounds: int) -> dict[str, float] | None:
+    """shape -> median GB/s of Mooncake TE's TCP transport between two processes; None when
+    `mooncake.engine` is not importable."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError:
+        return None
+    from kvmesh import bench_mooncake
+
+    return bench_mooncake.run(SHAPES, rounds)
+
+
+def run(args: argparse.Namespace) -> int:
+    pushes = {shape: _push_figures(args.transport, shape, args.rounds) for shape in SHAPES}
+    mooncake = _mooncake_gbps(args.rounds)
+    results = []
+    for shape, (n, size) in SHAPES.items():
+        first, gbps = pushes[shape]
+        results.append(
+            ShapeResult(
+                shape=shape,
+                nbytes=n * size,
+                push_gbps=round(gbps, 3),
+                memcpy_gbps=round(_memcpy_gbps(_pages(n, size, 1), args.rounds), 3),
+                mooncake_gbps=None if mooncake is None else round(mooncake[shape], 3),
+                first_push_s=round(first, 4),
+            )
+        )
+    if args.json:
+        print(json.dumps({"transport": args.transport, "rounds": args.rounds, "shapes": [asdict(r) for r in results]}))
+        return 0
+    print(f"KV push between two processes on this host ({args.transport}), median of {args.rounds} pushes")
+    print(f"{'shape':10} {'MB':>8} {'push GB/s':>10} {'memcpy GB/s':>12} {'push/memcpy':>12} {'Mooncake GB/s':>14}")
+    for r in results:
+        moon = "-" if r.mooncake_gbps is None else f"{r.mooncake_gbps:.2f}"
+        print(
+            f"{r.shape:10} {r.nbytes / 1e6:8.1f} {r.push_gbps:10.2f} {r.memcpy_gbps:12.2f} "
+            f"{r.push_gbps / r.memcpy_gbps:12.2f} {moon:>14}"
+        )
+    firsts = ", ".join(f"{r.shape} {r.first_push_s * 1000:.1f} ms" for r in results)
+    print(f"first push to a new receiver (connect included): {firsts}")
+    if mooncake is None:
+        print("Mooncake TE not installed (pip install mooncake-transfer-engine-non-cuda; needs Debian's libibverbs1)")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=10, help="timed pushes per shape; the median counts (default 10)")
+    parser.add_argument("--transport", default="ucx", help="KV transport (default ucx)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
