@@ -24,16 +24,27 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
+# Shared memory transports (sysv, posix) serve endpoints with error handling only when this is
+# set; every kvmesh endpoint has error handling (a dead peer must fail a push, not crash).
+# Read by UCX when the context is created, so set before the first ucxx.init.
+os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
+
 from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address  # noqa: F401 (shared names)
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x4B564D4553485055  # "KVMESHPU"
-VERSION = 1
-MAX_BUFFERS = 1 << 20  # pages per push; also keeps control tags clear of page tags
+VERSION = 2
+MAX_BUFFERS = 1 << 20  # pages per push: a page's index fits the low 20 bits of its data tag
 _TAG_HEADER = 1 << 60
 _TAG_SIZES = _TAG_HEADER + 1
 _TAG_ACK = _TAG_HEADER + 2
+_TAG_HELLO = _TAG_HEADER + 3
+_TAG_GO = _TAG_HEADER + 4
+_DATA_TAG_BIT = 1 << 63
+"""Page data travels on a second endpoint made from the receiver's worker address, with raw
+tags `_DATA_TAG_BIT | push number << 20 | page index`; the receiver numbers its pushes, so a
+late page of an old push can never match a newer push's receives."""
 ACK_OK, ACK_UNKNOWN, ACK_SIZE_MISMATCH, ACK_PROTOCOL = 0, 1, 2, 3
 _ACK_MEANING = {
     ACK_UNKNOWN: "unknown or cancelled transfer id",
@@ -128,8 +139,8 @@ def _check_transfer_id(transfer_id: int) -> int:
 _REFILL_EVERY = 32  # ucxx keeps 100 request futures ready and refills below 50
 
 
-def _post_all(ep, op, buffers: Sequence[Array]) -> list:
-    """Coroutines posting one tagged send/recv per page (tag = page index).
+def _post_all(ep, op, buffers: Sequence[Array], tag_base: int) -> list:
+    """Coroutines posting one send/recv per page with the raw tag `tag_base | page index`.
 
     gather() starts them all in one loop iteration, so every request is posted before
     any completes. Each request takes a future from ucxx's pool, which the notifier
@@ -142,6 +153,6 @@ def _post_all(ep, op, buffers: Sequence[Array]) -> list:
     async def post(i: int, buf: Array):
         if refill and i % _REFILL_EVERY == 0:
             worker.populate_python_futures_pool()  # releases the GIL; thread-safe
-        return await op(buf, tag=i)
+        return await op(buf, tag=tag_base | i, force_tag=True)
 
     return [post(i, buf) for i, buf in enumerate(buffers)]

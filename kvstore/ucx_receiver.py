@@ -16,8 +16,11 @@ from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
 from kvstore.ucx_common import (
+    _DATA_TAG_BIT,
     _TAG_ACK,
+    _TAG_GO,
     _TAG_HEADER,
+    _TAG_HELLO,
     _TAG_SIZES,
     ACK_OK,
     ACK_PROTOCOL,
@@ -98,6 +101,7 @@ class KVReceiver:
         self._active: dict[int, _Expected] = {}  # pages landing now
         self._conns: dict[asyncio.Task, Any] = {}  # receive loop -> its ucxx Endpoint
         self._num_conns = 0
+        self._num_pushes = 0  # numbers each push's data tags (see ucx_common._DATA_TAG_BIT)
 
     async def start(self) -> None:
         """Start listening.
@@ -212,6 +216,11 @@ class KVReceiver:
         self._conns[task] = ep
         logger.debug("KV receiver %s: %s connected", self.address, peer)
         try:
+            # this worker's address: the sender pushes pages over an endpoint made from it,
+            # which lets UCX use shared memory or CMA for a peer on this host
+            address = np.frombuffer(bytes(ucxx.get_worker_address()), dtype=np.uint8)
+            await ep.send(np.array([address.size], dtype="<u8"), tag=_TAG_HELLO)
+            await ep.send(address, tag=_TAG_HELLO)
             await self._serve_loop(ep, peer)
         except UCXError as exc:
             logger.debug("KV receiver %s: %s ended: %r", self.address, peer, exc)
@@ -246,11 +255,8 @@ class KVReceiver:
                 await ep.recv(sizes, tag=_TAG_SIZES)
             entry = self._pending.pop(tid, None)
             if entry is None or entry.future.done():
-                logger.warning(
-                    "[transfer %d] push from %s for an unknown or cancelled transfer: draining %d pages", tid, peer, n
-                )
-                await self._drain(ep, sizes)
-                await self._ack(ep, ACK_UNKNOWN)
+                logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: refused", tid, peer)
+                await self._go(ep, ACK_UNKNOWN)
                 continue
             if sizes.tolist() != entry.sizes:
                 msg = (
@@ -259,24 +265,34 @@ class KVReceiver:
                 )
                 logger.warning("%s (from %s)", msg, peer)
                 self._finish(entry, error=TransferError(f"{msg} at {self.address}"))
-                await self._drain(ep, sizes)
-                await self._ack(ep, ACK_SIZE_MISMATCH)
+                await self._go(ep, ACK_SIZE_MISMATCH)
                 continue
             await self._land(ep, peer, entry, n)
             await self._ack(ep, ACK_OK)
 
     async def _land(self, ep, peer: str, entry: _Expected, n: int) -> None:
-        """Receive every page of `entry` into its buffers, all receives posted at once."""
+        """Receive every page of `entry` into its buffers, all receives posted at once, then
+        tell the sender to go. The receives are posted on the connection's endpoint (UCX
+        matches tags per worker, so the pages the sender sends over its data endpoint land
+        in them), so aborting that endpoint cancels them."""
         entry.started = True
         entry.ep = ep
         self._active[entry.transfer_id] = entry
         started = time.perf_counter()
         error: BaseException | None = None
+        self._num_pushes += 1
+        tag_base = _DATA_TAG_BIT | (self._num_pushes % (1 << 43)) << 20
+        receives: list[asyncio.Future] = []
         try:
-            results = await asyncio.gather(*_post_all(ep, ep.recv, entry.buffers), return_exceptions=True)
+            receives = [asyncio.ensure_future(c) for c in _post_all(ep, ep.recv, entry.buffers, tag_base)]
+            await asyncio.sleep(0)  # each task posts its receive at its first step
+            await self._go(ep, ACK_OK, tag_base)
+            results = await asyncio.gather(*receives, return_exceptions=True)
             error = next((r for r in results if isinstance(r, BaseException)), None)
         except BaseException as exc:  # cancelled by close()
             error = exc
+            for receive in receives:
+                receive.cancel()
         if error is not None:
             ep.abort()  # no receive may stay posted into pages once the future is done
             self._finish(
@@ -292,13 +308,10 @@ class KVReceiver:
             "[transfer %d] %d pages, %d bytes landed in %.6f s", entry.transfer_id, n, sum(entry.sizes), seconds
         )
 
-    async def _drain(self, ep, sizes: np.ndarray) -> None:
-        """Receive and discard a push nobody wants, so the endpoint stays in step."""
-        if not sizes.size:
-            return
-        scratch = np.empty(int(sizes.max()), dtype=np.uint8)
-        for i, size in enumerate(sizes.tolist()):
-            await ep.recv(scratch[:size], tag=i)
+    async def _go(self, ep, code: int, tag_base: int = 0) -> None:
+        """Answer a header: ACK_OK and the push's data tag base, or why the pages are refused
+        (then none are sent)."""
+        await ep.send(np.array([code, tag_base], dtype="<u8"), tag=_TAG_GO)
 
     async def _ack(self, ep, code: int) -> None:
         await ep.send(np.array([code], dtype=np.uint8), tag=_TAG_ACK)

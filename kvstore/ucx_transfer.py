@@ -6,18 +6,29 @@ send per page, all posted at once, received zero-copy into the reserved buffers 
 scatter-gather push in the style of NIXL / Mooncake's transfer engine). ucxx's own
 send_multi/recv_multi are not used: they make the receiver allocate the buffers.
 
-Wire protocol, per push, on one endpoint (pushes on an endpoint are serialized):
+Two endpoints per sender and receiver pair. The control endpoint comes from the
+receiver's listener (host:port, TCP); the data endpoint is made from the receiver's UCX
+worker address, which the receiver sends first, so UCX may choose every transport the two
+share: shared memory and CMA (process_vm_readv, one copy) for a peer on the same host,
+TCP or RDMA for a remote one. An endpoint made through a listener can use TCP only.
 
+Wire protocol (control messages on the control endpoint, pushes on it serialized):
+
+    receiver -> sender  tag HELLO    at connect: 1 x uint64 LE the worker address's length,
+                                     then its bytes
     sender -> receiver  tag HEADER   4 x uint64 LE: MAGIC, VERSION, transfer_id, n
     sender -> receiver  tag SIZES    n x uint64 LE: the size of each page in bytes (n > 0)
-    sender -> receiver  tag i        page i, i = 0 .. n-1 (all posted concurrently)
-    receiver -> sender  tag ACK      1 byte: 0 ok, 1 unknown or cancelled transfer id,
-                                     2 size mismatch, 3 protocol mismatch
+    receiver -> sender  tag GO       2 x uint64 LE: code, tag base. 0: the receives are
+                                     posted, send; 1 unknown or cancelled transfer id,
+                                     2 size mismatch: no page is sent
+    sender -> receiver  (data endpoint) raw tag base | i: page i, all posted concurrently
+    receiver -> sender  tag ACK      1 byte: 0 ok (every page landed), 3 protocol mismatch
 
-On 1 and 2 the receiver first drains the pages into scratch memory, so the endpoint
-stays in step and serves the next push. ucxx hashes each tag with a per-connection
-secret, so pushes from several senders to one receiver never match each other's
-messages; each incoming connection gets its own receive loop.
+The receiver numbers its pushes in the tag base (ucx_common._DATA_TAG_BIT), so a page of an
+old push cannot match a newer push's receives; it posts the receives on the control endpoint,
+so aborting it (a cancelled transfer, a closed receiver) cancels them. ucxx hashes control
+tags with a per-connection secret, so several senders to one receiver never match each
+other's control messages; each incoming connection gets its own receive loop.
 
 The receiver is in kvstore/ucx_receiver.py and the shared runtime, constants and helpers
 in kvstore/ucx_common.py; this module holds the sender and re-exports the rest.
@@ -39,7 +50,9 @@ from ucxx.exceptions import UCXError
 from kvstore.ucx_common import (
     _ACK_MEANING,
     _TAG_ACK,
+    _TAG_GO,
     _TAG_HEADER,
+    _TAG_HELLO,
     _TAG_SIZES,
     ACK_OK,
     ACK_SIZE_MISMATCH,
@@ -64,7 +77,8 @@ logger = logging.getLogger(__name__)
 
 
 class KVSender:
-    """Prefill side: pushes pages to decode receivers, one cached UCX endpoint per address.
+    """Prefill side: pushes pages to decode receivers, one cached pair of UCX endpoints (control,
+    data) per address.
 
     Args:
         connect_timeout_s: bound on connecting to a receiver (seconds).
@@ -80,7 +94,7 @@ class KVSender:
             raise ValueError(f"timeouts must be > 0 s, got connect {connect_timeout_s}, transfer {transfer_timeout_s}")
         self.connect_timeout_s = connect_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self._endpoints: dict[str, Any] = {}
+        self._endpoints: dict[str, tuple[Any, Any]] = {}  # address -> (control, data) endpoints
         self._locks: dict[str, asyncio.Lock] = {}
         self._acquired = False
         self._closed = False
@@ -115,9 +129,11 @@ class KVSender:
             self._acquired = True
         async with self._locks.setdefault(address, asyncio.Lock()):
             started = time.perf_counter()
-            ep = await self._connect(address, host, port)
+            ctrl, data = await self._connect(address, host, port)
             try:
-                code = await asyncio.wait_for(self._exchange(ep, header, sizes, arrays), self.transfer_timeout_s)
+                code = await asyncio.wait_for(
+                    self._exchange(ctrl, data, header, sizes, arrays), self.transfer_timeout_s
+                )
             except BaseException as exc:
                 self._drop(address)  # aborting cancels every send still reading the pages
                 if isinstance(exc, TimeoutError):
@@ -147,45 +163,78 @@ class KVSender:
             self._acquired = False
             _runtime.release()
 
-    async def _connect(self, address: str, host: str, port: int):
-        ep = self._endpoints.get(address)
-        if ep is not None and not ep.closed:
-            return ep
+    async def _connect(self, address: str, host: str, port: int) -> tuple[Any, Any]:
+        """The (control, data) endpoints to `address`, connected now unless cached and open."""
+        cached = self._endpoints.get(address)
+        if cached is not None and not cached[0].closed and not cached[1].closed:
+            return cached
         self._drop(address)
+        ctrl = None
         try:
-            ep = await asyncio.wait_for(
+            ctrl = await asyncio.wait_for(
                 ucxx.create_endpoint(host, port, connect_timeout=self.connect_timeout_s), self.connect_timeout_s
             )
+            data = await asyncio.wait_for(self._data_endpoint(ctrl), self.connect_timeout_s)
         except (UCXError, TimeoutError, OSError, RuntimeError) as exc:
             # a bad host: UCXError at once. Nobody listening, or a listener that is closed
             # but whose process lives: TimeoutError after connect_timeout_s (with Python
             # futures on, ucxx does not surface the refused connect before its timeout).
+            if ctrl is not None:
+                ctrl.abort()
             raise TransferError(f"cannot connect to KV receiver at {address}: {exc!r}") from exc
-        self._endpoints[address] = ep
-        return ep
+        self._endpoints[address] = (ctrl, data)
+        return ctrl, data
 
-    async def _exchange(self, ep, header: np.ndarray, sizes: np.ndarray, arrays: list[Array]) -> int:
+    @staticmethod
+    async def _data_endpoint(ctrl) -> Any:
+        """An endpoint made from the worker address the receiver sends first (HELLO)."""
+        length = np.empty(1, dtype="<u8")
+        await ctrl.recv(length, tag=_TAG_HELLO)
+        if not 0 < int(length[0]) <= 1 << 16:
+            raise RuntimeError(f"receiver sent a worker address of {int(length[0])} bytes")
+        raw = np.empty(int(length[0]), dtype=np.uint8)
+        await ctrl.recv(raw, tag=_TAG_HELLO)
+        return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(raw.tobytes()))
+
+    async def _exchange(self, ctrl, data, header: np.ndarray, sizes: np.ndarray, arrays: list[Array]) -> int:
         ack = np.empty(1, dtype=np.uint8)
-        ack_recv = asyncio.ensure_future(ep.recv(ack, tag=_TAG_ACK))
-        ack_recv.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        go = np.empty(2, dtype="<u8")
+        ack_recv = asyncio.ensure_future(ctrl.recv(ack, tag=_TAG_ACK))
+        go_recv = asyncio.ensure_future(ctrl.recv(go, tag=_TAG_GO))
+        for f in (ack_recv, go_recv):
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        sends: asyncio.Future | None = None
         try:
-            sends = [ep.send(header, tag=_TAG_HEADER)]
+            await ctrl.send(header, tag=_TAG_HEADER)
             if arrays:
-                sends.append(ep.send(sizes, tag=_TAG_SIZES))
-            sends += _post_all(ep, ep.send, arrays)
-            results = await asyncio.gather(*sends, return_exceptions=True)
-            failed = next((r for r in results if isinstance(r, BaseException)), None)
-            if failed is not None:
-                if ack_recv.done() and not ack_recv.cancelled() and ack_recv.exception() is None:
-                    return int(ack[0])  # the receiver answered (a NACK) before it hung up
-                raise failed
+                await ctrl.send(sizes, tag=_TAG_SIZES)
+            await asyncio.wait({go_recv, ack_recv}, return_when=asyncio.FIRST_COMPLETED)
+            if not go_recv.done():  # the receiver refused the header (protocol mismatch)
+                await ack_recv
+                return int(ack[0])
+            await go_recv
+            code, tag_base = int(go[0]), int(go[1])
+            if code != ACK_OK:
+                return code
+            sends = asyncio.gather(*_post_all(data, data.send, arrays, tag_base))
+            # a receiver that hangs up mid-push fails the ACK at once, while the data sends
+            # could wait for receives that will never match: whichever ends first decides
+            await asyncio.wait({sends, ack_recv}, return_when=asyncio.FIRST_EXCEPTION)
+            if ack_recv.done() and not ack_recv.cancelled() and ack_recv.exception() is not None:
+                await ack_recv  # raises the control endpoint's error
+            await sends
             await ack_recv
             return int(ack[0])
         finally:
-            if not ack_recv.done():
-                ack_recv.cancel()
+            for f in (ack_recv, go_recv):
+                if not f.done():
+                    f.cancel()
+            if sends is not None and not sends.done():
+                sends.cancel()
+                sends.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _drop(self, address: str) -> None:
-        ep = self._endpoints.pop(address, None)
-        if ep is not None:
-            ep.abort()  # idempotent; cancels the endpoint's outstanding requests
+        pair = self._endpoints.pop(address, None)
+        if pair is not None:
+            for ep in pair:
+                ep.abort()  # idempotent; cancels the endpoint's outstanding requests
