@@ -511,6 +511,10 @@ SHARED = (
     "You are reviewing a long design document about a lighthouse network along a rocky coast, "
     "with keepers, supply boats, weather reports and a radio schedule that every station follows. "
 ) * 3
+OTHER = (
+    "Minutes of the harbour board: dredging the channel, pricing the moorings, repainting the "
+    "customs house and the winter timetable of the ferry to the islands. "
+) * 3
 
 
 def _metric(mesh, name: str, labels: str = "") -> float:
@@ -559,7 +563,10 @@ def test_requests_succeed_through_an_outage_and_prefix_routing_recovers(mesh):
 
     port = mesh.redis.port
     mesh.redis.stop()  # Redis goes away
-    during = [complete(mesh, SHARED + f"Outage question {i}?", max_tokens=2, ignore_eos=True) for i in range(4)]
+    # long prompts (the gateway looks their blocks up in the index, and finds it gone) that share
+    # no block with SHARED: routed by load alone, they must not leave SHARED cached on the other
+    # instance too (either instance would then be a right answer below)
+    during = [complete(mesh, OTHER + f"Outage question {i}?", max_tokens=2, ignore_eos=True) for i in range(4)]
     assert [c.final.finish_reason for c in during] == ["length"] * 4
     assert "prefix index unreachable" in read_log(mesh, log_from)
     assert _metric(mesh, "kvmesh_gateway_prefix_index_up") == 0.0
