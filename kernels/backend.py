@@ -71,9 +71,14 @@ BACKENDS: dict[str, Callable[[], KernelBackend]] = {"torch": _torch, "triton": _
 """Kernel backends by name; `--kernel-backend` picks one."""
 
 
+def check_backend(name: str) -> None:
+    """Raise ValueError naming the known backends when `name` is not one of them."""
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {list(BACKENDS)}, got {name!r}")
+
+
 def create_kernel_backend(name: str = "torch") -> KernelBackend:
     """The backend called `name`. Raises ValueError for an unknown name (naming the known ones)
     or for `triton` without a GPU or the interpreter."""
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {list(BACKENDS)}, got {name!r}")
+    check_backend(name)
     return BACKENDS[name]()

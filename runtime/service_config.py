@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.backend import BACKENDS
 from kvstore.transports import check_transport
 from runtime.settings import setting
 
@@ -48,8 +47,11 @@ class ModelServiceConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.kernel_backend not in BACKENDS:
-            raise ValueError(f"kernel backend must be one of {list(BACKENDS)}, got {self.kernel_backend!r}")
+        # imported here: the kernels package loads torch, and the gateway's command line
+        # (which never builds this config) parses these flags too
+        from kernels.backend import check_backend
+
+        check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
         if not self.drain_grace_s >= 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")

@@ -1,4 +1,9 @@
-"""Shared fixtures: a Redis URL (the machine's, or a private redis-server) and meshes."""
+"""Shared fixtures: a Redis URL (the machine's, or a private redis-server) and meshes.
+
+A mesh takes 10-30 s to start on a 2-core machine (two model loads, then the gateway), so
+modules whose tests can share one do: `observed_mesh` serves test_mesh and
+test_observability. Every test using it ends with the mesh idle (`wait_idle`).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,26 @@ def redis_url() -> Iterator[str]:
         yield proc.url
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def otlp_collector():
+    """An OTLP/gRPC trace receiver the observed mesh exports its spans to."""
+    from tests.integration.meshutil import Collector
+
+    collector = Collector()
+    yield collector
+    collector.close()
+
+
+@pytest.fixture(scope="session")
+def observed_mesh(otlp_collector):
+    """The default model on 1 prefill and 1 decode, traced to `otlp_collector`, with JSON logs
+    and /metrics on every service (tests.integration.meshutil.observed_mesh)."""
+    from tests.integration.meshutil import observed_mesh
+
+    with observed_mesh(otlp_collector) as mesh:
+        yield mesh
 
 
 def instance_stats(address: str, kind: str):

@@ -2,8 +2,10 @@
 at every stage, bursts past the decode pools, instances that disagree or cannot take a push.
 
 One mesh (2 prefill, 2 decode of 8 slots each, real Redis, UCX and gRPC on loopback) serves
-the whole module; a few tests add a gateway or a decode of their own next to it. Every test
-ends with the mesh idle: every page back, `check_integrity` clean on every instance.
+the whole module; a few tests use a gateway or a decode of their own next to it, all started
+with the mesh (a start-up is the slow part of a test here). Every test ends with the mesh
+idle: every page back, `check_integrity` clean on every instance. The last tests kill
+instances: first one prefill and one decode, then the rest.
 """
 
 from __future__ import annotations
@@ -15,26 +17,89 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 
 import grpc
 import pytest
 
+from engine.checkpoint import load_tokenizer
+from engine.loader import resolve_model
 from kvmesh.client import GatewayClient, make_request
-from kvmesh.redis_server import free_port
+from kvmesh.redis_server import RedisProcess, free_port
+from kvstore.block_hash import hash_blocks
+from kvstore.redis_index import RedisKVIndex
 from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc
 from runtime.service import wait_for_health
 from runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
 from tests.conftest import instance_stats
-from tests.integration.meshutil import running_mesh, wait_idle
+from tests.integration.meshutil import (
+    SHARED_CORES_ENV,
+    complete,
+    complete_many,
+    log_size,
+    read_log,
+    running_mesh,
+    wait_for_log,
+    wait_idle,
+)
 
 DECODE_SLOTS = 8
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    with running_mesh(2, 2, decode_args=["--max-batch-size", str(DECODE_SLOTS)]) as m:
-        yield m
+def mesh(tmp_path_factory):
+    """The module's mesh, and beside it (`mesh.extra`, name -> address): a decode advertising a
+    KV address nobody can push to, a gateway routing to it, a gateway whose queue holds 4
+    requests and one with page size 32. Prefill leases last 1.5 s (a heartbeat every 0.5 s),
+    and the gateway serves /metrics (`mesh.metrics_url`)."""
+    log = str(tmp_path_factory.mktemp("faults") / "extra-services.log")
+    extra: list[tuple[subprocess.Popen, str]] = []
+    signalled = False
+    try:
+        # the extra decode loads its model while the mesh's instances load theirs
+        extra.append(
+            spawn_service(
+                "decode",
+                ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()), "--instance-id", "decode-unreachable"],
+                log,
+            )
+        )
+        metrics_port = free_port()
+        with running_mesh(
+            2,
+            2,
+            prefill_args=["--lease-ttl", "1.5"],
+            decode_args=["--max-batch-size", str(DECODE_SLOTS)],
+            gateway_args=["--metrics-port", str(metrics_port)],
+        ) as m:
+            m.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            try:
+                bad_address = extra[0][1]
+                serving(extra)  # before the gateway that routes to it starts
+                gateway_flags = {
+                    "queue-of-4": gateway_args(m, "--max-queued-requests", "4"),
+                    "page-size-32": gateway_args(m, "--page-size", "32"),
+                    "with-unreachable-decode": [
+                        f"--prefill={m.prefill_addresses[0]}",
+                        f"--decode={m.decode_addresses[0]}",
+                        f"--decode={bad_address}",
+                        "--redis-url",
+                        m.redis_url,
+                    ],
+                }
+                gateways = {name: spawn_service("gateway", flags, log) for name, flags in gateway_flags.items()}
+                extra.extend(gateways.values())
+                serving(list(gateways.values()))
+                m.extra = {"unreachable-decode": bad_address, **{n: a for n, (_, a) in gateways.items()}}
+                yield m
+            finally:
+                terminate([p for p, _ in extra])  # they stop while the mesh stops
+                signalled = True
+    finally:
+        if not signalled:  # the mesh did not start
+            terminate([p for p, _ in extra])
+        reap([p for p, _ in extra])
 
 
 def proc_of(mesh, address: str) -> subprocess.Popen:
@@ -62,32 +127,43 @@ async def outcome(client: GatewayClient, request, timeout_s: float = 120):
         return (exc.code().name, exc.details(), dict(exc.trailing_metadata() or ())), time.monotonic() - started
 
 
-def start_service(kind: str, args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    """An extra `kvmesh serve KIND` beside the module's mesh; waits until it is SERVING."""
+def spawn_service(kind: str, args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
+    """An extra `kvmesh serve KIND` beside the module's mesh; `serving` waits for it."""
     port = free_port()
-    log = open(log_path, "a")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        asyncio.run(wait_for_health(address, 300))
-    except BaseException:
-        proc.kill()
-        raise
-    return proc, address
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", **SHARED_CORES_ENV},
+        )
+    return proc, f"127.0.0.1:{port}"
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+def serving(services: list[tuple[subprocess.Popen, str]]) -> None:
+    """Wait until every service is SERVING (they start in parallel)."""
+
+    async def wait_all():
+        await asyncio.gather(*(wait_for_health(address, 300) for _, address in services))
+
+    asyncio.run(wait_all())
+
+
+def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each process still running (once: `reap` waits for them)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+
+def reap(procs: list[subprocess.Popen]) -> None:
+    """Wait for terminated processes; SIGKILL one still running after 20 s."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def gateway_args(mesh, *extra: str) -> list[str]:
@@ -180,26 +256,20 @@ def test_burst_past_the_decode_slots_queues_at_the_gateway_and_all_finish(mesh):
     wait_idle(mesh)
 
 
-def test_past_the_queue_bound_resource_exhausted_at_once_with_a_retry_hint(mesh, tmp_path):
+def test_past_the_queue_bound_resource_exhausted_at_once_with_a_retry_hint(mesh):
     """A gateway whose queue holds 4: of 40 concurrent streams, 16 take the slots, 4 wait, and
     the other 20 get RESOURCE_EXHAUSTED at once, with a retry-after hint; the 20 finish."""
-    proc, address = start_service(
-        "gateway", gateway_args(mesh, "--max-queued-requests", "4"), str(tmp_path / "gateway.log")
-    )
-    try:
 
-        async def burst():
-            async with GatewayClient(address) as client:
-                return await asyncio.gather(
-                    *(
-                        outcome(client, make_request(prompt_token_ids=ids(20, 9000 + k), max_tokens=4, ignore_eos=True))
-                        for k in range(40)
-                    )
+    async def burst():
+        async with GatewayClient(mesh.extra["queue-of-4"]) as client:
+            return await asyncio.gather(
+                *(
+                    outcome(client, make_request(prompt_token_ids=ids(20, 9000 + k), max_tokens=4, ignore_eos=True))
+                    for k in range(40)
                 )
+            )
 
-        results = asyncio.run(burst())
-    finally:
-        stop(proc)
+    results = asyncio.run(burst())
     statuses = Counter(r[0][0] for r in results)
     assert statuses == {"OK": 20, "RESOURCE_EXHAUSTED": 20}, statuses
     for (status, *rest), seconds in results:
@@ -211,20 +281,16 @@ def test_past_the_queue_bound_resource_exhausted_at_once_with_a_retry_hint(mesh,
     wait_idle(mesh)
 
 
-def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh, tmp_path):
+def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh):
     """A gateway with page size 32 before instances of 16 refuses every request with
     FAILED_PRECONDITION (a retry cannot fix it) naming both values; so does decode when
     a Reserve assumes another page size."""
-    proc, address = start_service("gateway", gateway_args(mesh, "--page-size", "32"), str(tmp_path / "gateway.log"))
-    try:
 
-        async def ask():
-            async with GatewayClient(address) as client:
-                return await outcome(client, make_request("Hello there", max_tokens=4), timeout_s=30)
+    async def ask():
+        async with GatewayClient(mesh.extra["page-size-32"]) as client:
+            return await outcome(client, make_request("Hello there", max_tokens=4), timeout_s=30)
 
-        (status, details, trailers), _ = asyncio.run(ask())
-    finally:
-        stop(proc)
+    (status, details, trailers), _ = asyncio.run(ask())
     assert status == "FAILED_PRECONDITION", (status, details)
     assert "page_size 16" in details and "32" in details and trailers[FAILURE_CAUSE_KEY] == "MISMATCH"
 
@@ -241,46 +307,23 @@ def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh, tmp_
     wait_idle(mesh)
 
 
-def test_decode_whose_kv_listener_cannot_be_reached_leaves_rotation(mesh, tmp_path):
+def test_decode_whose_kv_listener_cannot_be_reached_leaves_rotation(mesh):
     """A decode advertising a KV address nobody can push to: each request routed there is
     retried on the good decode (no token had reached the client), and after 3 failed pushes
     its circuit opens, so the requests after that go to the good decode at once."""
-    log = str(tmp_path / "services.log")
-    bad, bad_address = start_service(
-        "decode",
-        ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()), "--instance-id", "decode-unreachable"],
-        log,
-    )
-    try:
-        gw, gw_address = start_service(
-            "gateway",
-            [
-                f"--prefill={mesh.prefill_addresses[0]}",
-                f"--decode={mesh.decode_addresses[0]}",
-                f"--decode={bad_address}",
-                "--redis-url",
-                mesh.redis_url,
-            ],
-            log,
-        )
-        try:
 
-            async def run():
-                async with GatewayClient(gw_address) as client:
-                    out = []
-                    for k in range(12):
-                        out.append(
-                            await outcome(
-                                client, make_request(prompt_token_ids=ids(20, 11000 + k), max_tokens=2, ignore_eos=True)
-                            )
-                        )
-                    return out
+    async def run():
+        async with GatewayClient(mesh.extra["with-unreachable-decode"]) as client:
+            out = []
+            for k in range(12):
+                out.append(
+                    await outcome(
+                        client, make_request(prompt_token_ids=ids(20, 11000 + k), max_tokens=2, ignore_eos=True)
+                    )
+                )
+            return out
 
-            results = asyncio.run(run())
-        finally:
-            stop(gw)
-    finally:
-        stop(bad)
+    results = asyncio.run(run())
     assert [r[0][0] for r in results] == ["OK"] * 12, results
     retries = [r[0][1].retries for r in results]
     assert all(r[0][1].decode_instance != "decode-unreachable" for r in results)
@@ -289,23 +332,29 @@ def test_decode_whose_kv_listener_cannot_be_reached_leaves_rotation(mesh, tmp_pa
     assert sum(retries) in (3, 4), retries
     assert sum(retries[-6:]) <= 1, retries
     wait_idle(mesh)
+    # the unreachable decode got its reservations back too
+    _survivors_idle([(mesh.extra["unreachable-decode"], "decode")])
+
+
+def _stream_request(seed: int, k: int, max_tokens: int) -> dict:
+    return dict(prompt_token_ids=ids(30, seed + k), max_tokens=max_tokens, ignore_eos=True)
 
 
 async def _streams_under_fault(mesh, n: int, seed: int, fault, max_tokens: int = 400):
     """n concurrent long streams; once each has sent 3 tokens, `fault()` runs (it returns the
-    address it hit). Returns (address, [(outcome, seconds from the fault to the stream's end)])."""
+    address it hit). Returns (address, [(outcome, seconds from the fault to the stream's end)],
+    [token ids each stream received])."""
     async with GatewayClient(mesh.gateway_address) as client:
         flowing = asyncio.Semaphore(0)
         hit_at: list[float] = []
+        tokens: list[list[int]] = [[] for _ in range(n)]
 
         async def one(k: int):
             result = ("NO_FINAL", None)
             try:
                 n_tokens, released = 0, False
-                async for msg in client.stream(
-                    make_request(prompt_token_ids=ids(30, seed + k), max_tokens=max_tokens, ignore_eos=True),
-                    timeout_s=120,
-                ):
+                async for msg in client.stream(make_request(**_stream_request(seed, k, max_tokens)), timeout_s=120):
+                    tokens[k].extend(msg.delta.token_ids)
                     n_tokens += len(msg.delta.token_ids)
                     if n_tokens >= 3 and not released:
                         released = True
@@ -321,7 +370,18 @@ async def _streams_under_fault(mesh, n: int, seed: int, fault, max_tokens: int =
             await asyncio.wait_for(flowing.acquire(), 120)
         address = await fault()
         hit_at.append(time.monotonic())
-        return address, await asyncio.gather(*tasks)
+        return address, await asyncio.gather(*tasks), tokens
+
+
+def _assert_survivors_unharmed(mesh, seed: int, max_tokens: int, results, tokens) -> None:
+    """The streams that finished got the tokens their requests get without a fault: greedy,
+    run again, together (batching does not change a request's tokens: test_mesh)."""
+    ok = [k for k, (r, _) in enumerate(results) if r[0] == "OK"]
+    assert ok, results  # some streams were on the other decode
+    again = complete_many(mesh, [_stream_request(seed, k, max_tokens) for k in ok])
+    for k, out in zip(ok, again, strict=True):
+        assert len(out.token_ids) == max_tokens
+        assert tokens[k] == out.token_ids, (k, tokens[k], out.token_ids)
 
 
 def test_decode_frozen_under_load_is_unavailable_within_seconds_and_gives_its_pages_back(mesh):
@@ -330,6 +390,7 @@ def test_decode_frozen_under_load_is_unavailable_within_seconds_and_gives_its_pa
     tokens), the streams on the other decode finish, new requests go to the other decode,
     and after SIGCONT every page comes back."""
     wait_idle(mesh)
+    log_from = log_size(mesh)
     stopped: list[subprocess.Popen] = []
 
     async def freeze():
@@ -343,8 +404,9 @@ def test_decode_frozen_under_load_is_unavailable_within_seconds_and_gives_its_pa
 
     async def scenario():
         try:
-            frozen, results = await _streams_under_fault(mesh, 6, 12000, freeze, max_tokens=150)
-            await asyncio.sleep(5)  # the gateway's polls mark it unreachable
+            frozen, results, tokens = await _streams_under_fault(mesh, 6, 12000, freeze, max_tokens=150)
+            # the gateway's polls mark it unreachable (two missed in a row)
+            await asyncio.to_thread(wait_for_log, mesh, f"{frozen} stopped answering", log_from)
             async with GatewayClient(mesh.gateway_address) as client:
                 after, _ = await outcome(
                     client, make_request(prompt_token_ids=ids(30, 12100), max_tokens=4), timeout_s=30
@@ -352,9 +414,9 @@ def test_decode_frozen_under_load_is_unavailable_within_seconds_and_gives_its_pa
         finally:
             for proc in stopped:
                 proc.send_signal(signal.SIGCONT)
-        return frozen, results, after
+        return frozen, results, tokens, after
 
-    frozen, results, after = asyncio.run(scenario())
+    frozen, results, tokens, after = asyncio.run(scenario())
     failed = [(r, s) for r, s in results if r[0] != "OK"]
     assert failed, results  # the frozen decode had streams
     for (status, details), seconds in failed:
@@ -365,6 +427,8 @@ def test_decode_frozen_under_load_is_unavailable_within_seconds_and_gives_its_pa
             assert r[1].generated_tokens == 150 and r[1].decode_instance != f"decode@{frozen}", r
     assert after[0] == "OK" and after[1].decode_instance != f"decode@{frozen}", after
     wait_idle(mesh, timeout_s=30)
+    _assert_survivors_unharmed(mesh, 12000, 150, results, tokens)
+    wait_idle(mesh)
 
 
 def test_prefill_frozen_while_computing_is_retried_elsewhere_and_decode_frees_its_pages(mesh):
@@ -443,6 +507,83 @@ def test_redis_stopped_under_load_every_request_finishes(mesh):
     wait_idle(mesh)
 
 
+SHARED = (
+    "You are reviewing a long design document about a lighthouse network along a rocky coast, "
+    "with keepers, supply boats, weather reports and a radio schedule that every station follows. "
+) * 3
+OTHER = (
+    "Minutes of the harbour board: dredging the channel, pricing the moorings, repainting the "
+    "customs house and the winter timetable of the ferry to the islands. "
+) * 3
+
+
+def _metric(mesh, name: str, labels: str = "") -> float:
+    """A gateway metric's value; 0 before the labelled series first moves."""
+    text = urllib.request.urlopen(mesh.metrics_url, timeout=5).read().decode()
+    line = next((ln for ln in text.splitlines() if ln.startswith(name + labels + " ")), f"{name} 0")
+    return float(line.split()[-1])
+
+
+def test_requests_succeed_through_an_outage_and_prefix_routing_recovers(mesh):
+    """The prefix index going away mid-run: the mesh's redis-server is stopped while the mesh
+    serves, then started again on the same port. No request fails; the gateway routes by load
+    meanwhile, says so in its log, and routes by cached prefix again once Redis is back and the
+    prefill instances have re-published what they hold."""
+    wait_idle(mesh)
+    log_from = log_size(mesh)
+    load_only = 'kvmesh_gateway_routed_requests_total{index="load_only",policy="cache_aware"}'
+    load_only_before = _metric(mesh, load_only)
+    # before: a second prompt sharing a long prefix goes where the first was cached
+    a = complete(mesh, SHARED + "Question one: who keeps the logbook?", max_tokens=2, ignore_eos=True)
+    b = complete(mesh, SHARED + "Question two: when do boats arrive?", max_tokens=2, ignore_eos=True)
+    assert b.final.prefill_instance == a.final.prefill_instance and b.final.cached_tokens >= 64
+
+    # the blocks a question after the outage shares with the first one, as the index lists them
+    files = resolve_model(None)
+    tokenizer = load_tokenizer(files)
+    ids_a = tokenizer.encode(SHARED + "Question one: who keeps the logbook?", add_special_tokens=False)
+    ids_c = tokenizer.encode(SHARED + "Question three: what is on the radio schedule?", add_special_tokens=False)
+    common = next(i for i, (x, y) in enumerate(zip(ids_a, ids_c)) if x != y)
+    hashes, holder = hash_blocks(ids_a[:common], 16), a.final.prefill_instance
+
+    def wait_indexed(why: str) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            index = RedisKVIndex(mesh.redis_url, model=files.name)
+            try:
+                if index.longest_prefix(hashes, [holder])[holder] == len(hashes):
+                    return
+            finally:
+                index.close()
+            assert time.monotonic() < deadline, why
+            time.sleep(0.1)
+
+    assert len(hashes) >= 4, len(hashes)
+    wait_indexed("the first question's blocks never reached the index")
+
+    port = mesh.redis.port
+    mesh.redis.stop()  # Redis goes away
+    # long prompts (the gateway looks their blocks up in the index, and finds it gone) that share
+    # no block with SHARED: routed by load alone, they must not leave SHARED cached on the other
+    # instance too (either instance would then be a right answer below)
+    during = [complete(mesh, OTHER + f"Outage question {i}?", max_tokens=2, ignore_eos=True) for i in range(4)]
+    assert [c.final.finish_reason for c in during] == ["length"] * 4
+    assert "prefix index unreachable" in read_log(mesh, log_from)
+    assert _metric(mesh, "kvmesh_gateway_prefix_index_up") == 0.0
+    assert _metric(mesh, load_only) - load_only_before == 4.0
+
+    mesh.redis = RedisProcess(port=port, die_with_parent=True)  # back, empty
+    # a heartbeat (every 0.5 s) re-registers each prefill and re-publishes its cache
+    wait_indexed("the prefill instance did not re-publish its cache")
+    c = complete(mesh, SHARED + "Question three: what is on the radio schedule?", max_tokens=2, ignore_eos=True)
+    assert "prefix index reachable again" in read_log(mesh, log_from)
+    assert _metric(mesh, "kvmesh_gateway_prefix_index_up") == 1.0
+    # the index knows the shared prefix again (re-published, not re-computed elsewhere)
+    assert c.final.cached_tokens >= 64
+    assert c.final.prefill_instance == a.final.prefill_instance
+    wait_idle(mesh)
+
+
 def _survivors_idle(addresses: list[tuple[str, str]], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -458,12 +599,16 @@ def _survivors_idle(addresses: list[tuple[str, str]], timeout_s: float = 30) -> 
         time.sleep(0.2)
     for kind, s in stats:
         assert s.integrity_error == "" and s.num_active_requests == 0, (kind, s)
+        if kind == "decode":
+            assert s.num_free_pages == s.num_pages, (kind, s)
+        else:
+            assert s.num_referenced_pages == 0, (kind, s)
 
 
 def test_decode_then_prefill_killed_under_load_every_stream_ends_within_seconds(mesh):
     """kill -9 a decode while 6 streams run, then a prefill while 6 more start: every stream
-    finishes or gets UNAVAILABLE naming the dead instance within 10 s, and the survivors hold
-    no page. (Last in the module: it leaves one prefill and one decode.)"""
+    finishes or gets UNAVAILABLE naming the dead instance within 10 s, the streams that finish
+    get their tokens, and the survivors hold no page. (It leaves one prefill and one decode.)"""
     wait_idle(mesh)
 
     async def kill_busiest_decode():
@@ -474,12 +619,15 @@ def test_decode_then_prefill_killed_under_load_every_stream_ends_within_seconds(
         proc_of(mesh, victim).kill()
         return victim
 
-    dead_decode, results = asyncio.run(_streams_under_fault(mesh, 6, 15000, kill_busiest_decode, max_tokens=100))
+    dead_decode, results, tokens = asyncio.run(
+        _streams_under_fault(mesh, 6, 15000, kill_busiest_decode, max_tokens=100)
+    )
     lost = [(r, s) for r, s in results if r[0] != "OK"]
     assert lost, results
     for (status, details), seconds in lost:
         assert status == "UNAVAILABLE" and dead_decode in details and seconds < 10, (status, details, seconds)
     assert all(r[1].generated_tokens == 100 for r, _ in results if r[0] == "OK")
+    _assert_survivors_unharmed(mesh, 15000, 100, results, tokens)
 
     async def prefill_killed_mid_compute():
         async with GatewayClient(mesh.gateway_address) as client:
@@ -516,3 +664,42 @@ def test_decode_then_prefill_killed_under_load_every_stream_ends_within_seconds(
         (a, "prefill") for a in mesh.prefill_addresses if a != dead_prefill
     ]
     _survivors_idle(survivors)
+
+
+def _expect_unavailable(mesh) -> None:
+    start = time.monotonic()
+    try:
+        complete(mesh, "Hi", chat=True, max_tokens=2)
+        raise AssertionError("expected UNAVAILABLE")
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+    assert time.monotonic() - start < 10
+
+
+def test_dead_prefill_then_dead_decode_give_unavailable_quickly(mesh):
+    """Every prefill dead, then every decode: a request gets UNAVAILABLE within 10 s each time,
+    and the reservation made on decode before the prefill failed is given back. (Last in the
+    module: it kills what the test before left, one prefill and one decode.)"""
+
+    def alive(addresses: list[str]) -> list[str]:
+        return [a for a in addresses if proc_of(mesh, a).poll() is None]
+
+    prefills, decodes = alive(mesh.prefill_addresses), alive(mesh.decode_addresses)
+    assert complete(mesh, "Hi", chat=True, max_tokens=2).final.generated_tokens >= 1
+    for address in prefills:
+        proc_of(mesh, address).kill()
+        proc_of(mesh, address).wait()
+    _expect_unavailable(mesh)
+    # the reservation made on decode before prefill failed is given back
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = [instance_stats(a, "decode") for a in decodes]
+        if all(s.num_free_pages == s.num_pages for s in stats):
+            break
+        time.sleep(0.2)
+    for s in stats:
+        assert s.num_free_pages == s.num_pages and s.integrity_error == "", s
+    for address in decodes:
+        proc_of(mesh, address).kill()
+        proc_of(mesh, address).wait()
+    _expect_unavailable(mesh)

@@ -16,7 +16,7 @@ from engine.checkpoint import load_tokenizer
 from engine.loader import load_config, resolve_model
 from kvmesh.client import GatewayClient, make_request
 from tests.conftest import instance_stats
-from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
+from tests.integration.meshutil import complete, complete_many, wait_idle
 
 PROMPTS = [
     "What is the capital of France?",
@@ -29,9 +29,9 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    with running_mesh(1, 1) as m:
-        yield m
+def mesh(observed_mesh):
+    """Shared with test_observability (tests/conftest.py): 1 prefill, 1 decode."""
+    return observed_mesh
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +52,29 @@ def hf_greedy(reference, prompt: str, new_tokens: int) -> list[int]:
     return out[0, ids["input_ids"].shape[1] :].tolist()
 
 
+def test_sixteen_concurrent_equal_sequential_and_share_steps(mesh):
+    prompts = [
+        f"Give me fact number {i} about {topic}." for i, topic in enumerate(["cats", "dogs", "rivers", "stars"] * 4)
+    ]
+    sequential = [complete(mesh, p, chat=True, max_tokens=24).token_ids for p in prompts]
+    before = instance_stats(mesh.decode_addresses[0], "decode")
+    concurrent = complete_many(mesh, [dict(prompt=p, chat=True, max_tokens=24) for p in prompts])
+    assert [c.token_ids for c in concurrent] == sequential
+    after = instance_stats(mesh.decode_addresses[0], "decode")
+    # requests ran in shared steps: a batch above 1 (the largest since start: this runs first),
+    # and fewer steps than tokens decoded
+    assert after.max_batch_size > 1
+    decoded = sum(len(t) - 1 for t in sequential)
+    assert after.num_steps - before.num_steps < decoded
+    wait_idle(mesh)
+
+
 def test_greedy_tokens_equal_transformers_generate(mesh, reference):
-    # 6 prompts, 32 new tokens each: the mesh's greedy tokens equal transformers' generate
-    for prompt in PROMPTS:
-        got = complete(mesh, prompt, chat=True, max_tokens=32)
+    # 6 prompts, 32 new tokens each: the mesh's greedy tokens equal transformers' generate.
+    # Sent together (one decode batch): batching does not change a request's tokens, as the
+    # sixteen-concurrent test above shows against each request alone.
+    outs = complete_many(mesh, [dict(prompt=p, chat=True, max_tokens=32) for p in PROMPTS])
+    for prompt, got in zip(PROMPTS, outs, strict=True):
         want = hf_greedy(reference, prompt, 32)
         assert got.token_ids == want, (prompt, got.text)
         assert got.final.generated_tokens == len(want)
@@ -75,22 +94,6 @@ def test_kv_moved_bitwise_over_ucx(mesh, reference):
     # SHA-256 of the prompt's pages as prefill sent them and as decode found them
     assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
     assert out.final.prefill_instance != out.final.decode_instance
-
-
-def test_sixteen_concurrent_equal_sequential_and_share_steps(mesh):
-    prompts = [
-        f"Give me fact number {i} about {topic}." for i, topic in enumerate(["cats", "dogs", "rivers", "stars"] * 4)
-    ]
-    sequential = [complete(mesh, p, chat=True, max_tokens=24).token_ids for p in prompts]
-    before = instance_stats(mesh.decode_addresses[0], "decode")
-    concurrent = complete_many(mesh, [dict(prompt=p, chat=True, max_tokens=24) for p in prompts])
-    assert [c.token_ids for c in concurrent] == sequential
-    after = instance_stats(mesh.decode_addresses[0], "decode")
-    # requests ran in shared steps: a batch above 1, and fewer steps than tokens decoded
-    assert after.max_batch_size > 1
-    decoded = sum(len(t) - 1 for t in sequential)
-    assert after.num_steps - before.num_steps < decoded
-    wait_idle(mesh)
 
 
 def _status(mesh, prompt=b"", **kwargs) -> tuple[grpc.StatusCode, str, float]:
@@ -129,22 +132,32 @@ def test_bad_input_is_invalid_argument_and_mesh_keeps_serving(mesh, kwargs, need
 
 
 def test_cancelled_stream_frees_pages(mesh):
-    async def cancel_after_three() -> int:
+    decode = mesh.decode_addresses[0]
+    steps_before = instance_stats(decode, "decode").num_steps
+
+    async def cancel_after_three() -> tuple[int, int]:
         async with GatewayClient(mesh.gateway_address) as client:
             call = client.stub.Generate(
                 make_request("Count from one to one thousand.", chat=True, max_tokens=400, ignore_eos=True)
             )
-            seen = 0
+            seen, running = 0, -1
             async for _msg in call:
                 seen += 1
                 if seen == 3:
+                    running = (await asyncio.to_thread(instance_stats, decode, "decode")).num_active_requests
                     call.cancel()
                     break
-            return seen
+            return seen, running
 
-    assert asyncio.run(cancel_after_three()) == 3
+    seen, running = asyncio.run(cancel_after_three())
+    assert seen == 3
+    assert running == 1  # the stream was decoding when it was cancelled
     # decode dropped the request and freed its pages; prefill holds no reference
     wait_idle(mesh)
+    # ... and it stopped there: run to its end the request takes 399 decode steps
+    # (the first token is prefill's); decode runs no step without a request
+    steps = instance_stats(decode, "decode").num_steps - steps_before
+    assert steps < 399, steps
 
 
 def test_stop_string_and_sampling(mesh):
@@ -153,4 +166,7 @@ def test_stop_string_and_sampling(mesh):
     a = complete(mesh, "Write a word.", chat=True, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     b = complete(mesh, "Write a word.", chat=True, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     assert a.token_ids == b.token_ids  # same seed, same sample, across prefill and decode
+    # ... and it is a sample: greedy answers this prompt otherwise
+    greedy = complete(mesh, "Write a word.", chat=True, max_tokens=8)
+    assert a.token_ids != greedy.token_ids, (a.text, greedy.text)
     wait_idle(mesh)

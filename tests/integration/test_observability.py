@@ -1,81 +1,35 @@
 """Seeing into a real mesh: one OpenTelemetry trace per request (collected by a real OTLP gRPC
-receiver started here), Prometheus metrics scraped from every service, JSON logs carrying the
-request and trace ids, gRPC health and reflection."""
+receiver, meshutil.Collector), Prometheus metrics scraped from every service, JSON logs
+carrying the request and trace ids, gRPC health and reflection."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.request
-from concurrent import futures
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from kvmesh.client import make_request
-from kvmesh.redis_server import free_port
 from protos.kvmesh.v1 import gateway_pb2_grpc
-from tests.integration.meshutil import complete, running_mesh, wait_idle
+from tests.integration.meshutil import complete, wait_idle
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 
 
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver keeping every span it is sent, with its service name."""
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[str, object]] = []
-        self.lock = threading.Lock()
-
-    def Export(self, request, context):
-        with self.lock:
-            for rs in request.resource_spans:
-                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
-                for ss in rs.scope_spans:
-                    self.spans.extend((service, span) for span in ss.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def of_trace(self, trace_hex: str) -> list[tuple[str, object]]:
-        with self.lock:
-            return [(s, sp) for s, sp in self.spans if sp.trace_id.hex() == trace_hex]
+@pytest.fixture(scope="module")
+def collector(otlp_collector):
+    return otlp_collector
 
 
 @pytest.fixture(scope="module")
-def collector():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    c = Collector()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(c, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    c.endpoint = f"http://127.0.0.1:{port}"
-    yield c
-    server.stop(0)
-
-
-@pytest.fixture(scope="module")
-def mesh(collector):
-    ports = {k: free_port() for k in ("gateway", "prefill", "decode")}
-    env = {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
-        "OTEL_EXPORTER_OTLP_INSECURE": "true",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "KVMESH_LOG_FORMAT": "json",
-    }
-    with running_mesh(
-        1,
-        1,
-        env=env,
-        prefill_args=["--metrics-port", str(ports["prefill"])],
-        decode_args=["--metrics-port", str(ports["decode"])],
-        gateway_args=["--metrics-port", str(ports["gateway"])],
-    ) as m:
-        m.metrics = {k: f"http://127.0.0.1:{p}/metrics" for k, p in ports.items()}
-        yield m
+def mesh(observed_mesh):
+    """Shared with test_mesh (tests/conftest.py): traced, JSON logs, /metrics everywhere."""
+    return observed_mesh
 
 
 def _generate_with_traceparent(mesh, prompt: str):

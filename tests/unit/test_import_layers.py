@@ -185,6 +185,7 @@ def test_the_gateway_and_the_runtime_import_without_torch():
     code = (
         "import sys; import gateway.main, gateway.servicer, runtime.service, runtime.wire, "
         "engine.config, engine.sampling_params, engine.outcomes, engine.loader, engine.checkpoint; "
+        "from kvmesh.cli import build_parser; build_parser(); "  # `kvmesh serve gateway` parses its flags
         "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
