@@ -8,8 +8,9 @@ Shapes:
 
 The push goes through the same sender and receiver the services use (`kvstore.transports`):
 the receiver process registers its pool's pages (`expect`) and the sender process pushes its
-own pages into them. `first_push_s` is the first push to a receiver not seen before, connect
-included; `push_gbps` is the median over `--rounds` later pushes. memcpy copies the same
+own pages into them. As prefill does, the sender connects to a receiver it has not seen while
+the request computes (`connect_s`, off the push); `first_push_s` is then the first push to it
+(its first use of the connection), and `push_gbps` the median over `--rounds` later pushes. memcpy copies the same
 buffers in one process (numpy `copyto`, page by page). Mooncake Transfer Engine
 (`mooncake-transfer-engine-non-cuda`, an optional benchmark extra) writes the same buffers
 from one process's registered memory into the other's over its TCP transport.
@@ -39,6 +40,7 @@ class ShapeResult:
     memcpy_gbps: float
     mooncake_gbps: float | None
     first_push_s: float
+    connect_s: float
 
 
 def _pages(num: int, nbytes: int, fill: int) -> list[np.ndarray]:
@@ -82,9 +84,9 @@ def _memcpy_gbps(src: list[np.ndarray], rounds: int) -> float:
     return sum(p.nbytes for p in src) / statistics.median(times) / 1e9
 
 
-def _push_figures(transport: str, shape: str, rounds: int) -> tuple[float, float]:
-    """(first push seconds, median GB/s of the later pushes) of `shape`, from this process to a
-    receiver in a new process: the first push meets a receiver never seen, connect included."""
+def _push_figures(transport: str, shape: str, rounds: int) -> tuple[float, float, float]:
+    """(connect seconds, first push seconds, median GB/s of the later pushes) of `shape`, from
+    this process to a receiver in a new process."""
     from kvstore.transports import create_sender
 
     n, size = SHAPES[shape]
@@ -93,12 +95,16 @@ def _push_figures(transport: str, shape: str, rounds: int) -> tuple[float, float
     proc = ctx.Process(target=_receiver, args=(child, transport), daemon=True)
     proc.start()
     times: list[float] = []
+    connect: list[float] = []
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         address = await loop.run_in_executor(None, parent.recv)
         sender = create_sender(transport)
         try:
+            start = time.perf_counter()
+            await sender.connect(address)
+            connect.append(time.perf_counter() - start)
             for tid in range(1, rounds + 2):
                 src = _pages(n, size, tid % 251)
                 parent.send((tid, shape))
@@ -114,7 +120,7 @@ def _push_figures(transport: str, shape: str, rounds: int) -> tuple[float, float
     asyncio.run(main())
     proc.join(timeout=30)
     first = times.pop(0)
-    return first, n * size / statistics.median(times) / 1e9
+    return connect[0], first, n * size / statistics.median(times) / 1e9
 
 
 def _mooncake_gbps(rounds: int) -> dict[str, float] | None:
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     mooncake = _mooncake_gbps(args.rounds)
     results = []
     for shape, (n, size) in SHAPES.items():
-        first, gbps = pushes[shape]
+        connect_s, first, gbps = pushes[shape]
         results.append(
             ShapeResult(
                 shape=shape,
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
                 memcpy_gbps=round(_memcpy_gbps(_pages(n, size, 1), args.rounds), 3),
                 mooncake_gbps=None if mooncake is None else round(mooncake[shape], 3),
                 first_push_s=round(first, 4),
+                connect_s=round(connect_s, 4),
             )
         )
     if args.json:
@@ -157,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
             f"{r.push_gbps / r.memcpy_gbps:12.2f} {moon:>14}"
         )
     firsts = ", ".join(f"{r.shape} {r.first_push_s * 1000:.1f} ms" for r in results)
-    print(f"first push to a new receiver (connect included): {firsts}")
+    connects = ", ".join(f"{r.connect_s * 1000:.1f} ms" for r in results)
+    print(f"first push to a new receiver, connected ahead: {firsts} (connecting took {connects})")
     if mooncake is None:
         print("Mooncake TE not installed (pip install mooncake-transfer-engine-non-cuda; needs Debian's libibverbs1)")
     return 0

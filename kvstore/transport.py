@@ -62,6 +62,11 @@ def parse_address(address: str) -> tuple[str, int]:
 class KVPushSender(Protocol):
     """Prefill's end: pushes pages to receivers by address."""
 
+    async def connect(self, address: str) -> None:
+        """Connect ahead of the first push to `address` (a no-op when connected). Raises
+        ValueError for a malformed address, TransferError when the receiver cannot be reached."""
+        ...
+
     async def push(self, address: str, transfer_id: int, buffers: Sequence[np.ndarray]) -> TransferResult:
         """Push `buffers` (C-contiguous uint8 pages, read zero-copy; keep them unchanged until
         this returns or raises) into the receiver's buffers registered under `transfer_id`.

@@ -99,6 +99,22 @@ class KVSender:
         self._acquired = False
         self._closed = False
 
+    async def connect(self, address: str) -> None:
+        """Connect to the receiver at `address` ahead of the first push (a no-op when connected).
+
+        Prefill calls it as a request arrives, so connecting overlaps the prompt's compute.
+        Raises ValueError for a malformed address, TransferError when it cannot connect
+        within connect_timeout_s.
+        """
+        if self._closed:
+            raise RuntimeError("KVSender is closed")
+        host, port = parse_address(address)
+        if not self._acquired:
+            _runtime.acquire()
+            self._acquired = True
+        async with self._locks.setdefault(address, asyncio.Lock()):
+            await self._connect(address, host, port)
+
     async def push(self, address: str, transfer_id: int, buffers: Sequence[np.ndarray]) -> TransferResult:
         """Push `buffers` (page i -> the receiver's buffer i) for `transfer_id`; return after decode acked.
 

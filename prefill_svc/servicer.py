@@ -38,6 +38,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> None:
         self.engine = engine
         self.sender = sender
+        self._connecting: set[asyncio.Task] = set()  # connect-ahead tasks, kept until done
         self.instance_id = instance_id
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -64,6 +65,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     f"({full} of {self.engine.page_size} tokens), got {len(request.block_hashes)}"
                 )
 
+    def _connect_ahead(self, address: str) -> None:
+        """Connect to the decode's KV receiver while the prompt computes, so the push finds the
+        connection made (a no-op when it is). A failure here is only logged: the push itself
+        connects again and reports what it meets."""
+        task = asyncio.ensure_future(self.sender.connect(address))
+        self._connecting.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._connecting.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                logger.debug("connecting ahead to %s failed: %r", address, t.exception())
+
+        task.add_done_callback(done)
+
     async def Prefill(self, request, context):
         with tracing.server_span("prefill", context, request.request_id, self.instance_id) as span:
             return await self._prefill(request, context, span)
@@ -82,6 +97,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
+        if request.decode_kv_address:
+            self._connect_ahead(request.decode_kv_address)
         seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
         job = PrefillJob(rid, request.token_ids, sampling, seed, list(request.block_hashes) or None)
         submitted_ns = tracing.now_ns()

@@ -64,7 +64,13 @@ def test_pages_land_bitwise_in_the_reserved_pages(decode):
     async def scenario():
         tx = KVSender()
         try:
-            return await tx.push(decode.hello, 101, [pages[0], pages[1], pages[2]])
+            await tx.connect(decode.hello)  # ahead of the push, as prefill does while it computes
+            pair = tx._endpoints[decode.hello]
+            await tx.connect(decode.hello)  # a no-op when connected
+            assert tx._endpoints[decode.hello] is pair
+            result = await tx.push(decode.hello, 101, [pages[0], pages[1], pages[2]])
+            assert tx._endpoints[decode.hello] is pair  # the push used the connection made ahead
+            return result
         finally:
             await tx.close()
 
@@ -262,6 +268,9 @@ def test_nobody_listening_fails_with_cannot_connect():
                 await asyncio.wait_for(tx.push(address, 1, [np.zeros(PAGE, dtype=np.uint8)]), HANG_S)
             assert address in str(err.value)
             assert address not in tx._endpoints  # no half-made endpoint is kept for the next push
+            with pytest.raises(TransferError, match="cannot connect"):
+                await asyncio.wait_for(tx.connect(address), HANG_S)  # connecting ahead says the same
+            assert address not in tx._endpoints
         finally:
             await tx.close()
 
