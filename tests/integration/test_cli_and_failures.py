@@ -25,8 +25,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # it was reaped between the two looks
+        return False
 
 
 def _gone(pids: list[int], timeout_s: float = 20) -> bool:

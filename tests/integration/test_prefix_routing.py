@@ -70,7 +70,9 @@ def test_shared_first_block_does_not_pile_onto_one_instance(mesh):
         ).final.prefill_instance
         for i in range(4)
     ]
-    assert used[0] != used[1] and used[0] == used[2] and used[1] == used[3], used
+    # two each: they alternate rather than pile onto the holder (the exact order can swap when
+    # an instance's queue, reported every 0.5 s, still shows the previous prompt)
+    assert used[0] != used[1] and sorted(Counter(used).values()) == [2, 2], used
     burst = complete_many(
         mesh, [dict(prompt=f"Question {i}: name a color.", chat=True, max_tokens=2) for i in range(8)]
     )
