@@ -7,7 +7,11 @@ exactly --new-tokens tokens:
 - kvmesh single-stream decode tokens/s ((generated-1) / (e2e - TTFT) per request);
 - kvmesh aggregate tokens/s with 4 and 16 concurrent requests (all tokens, prefill
   included, over the wall time of the round);
-- TTFT p50 / p90 over every kvmesh request of the run.
+- TTFT p50 / p90 over every kvmesh request of the run;
+- llama.cpp's single-stream decode tokens/s on the same GGUF file (greedy, 2 threads, EOS
+  ignored, prefill excluded), in a process of its own before the mesh starts, when
+  `llama_cpp` is importable (a wheel for this machine kind is in ../shared/wheels/; it is a
+  benchmark peer, never a dependency).
 Each level runs --rounds times and reports the median. transformers' rounds interleave with
 kvmesh's single-stream rounds (the mesh idles meanwhile), so a shared machine's slow spells
 skew both alike. Run it on an otherwise idle machine; it prints the ratios the README quotes.
@@ -59,6 +63,47 @@ def _hf_bench(model_name: str | None, new_tokens: int) -> Callable[[], float]:
 _ROUNDS = iter(range(1, 1 << 30))
 
 
+_LLAMA_CPP = """
+import sys, time
+from llama_cpp import Llama
+path, n, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_threads=2, n_ctx=1024, verbose=False)
+prompt = llm.tokenize(
+    b"<|im_start|>user\\nTell me a story about a lighthouse keeper.<|im_end|>\\n<|im_start|>assistant\\n",
+    special=True,
+)
+def timed(k):
+    start = time.perf_counter()
+    for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+        if i + 1 >= k:
+            break
+    return time.perf_counter() - start
+timed(4)
+runs = sorted((n - 1) / (timed(n) - timed(1)) for _ in range(rounds))
+print(runs[len(runs) // 2])
+"""
+
+
+def _llama_cpp_tokens_per_s(new_tokens: int, rounds: int) -> float | None:
+    """llama.cpp's greedy single-stream decode tokens/s on the default model's GGUF file, in a
+    process of its own (median of `rounds`); None when llama_cpp is not installed."""
+    import importlib.util
+    import subprocess
+
+    from engine.loader import default_gguf_path
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    out = subprocess.run(
+        [sys.executable, "-c", _LLAMA_CPP, str(default_gguf_path()), str(new_tokens), str(rounds)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 async def _round(
     address: str, concurrency: int, new_tokens: int, ttfts: list[float], cached: list[int]
 ) -> tuple[float, float]:
@@ -96,6 +141,10 @@ def run_bench(args) -> int:
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     say(f"loading transformers' model; {n} new tokens a request ...")
     hf_round = _hf_bench(args.model, n)
+    llama_cpp = None
+    if args.model is None:  # llama.cpp reads the default model's GGUF file
+        say("llama.cpp single stream, in its own process ...")
+        llama_cpp = _llama_cpp_tokens_per_s(n, args.rounds)
     say("starting the mesh (1 prefill, 1 decode) ...")
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-", suffix=".log") as log:
         mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""})
@@ -127,6 +176,7 @@ def run_bench(args) -> int:
             result = asyncio.run(measure())
         finally:
             mesh.stop()
+    result["llama_cpp_tokens_per_s"] = llama_cpp
     if args.json:
         print(json.dumps(result))
         return 0
@@ -139,6 +189,15 @@ def run_bench(args) -> int:
     ]
     for name, value in rows:
         print(f"{name:<42}{value:>12.1f}{value / result['hf_tokens_per_s']:>17.2f}x")
+    if llama_cpp is not None:
+        print(
+            f"{'llama.cpp single stream (tok/s)':<42}{llama_cpp:>12.1f}"
+            f"{llama_cpp / result['hf_tokens_per_s']:>17.2f}x   kvmesh single stream / llama.cpp: "
+            f"{result['single_tokens_per_s'] / llama_cpp:.2f}x, 16 concurrent / llama.cpp: "
+            f"{result['c16_tokens_per_s'] / llama_cpp:.2f}x"
+        )
+    else:
+        print("llama.cpp not installed: pip install ../shared/wheels/llama_cpp_python-*.whl for its column")
     print(f"{'TTFT p50 / p90 (ms)':<42}{result['ttft_p50_s'] * 1000:>7.0f} / {result['ttft_p90_s'] * 1000:.0f}")
     print(f"prefix-cache hits over the run: {result['cached_prompt_tokens']} prompt tokens (fresh prompts each round)")
     return 0
