@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.router import check_policy
+from runtime.service_config import drain_grace_setting, metrics_port_setting
 from runtime.settings import setting
 
 
@@ -77,13 +78,8 @@ class GatewayConfig:
         600.0, "--max-queue-time", "seconds a request may wait for a decode slot before RESOURCE_EXHAUSTED"
     )
     stats_interval_s: float = setting(0.5, "--stats-interval", "seconds between polls of instances' load and health")
-    metrics_port: int = setting(0, "--metrics-port", "HTTP port of Prometheus /metrics (0: none)")
-    drain_grace_s: float = setting(
-        25.0,
-        "--drain-grace",
-        "seconds in-flight requests may run on after SIGTERM before they are cut off "
-        "(keep it under Kubernetes' terminationGracePeriodSeconds)",
-    )
+    metrics_port: int = metrics_port_setting()
+    drain_grace_s: float = drain_grace_setting()
 
     def __post_init__(self) -> None:
         if not self.prefill_addresses:

@@ -29,8 +29,6 @@ from ucxx.exceptions import UCXError
 # Read by UCX when the context is created, so set before the first ucxx.init.
 os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
 
-from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address  # noqa: F401 (shared names)
-
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x4B564D4553485055  # "KVMESHPU"

@@ -15,6 +15,7 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
+from kvstore.transport import TransferError, TransferResult
 from kvstore.ucx_common import (
     _DATA_TAG_BIT,
     _TAG_ACK,
@@ -29,8 +30,6 @@ from kvstore.ucx_common import (
     MAGIC,
     MAX_BUFFERS,
     VERSION,
-    TransferError,
-    TransferResult,
     _as_buffer,
     _check_transfer_id,
     _post_all,

@@ -47,6 +47,7 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
+from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address
 from kvstore.ucx_common import (
     _ACK_MEANING,
     _TAG_ACK,
@@ -60,14 +61,10 @@ from kvstore.ucx_common import (
     MAGIC,
     MAX_BUFFERS,
     VERSION,
-    TransferError,
-    TransferResult,
     _as_buffer,
     _check_transfer_id,
     _post_all,
     _runtime,
-    pages_digest,
-    parse_address,
 )
 from kvstore.ucx_receiver import KVReceiver
 

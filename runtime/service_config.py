@@ -4,9 +4,25 @@ service's config dataclass extends `ModelServiceConfig` with its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.transports import check_transport
 from runtime.settings import setting
+
+
+def metrics_port_setting() -> Any:
+    """The `--metrics-port` field every service (the gateway too) declares."""
+    return setting(0, "--metrics-port", "HTTP port of Prometheus /metrics (0: none)")
+
+
+def drain_grace_setting() -> Any:
+    """The `--drain-grace` field every service (the gateway too) declares."""
+    return setting(
+        25.0,
+        "--drain-grace",
+        "seconds in-flight requests may run on after SIGTERM before they are cut off "
+        "(keep it under Kubernetes' terminationGracePeriodSeconds)",
+    )
 
 
 @dataclass(frozen=True)
@@ -25,16 +41,11 @@ class ModelServiceConfig:
         "torch", "--kernel-backend", "MoE and indexer kernels: torch, or triton (a CUDA GPU, or TRITON_INTERPRET=1)"
     )
     kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
-    metrics_port: int = setting(0, "--metrics-port", "HTTP port of Prometheus /metrics (0: none)")
+    metrics_port: int = metrics_port_setting()
     instance_id: str = setting(
         "", "--instance-id", "name in the prefix index, logs and stats (empty: from the gRPC address)"
     )
-    drain_grace_s: float = setting(
-        25.0,
-        "--drain-grace",
-        "seconds in-flight requests may run on after SIGTERM before they are cut off "
-        "(keep it under Kubernetes' terminationGracePeriodSeconds)",
-    )
+    drain_grace_s: float = drain_grace_setting()
     kv_digest: bool = setting(
         False,
         "--kv-digest",
