@@ -403,6 +403,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     page_nbytes=pre.page_nbytes,
                     nbytes=pre.nbytes_sent,
                     seconds=pre.transfer_s,
+                    exposed_seconds=pre.exposed_transfer_s,
                     prefill_digest=pre.kv_digest,
                     decode_digest=decode_digest,
                 ),

@@ -67,12 +67,17 @@ class KVPushSender(Protocol):
         ValueError for a malformed address, TransferError when the receiver cannot be reached."""
         ...
 
-    async def push(self, address: str, transfer_id: int, buffers: Sequence[np.ndarray]) -> TransferResult:
+    async def push(
+        self, address: str, transfer_id: int, buffers: Sequence[np.ndarray], first: int = 0
+    ) -> TransferResult:
         """Push `buffers` (C-contiguous uint8 pages, read zero-copy; keep them unchanged until
-        this returns or raises) into the receiver's buffers registered under `transfer_id`.
+        this returns or raises) into the receiver's buffers first, first + 1, ... registered
+        under `transfer_id`. A transfer may come in parts pushed in order, each starting where
+        the last ended (chunked prefill pushes each chunk's pages as it completes them).
 
-        Raises ValueError for a malformed address or id, TransferError when the push fails
-        (refused, peer lost, stalled past the sender's timeout, size mismatch)."""
+        Raises ValueError for a malformed address, id or `first`, TransferError when the push
+        fails (refused, peer lost, stalled past the sender's timeout, size mismatch, a part out
+        of order)."""
         ...
 
     async def close(self) -> None:
@@ -94,7 +99,8 @@ class KVPushReceiver(Protocol):
 
     def expect(self, transfer_id: int, buffers: Sequence[np.ndarray]) -> asyncio.Future:
         """Register writable destination buffers; the future resolves to a TransferResult when
-        every byte landed, or raises TransferError. Raises ValueError for a duplicate id."""
+        every byte landed (in one push or in parts), or raises TransferError. Raises ValueError
+        for a duplicate id."""
         ...
 
     def cancel(self, transfer_id: int) -> None:

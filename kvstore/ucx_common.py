@@ -32,7 +32,7 @@ os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x4B564D4553485055  # "KVMESHPU"
-VERSION = 2
+VERSION = 3
 MAX_BUFFERS = 1 << 20  # pages per push: a page's index fits the low 20 bits of its data tag
 _TAG_HEADER = 1 << 60
 _TAG_SIZES = _TAG_HEADER + 1
@@ -46,7 +46,7 @@ late page of an old push can never match a newer push's receives."""
 ACK_OK, ACK_UNKNOWN, ACK_SIZE_MISMATCH, ACK_PROTOCOL = 0, 1, 2, 3
 _ACK_MEANING = {
     ACK_UNKNOWN: "unknown or cancelled transfer id",
-    ACK_SIZE_MISMATCH: "page size mismatch",
+    ACK_SIZE_MISMATCH: "page size mismatch, or a part pushed out of order",
     ACK_PROTOCOL: "protocol mismatch",
 }
 

@@ -42,10 +42,10 @@ logger = logging.getLogger(__name__)
 class _TransferFuture(asyncio.Future):
     """The future `KVReceiver.expect` returns; cancel() never lets pages be freed early.
 
-    Before the push starts, cancel() cancels at once. While pages are landing it
-    returns False and the future is cancelled once UCX has let go of the pages (every
-    receive completed or cut off), so code that awaits it (asyncio.wait_for,
-    task.cancel) never resumes while UCX still writes.
+    While no push lands (before the first part, or between parts), cancel() cancels at
+    once. While pages are landing it returns False and the future is cancelled once UCX
+    has let go of the pages (every receive completed or cut off), so code that awaits it
+    (asyncio.wait_for, task.cancel) never resumes while UCX still writes.
     """
 
     def __init__(self, entry: _Expected, loop: asyncio.AbstractEventLoop) -> None:
@@ -54,7 +54,7 @@ class _TransferFuture(asyncio.Future):
 
     def cancel(self, msg: Any = None) -> bool:
         entry = self._entry
-        if entry.started and not self.done():
+        if entry.landing and not self.done():
             entry.cancel_requested = True
             if entry.ep is not None:
                 # cut the push off: a stopped or wedged sender would hold the pages forever;
@@ -73,9 +73,14 @@ class _Expected:
     buffers: list[Array]
     future: _TransferFuture = field(init=False)
     """Set by `expect` right after the entry is made (the future refers to its entry)."""
-    started: bool = False
+    landing: bool = False
+    """A push is writing into the buffers now."""
     cancel_requested: bool = False
     sizes: list[int] = field(default_factory=list)
+    num_landed: int = 0
+    """Buffers landed so far, in order: the next part must start here."""
+    started_at: float = 0.0
+    """perf_counter when the first part's receives were posted."""
     ep: Any = None
     """The sender's endpoint while the push lands (aborted to cut a cancelled push off)."""
 
@@ -96,8 +101,7 @@ class KVReceiver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None
         self._closed = False
-        self._pending: dict[int, _Expected] = {}  # registered, push not started
-        self._active: dict[int, _Expected] = {}  # pages landing now
+        self._expected: dict[int, _Expected] = {}  # registered, not done
         self._conns: dict[asyncio.Task, Any] = {}  # receive loop -> its ucxx Endpoint
         self._num_conns = 0
         self._num_pushes = 0  # numbers each push's data tags (see ucx_common._DATA_TAG_BIT)
@@ -150,39 +154,40 @@ class KVReceiver:
         if self._loop is None or self._closed:
             raise RuntimeError("KVReceiver must be started (and not closed) before expect()")
         tid = _check_transfer_id(transfer_id)
-        if tid in self._pending or tid in self._active:
+        if tid in self._expected:
             raise ValueError(f"transfer {tid} is already expected")
         entry = _Expected(tid, [_as_buffer(b, i, writable=True) for i, b in enumerate(buffers)])
         entry.sizes = [b.nbytes for b in entry.buffers]
         entry.future = _TransferFuture(entry, self._loop)
         entry.future.add_done_callback(lambda _f: self._forget(entry))
-        self._pending[tid] = entry
+        self._expected[tid] = entry
         return entry.future
 
     def cancel(self, transfer_id: int) -> None:
         """The pages of `transfer_id` are no longer wanted (request aborted or expired).
 
-        Not started: forgotten now, the future is cancelled, a later push gets NACK 1.
-        In progress: the sender's endpoint is aborted (its posted receives are cancelled,
+        No push landing (none yet, or between parts): forgotten now, the future is
+        cancelled, a later push gets NACK 1. A push landing: the sender's endpoint is aborted (its posted receives are cancelled,
         so a stopped sender cannot hold the pages), and the future is cancelled once UCX
         has let go of the buffers; the sender's push fails. Unknown or finished ids are
         ignored. Free the pages when the future is done.
         """
-        entry = self._pending.get(transfer_id) or self._active.get(transfer_id)
+        entry = self._expected.get(transfer_id)
         if entry is not None:
             entry.future.cancel()
 
     async def close(self) -> None:
         """Stop listening, drop every connection, fail or cancel every open transfer.
 
-        Unstarted transfers are cancelled; transfers in progress fail with TransferError
+        Transfers with no push landing are cancelled; those landing fail with TransferError
         once UCX has let go of their buffers. Releases the UCX context when last.
         """
         if self._closed:
             return
         self._closed = True  # from now on new connections are aborted on arrival
-        for entry in list(self._pending.values()):
-            entry.future._cancel_now()
+        for entry in list(self._expected.values()):
+            if not entry.landing:
+                entry.future._cancel_now()
         tasks = list(self._conns)
         for ep in list(self._conns.values()):
             ep.abort()  # cancels posted receives: the loops end with errors
@@ -234,10 +239,10 @@ class KVReceiver:
             ep.abort()
 
     async def _serve_loop(self, ep, peer: str) -> None:
-        header = np.empty(4, dtype="<u8")
+        header = np.empty(5, dtype="<u8")
         while True:
             await ep.recv(header, tag=_TAG_HEADER)  # idle here between pushes
-            magic, version, tid, n = (int(x) for x in header)
+            magic, version, tid, n, first = (int(x) for x in header)
             if magic != MAGIC or version != VERSION or n > MAX_BUFFERS:
                 logger.warning(
                     "KV receiver %s: %s sent a bad header (magic %#x, version %d, n %d); dropping it",
@@ -252,38 +257,42 @@ class KVReceiver:
             sizes = np.empty(n, dtype="<u8")
             if n:
                 await ep.recv(sizes, tag=_TAG_SIZES)
-            entry = self._pending.pop(tid, None)
-            if entry is None or entry.future.done():
+            entry = self._expected.get(tid)
+            if entry is None or entry.future.done() or entry.landing:
                 logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: refused", tid, peer)
                 await self._go(ep, ACK_UNKNOWN)
                 continue
-            if sizes.tolist() != entry.sizes:
+            expected = entry.sizes[first : first + n]
+            if first != entry.num_landed or sizes.tolist() != expected:
                 msg = (
-                    f"[transfer {tid}] size mismatch: pushed {n} pages of {sizes.tolist()[:4]}... bytes, "
-                    f"expected {len(entry.sizes)} pages of {entry.sizes[:4]}... bytes"
+                    f"[transfer {tid}] size mismatch: pushed pages [{first}, {first + n}) of "
+                    f"{sizes.tolist()[:4]}... bytes, expected pages [{entry.num_landed}, ...) of "
+                    f"{len(entry.sizes)} pages of {entry.sizes[:4]}... bytes"
                 )
                 logger.warning("%s (from %s)", msg, peer)
                 self._finish(entry, error=TransferError(f"{msg} at {self.address}"))
                 await self._go(ep, ACK_SIZE_MISMATCH)
                 continue
-            await self._land(ep, peer, entry, n)
+            await self._land(ep, peer, entry, first, n)
             await self._ack(ep, ACK_OK)
 
-    async def _land(self, ep, peer: str, entry: _Expected, n: int) -> None:
-        """Receive every page of `entry` into its buffers, all receives posted at once, then
-        tell the sender to go. The receives are posted on the connection's endpoint (UCX
-        matches tags per worker, so the pages the sender sends over its data endpoint land
-        in them), so aborting that endpoint cancels them."""
-        entry.started = True
+    async def _land(self, ep, peer: str, entry: _Expected, first: int, n: int) -> None:
+        """Receive buffers [first, first + n) of `entry`, all receives posted at once, after
+        telling the sender to go; resolve the transfer when its last buffer landed. The
+        receives are posted on the connection's endpoint (UCX matches tags per worker, so
+        the pages the sender sends over its data endpoint land in them), so aborting that
+        endpoint cancels them."""
+        entry.landing = True
         entry.ep = ep
-        self._active[entry.transfer_id] = entry
-        started = time.perf_counter()
+        if first == 0:
+            entry.started_at = time.perf_counter()
         error: BaseException | None = None
         self._num_pushes += 1
         tag_base = _DATA_TAG_BIT | (self._num_pushes % (1 << 43)) << 20
         receives: list[asyncio.Future] = []
         try:
-            receives = [asyncio.ensure_future(c) for c in _post_all(ep, ep.recv, entry.buffers, tag_base)]
+            buffers = entry.buffers[first : first + n]
+            receives = [asyncio.ensure_future(c) for c in _post_all(ep, ep.recv, buffers, tag_base)]
             await asyncio.sleep(0)  # each task posts its receive at its first step
             await self._go(ep, ACK_OK, tag_base)
             results = await asyncio.gather(*receives, return_exceptions=True)
@@ -301,11 +310,16 @@ class KVReceiver:
                 ),
             )
             raise error
-        seconds = time.perf_counter() - started
-        self._finish(entry, result=TransferResult(entry.transfer_id, n, sum(entry.sizes), seconds))
-        logger.debug(
-            "[transfer %d] %d pages, %d bytes landed in %.6f s", entry.transfer_id, n, sum(entry.sizes), seconds
-        )
+        entry.num_landed += n
+        entry.landing = False
+        entry.ep = None
+        if entry.cancel_requested:
+            self._finish(entry)
+        elif entry.num_landed == len(entry.buffers):
+            seconds = time.perf_counter() - entry.started_at
+            nbytes = sum(entry.sizes)
+            self._finish(entry, result=TransferResult(entry.transfer_id, len(entry.buffers), nbytes, seconds))
+            logger.debug("[transfer %d] %d pages, %d bytes landed in %.6f s", entry.transfer_id, n, nbytes, seconds)
 
     async def _go(self, ep, code: int, tag_base: int = 0) -> None:
         """Answer a header: ACK_OK and the push's data tag base, or why the pages are refused
@@ -318,8 +332,7 @@ class KVReceiver:
     def _finish(
         self, entry: _Expected, result: TransferResult | None = None, error: BaseException | None = None
     ) -> None:
-        self._active.pop(entry.transfer_id, None)
-        entry.started = False
+        entry.landing = False
         entry.ep = None
         future = entry.future
         if future.done():
@@ -332,5 +345,5 @@ class KVReceiver:
             future.set_result(result)
 
     def _forget(self, entry: _Expected) -> None:
-        if self._pending.get(entry.transfer_id) is entry:
-            del self._pending[entry.transfer_id]
+        if self._expected.get(entry.transfer_id) is entry:
+            del self._expected[entry.transfer_id]

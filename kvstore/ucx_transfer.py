@@ -16,13 +16,20 @@ Wire protocol (control messages on the control endpoint, pushes on it serialized
 
     receiver -> sender  tag HELLO    at connect: 1 x uint64 LE the worker address's length,
                                      then its bytes
-    sender -> receiver  tag HEADER   4 x uint64 LE: MAGIC, VERSION, transfer_id, n
+    sender -> receiver  tag HEADER   5 x uint64 LE: MAGIC, VERSION, transfer_id, n, first
     sender -> receiver  tag SIZES    n x uint64 LE: the size of each page in bytes (n > 0)
     receiver -> sender  tag GO       2 x uint64 LE: code, tag base. 0: the receives are
                                      posted, send; 1 unknown or cancelled transfer id,
-                                     2 size mismatch: no page is sent
+                                     2 size mismatch (or `first` is not the next page the
+                                     transfer expects): no page is sent
     sender -> receiver  (data endpoint) raw tag base | i: page i, all posted concurrently
     receiver -> sender  tag ACK      1 byte: 0 ok (every page landed), 3 protocol mismatch
+
+A push lands pages [first, first + n) of the transfer's registered buffers. A transfer may
+come in several pushes, in page order (first = 0, then where the last one ended): prefill
+pushes the pages each chunk of a long prompt completes while it computes the next chunk
+(chunked prefill, as Mooncake and SGLang overlap the transfer with compute); the transfer
+is done when its last buffer landed.
 
 The receiver numbers its pushes in the tag base (ucx_common._DATA_TAG_BIT), so a page of an
 old push cannot match a newer push's receives; it posts the receives on the control endpoint,
@@ -112,8 +119,11 @@ class KVSender:
         async with self._locks.setdefault(address, asyncio.Lock()):
             await self._connect(address, host, port)
 
-    async def push(self, address: str, transfer_id: int, buffers: Sequence[np.ndarray]) -> TransferResult:
-        """Push `buffers` (page i -> the receiver's buffer i) for `transfer_id`; return after decode acked.
+    async def push(
+        self, address: str, transfer_id: int, buffers: Sequence[np.ndarray], first: int = 0
+    ) -> TransferResult:
+        """Push `buffers` (buffer i -> the receiver's buffer first + i) for `transfer_id`; return
+        after decode acked.
 
         Args:
             address: the receiver's "host:port".
@@ -121,12 +131,14 @@ class KVSender:
             buffers: C-contiguous pages, read zero-copy. Keep them unchanged until push
                 returns or raises: by then UCX holds no reference to them (on any error,
                 cancellation included, the endpoint is aborted first).
+            first: the index of the receiver's buffer that buffers[0] lands in. A transfer
+                may be pushed in parts, in order: each part starts where the last ended.
 
         Raises:
             ValueError: malformed address or transfer id, non-contiguous buffer.
             TransferError: cannot connect within connect_timeout_s, the peer died or
                 stalled past transfer_timeout_s, or it NACKed (unknown/cancelled transfer
-                id, size mismatch, protocol mismatch).
+                id, size mismatch or a part out of order, protocol mismatch).
         """
         if self._closed:
             raise RuntimeError("KVSender is closed")
@@ -136,7 +148,9 @@ class KVSender:
         if len(arrays) > MAX_BUFFERS:
             raise ValueError(f"at most {MAX_BUFFERS} pages per push, got {len(arrays)}")
         sizes = np.array([a.nbytes for a in arrays], dtype="<u8")
-        header = np.array([MAGIC, VERSION, tid, len(arrays)], dtype="<u8")
+        if not isinstance(first, (int, np.integer)) or not 0 <= first < MAX_BUFFERS:
+            raise ValueError(f"first must be an int in [0, {MAX_BUFFERS}), got {first!r}")
+        header = np.array([MAGIC, VERSION, tid, len(arrays), first], dtype="<u8")
         if not self._acquired:
             _runtime.acquire()
             self._acquired = True

@@ -24,6 +24,11 @@ class PrefillConfig(ModelServiceConfig):
         "", "--redis-url", "Redis of the prefix index, fed by KV events (empty: no index)", env="REDIS_URL"
     )
     max_batch_tokens: int = setting(4096, "--max-batch-tokens", "most prompt tokens prefilled together in one forward")
+    chunked_prefill_size: int = setting(
+        512,
+        "--chunked-prefill-size",
+        "prompt tokens computed per chunk; each chunk's KV is pushed to decode while the next computes (0: one chunk)",
+    )
     push_timeout_s: float = setting(
         30.0, "--push-timeout", "seconds one KV push may take before it fails with UNAVAILABLE"
     )
@@ -38,6 +43,8 @@ class PrefillConfig(ModelServiceConfig):
         super().__post_init__()
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be >= 0 tokens, got {self.chunked_prefill_size}")
         if not self.lease_ttl_s > 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if not self.push_timeout_s > 0:

@@ -4,6 +4,12 @@ Every pool operation and every forward runs on ONE worker thread (the service pa
 its main-thread executor, where torch is fastest), so the prefix cache needs no lock and
 requests are computed in arrival order. A request's pages stay referenced until its KV push is done, then full prompt
 blocks stay in the prefix cache (evictable, LRU) and the rest go back to the free list.
+
+Chunked prefill: a prompt longer than `chunked_prefill_size` tokens is computed in chunks
+(`chunk_ends`), and after each chunk the job's `on_pages_ready` hears how many of its pages
+are final, so the service pushes them to decode while the next chunk computes (the overlap
+Mooncake and SGLang get from layer- or chunk-wise transfer). The last chunk is short, so
+little of the push is left after the compute ends.
 KV events (blocks stored / removed / cleared) are published to the Redis index as the
 pool emits them.
 """
@@ -16,7 +22,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +40,30 @@ logger = logging.getLogger(__name__)
 
 class Cancelled(Exception):
     """The request was cancelled before its compute started."""
+
+
+def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int) -> list[int]:
+    """Where each chunk of a prompt's computed range [start, end) ends (token positions).
+
+    Chunks are `chunk_tokens` long (rounded down to whole pages, at least one page) except
+    the last, which is at most a quarter of a chunk (whole pages, at least one): a chunk's
+    pages are pushed while the next one computes, so only the last chunk's push is left in
+    TTFT. `start` must be page-aligned (a cached prefix is whole pages); every end but the
+    last is too. chunk_tokens <= 0, or a range no longer than one chunk: [end].
+
+    >>> chunk_ends(0, 2048, 512, 16)
+    [512, 1024, 1536, 1920, 2048]
+    """
+    if chunk_tokens <= 0 or end - start <= chunk_tokens:
+        return [end]
+    chunk = max(page_size, chunk_tokens // page_size * page_size)
+    tail = max(page_size, chunk // 4 // page_size * page_size)
+    tail_start = (end - tail) // page_size * page_size
+    ends = list(range(start + chunk, tail_start, chunk))
+    if tail_start > start:
+        ends.append(tail_start)
+    ends.append(end)
+    return ends
 
 
 @dataclass(frozen=True)
@@ -60,14 +90,21 @@ class PrefillJob:
         sampling: SamplingParams,
         seed: int,
         block_hashes: Sequence[BlockHash] | None = None,
+        on_pages_ready: Callable[[tuple[int, ...], int], None] | None = None,
     ) -> None:
         """block_hashes: the prompt's full blocks' chained hashes (kvstore.block_hash) when the
-        caller computed them already (the gateway does, for routing); None hashes here."""
+        caller computed them already (the gateway does, for routing); None hashes here.
+
+        on_pages_ready(block_ids, n): called on the worker thread when the first n of the
+        request's pages (block_ids, all of them) are final before the compute ends: the
+        cached prefix's pages at once, then each chunk's (chunked prefill). It must not block;
+        the pages stay referenced until the caller's release()."""
         self.request_id = request_id
         self.token_ids = list(token_ids)
         self.block_hashes = block_hashes
         self.sampling = sampling
         self.seed = seed
+        self.on_pages_ready = on_pages_ready
         self.cancelled = threading.Event()
         self.submitted_at = time.perf_counter()
         self.future: concurrent.futures.Future = concurrent.futures.Future()
@@ -89,12 +126,15 @@ class PrefillEngine:
         publish=None,
         executor: concurrent.futures.Executor | None = None,
         max_batch_tokens: int = 4096,
+        chunked_prefill_size: int = 0,
     ) -> None:
         """`publish(events)` is called on the worker thread with each batch of KV events.
 
         `executor` must run one callable at a time; None makes a single-thread executor.
-        `max_batch_tokens` bounds the prompt tokens computed in one forward (a longer
-        prompt still runs, alone).
+        `max_batch_tokens` bounds the prompt tokens of the jobs taken together (a longer
+        prompt still runs, alone). `chunked_prefill_size` (tokens, 0 = off) splits each
+        job's computed range into chunks (`chunk_ends`), one forward per chunk of every job
+        taken together.
         """
         self.runner = runner
         self.page_size = page_size
@@ -106,6 +146,7 @@ class PrefillEngine:
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.max_batch_tokens = max_batch_tokens
+        self.chunked_prefill_size = chunked_prefill_size
         self._pending: deque[PrefillJob] = deque()
         self._count_lock = threading.Lock()
         self.num_queued_tokens = 0
@@ -230,15 +271,41 @@ class PrefillEngine:
         return hashes, (*match.block_ids, *new.block_ids), match.num_cached_tokens, slot
 
     def _compute(self, ready: list) -> None:
+        """Compute every ready job chunk by chunk (one forward per round, a chunk of each job
+        still computing), tell each job as its pages become final, then sample first tokens."""
         started = time.perf_counter()
         cpu_started = time.process_time()
-        items = [
-            ForwardItem(job.token_ids[cached:], cached, block_ids, slot) for job, _, block_ids, cached, slot in ready
+        size = self.page_size
+        plans = [
+            chunk_ends(cached, len(job.token_ids), self.chunked_prefill_size, size) for job, _, _, cached, _ in ready
         ]
+        num_chunks = [len(plan) for plan in plans]
+        done_at = [cached for _, _, _, cached, _ in ready]
+        last_logits: list[torch.Tensor | None] = [None] * len(ready)
         try:
-            logits = self.runner.forward(items)  # [B, V]
+            for job, _, block_ids, cached, _ in ready:
+                self._pages_ready(job, block_ids, cached // size)  # the cached prefix: at once
+            while any(plans):
+                rows = [k for k, plan in enumerate(plans) if plan]
+                items = []
+                for k in rows:
+                    job, _, block_ids, _, slot = ready[k]
+                    end = plans[k][0]
+                    items.append(
+                        ForwardItem(
+                            job.token_ids[done_at[k] : end], done_at[k], block_ids[: math.ceil(end / size)], slot
+                        )
+                    )
+                logits = self.runner.forward(items)  # [rows, V]
+                for row, k in enumerate(rows):
+                    job, _, block_ids, _, _ = ready[k]
+                    done_at[k] = plans[k].pop(0)
+                    if plans[k]:
+                        self._pages_ready(job, block_ids, done_at[k] // size)
+                    else:
+                        last_logits[k] = logits[row]
             first_tokens = sample(
-                logits,
+                torch.stack([t for t in last_logits if t is not None]),  # [B, V]
                 [job.sampling for job, *_ in ready],
                 [torch.Generator().manual_seed(job.seed) if not job.sampling.greedy else None for job, *_ in ready],
             )
@@ -249,16 +316,17 @@ class PrefillEngine:
             return
         done = time.perf_counter()
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
-        for (job, hashes, block_ids, cached, slot), first_token in zip(ready, first_tokens):
+        for (job, hashes, block_ids, cached, slot), first_token, chunks in zip(ready, first_tokens, num_chunks):
             self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
             self.num_prompt_tokens_computed += len(job.token_ids) - cached
             self.num_prompt_tokens_cached += cached
             logger.info(
-                "[%s] prefill %d tokens (%d cached) in %.3f s, batch of %d",
+                "[%s] prefill %d tokens (%d cached) in %.3f s, %d chunks, batch of %d",
                 job.request_id,
                 len(job.token_ids),
                 cached,
                 done - started,
+                chunks,
                 len(ready),
             )
             job.future.set_result(
@@ -272,6 +340,15 @@ class PrefillEngine:
                     compute_s=done - started,
                 )
             )
+
+    @staticmethod
+    def _pages_ready(job: PrefillJob, block_ids: tuple[int, ...], n: int) -> None:
+        if job.on_pages_ready is None or n <= 0:
+            return
+        try:
+            job.on_pages_ready(block_ids, n)
+        except Exception:  # the caller's hook must not fail the compute of the whole batch
+            logger.exception("[%s] on_pages_ready failed", job.request_id)
 
     def stats(self, check: bool = True) -> dict[str, int | str]:
         """Pool figures. Through call() (on the worker thread) they are exact and the pool's

@@ -57,6 +57,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         publish,
         executor=executor,
         max_batch_tokens=config.max_batch_tokens,
+        chunked_prefill_size=config.chunked_prefill_size,
     )
     sender = create_sender(config.kv_transport)
     servicer = PrefillServicer(

@@ -11,9 +11,10 @@ from opentelemetry.trace import Status, StatusCode
 from engine.outcomes import FailureCause
 from kvstore.block_hash import HASH_NBYTES
 from kvstore.block_pool import NoFreeBlocksError
-from kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
+from kvstore.transport import KVPushSender, TransferError, parse_address
 from prefill_svc import metrics
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
+from prefill_svc.kv_push import KVPush, PushReport
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from runtime import tracing
 from runtime.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
@@ -22,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    """Runs each prefill on the engine's worker thread, then pushes the request's pages
-    to the decode instance in one scatter-gather UCX transfer."""
+    """Runs each prefill on the engine's worker thread and pushes the request's pages to the
+    decode instance (scatter-gather, in parts as chunked prefill completes them: KVPush)."""
 
     def __init__(
         self,
@@ -38,7 +39,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> None:
         self.engine = engine
         self.sender = sender
-        self._connecting: set[asyncio.Task] = set()  # connect-ahead tasks, kept until done
+        self._background: set[asyncio.Task] = set()  # connect-ahead and release tasks, kept until done
         self.instance_id = instance_id
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -70,10 +71,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         connection made (a no-op when it is). A failure here is only logged: the push itself
         connects again and reports what it meets."""
         task = asyncio.ensure_future(self.sender.connect(address))
-        self._connecting.add(task)
+        self._background.add(task)
 
         def done(t: asyncio.Task) -> None:
-            self._connecting.discard(t)
+            self._background.discard(t)
             if not t.cancelled() and t.exception() is not None:
                 logger.debug("connecting ahead to %s failed: %r", address, t.exception())
 
@@ -97,12 +98,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             sampling = sampling_from_pb(request.sampling)
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
+        kv_push = None
         if request.decode_kv_address:
             self._connect_ahead(request.decode_kv_address)
+            kv_push = KVPush(
+                self.sender, request.decode_kv_address, request.transfer_id, self.engine.runner, self.push_timeout_s
+            )
         seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
-        job = PrefillJob(rid, request.token_ids, sampling, seed, list(request.block_hashes) or None)
+        job = PrefillJob(
+            rid,
+            request.token_ids,
+            sampling,
+            seed,
+            list(request.block_hashes) or None,
+            on_pages_ready=kv_push.pages_ready if kv_push else None,
+        )
         submitted_ns = tracing.now_ns()
         cfut = self.engine.submit(job)
+        if kv_push is not None:  # a failed or abandoned request pushes no further part
+            cfut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and kv_push.stop())
         outcome = asyncio.wrap_future(cfut)
         try:
             # shield: a cancelled caller must not cancel the executor future (the job
@@ -110,7 +124,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             result: PrefillResult = await asyncio.shield(outcome)
         except asyncio.CancelledError:
             job.cancel()
-            cfut.add_done_callback(self._release_if_computed)
+            if kv_push is not None:
+                kv_push.stop()
+            self._release_when_computed(cfut, kv_push)
             outcome.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no log noise
             logger.info("[%s] cancelled by the caller", rid)
             raise
@@ -146,7 +162,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 "kvmesh.decode.kv_address": request.decode_kv_address,
             },
         )
-        push = asyncio.ensure_future(self._push_and_release(request, result))
+        compute_end = job.submitted_at + result.queue_s + result.compute_s
+        push = asyncio.ensure_future(self._push_and_release(kv_push, result, compute_end))
         # a push that outlives its caller (cancelled, or the caller's connection died while
         # this process was stopped) fails on its own: retrieve its error so it is logged once
         push.add_done_callback(
@@ -157,7 +174,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             )
         )
         try:
-            nbytes, seconds, digest = await asyncio.shield(push)
+            report = await asyncio.shield(push)
         except asyncio.CancelledError:
             push_span.end()
             raise  # the push finishes (or fails) on its own and releases the pages
@@ -169,16 +186,25 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 FailureCause.KV_PUSH_FAILED,
                 f"[{rid}] KV push to decode {request.decode_kv_address} failed: {exc}",
             )
-        push_span.set_attributes({"kvmesh.kv.bytes": nbytes, "kvmesh.kv.seconds": seconds})
+        push_span.set_attributes(
+            {
+                "kvmesh.kv.bytes": report.nbytes,
+                "kvmesh.kv.seconds": report.seconds,
+                "kvmesh.kv.exposed_seconds": report.exposed_s,
+                "kvmesh.kv.parts": report.num_parts,
+            }
+        )
         push_span.end()
-        metrics.observe_push(nbytes, seconds)
+        metrics.observe_push(report.nbytes, report.seconds)
         logger.info(
-            "[%s] prefilled %d tokens (%d cached), pushed %d bytes in %.3f s",
+            "[%s] prefilled %d tokens (%d cached), pushed %d bytes in %d parts, %.3f s (%.3f s after the compute)",
             rid,
             len(request.token_ids),
             result.num_cached_tokens,
-            nbytes,
-            seconds,
+            report.nbytes,
+            report.num_parts,
+            report.seconds,
+            report.exposed_s,
         )
         return prefill_pb2.PrefillResponse(
             first_token=result.first_token,
@@ -186,32 +212,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_computed_tokens=result.num_computed_tokens,
             num_pages=len(result.block_ids),
             page_nbytes=self.engine.runner.page_nbytes,
-            nbytes_sent=nbytes,
-            transfer_s=seconds,
+            nbytes_sent=report.nbytes,
+            transfer_s=report.seconds,
+            exposed_transfer_s=report.exposed_s,
             queue_s=result.queue_s,
             compute_s=result.compute_s,
             instance_id=self.instance_id,
-            kv_digest=digest,
+            kv_digest=report.digest,
             traceparent=tracing.traceparent(push_span),
         )
 
-    def _release_if_computed(self, cfut) -> None:
-        if not cfut.cancelled() and cfut.exception() is None:
-            self.engine.release(cfut.result().block_ids, cfut.result().state_slot)
+    def _release_when_computed(self, cfut, kv_push: KVPush | None) -> None:
+        """The caller left: once the compute is done and no push part reads the pages, release them
+        (a compute that failed or never started released them or held none)."""
 
-    async def _push_and_release(self, request, result: PrefillResult) -> tuple[int, float, str]:
-        """Push the prompt's pages to decode (if an address is given), then drop our references."""
+        async def release() -> None:
+            try:
+                result = await asyncio.wrap_future(cfut)
+            except BaseException:
+                return
+            if kv_push is not None:
+                await kv_push.wait_idle()
+            self.engine.release(result.block_ids, result.state_slot)
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)  # kept until done
+        task.add_done_callback(self._background.discard)
+
+    async def _push_and_release(self, kv_push: KVPush | None, result: PrefillResult, compute_end: float) -> PushReport:
+        """Push the pages not pushed yet (all of them without chunks) and the state, then drop our references."""
         try:
-            if not request.decode_kv_address:
-                return 0, 0.0, ""
-            runner = self.engine.runner
-            buffers = [runner.page_buffer(b) for b in result.block_ids] + runner.state_buffers(result.state_slot)
-            digest = pages_digest(buffers) if self.kv_digest else ""
-            sent = await asyncio.wait_for(
-                self.sender.push(request.decode_kv_address, request.transfer_id, buffers), self.push_timeout_s
-            )
-            return sent.nbytes, sent.seconds, digest
+            if kv_push is None:
+                return PushReport(0, 0.0, 0.0, 0, "")
+            return await kv_push.finish(result.block_ids, result.state_slot, compute_end, self.kv_digest)
         finally:
+            if kv_push is not None:
+                await kv_push.wait_idle()
             self.engine.release(result.block_ids, result.state_slot)
 
     async def GetStats(self, request, context):

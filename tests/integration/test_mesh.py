@@ -16,7 +16,7 @@ from engine.checkpoint import load_tokenizer
 from engine.loader import load_config, resolve_model
 from kvmesh.client import GatewayClient, make_request
 from tests.conftest import instance_stats
-from tests.integration.meshutil import complete, complete_many, wait_idle
+from tests.integration.meshutil import complete, complete_many, log_size, read_log, wait_idle
 
 PROMPTS = [
     "What is the capital of France?",
@@ -94,6 +94,24 @@ def test_kv_moved_bitwise_over_ucx(mesh, reference):
     # SHA-256 of the prompt's pages as prefill sent them and as decode found them
     assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
     assert out.final.prefill_instance != out.final.decode_instance
+
+
+def test_a_long_prompt_is_pushed_chunk_by_chunk_and_lands_whole(mesh, reference):
+    # 1,200 prompt tokens, chunked prefill of 512 (the default): the pages of each chunk are
+    # pushed while the next computes, in 4 parts; decode finds every page as prefill sent it
+    # and answers as transformers does on the whole prompt
+    prompt = "Summarise this list of numbers: " + ", ".join(str(i) for i in range(1, 520))
+    since = log_size(mesh)
+    out = complete(mesh, prompt, chat=True, max_tokens=4)
+    assert out.final.prompt_tokens > 1100
+    kv = out.final.kv_transfer
+    assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
+    assert kv.nbytes == math.ceil(out.final.prompt_tokens / 16) * kv.page_nbytes
+    assert 0 < kv.exposed_seconds and 0 < kv.seconds
+    assert f"[{out.final.request_id}] prefilled" in read_log(mesh, since)
+    parts = read_log(mesh, since).split(f"[{out.final.request_id}] prefilled", 1)[1].split(" parts", 1)[0]
+    assert int(parts.rsplit(" ", 1)[1]) >= 3, parts
+    assert out.token_ids == hf_greedy(reference, prompt, 4)
 
 
 def _status(mesh, prompt=b"", **kwargs) -> tuple[grpc.StatusCode, str, float]:

@@ -116,6 +116,43 @@ def test_unknown_id_and_size_mismatch_are_nacked_and_the_receiver_keeps_serving(
     assert np.array_equal(pool[3], good[0]) and np.array_equal(pool[4], good[1])
 
 
+def test_a_transfer_pushed_in_parts_lands_whole_and_resolves_after_its_last_part(decode):
+    """Chunked prefill pushes each chunk's pages as it completes them: parts in order."""
+    pages = page_data(seed=4, num_pages=4, page_nbytes=PAGE)
+    decode.call("expect", 401, [12, 10, 11, 13])
+    decode.call("expect", 402, [14, 15])
+    decode.call("expect", 403, [6, 8])
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            first = await tx.push(decode.hello, 401, [pages[0]], first=0)
+            assert first.nbytes == PAGE
+            assert await call(decode, "wait", 401, 0.2) == ("pending",)  # 3 pages still to come
+            await tx.push(decode.hello, 401, [pages[1], pages[2]], first=1)
+            assert await call(decode, "wait", 401, 0.2) == ("pending",)
+            await tx.push(decode.hello, 401, [pages[3]], first=3)
+            # a part that does not start where the last ended is refused, and fails the transfer
+            with pytest.raises(TransferError, match="out of order"):
+                await tx.push(decode.hello, 402, [pages[1]], first=1)
+            # the request is aborted between two parts: the transfer is cancelled at once
+            await tx.push(decode.hello, 403, [pages[0]], first=0)
+            assert await call(decode, "cancel", 403) is True
+            with pytest.raises(TransferError, match="unknown or cancelled"):
+                await tx.push(decode.hello, 403, [pages[1]], first=1)
+        finally:
+            await tx.close()
+
+    run(scenario())
+    assert decode.call("wait", 401, 5) == ("ok", 4 * PAGE, 4)
+    status, message = decode.call("wait", 402, 5)
+    assert status == "error" and "pages [1, 2)" in message
+    assert decode.call("wait", 403, 1) == ("cancelled",)
+    pool = decode.call("pool")
+    for page, data in zip([12, 10, 11, 13], pages):
+        assert np.array_equal(pool[page], data)
+
+
 def test_cancelled_transfer_is_refused_and_pages_stay_untouched(decode):
     decode.call("expect", 303, [7])
     before = decode.call("pool")[7].copy()
@@ -153,7 +190,7 @@ def test_cancel_during_a_push_cuts_it_off_and_leaves_the_pages_untouched(decode)
         ep = None
         try:
             ep = await ucxx.create_endpoint(host, int(port))
-            await ep.send(np.array([MAGIC, VERSION, 404, 2], dtype="<u8"), tag=_TAG_HEADER)
+            await ep.send(np.array([MAGIC, VERSION, 404, 2, 0], dtype="<u8"), tag=_TAG_HEADER)
             await ep.send(np.array([PAGE, PAGE], dtype="<u8"), tag=_TAG_SIZES)
             for _ in range(100):  # until the receiver has posted the page receives
                 if await call(decode, "started", 404):
@@ -202,7 +239,7 @@ def test_receiver_close_fails_a_push_in_progress(doomed_decode):
         ep = None
         try:
             ep = await ucxx.create_endpoint(host, int(port))
-            await ep.send(np.array([MAGIC, VERSION, 505, 2], dtype="<u8"), tag=_TAG_HEADER)
+            await ep.send(np.array([MAGIC, VERSION, 505, 2, 0], dtype="<u8"), tag=_TAG_HEADER)
             await ep.send(np.array([PAGE, PAGE], dtype="<u8"), tag=_TAG_SIZES)
             for _ in range(100):
                 if await call(decode, "started", 505):

@@ -104,7 +104,8 @@ def receiver_main(conn, num_pages: int, page_nbytes: int) -> None:
                 except TimeoutError:
                     return ("pending",)
             if op == "started":
-                return args[0] in rx._active
+                entry = rx._expected.get(args[0])
+                return entry is not None and entry.landing
             if op == "cancel":
                 rx.cancel(args[0])
                 return futures[args[0]].done()

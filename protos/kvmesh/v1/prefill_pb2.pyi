@@ -26,7 +26,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_kv_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., page_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "num_pages", "page_nbytes", "nbytes_sent", "transfer_s", "queue_s", "compute_s", "instance_id", "kv_digest", "traceparent")
+    __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "num_pages", "page_nbytes", "nbytes_sent", "transfer_s", "queue_s", "compute_s", "instance_id", "kv_digest", "traceparent", "exposed_transfer_s")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class PrefillResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    EXPOSED_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_cached_tokens: int
     num_computed_tokens: int
@@ -51,4 +52,5 @@ class PrefillResponse(_message.Message):
     instance_id: str
     kv_digest: str
     traceparent: str
-    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes_sent: _Optional[int] = ..., transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., kv_digest: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    exposed_transfer_s: float
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes_sent: _Optional[int] = ..., transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., kv_digest: _Optional[str] = ..., traceparent: _Optional[str] = ..., exposed_transfer_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,120 @@
+"""Chunked prefill: chunk boundaries, and the same KV and first token as one forward, on real
+tiny Llama and DeepSeek-V4 checkpoints (the pages pushed while later chunks compute must be
+final when reported)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine.checkpoint import ModelFiles
+from engine.loader import resolve_model
+from engine.runners import create_runner
+from engine.sampling_params import SamplingParams
+from engine.tiny_models import make_tiny_model
+from prefill_svc.engine import PrefillEngine, PrefillJob, chunk_ends
+
+
+def test_chunk_ends_by_hand():
+    assert chunk_ends(0, 2048, 512, 16) == [512, 1024, 1536, 1920, 2048]  # the last chunk 128 = 6%
+    assert chunk_ends(32, 600, 256, 16) == [288, 528, 600]  # after a cached prefix of 2 pages
+    assert chunk_ends(0, 512, 512, 16) == [512]  # one chunk: nothing to overlap
+    assert chunk_ends(0, 2048, 0, 16) == [2048]  # off
+    assert chunk_ends(0, 100, 40, 16) == [32, 64, 80, 100]  # a chunk rounds down to whole pages; the last >= a page
+
+
+def test_chunk_ends_properties():
+    rng = random.Random(0)
+    for _ in range(2000):
+        page = rng.choice([1, 4, 16, 64])
+        start = rng.randrange(0, 50) * page
+        end = start + rng.randrange(1, 5000)
+        chunk = rng.randrange(1, 1500)
+        ends = chunk_ends(start, end, chunk, page)
+        assert ends[-1] == end and ends == sorted(set(ends)) and ends[0] > start
+        assert all(e % page == 0 for e in ends[:-1]), (start, end, chunk, page, ends)
+        bounds = [start, *ends]
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        whole = max(page, chunk // page * page)
+        assert all(size <= whole for size in sizes[:-1])
+        if len(ends) > 1:  # the last chunk is short: its push is the only one left in TTFT
+            assert sizes[-1] < max(page, whole // 4 // page * page) + page
+
+
+def _llama(tmp_path) -> ModelFiles:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path / "tiny-llama"
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return resolve_model(str(path))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {
+        "llama": (_llama(tmp_path_factory.mktemp("llama")), 4, 150, 97),
+        "deepseek_v4": (
+            resolve_model(str(make_tiny_model("deepseek_v4", tmp_path_factory.mktemp("v4")))),
+            16,
+            300,
+            49152,
+        ),
+    }
+
+
+def _prefill(files: ModelFiles, page_size: int, tokens: list[int], chunk: int):
+    """Prefill `tokens` once on a fresh runner; (first token, pages as bytes, the reports of ready pages)."""
+    runner = create_runner(files, num_pages=64, page_size=page_size, num_state_slots=2)
+    engine = PrefillEngine(runner, page_size, 64, enable_prefix_caching=False, chunked_prefill_size=chunk)
+    ready: list[int] = []
+    snapshots: list[list[np.ndarray]] = []
+
+    def on_pages_ready(block_ids, n):  # on the worker thread, between chunks: copy what is final now
+        ready.append(n)
+        snapshots.append([runner.page_buffer(b).copy() for b in block_ids[:n]])
+
+    try:
+        job = PrefillJob("r", tokens, SamplingParams(), 0, on_pages_ready=on_pages_ready)
+        result = engine.submit(job).result(timeout=120)
+        pages = [runner.page_buffer(b).copy() for b in result.block_ids]
+        state = [b.copy() for b in runner.state_buffers(result.state_slot)]
+        for snapshot in snapshots:  # a page reported final is never written again
+            for early, last in zip(snapshot, pages):
+                assert np.array_equal(early, last)
+        return result.first_token, pages, state, ready
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v4"])
+def test_chunked_prefill_gives_the_kv_and_first_token_of_one_forward(checkpoints, arch):
+    files, page_size, length, vocab = checkpoints[arch]
+    tokens = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    first, pages, state, ready = _prefill(files, page_size, tokens, chunk=0)
+    assert ready == []  # one chunk: nothing is final before the compute ends
+    chunk = 4 * page_size
+    c_first, c_pages, c_state, c_ready = _prefill(files, page_size, tokens, chunk)
+    ends = chunk_ends(0, length, chunk, page_size)
+    assert len(ends) >= 4
+    assert c_ready == [e // page_size for e in ends[:-1]]  # after each chunk but the last
+    assert c_first == first
+    for a, b in zip(pages, c_pages):
+        np.testing.assert_allclose(a.view(np.float32), b.view(np.float32), rtol=1e-4, atol=1e-5)
+    for a, b in zip(state, c_state):
+        np.testing.assert_allclose(a.view(np.float32), b.view(np.float32), rtol=1e-4, atol=1e-5)
