@@ -26,6 +26,7 @@ from engine.loader import load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
 from kernels.quant import kernel_threads
+from kvstore.shared_memory import shared_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,9 @@ class LlamaRunner:
         self.model = LlamaModel(self.config, weights, dtype, blocks)
         del weights
         c = self.config
-        self.kv_cache = torch.zeros(
-            num_pages, c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim, dtype=dtype
+        # in shared memory, so a decode process on this host can pull pages with one copy
+        self.kv_cache, _ = shared_zeros(
+            (num_pages, c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim), dtype
         )  # [P, L, 2, S, K, D]
         self.page_nbytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
         self._cos, self._sin_rot = rope_table(

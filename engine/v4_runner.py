@@ -23,6 +23,7 @@ from engine.models.deepseek_v4 import DeepseekV4Model
 from engine.models.deepseek_v4_state import V4StateLayout
 from engine.models.deepseek_v4_weights import load_config as load_v4_config
 from kernels.backend import KernelBackend
+from kvstore.shared_memory import shared_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,12 @@ class DeepseekV4Runner:
         self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name, kernels)
         del tensors
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
-        self.pages = torch.zeros(num_pages, self.layout.page_floats)  # [P, page_floats]
-        self.slots = torch.zeros(num_state_slots, self.layout.slot_floats)  # [R, slot_floats]
+        # pages, then slots, in one shared-memory region, so a decode process on this host can
+        # pull a request's pages and slot with one copy each
+        page_numel, slot_numel = num_pages * self.layout.page_floats, num_state_slots * self.layout.slot_floats
+        state, _ = shared_zeros((page_numel + slot_numel,), torch.float32)
+        self.pages = state[:page_numel].view(num_pages, self.layout.page_floats)  # [P, page_floats]
+        self.slots = state[page_numel:].view(num_state_slots, self.layout.slot_floats)  # [R, slot_floats]
         self.page_nbytes = self.layout.page_floats * 4
         self.state_nbytes = self.layout.slot_floats * 4
         logger.info(

@@ -8,7 +8,10 @@ Shapes:
 
 The push goes through the same sender and receiver the services use (`kvstore.transports`):
 the receiver process registers its pool's pages (`expect`) and the sender process pushes its
-own pages into them. As prefill does, the sender connects to a receiver it has not seen while
+own pages, which lie in a shared-memory pool as the runners' do, into them: the receiver pulls
+them from that pool with one copy when it can map it, as here (`push_gbps`). The same pushes
+from pages outside any shared pool go over UCX's data endpoint, as they do between hosts
+(`ucx_gbps`). As prefill does, the sender connects to a receiver it has not seen while
 the request computes (`connect_s`, off the push); `first_push_s` is then the first push to it
 (its first use of the connection), and `push_gbps` the median over `--rounds` later pushes. memcpy copies the same
 buffers in one process (numpy `copyto`, page by page). Mooncake Transfer Engine
@@ -37,15 +40,23 @@ class ShapeResult:
     shape: str
     nbytes: int
     push_gbps: float
+    ucx_gbps: float
     memcpy_gbps: float
     mooncake_gbps: float | None
     first_push_s: float
     connect_s: float
 
 
-def _pages(num: int, nbytes: int, fill: int) -> list[np.ndarray]:
-    """`num` page views of one pool (as the KV cache is one tensor), each `nbytes` bytes."""
-    pool = np.full(num * nbytes, fill, dtype=np.uint8)
+def _pages(num: int, nbytes: int, fill: int, shared: bool = False) -> list[np.ndarray]:
+    """`num` page views of one pool (as the KV cache is one tensor), each `nbytes` bytes; in
+    shared memory (as the runners allocate their pools) when `shared`."""
+    if shared:
+        from kvstore.shared_memory import SharedRegion
+
+        pool = SharedRegion(num * nbytes).array
+        pool[:] = fill
+    else:
+        pool = np.full(num * nbytes, fill, dtype=np.uint8)
     return [pool[i * nbytes : (i + 1) * nbytes] for i in range(num)]
 
 
@@ -84,9 +95,9 @@ def _memcpy_gbps(src: list[np.ndarray], rounds: int) -> float:
     return sum(p.nbytes for p in src) / statistics.median(times) / 1e9
 
 
-def _push_figures(transport: str, shape: str, rounds: int) -> tuple[float, float, float]:
+def _push_figures(transport: str, shape: str, rounds: int, shared: bool) -> tuple[float, float, float]:
     """(connect seconds, first push seconds, median GB/s of the later pushes) of `shape`, from
-    this process to a receiver in a new process."""
+    this process to a receiver in a new process; the source pages in a shared pool or not."""
     from kvstore.transports import create_sender
 
     n, size = SHAPES[shape]
@@ -105,8 +116,11 @@ def _push_figures(transport: str, shape: str, rounds: int) -> tuple[float, float
             start = time.perf_counter()
             await sender.connect(address)
             connect.append(time.perf_counter() - start)
+            pools = [_pages(n, size, 0, shared=shared) for _ in range(2)]  # reused, as a KV pool is
             for tid in range(1, rounds + 2):
-                src = _pages(n, size, tid % 251)
+                src = pools[tid % 2]
+                for page in src:
+                    page[:] = tid % 251
                 parent.send((tid, shape))
                 assert await loop.run_in_executor(None, parent.recv) == "ready"
                 start = time.perf_counter()
@@ -136,7 +150,8 @@ def _mooncake_gbps(rounds: int) -> dict[str, float] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    pushes = {shape: _push_figures(args.transport, shape, args.rounds) for shape in SHAPES}
+    pushes = {shape: _push_figures(args.transport, shape, args.rounds, shared=True) for shape in SHAPES}
+    over_ucx = {shape: _push_figures(args.transport, shape, args.rounds, shared=False)[2] for shape in SHAPES}
     mooncake = _mooncake_gbps(args.rounds)
     results = []
     for shape, (n, size) in SHAPES.items():
@@ -146,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 shape=shape,
                 nbytes=n * size,
                 push_gbps=round(gbps, 3),
+                ucx_gbps=round(over_ucx[shape], 3),
                 memcpy_gbps=round(_memcpy_gbps(_pages(n, size, 1), args.rounds), 3),
                 mooncake_gbps=None if mooncake is None else round(mooncake[shape], 3),
                 first_push_s=round(first, 4),
@@ -156,12 +172,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"transport": args.transport, "rounds": args.rounds, "shapes": [asdict(r) for r in results]}))
         return 0
     print(f"KV push between two processes on this host ({args.transport}), median of {args.rounds} pushes")
-    print(f"{'shape':10} {'MB':>8} {'push GB/s':>10} {'memcpy GB/s':>12} {'push/memcpy':>12} {'Mooncake GB/s':>14}")
+    print(
+        f"{'shape':10} {'MB':>8} {'push GB/s':>10} {'memcpy GB/s':>12} {'push/memcpy':>12} "
+        f"{'Mooncake GB/s':>14} {'push/Mooncake':>14} {'UCX data path GB/s':>19}"
+    )
     for r in results:
         moon = "-" if r.mooncake_gbps is None else f"{r.mooncake_gbps:.2f}"
+        vs_moon = "-" if r.mooncake_gbps is None else f"{r.push_gbps / r.mooncake_gbps:.2f}x"
         print(
             f"{r.shape:10} {r.nbytes / 1e6:8.1f} {r.push_gbps:10.2f} {r.memcpy_gbps:12.2f} "
-            f"{r.push_gbps / r.memcpy_gbps:12.2f} {moon:>14}"
+            f"{r.push_gbps / r.memcpy_gbps:12.2f} {moon:>14} {vs_moon:>14} {r.ucx_gbps:19.2f}"
         )
     firsts = ", ".join(f"{r.shape} {r.first_push_s * 1000:.1f} ms" for r in results)
     connects = ", ".join(f"{r.connect_s * 1000:.1f} ms" for r in results)

@@ -39,11 +39,14 @@ _TAG_SIZES = _TAG_HEADER + 1
 _TAG_ACK = _TAG_HEADER + 2
 _TAG_HELLO = _TAG_HEADER + 3
 _TAG_GO = _TAG_HEADER + 4
+_TAG_SOURCE = _TAG_HEADER + 5
 _DATA_TAG_BIT = 1 << 63
 """Page data travels on a second endpoint made from the receiver's worker address, with raw
 tags `_DATA_TAG_BIT | push number << 20 | page index`; the receiver numbers its pushes, so a
 late page of an old push can never match a newer push's receives."""
 ACK_OK, ACK_UNKNOWN, ACK_SIZE_MISMATCH, ACK_PROTOCOL = 0, 1, 2, 3
+GO_PULLED = 4
+"""GO's code when the receiver copied the pages from the sender's shared pool itself: send no data."""
 _ACK_MEANING = {
     ACK_UNKNOWN: "unknown or cancelled transfer id",
     ACK_SIZE_MISMATCH: "page size mismatch, or a part pushed out of order",

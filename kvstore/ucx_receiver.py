@@ -15,6 +15,7 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
+import kvstore.shared_memory as shared_memory
 from kvstore.transport import TransferError, TransferResult
 from kvstore.ucx_common import (
     _DATA_TAG_BIT,
@@ -23,10 +24,12 @@ from kvstore.ucx_common import (
     _TAG_HEADER,
     _TAG_HELLO,
     _TAG_SIZES,
+    _TAG_SOURCE,
     ACK_OK,
     ACK_PROTOCOL,
     ACK_SIZE_MISMATCH,
     ACK_UNKNOWN,
+    GO_PULLED,
     MAGIC,
     MAX_BUFFERS,
     VERSION,
@@ -71,6 +74,8 @@ class _TransferFuture(asyncio.Future):
 class _Expected:
     transfer_id: int
     buffers: list[Array]
+    views: list[np.ndarray]
+    """The same buffers as writable uint8 arrays, for pulls from a sender's shared pool."""
     future: _TransferFuture = field(init=False)
     """Set by `expect` right after the entry is made (the future refers to its entry)."""
     landing: bool = False
@@ -83,6 +88,11 @@ class _Expected:
     """perf_counter when the first part's receives were posted."""
     ep: Any = None
     """The sender's endpoint while the push lands (aborted to cut a cancelled push off)."""
+
+
+def _byte_view(buf) -> np.ndarray:
+    """A writable 1-D uint8 numpy view of a C-contiguous host buffer."""
+    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
 
 
 class KVReceiver:
@@ -105,6 +115,9 @@ class KVReceiver:
         self._conns: dict[asyncio.Task, Any] = {}  # receive loop -> its ucxx Endpoint
         self._num_conns = 0
         self._num_pushes = 0  # numbers each push's data tags (see ucx_common._DATA_TAG_BIT)
+        self._peer_pools = shared_memory.PeerRegions()  # senders' KV pools this process can map
+        self.num_pulled = 0
+        """Pushes this receiver copied from a sender's shared pool itself (same host)."""
 
     async def start(self) -> None:
         """Start listening.
@@ -156,7 +169,9 @@ class KVReceiver:
         tid = _check_transfer_id(transfer_id)
         if tid in self._expected:
             raise ValueError(f"transfer {tid} is already expected")
-        entry = _Expected(tid, [_as_buffer(b, i, writable=True) for i, b in enumerate(buffers)])
+        arrays = [_as_buffer(b, i, writable=True) for i, b in enumerate(buffers)]
+        views = [] if any(a.cuda for a in arrays) else [_byte_view(b) for b in buffers]
+        entry = _Expected(tid, arrays, views)
         entry.sizes = [b.nbytes for b in entry.buffers]
         entry.future = _TransferFuture(entry, self._loop)
         entry.future.add_done_callback(lambda _f: self._forget(entry))
@@ -202,6 +217,7 @@ class KVReceiver:
             # KVReceiver of the process closes): until then a connect hangs, then times out
             self._listener.close()
             self._listener = None
+        self._peer_pools.close()
         if self._loop is not None:
             self._loop = None
             _runtime.release()
@@ -255,8 +271,10 @@ class KVReceiver:
                 await self._ack(ep, ACK_PROTOCOL)
                 return
             sizes = np.empty(n, dtype="<u8")
+            source = np.zeros(5 + n, dtype="<u8")
             if n:
                 await ep.recv(sizes, tag=_TAG_SIZES)
+                await ep.recv(source, tag=_TAG_SOURCE)
             entry = self._expected.get(tid)
             if entry is None or entry.future.done() or entry.landing:
                 logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: refused", tid, peer)
@@ -273,7 +291,11 @@ class KVReceiver:
                 self._finish(entry, error=TransferError(f"{msg} at {self.address}"))
                 await self._go(ep, ACK_SIZE_MISMATCH)
                 continue
-            await self._land(ep, peer, entry, first, n)
+            pool = self._sender_pool(source, sizes) if n and entry.views else None
+            if pool is not None:
+                await self._pull(ep, peer, entry, first, pool, source[5:].tolist())
+            else:
+                await self._land(ep, peer, entry, first, n)
             await self._ack(ep, ACK_OK)
 
     async def _land(self, ep, peer: str, entry: _Expected, first: int, n: int) -> None:
@@ -310,6 +332,50 @@ class KVReceiver:
                 ),
             )
             raise error
+        self._landed(entry, n)
+
+    def _sender_pool(self, source: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
+        """The sender's pool, mapped here, when the pages lie in one this process can map and
+        every page is inside it; None otherwise (the pages then come over UCX)."""
+        pid, fd, nonce0, nonce1, nbytes = (int(x) for x in source[:5])
+        if pid == 0:
+            return None
+        pool = self._peer_pools.open(shared_memory.RegionDescriptor(pid, fd, (nonce0, nonce1), nbytes))
+        if pool is None or any(int(o) + int(s) > nbytes for o, s in zip(source[5:], sizes)):
+            return None
+        return pool
+
+    async def _pull(self, ep, peer: str, entry: _Expected, first: int, pool: np.ndarray, offsets: list[int]) -> None:
+        """Copy buffers [first, first + len(offsets)) of `entry` from the sender's pool (mapped
+        here) on a worker thread, then tell the sender no data is to be sent (GO_PULLED).
+        A cancel meanwhile waits for the copy (it cannot hang: both sides are this process's
+        memory) and then cancels the future."""
+        entry.landing = True
+        entry.ep = None  # nothing to cut off: the copy is ours and ends by itself
+        if first == 0:
+            entry.started_at = time.perf_counter()
+        views = entry.views[first : first + len(offsets)]
+
+        def copy() -> None:
+            for view, offset in zip(views, offsets):
+                np.copyto(view, pool[offset : offset + view.nbytes])
+
+        copying = asyncio.ensure_future(asyncio.to_thread(copy))
+        try:
+            await asyncio.shield(copying)
+        except BaseException as exc:
+            if not copying.done():  # cancelled (close): the thread still writes the pages
+                await asyncio.wait({copying})
+            self._finish(
+                entry, error=TransferError(f"[transfer {entry.transfer_id}] pull from {peer}'s pool failed: {exc!r}")
+            )
+            raise
+        self.num_pulled += 1
+        await self._go(ep, GO_PULLED)
+        self._landed(entry, len(offsets))
+
+    def _landed(self, entry: _Expected, n: int) -> None:
+        """`n` more buffers of `entry` landed: resolve it when they were its last ones."""
         entry.num_landed += n
         entry.landing = False
         entry.ep = None

@@ -18,12 +18,23 @@ Wire protocol (control messages on the control endpoint, pushes on it serialized
                                      then its bytes
     sender -> receiver  tag HEADER   5 x uint64 LE: MAGIC, VERSION, transfer_id, n, first
     sender -> receiver  tag SIZES    n x uint64 LE: the size of each page in bytes (n > 0)
+    sender -> receiver  tag SOURCE   (5 + n) x uint64 LE (n > 0): where the pages lie in the
+                                     sender's shared KV pool: pid, fd, nonce (2), pool bytes,
+                                     then each page's offset; pid 0 when they are in none
     receiver -> sender  tag GO       2 x uint64 LE: code, tag base. 0: the receives are
                                      posted, send; 1 unknown or cancelled transfer id,
                                      2 size mismatch (or `first` is not the next page the
-                                     transfer expects): no page is sent
+                                     transfer expects): no page is sent; 4 (GO_PULLED) the
+                                     receiver copied the pages from the sender's pool itself
+                                     (same host): no page is sent, the ACK follows
     sender -> receiver  (data endpoint) raw tag base | i: page i, all posted concurrently
     receiver -> sender  tag ACK      1 byte: 0 ok (every page landed), 3 protocol mismatch
+
+Same host: when the pages lie in a shared KV pool (kvstore/shared_memory.py) that the
+receiver can map, the receiver pulls them itself with one copy (UCX's own same-host paths
+move rendezvous messages through a shared-memory bounce buffer, two copies, or with CMA,
+which UCX uses only on endpoints without error handling); otherwise they come over the
+data endpoint.
 
 A push lands pages [first, first + n) of the transfer's registered buffers. A transfer may
 come in several pushes, in page order (first = 0, then where the last one ended): prefill
@@ -54,6 +65,7 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
+import kvstore.shared_memory as shared_memory
 from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address
 from kvstore.ucx_common import (
     _ACK_MEANING,
@@ -62,9 +74,11 @@ from kvstore.ucx_common import (
     _TAG_HEADER,
     _TAG_HELLO,
     _TAG_SIZES,
+    _TAG_SOURCE,
     ACK_OK,
     ACK_SIZE_MISMATCH,
     ACK_UNKNOWN,
+    GO_PULLED,
     MAGIC,
     MAX_BUFFERS,
     VERSION,
@@ -151,6 +165,12 @@ class KVSender:
         if not isinstance(first, (int, np.integer)) or not 0 <= first < MAX_BUFFERS:
             raise ValueError(f"first must be an int in [0, {MAX_BUFFERS}), got {first!r}")
         header = np.array([MAGIC, VERSION, tid, len(arrays), first], dtype="<u8")
+        source = np.zeros(5 + len(arrays), dtype="<u8")
+        located = shared_memory.locate([a.ptr for a in arrays], [a.nbytes for a in arrays])
+        if located is not None:
+            desc, offsets = located
+            source[:5] = [desc.pid, desc.fd, desc.nonce[0], desc.nonce[1], desc.nbytes]
+            source[5:] = offsets
         if not self._acquired:
             _runtime.acquire()
             self._acquired = True
@@ -159,7 +179,7 @@ class KVSender:
             ctrl, data = await self._connect(address, host, port)
             try:
                 code = await asyncio.wait_for(
-                    self._exchange(ctrl, data, header, sizes, arrays), self.transfer_timeout_s
+                    self._exchange(ctrl, data, header, sizes, source, arrays), self.transfer_timeout_s
                 )
             except BaseException as exc:
                 self._drop(address)  # aborting cancels every send still reading the pages
@@ -223,7 +243,9 @@ class KVSender:
         await ctrl.recv(raw, tag=_TAG_HELLO)
         return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(raw.tobytes()))
 
-    async def _exchange(self, ctrl, data, header: np.ndarray, sizes: np.ndarray, arrays: list[Array]) -> int:
+    async def _exchange(
+        self, ctrl, data, header: np.ndarray, sizes: np.ndarray, source: np.ndarray, arrays: list[Array]
+    ) -> int:
         ack = np.empty(1, dtype=np.uint8)
         go = np.empty(2, dtype="<u8")
         ack_recv = asyncio.ensure_future(ctrl.recv(ack, tag=_TAG_ACK))
@@ -235,12 +257,16 @@ class KVSender:
             await ctrl.send(header, tag=_TAG_HEADER)
             if arrays:
                 await ctrl.send(sizes, tag=_TAG_SIZES)
+                await ctrl.send(source, tag=_TAG_SOURCE)
             await asyncio.wait({go_recv, ack_recv}, return_when=asyncio.FIRST_COMPLETED)
             if not go_recv.done():  # the receiver refused the header (protocol mismatch)
                 await ack_recv
                 return int(ack[0])
             await go_recv
             code, tag_base = int(go[0]), int(go[1])
+            if code == GO_PULLED:  # the receiver copied the pages from our pool itself
+                await ack_recv
+                return int(ack[0])
             if code != ACK_OK:
                 return code
             sends = asyncio.gather(*_post_all(data, data.send, arrays, tag_base))

@@ -8,6 +8,7 @@ variable" noise (on stdout) in every process; it is harmless.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import uvloop
 
+from kvstore.ucx_common import _TAG_SOURCE
 from kvstore.ucx_transfer import _TAG_HEADER, _TAG_SIZES, MAGIC, VERSION, KVReceiver, KVSender, TransferError
 from tests.integration.ucx_peer import Peer, page_data, receiver_main, sender_main
 
@@ -153,6 +155,45 @@ def test_a_transfer_pushed_in_parts_lands_whole_and_resolves_after_its_last_part
         assert np.array_equal(pool[page], data)
 
 
+def test_pages_in_a_shared_pool_are_pulled_by_the_receiver_with_one_copy(decode, monkeypatch):
+    """Same host: the receiver maps the sender's pool (a memfd) and copies the pages itself;
+    a pool it cannot map (here: a wrong nonce) sends them over UCX instead."""
+    from kvstore import shared_memory
+
+    region = shared_memory.SharedRegion(4 * PAGE)
+    pool = region.array.reshape(4, PAGE)
+    pool[:] = page_data(seed=6, num_pages=4, page_nbytes=PAGE)
+    decode.call("expect", 601, [1, 3])
+    decode.call("expect", 602, [4, 6])
+    pulled = decode.call("pulled")
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            await tx.push(decode.hello, 601, [pool[2], pool[0]])
+            assert await call(decode, "pulled") == pulled + 1
+            real = shared_memory.locate
+            monkeypatch.setattr(
+                shared_memory,
+                "locate",
+                lambda p, s: (
+                    shared_memory.RegionDescriptor(os.getpid(), region.fd, (1, 2), region.nbytes),
+                    real(p, s)[1],
+                ),
+            )
+            await tx.push(decode.hello, 602, [pool[1], pool[3]])
+            assert await call(decode, "pulled") == pulled + 1  # not pulled: over UCX
+        finally:
+            await tx.close()
+
+    run(scenario())
+    assert decode.call("wait", 601, 5) == ("ok", 2 * PAGE, 2)
+    assert decode.call("wait", 602, 5) == ("ok", 2 * PAGE, 2)
+    landed = decode.call("pool")
+    for page, src in ((1, 2), (3, 0), (4, 1), (6, 3)):
+        assert np.array_equal(landed[page], pool[src])
+
+
 def test_cancelled_transfer_is_refused_and_pages_stay_untouched(decode):
     decode.call("expect", 303, [7])
     before = decode.call("pool")[7].copy()
@@ -192,6 +233,7 @@ def test_cancel_during_a_push_cuts_it_off_and_leaves_the_pages_untouched(decode)
             ep = await ucxx.create_endpoint(host, int(port))
             await ep.send(np.array([MAGIC, VERSION, 404, 2, 0], dtype="<u8"), tag=_TAG_HEADER)
             await ep.send(np.array([PAGE, PAGE], dtype="<u8"), tag=_TAG_SIZES)
+            await ep.send(np.zeros(5 + 2, dtype="<u8"), tag=_TAG_SOURCE)  # in no shared pool: over UCX
             for _ in range(100):  # until the receiver has posted the page receives
                 if await call(decode, "started", 404):
                     break
@@ -241,6 +283,7 @@ def test_receiver_close_fails_a_push_in_progress(doomed_decode):
             ep = await ucxx.create_endpoint(host, int(port))
             await ep.send(np.array([MAGIC, VERSION, 505, 2, 0], dtype="<u8"), tag=_TAG_HEADER)
             await ep.send(np.array([PAGE, PAGE], dtype="<u8"), tag=_TAG_SIZES)
+            await ep.send(np.zeros(5 + 2, dtype="<u8"), tag=_TAG_SOURCE)  # in no shared pool: over UCX
             for _ in range(100):
                 if await call(decode, "started", 505):
                     break

@@ -106,6 +106,8 @@ def receiver_main(conn, num_pages: int, page_nbytes: int) -> None:
             if op == "started":
                 entry = rx._expected.get(args[0])
                 return entry is not None and entry.landing
+            if op == "pulled":  # pushes the receiver copied from the sender's shared pool itself
+                return rx.num_pulled
             if op == "cancel":
                 rx.cancel(args[0])
                 return futures[args[0]].done()
