@@ -73,7 +73,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.launcher import run_up
 
     try:
-        return run_up(args.prefill, args.decode, args.model, args.port)
+        return run_up(args.prefill, args.decode, args.model, args.port, args.prefill_threads, args.decode_threads)
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -171,6 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     up.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
+    up.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=0,
+        help="model threads of each prefill (default 0: every core; prefill's idle threads wait passively)",
+    )
+    up.add_argument(
+        "--decode-threads",
+        type=int,
+        default=0,
+        help="model threads of each decode (default 0: every core)",
+    )
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="stream an answer from a gateway")

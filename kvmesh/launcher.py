@@ -193,8 +193,23 @@ def _wait_ready(mesh: Mesh, addresses: list[str], timeout_s: float) -> None:
     asyncio.run(all_ready())
 
 
-def run_up(num_prefill: int, num_decode: int, model: str | None, port: int) -> int:
-    """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death."""
+def run_up(
+    num_prefill: int,
+    num_decode: int,
+    model: str | None,
+    port: int,
+    prefill_threads: int = 0,
+    decode_threads: int = 0,
+) -> int:
+    """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
+
+    prefill_threads / decode_threads: each instance's model threads (`--torch-threads`; 0:
+    every core). The default split on a small machine: both use every core, decode's threads
+    spin between steps and prefill's wait passively (see README, Measured), so a prefill burst
+    slows decode only while it computes.
+    """
+    if prefill_threads < 0 or decode_threads < 0:
+        raise ValueError(f"thread counts must be >= 0 (0: every core), got {prefill_threads} and {decode_threads}")
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt  # start_mesh stops what it started on the way out
@@ -205,7 +220,14 @@ def run_up(num_prefill: int, num_decode: int, model: str | None, port: int) -> i
     signal.signal(signal.SIGINT, interrupt)
     print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
     try:
-        mesh = start_mesh(num_prefill, num_decode, model, port)
+        mesh = start_mesh(
+            num_prefill,
+            num_decode,
+            model,
+            port,
+            extra_prefill_args=["--torch-threads", str(prefill_threads)] if prefill_threads else None,
+            extra_decode_args=["--torch-threads", str(decode_threads)] if decode_threads else None,
+        )
     except KeyboardInterrupt:
         print("start-up interrupted; stopped everything it started", file=sys.stderr, flush=True)
         return 130

@@ -1,0 +1,40 @@
+"""`kvmesh up --prefill-threads / --decode-threads` reach each instance as --torch-threads."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from kvmesh import cli, launcher
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """run_up installs SIGINT / SIGTERM handlers; give pytest its own back."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_thread_flags_become_each_instances_torch_threads(monkeypatch):
+    seen = {}
+
+    def fake_start_mesh(num_prefill, num_decode, model, port, **kwargs):
+        seen.update(kwargs, num_prefill=num_prefill, num_decode=num_decode, port=port)
+        raise KeyboardInterrupt  # as Ctrl-C during start-up: run_up returns 130
+
+    monkeypatch.setattr(launcher, "start_mesh", fake_start_mesh)
+    assert cli.main(["up", "--port", "50999", "--prefill-threads", "1", "--decode-threads", "2"]) == 130
+    assert seen["extra_prefill_args"] == ["--torch-threads", "1"]
+    assert seen["extra_decode_args"] == ["--torch-threads", "2"]
+    assert (seen["num_prefill"], seen["num_decode"], seen["port"]) == (1, 1, 50999)
+    seen.clear()
+    assert cli.main(["up", "--port", "50999"]) == 130  # the default: every core, no flag passed
+    assert seen["extra_prefill_args"] is None and seen["extra_decode_args"] is None
+
+
+def test_negative_thread_counts_are_refused():
+    with pytest.raises(ValueError, match="thread counts must be >= 0"):
+        launcher.run_up(1, 1, None, 50999, prefill_threads=-1)
