@@ -1,31 +1,44 @@
-"""`kvmesh bench`: decode speed of the mesh next to transformers, in one run.
+"""`kvmesh bench`: the mesh's decode and prefill next to transformers, llama.cpp and kvmesh's
+engine alone, in one run.
 
 Measures on the default model (or --model), greedy, EOS ignored so every request decodes
-exactly --new-tokens tokens:
-- transformers `generate` single-stream decode tokens/s (time of N new tokens minus the
-  time of 1, over N-1, so prefill is excluded), in this process, before the mesh starts;
-- kvmesh single-stream decode tokens/s ((generated-1) / (e2e - TTFT) per request);
-- kvmesh aggregate tokens/s with 4 and 16 concurrent requests (all tokens, prefill
-  included, over the wall time of the round);
-- TTFT p50 / p90 over every kvmesh request of the run;
-- llama.cpp's single-stream decode tokens/s on the same GGUF file (greedy, 2 threads, EOS
-  ignored, prefill excluded), in a process of its own before the mesh starts, when
-  `llama_cpp` is importable (a wheel for this machine kind is in ../shared/wheels/; it is a
-  benchmark peer, never a dependency).
-Each level runs --rounds times and reports the median. transformers' rounds interleave with
-kvmesh's single-stream rounds (the mesh idles meanwhile), so a shared machine's slow spells
-skew both alike. Run it on an otherwise idle machine; it prints the ratios the README quotes.
+exactly --new-tokens tokens. First the peers, each in a process of its own while no mesh runs
+(`kvmesh.bench_peers`: an idle mesh's threads must not slow a peer, nor a peer the mesh):
+- transformers `generate` (fp32 weights): single-stream decode tokens/s, and batched decode
+  of 4 and 16 prompts at once (the like-for-like baseline of the mesh's concurrent rounds),
+  prefill excluded (time of N new tokens minus the time of 1); its forward over a 2K-token
+  prompt (prefill tokens/s);
+- llama.cpp on the same GGUF file (2 threads, when `llama_cpp` is importable: a wheel for this
+  machine kind is in ../shared/wheels/; a benchmark peer, never a dependency): single-stream
+  decode and prompt evaluation of the same 2K tokens;
+- the engine alone (LlamaRunner, no services): single-stream decode.
+Then the mesh (1 prefill, 1 decode):
+- single-stream decode tokens/s ((generated-1) / (e2e - TTFT) per request);
+- aggregate tokens/s with 4 and 16 concurrent requests (all tokens, prefill included, over
+  the round's wall time);
+- a 2K-token prompt: prefill tokens/s (prompt / prefill compute), the whole KV push and the
+  part of it left after the compute (chunked prefill pushes each chunk while the next
+  computes), from the `Final` message;
+- TTFT p50 / p90 over every request of the run;
+- orchestration p50 / p90 (`orchestration_s`: TTFT less the prefill queue, the prefill compute
+  and the push left after it, as the `Final` message reports them: the gateway, the index
+  lookup, decode's Reserve and the RPC hops), over sequential short prompts (32 tokens,
+  max_tokens 1) and over the 2K-token prompts.
+Every prompt is new from its first token, so no figure is a prefix-cache hit. Each level runs
+--rounds times and reports the median. Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+
+from kvmesh import bench_peers
 
 PROMPTS = [
     "Tell me a story about a lighthouse keeper.",
@@ -33,75 +46,35 @@ PROMPTS = [
     "Describe a busy market in the morning.",
     "Write about a journey across the mountains.",
 ]
+LONG_PROMPT_TOKENS = 2048
+BATCHES = (4, 16)
 
-
-def _hf_bench(model_name: str | None, new_tokens: int) -> Callable[[], float]:
-    """Load transformers' model; return a function that measures one round of its decode tokens/s."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
-
-    files = resolve_model(model_name)
-    tok = load_tokenizer(files)
-    model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-
-    def timed(n: int) -> float:
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return time.perf_counter() - start
-
-    timed(4)  # warm-up
-    return lambda: (new_tokens - 1) / (timed(new_tokens) - timed(1))
-
+SHORT_PROMPT_TOKENS = 32
+ORCHESTRATION_REQUESTS = 60
 
 _ROUNDS = iter(range(1, 1 << 30))
 
 
-_LLAMA_CPP = """
-import sys, time
-from llama_cpp import Llama
-path, n, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-llm = Llama(model_path=path, n_threads=2, n_ctx=1024, verbose=False)
-prompt = llm.tokenize(
-    b"<|im_start|>user\\nTell me a story about a lighthouse keeper.<|im_end|>\\n<|im_start|>assistant\\n",
-    special=True,
-)
-def timed(k):
-    start = time.perf_counter()
-    for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
-        if i + 1 >= k:
-            break
-    return time.perf_counter() - start
-timed(4)
-runs = sorted((n - 1) / (timed(n) - timed(1)) for _ in range(rounds))
-print(runs[len(runs) // 2])
-"""
+def orchestration_s(final) -> float:
+    """Seconds of a request's TTFT outside the prefill queue, the prefill compute and the KV
+    push, from its `Final` message: client -> gateway -> index lookup -> decode Reserve ->
+    Prefill RPC -> first token back. The push counts only the part left in TTFT
+    (`exposed_seconds`, when prefill overlaps it with a chunked compute), else all of it."""
+    push_s = final.kv_transfer.exposed_seconds or final.kv_transfer.seconds
+    return final.ttft_s - final.queue_s - final.prefill_s - push_s
 
 
-def _llama_cpp_tokens_per_s(new_tokens: int, rounds: int) -> float | None:
-    """llama.cpp's greedy single-stream decode tokens/s on the default model's GGUF file, in a
-    process of its own (median of `rounds`); None when llama_cpp is not installed."""
-    import importlib.util
-    import subprocess
+async def _short_prompts(address: str, long_ids: list[int], count: int) -> list[float]:
+    """Orchestration seconds of `count` sequential fresh 32-token prompts, max_tokens 1."""
+    from kvmesh.client import GatewayClient, make_request
 
-    from engine.loader import default_gguf_path
-
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    out = subprocess.run(
-        [sys.executable, "-c", _LLAMA_CPP, str(default_gguf_path()), str(new_tokens), str(rounds)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+    out = []
+    async with GatewayClient(address) as client:
+        for _ in range(count):
+            ids = [1000 + next(_ROUNDS) % 40000, *long_ids[1:SHORT_PROMPT_TOKENS]]
+            final = (await client.complete(make_request(prompt_token_ids=ids, max_tokens=1), timeout_s=60)).final
+            out.append(orchestration_s(final))
+    return out
 
 
 async def _round(
@@ -132,72 +105,149 @@ async def _round(
     return total / wall, statistics.mean(per_request)
 
 
+async def _long_prompt(address: str, long_ids: list[int], cached: list[int]):
+    """One fresh 2K-token prompt, max_tokens 1: its Final (prefill and push timings)."""
+    from kvmesh.client import GatewayClient, make_request
+
+    ids = [1000 + next(_ROUNDS) % 40000, *long_ids[1:]]  # a new first token: no prefix hit
+    async with GatewayClient(address) as client:
+        out = await client.complete(make_request(prompt_token_ids=ids, max_tokens=1), timeout_s=900)
+    cached.append(out.final.cached_tokens)
+    return out.final
+
+
+def _peers(args, say) -> dict:
+    """Each peer in its own process, before the mesh starts."""
+    n, rounds = args.new_tokens, args.rounds
+    say("transformers, in its own process ...")
+    hf = bench_peers.measure("transformers", n, rounds, LONG_PROMPT_TOKENS, list(BATCHES), args.model)
+    out = {
+        "hf_tokens_per_s": hf["tokens_per_s"],
+        "hf_batch_tokens_per_s": hf["batch_tokens_per_s"],
+        "hf_prefill_tokens_per_s": hf["prefill_tokens_per_s"],
+        "llama_cpp_tokens_per_s": None,
+        "llama_cpp_prefill_tokens_per_s": None,
+        "engine_tokens_per_s": None,
+    }
+    if args.model is None:  # llama.cpp reads the default model's GGUF file; the engine peer runs Llama
+        if importlib.util.find_spec("llama_cpp") is not None:
+            say("llama.cpp, in its own process ...")
+            cpp = bench_peers.measure("llama_cpp", n, rounds, LONG_PROMPT_TOKENS, [], None)
+            out["llama_cpp_tokens_per_s"] = cpp["tokens_per_s"]
+            out["llama_cpp_prefill_tokens_per_s"] = cpp["prefill_tokens_per_s"]
+        say("the engine alone, in its own process ...")
+        out["engine_tokens_per_s"] = bench_peers.measure("engine", n, rounds, LONG_PROMPT_TOKENS, [], None)[
+            "tokens_per_s"
+        ]
+    return out
+
+
 def run_bench(args) -> int:
+    from engine.checkpoint import load_tokenizer
+    from engine.loader import resolve_model
     from kvmesh.client import GatewayClient, make_request
     from kvmesh.launcher import start_mesh
     from kvmesh.redis_server import free_port
 
     n = args.new_tokens
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
-    say(f"loading transformers' model; {n} new tokens a request ...")
-    hf_round = _hf_bench(args.model, n)
-    llama_cpp = None
-    if args.model is None:  # llama.cpp reads the default model's GGUF file
-        say("llama.cpp single stream, in its own process ...")
-        llama_cpp = _llama_cpp_tokens_per_s(n, args.rounds)
+    say(f"{n} new tokens a request, {args.rounds} rounds a level")
+    result: dict = _peers(args, say)
+    long_ids = bench_peers.long_prompt_ids(load_tokenizer(resolve_model(args.model)), LONG_PROMPT_TOKENS)
     say("starting the mesh (1 prefill, 1 decode) ...")
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-", suffix=".log") as log:
         mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""})
         try:
 
-            async def measure() -> dict[str, float]:
+            async def measure() -> dict:
                 ttfts: list[float] = []
                 cached: list[int] = []
                 async with GatewayClient(mesh.gateway_address) as client:  # warm-up
                     await client.complete(make_request("Hello", chat=True, max_tokens=8))
-                # each level runs `rounds` times; the median damps a shared machine's hiccups
-                hfs, singles = [], []
-                for _ in range(args.rounds):  # interleaved, one of each at a time
-                    hfs.append(hf_round())
-                    singles.append((await _round(mesh.gateway_address, 1, n, ttfts, cached))[1])
-                c4 = [(await _round(mesh.gateway_address, 4, n, ttfts, cached))[0] for _ in range(args.rounds)]
-                c16 = [(await _round(mesh.gateway_address, 16, n, ttfts, cached))[0] for _ in range(args.rounds)]
+                singles = [(await _round(mesh.gateway_address, 1, n, ttfts, cached))[1] for _ in range(args.rounds)]
+                batches = {
+                    b: statistics.median(
+                        [(await _round(mesh.gateway_address, b, n, ttfts, cached))[0] for _ in range(args.rounds)]
+                    )
+                    for b in BATCHES
+                }
+                longs = [await _long_prompt(mesh.gateway_address, long_ids, cached) for _ in range(args.rounds)]
+                short = await _short_prompts(mesh.gateway_address, long_ids, ORCHESTRATION_REQUESTS)
                 q = statistics.quantiles(ttfts, n=10)
                 return {
-                    "hf_tokens_per_s": statistics.median(hfs),
                     "single_tokens_per_s": statistics.median(singles),
-                    "c4_tokens_per_s": statistics.median(c4),
-                    "c16_tokens_per_s": statistics.median(c16),
+                    "batch_tokens_per_s": batches,
+                    "c4_tokens_per_s": batches[4],
+                    "c16_tokens_per_s": batches[16],
                     "ttft_p50_s": statistics.median(ttfts),
                     "ttft_p90_s": q[8],
+                    "long_prompt_tokens": longs[0].prompt_tokens,
+                    "prefill_tokens_per_s": statistics.median(f.prompt_tokens / f.prefill_s for f in longs),
+                    "prefill_compute_s": statistics.median(f.prefill_s for f in longs),
+                    "kv_push_s": statistics.median(f.kv_transfer.seconds for f in longs),
+                    "kv_push_exposed_s": statistics.median(f.kv_transfer.exposed_seconds for f in longs),
+                    "kv_push_bytes": longs[0].kv_transfer.nbytes,
                     "cached_prompt_tokens": sum(cached),
+                    "orchestration_p50_s": statistics.median(short),
+                    "orchestration_p90_s": statistics.quantiles(short, n=10)[8],
+                    "orchestration_long_p50_s": statistics.median(orchestration_s(f) for f in longs),
                 }
 
-            result = asyncio.run(measure())
+            result.update(asyncio.run(measure()))
         finally:
             mesh.stop()
-    result["llama_cpp_tokens_per_s"] = llama_cpp
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"\n{'measure':<42}{'value':>12}{'vs transformers':>18}")
-    rows = [
-        ("transformers generate, single stream (tok/s)", result["hf_tokens_per_s"]),
-        ("kvmesh single stream decode (tok/s)", result["single_tokens_per_s"]),
-        ("kvmesh 4 concurrent, aggregate (tok/s)", result["c4_tokens_per_s"]),
-        ("kvmesh 16 concurrent, aggregate (tok/s)", result["c16_tokens_per_s"]),
-    ]
-    for name, value in rows:
-        print(f"{name:<42}{value:>12.1f}{value / result['hf_tokens_per_s']:>17.2f}x")
-    if llama_cpp is not None:
-        print(
-            f"{'llama.cpp single stream (tok/s)':<42}{llama_cpp:>12.1f}"
-            f"{llama_cpp / result['hf_tokens_per_s']:>17.2f}x   kvmesh single stream / llama.cpp: "
-            f"{result['single_tokens_per_s'] / llama_cpp:.2f}x, 16 concurrent / llama.cpp: "
-            f"{result['c16_tokens_per_s'] / llama_cpp:.2f}x"
-        )
-    else:
-        print("llama.cpp not installed: pip install ../shared/wheels/llama_cpp_python-*.whl for its column")
-    print(f"{'TTFT p50 / p90 (ms)':<42}{result['ttft_p50_s'] * 1000:>7.0f} / {result['ttft_p90_s'] * 1000:.0f}")
-    print(f"prefix-cache hits over the run: {result['cached_prompt_tokens']} prompt tokens (fresh prompts each round)")
+    _print_table(result)
     return 0
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def _print_table(r: dict) -> None:
+    hf, cpp, engine = r["hf_tokens_per_s"], r["llama_cpp_tokens_per_s"], r["engine_tokens_per_s"]
+    print(f"\n{'decode (tok/s) [weights read]':<50}{'value':>9}{'vs transformers':>17}{'vs llama.cpp':>14}")
+
+    def row(name: str, value: float | None, base_hf: float | None, base_cpp: float | None) -> None:
+        text = "-" if value is None else f"{value:.1f}"
+        print(f"{name:<50}{text:>9}{_ratio(value, base_hf):>17}{_ratio(value, base_cpp):>14}")
+
+    row("transformers generate, single stream [fp32]", hf, hf, cpp)
+    row("llama.cpp, single stream [Q4_1/Q8_0]", cpp, hf, cpp)
+    row("engine alone, single stream [Q4_1/Q8_0]", engine, hf, cpp)
+    row("kvmesh mesh, single stream [Q4_1/Q8_0]", r["single_tokens_per_s"], hf, cpp)
+    for b in BATCHES:
+        base = r["hf_batch_tokens_per_s"][b]
+        row(f"transformers generate, batch of {b} [fp32]", base, base, None)
+        row(f"kvmesh mesh, {b} concurrent, aggregate*", r["batch_tokens_per_s"][b], base, cpp)
+    print(
+        "* prefill included, over the round's wall time; 'vs transformers' is to its batched generate of the "
+        "same size, 'vs llama.cpp' to its single stream (it has no batched decode)"
+    )
+    if engine:
+        print(f"mesh single stream / engine alone: {r['single_tokens_per_s'] / engine:.2f}x")
+    if cpp is None:
+        print("llama.cpp not installed: pip install ../shared/wheels/llama_cpp_python-*.whl for its figures")
+    p, hfp, cppp = r["prefill_tokens_per_s"], r["hf_prefill_tokens_per_s"], r["llama_cpp_prefill_tokens_per_s"]
+    print(f"\nprefill of a {r['long_prompt_tokens']}-token prompt (tok/s) [fp32]")
+    row("transformers forward", hfp, hfp, cppp)
+    row("llama.cpp prompt evaluation", cppp, hfp, cppp)
+    row("kvmesh prefill (chunked)", p, hfp, cppp)
+    push, exposed = r["kv_push_s"], r["kv_push_exposed_s"]
+    print(
+        f"its KV push: {r['kv_push_bytes'] / 1e6:.1f} MB; prefill compute {r['prefill_compute_s'] * 1000:.0f} ms, "
+        f"whole push {push * 1000:.1f} ms, exposed after the compute {exposed * 1000:.1f} ms "
+        f"({exposed / push:.0%} of the push)"
+        if push
+        else "no KV push measured"
+    )
+    print(f"\n{'TTFT p50 / p90 (ms)':<50}{r['ttft_p50_s'] * 1000:>7.0f} / {r['ttft_p90_s'] * 1000:.0f}")
+    print(
+        f"{'orchestration p50 / p90 (ms), 32-token prompts':<50}{r['orchestration_p50_s'] * 1000:>7.1f} / "
+        f"{r['orchestration_p90_s'] * 1000:.1f}; {r['long_prompt_tokens']}-token prompts: p50 "
+        f"{r['orchestration_long_p50_s'] * 1000:.1f}   (TTFT less prefill queue, compute and the push left after it)"
+    )
+    print(f"prefix-cache hits over the run: {r['cached_prompt_tokens']} prompt tokens (fresh prompts each round)")
