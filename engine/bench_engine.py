@@ -1,18 +1,25 @@
-"""Decode speed of LlamaRunner against transformers' generate, side by side in one run.
+"""Decode speed of LlamaRunner against transformers' generate and llama.cpp, side by side in one run.
 
     python -m engine.bench_engine [--model NAME_OR_PATH] [--new-tokens 64] [--batch 4 16]
 
-Prints greedy single-stream decode tokens/s of transformers `generate` and of LlamaRunner, then
-LlamaRunner's batched decode tokens/s at each batch size, and each as a ratio to transformers.
-Decode time excludes prefill: each run times only the steps after the first token. Runs are
-interleaved and the best of --repeats is kept, so background load skews all contenders alike.
+Prints greedy single-stream decode tokens/s of transformers `generate`, of llama.cpp
+(llama-cpp-python on the same GGUF file and prompt tokens, as many threads as torch, in a
+process of its own; when llama_cpp is installed and the model came from a GGUF file) and of
+LlamaRunner, then LlamaRunner's batched decode tokens/s at each batch size, each as a ratio to
+transformers and to llama.cpp. Decode time excludes prefill: each run times only the steps
+after the first token. Runs are interleaved and the best of --repeats is kept, so background
+load skews all contenders alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from engine.checkpoint import load_tokenizer
 from engine.forward import ForwardItem
 from engine.llama_runner import LlamaRunner
-from engine.loader import resolve_model
+from engine.loader import default_gguf_path, resolve_model
 from engine.models.llama import QUANTIZED_MAX_BATCH
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -79,6 +86,47 @@ def bench_runner(runner: LlamaRunner, prompts: list[list[int]], new_tokens: int)
     return len(prompts) * new_tokens / (time.perf_counter() - start)
 
 
+# a llama.cpp process that decodes on request: one line "N" in, greedy decode tokens/s of N out
+_LLAMA_CPP = """
+import sys, time
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=1024, verbose=False)
+prompt = [int(t) for t in sys.argv[3].split(",")]
+def timed(k):
+    start = time.perf_counter()
+    for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+        if i + 1 >= k:
+            break
+    return time.perf_counter() - start
+timed(4)
+print("ready", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    print(n / (timed(1 + n) - timed(1)), flush=True)
+"""
+
+
+class LlamaCpp:
+    """llama.cpp's greedy single-stream decode on a GGUF file, in a process of its own, timed as
+    `bench_transformers` times generate: n / (t(1+n) - t(1)) tokens/s."""
+
+    def __init__(self, gguf: Path, prompt: list[int], threads: int) -> None:
+        cmd = [sys.executable, "-c", _LLAMA_CPP, str(gguf), str(threads), ",".join(map(str, prompt))]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None and self._proc.stdout.readline().strip() == "ready", "llama.cpp failed"
+
+    def tokens_per_s(self, new_tokens: int) -> float:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(f"{new_tokens}\n")
+        self._proc.stdin.flush()
+        return float(self._proc.stdout.readline())
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc.wait(timeout=30)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print a table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -104,21 +152,28 @@ def main(argv: list[str] | None = None) -> None:
     # decode steps of up to QUANTIZED_MAX_BATCH sequences read the GGUF file's Q4_1 / Q8_0 blocks
     # (when the model came from a GGUF file); transformers reads the fp32 conversion
     ours = "GGUF blocks" if runner.model.q_lm_head is not None else "fp32"
+    llama_cpp = None
+    if importlib.util.find_spec("llama_cpp") is not None and args.model is None:
+        llama_cpp = LlamaCpp(default_gguf_path(), prompts[0], torch.get_num_threads())
     bench_transformers(hf_model, prompts[0], 4)  # warm up
     # interleave the contenders, best of each: load from other processes hits both alike
     hf_key = "transformers generate, B=1 [fp32]"
+    cpp_key = "llama.cpp, B=1 [GGUF blocks]"
     best: dict[str, float] = {}
     for _ in range(args.repeats):
         runs = {hf_key: bench_transformers(hf_model, prompts[0], args.new_tokens)}
+        if llama_cpp is not None:
+            runs[cpp_key] = llama_cpp.tokens_per_s(args.new_tokens)
         for b in [1] + args.batch:
             fmt = ours if b <= QUANTIZED_MAX_BATCH else "fp32"
             runs[f"LlamaRunner, B={b} [{fmt}]"] = bench_runner(runner, prompts[:b], args.new_tokens)
         best = {k: max(v, best.get(k, 0.0)) for k, v in runs.items()}
-    hf = best[hf_key]
-    rows = list(best.items())
-    print(f"{'decode [weights read]':<40}{'tokens/s':>10}{'x transformers':>16}")
-    for name, tps in rows:
-        print(f"{name:<40}{tps:>10.1f}{tps / hf:>16.2f}")
+    if llama_cpp is not None:
+        llama_cpp.close()
+    hf, cpp = best[hf_key], best.get(cpp_key)
+    print(f"{'decode [weights read]':<40}{'tokens/s':>10}{'x transformers':>16}{'x llama.cpp':>13}")
+    for name, tps in best.items():
+        print(f"{name:<40}{tps:>10.1f}{tps / hf:>16.2f}{tps / cpp if cpp else float('nan'):>13.2f}")
 
 
 if __name__ == "__main__":

@@ -129,10 +129,13 @@ def _q4_1_matmul(x, qs, d, m, out):  # x [M, K] f32, qs [NT, K/2, TN] u8, out [M
             for jj in range(QK // 2):
                 j = b * (QK // 2) + jj
                 for r in range(rows):
-                    x0, x1 = x[r, 2 * j], x[r, 2 * j + 1]
+                    # x1 * q_hi as (x1 / 16) * (16 q_hi): the same product (the division is
+                    # exact), but `byte & 0xF0` keeps 32-bit lanes where `byte >> 4` made LLVM
+                    # widen to 64-bit ones: 2.4x faster (576x3072, one thread)
+                    x0, x1 = x[r, 2 * j], x[r, 2 * j + 1] * np.float32(0.0625)
                     for n in range(TN):
-                        byte = qs[t, j, n]
-                        blk[r, n] += x0 * np.float32(byte & 15) + x1 * np.float32(byte >> 4)
+                        byte = np.int32(qs[t, j, n])
+                        blk[r, n] += x0 * np.float32(byte & 15) + x1 * np.float32(byte & 240)
             for r in range(rows):
                 s = xsum[r, b]
                 for n in range(TN):
@@ -158,6 +161,59 @@ def _q8_0_matmul(x, q, d, out):  # x [M, K] f32, q [NT, K, TN] i8, out [M, NT*TN
                 for n in range(TN):
                     acc[r, n] += d[t, b, n] * blk[r, n]
         out[:, t * TN : (t + 1) * TN] = acc
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def q4_1_tile(x, xsum, qs, d, m, t, out):  # x [K] f32, xsum [G], qs [NT, K/2, TN] u8, out [NT*TN]
+    """out[t*TN : (t+1)*TN] = tile t of x @ w.T for one row x: the arithmetic of `_q4_1_matmul`
+    step for step, so a row gives the same bits either way. For callers' own numba loops (the
+    fused batch-1 decode step, `engine.models.llama`); xsum is `block_sums(x)`."""
+    g = x.shape[0] // QK
+    acc = np.zeros(TN, np.float32)
+    blk = np.empty(TN, np.float32)
+    for b in range(g):
+        blk[:] = 0
+        for jj in range(QK // 2):
+            j = b * (QK // 2) + jj
+            x0, x1 = x[2 * j], x[2 * j + 1] * np.float32(0.0625)
+            for n in range(TN):
+                byte = np.int32(qs[t, j, n])
+                blk[n] += x0 * np.float32(byte & 15) + x1 * np.float32(byte & 240)
+        s = xsum[b]
+        for n in range(TN):
+            acc[n] += d[t, b, n] * blk[n] + m[t, b, n] * s
+    out[t * TN : (t + 1) * TN] = acc
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def q8_0_tile(x, q, d, t, out):  # x [K] f32, q [NT, K, TN] i8, d [NT, G, TN], out [NT*TN]
+    """out[t*TN : (t+1)*TN] = tile t of x @ w.T for one row x, as `_q8_0_matmul` computes it."""
+    g = x.shape[0] // QK
+    acc = np.zeros(TN, np.float32)
+    blk = np.empty(TN, np.float32)
+    for b in range(g):
+        blk[:] = 0
+        for i in range(QK):
+            k = b * QK + i
+            xk = x[k]
+            for n in range(TN):
+                blk[n] += xk * np.float32(q[t, k, n])
+        for n in range(TN):
+            acc[n] += d[t, b, n] * blk[n]
+    out[t * TN : (t + 1) * TN] = acc
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def block_sums(x):  # x [K] -> [G]
+    """Sums of each block of 32 inputs of one row, in `_block_sums`' order."""
+    g = x.shape[0] // QK
+    out = np.empty(g, np.float32)
+    for b in range(g):
+        s = np.float32(0)
+        for i in range(QK):
+            s += x[b * QK + i]
+        out[b] = s
+    return out
 
 
 def kernel_threads() -> tuple[str, int]:

@@ -8,7 +8,7 @@ import torch
 from engine.checkpoint import load_checkpoint_tensors
 from engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
 from engine.loader import default_gguf_path, resolve_model
-from kernels.quant import TN, pack_q4_1, pack_q8_0, quantized_matmul
+from kernels.quant import TN, block_sums, pack_q4_1, pack_q8_0, q4_1_tile, q8_0_tile, quantized_matmul
 from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref, quantized_matmul_ref
 
 
@@ -49,6 +49,24 @@ def test_each_row_is_computed_the_same_alone_or_in_a_batch():
     x = torch.randn(4, 64)
     alone = torch.cat([quantized_matmul(x[i : i + 1], w) for i in range(4)])
     assert torch.equal(quantized_matmul(x, w), alone)
+
+
+def test_one_row_tiles_give_the_batched_kernels_bits():
+    # the fused batch-1 decode step (engine.models.llama) multiplies tile by tile with
+    # q4_1_tile / q8_0_tile: each row must come out exactly as quantized_matmul computes it
+    rng = np.random.default_rng(3)
+    w4 = pack_q4_1(*_q4_1(rng, 100, 96))  # a padded last tile too
+    w8 = pack_q8_0(rng.integers(-128, 128, (130, 64), dtype=np.int8), (rng.random((130, 2)) * 0.01).astype(np.float16))
+    x4, x8 = torch.randn(3, 96) * 3, torch.randn(3, 64)
+    batched4, batched8 = quantized_matmul(x4, w4), quantized_matmul(x8, w8)
+    for r in range(3):
+        row4, row8 = x4[r].numpy(), x8[r].numpy()
+        out4, out8 = np.empty(w4.qs.shape[0] * TN, np.float32), np.empty(w8.q.shape[0] * TN, np.float32)
+        for t in range(w4.qs.shape[0]):
+            q4_1_tile(row4, block_sums(row4), w4.qs, w4.d, w4.m, t, out4)
+        for t in range(w8.q.shape[0]):
+            q8_0_tile(row8, w8.q, w8.d, t, out8)
+        assert np.array_equal(out4[:100], batched4[r].numpy()) and np.array_equal(out8[:130], batched8[r].numpy())
 
 
 def test_bad_shapes_are_refused():

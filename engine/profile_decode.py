@@ -1,0 +1,249 @@
+# V=vocab, H=hidden
+"""Where the time of one batch-1 decode step goes: per token, in milliseconds and % of the step.
+
+    python -m engine.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3]
+
+Runs LlamaRunner greedy single-stream decode (forward + `engine.sampler.sample`) after a chat
+prompt's prefill and times each part of the step with `time.perf_counter` around the model's
+parts: the quantized (or fp32) matmuls grouped by projection (q/k/v, o, MLP gate/up, MLP down,
+lm_head), attention over pages (K/V write and SDPA), RMSNorm, RoPE, SiLU*up, the step's setup
+(positions, attention metadata), sampling, and the rest (embedding, residual adds, views and
+the Python between them: the step's time less every timed part). A batch-1 step of a model with
+GGUF blocks is one numba call (`engine.models.llama._decode_step`), which counts its own parts'
+CPU cycles (`LlamaModel.step_cycles`, converted here at the counter's measured rate); it applies
+SiLU*up inside the gate/up matmul's tiles, so that row reads 0 and gate/up includes it. The timers are a profiling
+hook: they replace the module-level functions `engine.models.llama` calls (`_mm`, `_lm_head`,
+`rms_norm`, `apply_rotary`, `paged_attention`, `silu_and_mul`) for the profiled steps only and
+put them back after, so the served hot path carries no timer. The step is also timed without
+the hook, which shows what the timers themselves cost.
+
+Also printed: the weight bytes one decode token reads (every matmul weight once, in the format
+the step uses: GGUF blocks as packed for `kernels.quant`, or fp32; norms and one embedding row
+included) and the GB/s that implies over the whole step and over the matmuls alone.
+Of --repeats runs of --steps tokens, the one with the fastest timed step is reported (and the
+fastest untimed step), so background load distorts them least. Units: ms per token, % of the hooked step, bytes, GB/s (1e9 bytes/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+import engine.models.llama as llama
+from engine.checkpoint import load_tokenizer
+from engine.forward import ForwardItem
+from engine.llama_runner import LlamaRunner
+from engine.loader import resolve_model
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+
+MATMULS = ("matmul q/k/v", "matmul o", "matmul MLP gate/up", "matmul MLP down", "matmul lm_head")
+PARTS = (
+    *MATMULS,
+    "attention over pages",
+    "RMSNorm",
+    "RoPE",
+    "SiLU*up",
+    "step setup (positions, metadata)",
+    "sampling (greedy)",
+)
+SETUP, SAMPLING = PARTS[-2:]
+_MODEL = "model forward"
+REST = "rest (embedding, residual adds, Python)"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Mean milliseconds per decode token of each part (`PARTS`, then `REST`), the hooked step
+    (`step_ms`), the step without the hook (`plain_step_ms`), and weight bytes read per token."""
+
+    ms: dict[str, float]
+    step_ms: float
+    plain_step_ms: float
+    weight_bytes: int
+
+    @property
+    def matmul_ms(self) -> float:
+        return sum(self.ms[k] for k in MATMULS)
+
+
+def _nbytes(w: object) -> int:
+    """Bytes of a weight as the step reads it: a tensor, or a packed GGUF weight's arrays."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(a.nbytes for a in vars(w).values() if isinstance(a, np.ndarray))
+
+
+def weight_bytes_per_token(model: llama.LlamaModel, quantized: bool) -> int:
+    """Weight bytes one batch-1 decode step reads: each matmul weight (its blocks when
+    `quantized`, else fp32), the norms, and one embedding row (bytes)."""
+    total = model.embed[0].numel() * model.embed.element_size() + _nbytes(model.norm)
+    for w in model.layers:
+        total += _nbytes(w.input_norm) + _nbytes(w.post_norm)
+        for fp32, q in ((w.w_qkv, w.q_qkv), (w.w_o, w.q_o), (w.w_gate_up, w.q_gate_up), (w.w_down, w.q_down)):
+            total += _nbytes(q if quantized and q is not None else fp32)
+    head = model.q_lm_head if quantized and model.q_lm_head is not None else model.lm_head
+    return total + _nbytes(head)
+
+
+@contextmanager
+def _hooked(model: llama.LlamaModel, ms: dict[str, float]) -> Iterator[None]:
+    """Time the model's parts into ms (accumulated seconds, by part name) while inside."""
+    groups: dict[int, str] = {}
+    for w in model.layers:
+        for name, ws in zip(
+            MATMULS, ((w.w_qkv, w.q_qkv), (w.w_o, w.q_o), (w.w_gate_up, w.q_gate_up), (w.w_down, w.q_down))
+        ):
+            groups.update({id(x): name for x in ws if x is not None})
+
+    def timed(name: str | None, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            key = name if name is not None else groups[id(args[2] if args[2] is not None else args[1])]
+            ms[key] += time.perf_counter() - start
+            return out
+
+        return wrapper
+
+    saved = {
+        n: getattr(llama, n) for n in ("_mm", "_lm_head", "rms_norm", "apply_rotary", "paged_attention", "silu_and_mul")
+    }
+    patches = {
+        "_mm": timed(None, saved["_mm"]),
+        "_lm_head": timed("matmul lm_head", saved["_lm_head"]),
+        "rms_norm": timed("RMSNorm", saved["rms_norm"]),
+        "apply_rotary": timed("RoPE", saved["apply_rotary"]),
+        "paged_attention": timed("attention over pages", saved["paged_attention"]),
+        "silu_and_mul": timed("SiLU*up", saved["silu_and_mul"]),
+    }
+    for n, f in patches.items():
+        setattr(llama, n, f)
+    model.forward = timed(_MODEL, model.forward)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(llama, n, f)
+        del model.forward
+
+
+def _decode(runner: LlamaRunner, prompt: list[int], steps: int, ms: dict[str, float] | None) -> float:
+    """Prefill `prompt` (untimed), then `steps` greedy decode steps; returns their seconds.
+
+    With `ms`, also accumulates the seconds of sampling and of the step's setup (the runner's
+    forward less the model's) into it; the hook times the model's parts."""
+    greedy, gens = [SamplingParams()], [None]
+    pages = list(range((len(prompt) + steps + runner.page_size) // runner.page_size))
+    tok = sample(runner.forward([ForwardItem(prompt, 0, pages)]), greedy, gens)[0]
+    if ms is not None:
+        ms.update(dict.fromkeys(ms, 0.0))  # the prefill went through the hook too
+        runner.model.step_cycles[:] = 0
+    n = len(prompt)
+    total = 0.0
+    for _ in range(steps):
+        item = [ForwardItem([tok], n, pages)]
+        start = time.perf_counter()
+        if ms is None:
+            tok = sample(runner.forward(item), greedy, gens)[0]
+        else:
+            model_before = ms[_MODEL]
+            logits = runner.forward(item)
+            mid = time.perf_counter()
+            ms[SETUP] += mid - start - (ms[_MODEL] - model_before)
+            tok = sample(logits, greedy, gens)[0]
+            ms[SAMPLING] += time.perf_counter() - mid
+        total += time.perf_counter() - start
+        n += 1
+    return total
+
+
+def cycles_per_second(span_s: float = 0.05) -> float:
+    """Rate of `engine.models.llama.read_cycles`, the counter the fused step's parts are timed in."""
+    llama.read_cycles()  # compiled before timing
+    c0, t0 = llama.read_cycles(), time.perf_counter()
+    time.sleep(span_s)
+    return (llama.read_cycles() - c0) / (time.perf_counter() - t0)
+
+
+def profile(runner: LlamaRunner, prompt: list[int], steps: int = 64, repeats: int = 3) -> Profile:
+    """Profile `steps` decode tokens after `prompt`, `repeats` times; keep the fastest run.
+
+    The runner needs pages for len(prompt) + steps tokens. Returns ms per token of each part.
+    Raises ValueError when steps or repeats < 1.
+    """
+    if steps < 1 or repeats < 1:
+        raise ValueError(f"steps and repeats must be >= 1, got {steps} and {repeats}")
+    model = runner.model
+    hz = cycles_per_second()
+    best: Profile | None = None
+    fastest_plain = float("inf")
+    for _ in range(repeats):
+        plain = _decode(runner, prompt, steps, None)
+        sums = dict.fromkeys((*PARTS, _MODEL), 0.0)
+        model.step_cycles = np.zeros(len(llama.STEP_PARTS), np.int64)
+        with _hooked(model, sums):
+            step = _decode(runner, prompt, steps, sums)
+        for name, cycles in zip(llama.STEP_PARTS, model.step_cycles):
+            sums[name] += cycles / hz
+        model.step_cycles = np.zeros(0, np.int64)
+        del sums[_MODEL]
+        ms = {k: v / steps * 1e3 for k, v in sums.items()}
+        ms[REST] = step / steps * 1e3 - sum(ms.values())
+        quantized = model.q_lm_head is not None and llama.QUANTIZED_MAX_BATCH >= 1
+        run = Profile(ms, step / steps * 1e3, plain / steps * 1e3, weight_bytes_per_token(model, quantized))
+        if best is None or run.step_ms < best.step_ms:
+            best = run
+        fastest_plain = min(fastest_plain, run.plain_step_ms)
+    assert best is not None
+    return replace(best, plain_step_ms=fastest_plain)
+
+
+def format_profile(p: Profile) -> str:
+    """The profile as a table: part, ms per token, % of the hooked step."""
+    lines = [f"{'part of a decode step (B=1)':<40}{'ms/token':>10}{'% step':>8}"]
+    for name in (*PARTS, REST):
+        lines.append(f"{name:<40}{p.ms[name]:>10.3f}{100 * p.ms[name] / p.step_ms:>7.1f}%")
+    lines.append(f"{'  of which matmuls':<40}{p.matmul_ms:>10.3f}{100 * p.matmul_ms / p.step_ms:>7.1f}%")
+    lines.append(f"{'step, timed parts':<40}{p.step_ms:>10.3f}{100.0:>7.1f}%")
+    lines.append(f"{'step, no timers':<40}{p.plain_step_ms:>10.3f}  ({1e3 / p.plain_step_ms:.1f} tokens/s)")
+    lines.append(
+        f"weights read per token: {p.weight_bytes / 1e6:.1f} MB; "
+        f"{p.weight_bytes / p.plain_step_ms / 1e6:.1f} GB/s over the step, "
+        f"{p.weight_bytes / p.matmul_ms / 1e6:.1f} GB/s over the matmuls"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Profile the default model (or --model) and print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
+    ap.add_argument("--steps", type=int, default=64, help="decode tokens a run")
+    ap.add_argument("--repeats", type=int, default=3, help="runs; the fastest is printed")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    files = resolve_model(args.model)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = load_tokenizer(files).apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    runner = LlamaRunner(files, num_pages=(len(prompt) + args.steps) // 16 + 2)
+    runner.warmup()
+    p = profile(runner, prompt, args.steps, args.repeats)
+    kind = "GGUF blocks" if runner.model.q_lm_head is not None else "fp32"
+    print(
+        f"model {files.name} [{kind}], {torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
+        f"{args.steps} decode tokens, fastest of {args.repeats} runs"
+    )
+    print(format_profile(p))
+
+
+if __name__ == "__main__":
+    main()

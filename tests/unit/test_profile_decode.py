@@ -1,0 +1,60 @@
+"""engine.profile_decode on a tiny random Llama: every part is timed, the hook comes off after,
+and the weight bytes are counted from the weights themselves. No timing is asserted."""
+
+import pytest
+import torch
+
+import engine.models.llama as llama
+from engine.llama_runner import LlamaRunner
+from engine.loader import resolve_model
+from engine.profile_decode import MATMULS, PARTS, REST, format_profile, profile, weight_bytes_per_token
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    """A 2-layer Llama (GQA 4 heads over 2, untied head), as tests/unit/test_model_runner.py."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return LlamaRunner(resolve_model(str(path)), num_pages=8, page_size=4)
+
+
+def test_profile_times_every_part_and_removes_its_hook(runner):
+    hooked = {n: getattr(llama, n) for n in ("_mm", "_lm_head", "rms_norm", "paged_attention")}
+    p = profile(runner, prompt=[1, 5, 9], steps=4, repeats=2)
+    assert set(p.ms) == {*PARTS, REST}
+    # the tiny model has no GGUF blocks: every part runs as torch ops and each was timed
+    assert all(p.ms[name] > 0 for name in PARTS), p.ms
+    assert p.matmul_ms == sum(p.ms[name] for name in MATMULS)
+    assert p.step_ms > 0 and p.plain_step_ms > 0
+    # the hook is gone: the module's functions and the model's forward are the originals again
+    assert {n: getattr(llama, n) for n in hooked} == hooked
+    assert "forward" not in vars(runner.model) and runner.model.step_cycles.size == 0
+    table = format_profile(p)
+    assert all(name in table for name in (*PARTS, REST)) and "GB/s" in table
+
+
+def test_weight_bytes_count_each_fp32_weight_once(runner):
+    c = runner.config
+    H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+    per_layer = H * (c.num_heads + 2 * c.num_kv_heads) * D + c.num_heads * D * H + 3 * H * I + 2 * H
+    expected = 4 * (
+        c.num_layers * per_layer + c.vocab_size * H + H + H
+    )  # layers, lm_head, final norm, one embedding row
+    assert weight_bytes_per_token(runner.model, quantized=False) == expected
+    assert weight_bytes_per_token(runner.model, quantized=True) == expected  # no blocks: fp32 either way
