@@ -4,7 +4,9 @@
        \\________\\___________\\___________\\-------> aborted
 
 `RequestLife` holds both legs of one attempt (the prefill instance and the decode
-instance with its reservation) and the gateway's accounting on each. `finish()` and
+instance with its reservation) and the gateway's accounting on each. The decode leg may
+come first: the gateway sends Reserve as soon as it picks decode and chooses prefill (after
+the prefix index answers) while Reserve is in flight (`route_prefill`). `finish()` and
 `abort(failure)` end it exactly once: the routed-token accounting of an aborted attempt
 is undone (so cancels do not skew routing), a decode stream still open
 is cancelled, a reservation no stream claimed is released, and the instance a failure
@@ -104,24 +106,38 @@ _BLAMES_INSTANCE = frozenset({FailureCause.INSTANCE_LOST, FailureCause.KV_PUSH_F
 class RequestLife:
     """One attempt of one request: its two legs and the gateway's accounting on them."""
 
-    def __init__(self, pool, request_id: str, prefill: InstanceLoad, decode: InstanceLoad, queued_tokens: int) -> None:
-        """Count the attempt on both instances at once (a burst sees it before any report does)."""
+    def __init__(
+        self, pool, request_id: str, prefill: InstanceLoad | None, decode: InstanceLoad, queued_tokens: int = 0
+    ) -> None:
+        """Count the attempt on its instances at once (a burst sees it before any report does).
+
+        prefill None: chosen later with `route_prefill` (queued_tokens is given there)."""
         self.pool = pool
         self.request_id = request_id
-        self.prefill = prefill
+        self.prefill: InstanceLoad | None = None
         self.decode = decode
-        self.queued_tokens = queued_tokens
+        self.queued_tokens = 0
         self.stage = Stage.ROUTED
         self.transfer_id: int | None = None
         self.decode_call = None
         self._reserve_call: asyncio.Future | None = None
+        self._prefill_open = False
+        decode.in_flight_requests += 1
+        decode.breaker.on_routed()
+        if prefill is not None:
+            self.route_prefill(prefill, queued_tokens)
+
+    def route_prefill(self, prefill: InstanceLoad, queued_tokens: int) -> None:
+        """The prefill leg: count `queued_tokens` (the prefill tokens this request adds to its
+        queue) on `prefill`. Once, before the attempt ends."""
+        assert self.prefill is None and self.stage in (Stage.ROUTED, Stage.RESERVED), (self.request_id, self.stage)
+        self.prefill = prefill
+        self.queued_tokens = queued_tokens
         self._prefill_open = True
         prefill.in_flight_requests += 1
         prefill.in_flight_tokens += queued_tokens
         prefill.total_routed_tokens += queued_tokens
-        decode.in_flight_requests += 1
         prefill.breaker.on_routed()
-        decode.breaker.on_routed()
 
     def reserving(self, call: asyncio.Future) -> None:
         """The Reserve call is in flight: if the attempt ends before it answers, decode may
@@ -133,6 +149,7 @@ class RequestLife:
         self.transfer_id = transfer_id
 
     def prefilled(self) -> None:
+        assert self.prefill is not None, self.request_id
         self._advance(Stage.RESERVED, Stage.PREFILLED)
         self._end_prefill()
         self.prefill.breaker.record_success()
@@ -153,6 +170,8 @@ class RequestLife:
         if self.stage in (Stage.FINISHED, Stage.ABORTED):
             return
         for inst in (self.prefill, self.decode):
+            if inst is None:
+                continue
             if failure is not None and failure.instance is inst:
                 inst.breaker.record_failure()
             else:
@@ -162,7 +181,7 @@ class RequestLife:
     def _close(self, stage: Stage) -> None:
         self.stage = stage
         self._end_prefill()
-        if stage == Stage.ABORTED:
+        if stage == Stage.ABORTED and self.prefill is not None:
             # a cancelled or failed attempt leaves no trace in the routing tie-break, whatever
             # stage it reached: idle, equal instances share new work evenly again
             self.prefill.total_routed_tokens -= self.queued_tokens
@@ -189,7 +208,7 @@ class RequestLife:
             self._release(call.result().transfer_id)
 
     def _end_prefill(self) -> None:
-        if not self._prefill_open:
+        if not self._prefill_open or self.prefill is None:
             return
         self._prefill_open = False
         self.prefill.in_flight_requests -= 1

@@ -99,8 +99,8 @@ class PromptBuilder:
             if prompt or messages or chat:
                 raise ValueError("send prompt_token_ids alone: without prompt, messages or chat")
             vocab = len(self.tokenizer)
-            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
+            if min(token_ids) < 0 or max(token_ids) >= vocab:  # builtins: ~20x a Python loop's speed
+                bad = next(t for t in token_ids if not 0 <= t < vocab)
                 raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad}")
             return list(token_ids)
         if prompt and messages:

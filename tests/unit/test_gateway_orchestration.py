@@ -1,0 +1,256 @@
+"""The gateway's path to the first token (its orchestration): Reserve goes out before the
+prefix index answers, the prefill leg joins the attempt afterwards, small prompts skip the
+worker thread, and `kvmesh bench` derives the orchestration time from the Final message.
+The instances and the index are test doubles; the pool, the router and the servicer are real."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.sampling_params import SamplingParams
+from gateway.admission import AdmissionQueue
+from gateway.pool import InstancePool
+from gateway.request_life import RequestLife, Stage
+from gateway.requests import GenerateInput
+from gateway.router import InstanceLoad
+from gateway.servicer import INLINE_PROMPT_BYTES, GatewayServicer, _tokenize_inline
+from kvmesh.bench import orchestration_s
+from kvmesh.client import make_request
+from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
+
+
+class Events(list):
+    """What happened, in order."""
+
+
+class SlowIndex:
+    """A prefix index whose answer waits until the test lets it go."""
+
+    def __init__(self, events: Events, holds: dict[str, int]) -> None:
+        self.events = events
+        self.holds = holds
+        self.answer = asyncio.Event()
+
+    async def longest_prefix(self, block_hashes, instance_ids):
+        self.events.append("index asked")
+        await self.answer.wait()
+        self.events.append("index answered")
+        return {i: self.holds.get(i, 0) for i in instance_ids}
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeDecode:
+    """A decode instance whose Reserve answers when the test lets it."""
+
+    def __init__(self, events: Events) -> None:
+        self.events = events
+        self.answer = asyncio.Event()
+
+    async def Reserve(self, request, timeout=None, metadata=None):
+        self.events.append("reserve sent")
+        await self.answer.wait()
+        self.events.append("reserved")
+        return decode_pb2.ReserveResponse(kv_address="decode:9", transfer_id=7, instance_id="d1")
+
+    async def Release(self, request, timeout=None):
+        self.events.append(f"release {request.transfer_id}")
+        return decode_pb2.ReleaseResponse(released=True)
+
+
+class FakePrefill:
+    def __init__(self, events: Events) -> None:
+        self.events = events
+
+    async def Prefill(self, request, timeout=None, metadata=None):
+        self.events.append(f"prefill transfer {request.transfer_id}")
+        return prefill_pb2.PrefillResponse(first_token=5, num_cached_tokens=32, instance_id="p2")
+
+
+class Tokenizer:
+    def decode(self, ids, **kwargs) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+class Builder:
+    tokenizer = Tokenizer()
+
+
+def _servicer(events: Events, index: SlowIndex) -> tuple[GatewayServicer, InstancePool]:
+    pool = InstancePool(
+        ["p1:1", "p2:1"],
+        ["d1:1"],
+        page_size=16,
+        index=index,  # type: ignore[arg-type]
+        cache_threshold=0.3,
+        load_weight=0.02,
+        rpc_timeout_s=1.0,
+    )
+    for inst, name in zip(pool.prefills, ("p1", "p2")):
+        inst.instance_id = name
+    pool._decode_stubs = {"d1:1": FakeDecode(events)}  # type: ignore[dict-item]
+    pool._prefill_stubs = {a: FakePrefill(events) for a in ("p1:1", "p2:1")}  # type: ignore[misc]
+    admission = AdmissionQueue(lambda: 8, max_queued_requests=8, max_queued_tokens=10_000, max_queue_time_s=5)
+    servicer = GatewayServicer(Builder(), pool, admission, frozenset(), 1.0, 30.0, 20.0, 8.0)  # type: ignore[arg-type]
+    return servicer, pool
+
+
+def _input(num_tokens: int) -> GenerateInput:
+    return GenerateInput(
+        request_id="r1",
+        prompt_token_ids=tuple(range(100, 100 + num_tokens)),
+        sampling=SamplingParams(),
+        seed=1,
+        max_tokens=1,
+        stop=(),
+        ignore_eos=False,
+    )
+
+
+def test_reserve_goes_out_before_the_prefix_index_answers_and_routing_follows_the_index():
+    async def scenario():
+        events = Events()
+        index = SlowIndex(events, holds={"p2": 3})  # p2 holds the prompt's first 3 blocks
+        servicer, pool = _servicer(events, index)
+        try:
+            run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            # Reserve and the index lookup are in flight together: one round trip, not two
+            assert events == ["reserve sent", "index asked"]
+            p1, p2 = pool.prefills
+            assert pool.decodes[0].in_flight_requests == 1 and p1.in_flight_requests == p2.in_flight_requests == 0
+            index.answer.set()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            # routed by the index (p2 holds the prefix); Prefill waits for decode's pages
+            assert events[2:] == ["index answered"] and (p1.in_flight_requests, p2.in_flight_requests) == (0, 1)
+            pool._decode_stubs["d1:1"].answer.set()  # type: ignore[attr-defined]
+            msgs = await run
+            assert events[3:] == ["reserved", "prefill transfer 7", "release 7"]
+            final = msgs[-1].final
+            assert final.prefill_instance == "p2" and final.decode_instance == "d1"
+            # a finished attempt keeps its routed tokens (prompt minus the cached prefix) on p2
+            assert p2.total_routed_tokens == 50 - 48 and p2.in_flight_requests == 0
+            assert pool.decodes[0].in_flight_requests == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+async def _collect(agen) -> list[gateway_pb2.GenerateResponse]:
+    return [msg async for msg in agen]
+
+
+def test_an_attempt_aborted_before_its_prefill_leg_undoes_only_decode_and_releases_the_reservation():
+    class Pool:
+        def __init__(self) -> None:
+            self.released: list[tuple[str, str, int]] = []
+
+        def spawn(self, coro):
+            return asyncio.ensure_future(coro)
+
+        async def release(self, decode, request_id, transfer_id):
+            self.released.append((decode.address, request_id, transfer_id))
+
+    class Reserved:
+        transfer_id = 11
+
+    async def scenario():
+        pool, p, d = Pool(), InstanceLoad("p"), InstanceLoad("d")
+        life = RequestLife(pool, "r5", None, d)
+        assert d.in_flight_requests == 1 and life.prefill is None
+        reserve_call = asyncio.get_running_loop().create_future()
+        life.reserving(reserve_call)
+        life.abort(None)  # e.g. no prefill instance was left to route to
+        reserve_call.set_result(Reserved())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert pool.released == [("d", "r5", 11)] and life.stage == Stage.ABORTED
+        assert d.in_flight_requests == 0 and (p.in_flight_requests, p.total_routed_tokens) == (0, 0)
+        # joined later, a prefill leg is counted, and undone by an abort
+        late = RequestLife(pool, "r6", None, d)
+        late.route_prefill(p, queued_tokens=30)
+        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens) == (1, 30, 30)
+        late.abort(None)
+        assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens) == (0, 0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_pick_decode_refuses_when_no_prefill_instance_is_routable():
+    async def scenario():
+        pool = InstancePool(["p1:1"], ["d1:1"], 16, None, 0.3, 0.02, 1.0)
+        try:
+            assert pool.pick_decode().address == "d1:1"
+            pool.prefills[0].reachable = False
+            try:
+                pool.pick_decode()
+            except LookupError as exc:
+                assert "no healthy prefill instance" in str(exc)
+            else:
+                raise AssertionError("pick_decode reserved with no prefill to route to")
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_small_prompts_tokenize_on_the_event_loop_and_long_ones_on_a_thread():
+    assert _tokenize_inline(make_request("What is the capital of France?"))
+    assert _tokenize_inline(make_request(prompt_token_ids=list(range(2048))))
+    assert not _tokenize_inline(make_request("x" * (INLINE_PROMPT_BYTES + 1)))
+    long_chat = [("system", "s" * 600), ("user", "u" * 600)]
+    assert not _tokenize_inline(make_request(messages=long_chat))
+
+
+def test_orchestration_is_ttft_less_queue_compute_and_the_push_left_in_ttft():
+    final = gateway_pb2.Final(
+        ttft_s=0.200, queue_s=0.010, prefill_s=0.150, kv_transfer=gateway_pb2.KVTransfer(seconds=0.030)
+    )
+    assert abs(orchestration_s(final) - 0.010) < 1e-9
+    # chunked prefill overlapped most of the push with the compute: only 5 ms of it was left in TTFT
+    final.kv_transfer.exposed_seconds = 0.005
+    assert abs(orchestration_s(final) - 0.035) < 1e-9
+
+
+def test_the_index_is_asked_in_growing_stages_and_only_while_an_instance_holds_every_block():
+    class Index:
+        """Holds, per instance, a set of block hashes; records how many blocks each lookup asks."""
+
+        def __init__(self, holds: dict[str, set[bytes]]) -> None:
+            self.holds = holds
+            self.asked: list[int] = []
+
+        async def longest_prefix(self, block_hashes, instance_ids):
+            self.asked.append(len(block_hashes))
+            runs = {}
+            for i in instance_ids:
+                n = 0
+                while n < len(block_hashes) and block_hashes[n] in self.holds[i]:
+                    n += 1
+                runs[i] = n
+            return runs
+
+        async def close(self) -> None:
+            pass
+
+    hashes = [bytes([k]) * 16 for k in range(128)]  # a 2K-token prompt's blocks
+
+    async def lookup(holds: dict[str, set[bytes]]) -> tuple[dict[str, int], list[int]]:
+        index = Index(holds)
+        pool = InstancePool(["a:1", "b:1"], ["d:1"], 16, index, 0.3, 0.02, 1.0)  # type: ignore[arg-type]
+        pool.prefills[0].instance_id, pool.prefills[1].instance_id = "a", "b"
+        try:
+            return await pool.lookup_prefix(hashes), index.asked
+        finally:
+            await pool.close()
+
+    # nobody holds the prompt: one lookup of its first 8 blocks, not of all 128
+    assert asyncio.run(lookup({"a": set(), "b": set()})) == ({"a": 0, "b": 0}, [8])
+    # b holds a 10-block prefix (and a stray later block, which does not count): 8, then 32 more
+    assert asyncio.run(lookup({"a": set(), "b": set(hashes[:10]) | {hashes[50]}})) == ({"a": 0, "b": 10}, [8, 32])
+    # a holds all of it: stages of 8, 32 and the remaining 88, the same answer as one lookup
+    assert asyncio.run(lookup({"a": set(hashes), "b": set(hashes[:3])})) == ({"a": 128, "b": 3}, [8, 32, 88])
