@@ -146,18 +146,24 @@ class DecodeEngine:
 
     # --- called from the gRPC side -------------------------------------------------
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Reservation:
+    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int, transfer_id: int = 0) -> Reservation:
         """Reserve pages for the prompt's KV and every token the answer can add.
 
         The last sampled token never has KV, so the request needs pages for
-        num_prompt_tokens + max_tokens - 1 tokens. Raises CapacityError when the batch
-        is full or the pool lacks pages, ValueError on bad counts.
+        num_prompt_tokens + max_tokens - 1 tokens. `transfer_id` is the caller's id for the
+        push (in [1, 2^63), so it can tell prefill before this answers); 0 picks one here.
+        Raises CapacityError when the batch is full or the pool lacks pages, ValueError on
+        bad counts or a transfer_id out of range or already in use.
         """
         if num_prompt_tokens < 1 or max_tokens < 1:
             raise ValueError(f"num_prompt_tokens and max_tokens must be >= 1, got {num_prompt_tokens}, {max_tokens}")
+        if not 0 <= transfer_id < 1 << 63:
+            raise ValueError(f"transfer_id must be in [0, 2^63), got {transfer_id}")
         size = self.config.page_size
         num_pages = math.ceil((num_prompt_tokens + max_tokens - 1) / size)
         with self._cond:
+            if transfer_id in self._by_transfer:
+                raise ValueError(f"transfer_id {transfer_id:x} is in use; pick another")
             if len(self._by_transfer) >= self.config.max_batch_size:
                 raise CapacityError(f"decode batch is full ({self.config.max_batch_size} requests); retry later")
             if num_pages > self.pool.num_free_blocks:
@@ -168,8 +174,7 @@ class DecodeEngine:
             self.slots.require_free(CapacityError)
             block_ids = list(self.pool.allocate(num_pages).block_ids)
             state_slot = self.slots.allocate()
-            transfer_id = random.getrandbits(63)
-            while transfer_id in self._by_transfer:
+            while not transfer_id or transfer_id in self._by_transfer:
                 transfer_id = random.getrandbits(63)
             self._by_transfer[transfer_id] = DecodeSequence(
                 request_id=request_id,

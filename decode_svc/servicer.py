@@ -75,10 +75,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             kv_deadline = request.kv_deadline_s or self.engine.config.reservation_timeout_s
             if not (math.isfinite(kv_deadline) and kv_deadline > 0):
                 raise ValueError(f"kv_deadline_s must be a finite number > 0, got {request.kv_deadline_s}")
-            t = self.transfers.reserve(request.request_id, n, m, min(kv_deadline, 24 * 3600.0))
+            t = self.transfers.reserve(
+                request.request_id, n, m, min(kv_deadline, 24 * 3600.0), transfer_id=request.transfer_id
+            )
         except ValueError as exc:
+            self._refuse(request.transfer_id)
             await abort(context, FailureCause.BAD_REQUEST, str(exc))
         except CapacityError as exc:
+            self._refuse(request.transfer_id)
             await abort(context, FailureCause.OVERLOADED, str(exc), retry_after_s=1.0)
         return decode_pb2.ReserveResponse(
             kv_address=self.receiver.address,
@@ -87,6 +91,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             page_nbytes=self.engine.runner.page_nbytes,
             instance_id=self.instance_id,
         )
+
+    def _refuse(self, transfer_id: int) -> None:
+        """A Reserve that named its transfer id was refused: a push for that id (the caller may
+        have sent Prefill already) is refused at once instead of waiting for a reservation.
+        An id already open here belongs to another request and is left alone."""
+        if transfer_id and transfer_id not in self.transfers:
+            self.receiver.refuse(transfer_id)
 
     async def Release(self, request, context):
         return decode_pb2.ReleaseResponse(released=self.transfers.release(request.transfer_id, "Release"))
@@ -204,5 +215,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             page_size=self.engine.config.page_size,
             model_fingerprint=self.model_fingerprint,
             max_requests=self.engine.config.max_batch_size,
+            kv_address=self.receiver.address,
             **stats,
         )

@@ -60,13 +60,19 @@ class TransferTable:
     def __len__(self) -> int:
         return len(self._transfers)
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int, kv_deadline_s: float) -> Transfer:
+    def __contains__(self, transfer_id: int) -> bool:
+        return transfer_id in self._transfers
+
+    def reserve(
+        self, request_id: str, num_prompt_tokens: int, max_tokens: int, kv_deadline_s: float, transfer_id: int = 0
+    ) -> Transfer:
         """Reserve pages (DecodeEngine.reserve), expect the push into them, arm the expiry.
 
-        Raises ValueError / CapacityError as DecodeEngine.reserve does.
+        transfer_id: the caller's id for the push (0: one is picked). Raises ValueError /
+        CapacityError as DecodeEngine.reserve does.
         """
         loop = asyncio.get_running_loop()
-        res = self.engine.reserve(request_id, num_prompt_tokens, max_tokens)
+        res = self.engine.reserve(request_id, num_prompt_tokens, max_tokens, transfer_id)
         try:
             landed = self.receiver.expect(res.transfer_id, self.engine.transfer_buffers(res.transfer_id))
         except BaseException:

@@ -218,6 +218,7 @@ class InstancePool:
             inst.reported_queued_tokens = stats.num_queued_tokens
             inst.reported_active_requests = stats.num_active_requests
             inst.max_requests = stats.max_requests
+            inst.kv_address = stats.kv_address
             mismatch = self._mismatch(inst, stats)
             if mismatch and mismatch != inst.mismatch:
                 logger.error("%s; not routing to it", mismatch)

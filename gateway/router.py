@@ -56,6 +56,9 @@ class InstanceLoad:
     """Requests the instance takes at once, as it reports (decode); 0 until known."""
     total_routed_tokens: int = 0
     """Prefill tokens of requests routed here that were not cancelled (the cache_aware tie-break)."""
+    kv_address: str = ""
+    """Where prefill pushes this decode instance's KV, as its stats and Reserve answers last said;
+    '' until known (the gateway then waits for Reserve before it sends Prefill)."""
 
     @property
     def routable(self) -> bool:

@@ -1,11 +1,13 @@
 """The Gateway service: validate, admit, route, reserve on decode, prefill, stream tokens back.
 
 Per request: tokenize; wait for a turn in the admission queue (a burst beyond the decode
-pools queues, bounded); pick a decode instance (least active) and send Reserve; while it is
-in flight, hash the prompt's blocks (once), ask the prefix index and pick a prefill instance
-(cached prefix vs load); then Prefill (which pushes the KV into the reserved pages and
-returns the first token, sent on at once); then stream Decode.Generate back to the client
-with incremental detokenization and stop strings.
+pools queues, bounded); pick a decode instance (least active) and send Reserve under a
+transfer id chosen here; while it is in flight, hash the prompt's blocks (once), ask the
+prefix index, pick a prefill instance (cached prefix vs load) and send Prefill too (which
+pushes the KV into the reserved pages, under that id, and returns the first token, sent on
+at once): neither call waits for the other's round trip (decode's receiver holds a push
+that beats its Reserve, briefly). Then stream Decode.Generate back to the client with
+incremental detokenization and stop strings.
 Each attempt is one gateway.request_life.RequestLife that ends exactly once. An attempt
 that fails on one instance before any token reached the client is retried once on
 another; the client's status follows from the failure's cause (runtime.wire.status_of).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import Sequence
@@ -248,7 +251,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 )
                 # Reserve goes first: its round trip to decode covers hashing the prompt, the
                 # prefix index lookup and the prefill choice (none of which it needs)
-                reserve_call = self._reserve(life, inp, span, prefill_by - loop.time() + self.rpc_timeout_s)
+                transfer_id = random.getrandbits(63) or 1
+                reserve_call = self._reserve(
+                    life, inp, span, prefill_by - loop.time() + self.rpc_timeout_s, transfer_id
+                )
                 await asyncio.sleep(0)  # let the call go out before the CPU work below
                 if hashes is None:
                     # the prompt's block hashes, once per request: the index lookup, routing and
@@ -281,8 +287,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     cached_hint,
                     decode.address,
                 )
+                # Prefill goes out now too, to the KV address decode last reported (its Reserve
+                # answer confirms it): the prefill round trip overlaps the Reserve's
+                early = None
+                if decode.kv_address:
+                    early = (
+                        decode.kv_address,
+                        self._prefill(prefill, inp, hashes, decode.kv_address, transfer_id, prefill_by, span),
+                    )
                 async for msg in self._run(
-                    life, reserve_call, prefill_by, inp, hashes, span, arrived, waited, retries, streamed
+                    life, reserve_call, early, prefill_by, inp, hashes, span, arrived, waited, retries, streamed
                 ):
                     yield msg
                 return
@@ -311,10 +325,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Base + `queued` prefill tokens (this prompt's included) at the floor rate, seconds."""
         return self.prefill_timeout_base_s + queued / self.prefill_min_tokens_per_s
 
-    def _reserve(self, life: RequestLife, inp: GenerateInput, span, kv_deadline_s: float) -> asyncio.Future:
-        """Send Reserve to the attempt's decode instance, in the background (`life` releases a
-        reservation that answers after the attempt ended); decode frees the pages itself when
-        no Generate claims them within kv_deadline_s seconds."""
+    def _reserve(
+        self, life: RequestLife, inp: GenerateInput, span, kv_deadline_s: float, transfer_id: int
+    ) -> asyncio.Future:
+        """Send Reserve to the attempt's decode instance for `transfer_id`, in the background
+        (`life` releases a reservation that answers after the attempt ended); decode frees the
+        pages itself when no Generate claims them within kv_deadline_s seconds."""
         call = self.pool.spawn(
             self.pool.decode_stub(life.decode).Reserve(
                 decode_pb2.ReserveRequest(
@@ -323,6 +339,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     max_tokens=inp.max_tokens,
                     page_size=self.pool.page_size,
                     kv_deadline_s=kv_deadline_s,
+                    transfer_id=transfer_id,
                 ),
                 timeout=self.rpc_timeout_s,
                 metadata=tracing.inject(span),
@@ -331,10 +348,37 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         life.reserving(call)
         return call
 
+    def _prefill(
+        self,
+        prefill,
+        inp: GenerateInput,
+        hashes: Sequence[bytes],
+        kv_address: str,
+        transfer_id: int,
+        prefill_by: float,
+        span,
+    ) -> grpc.aio.UnaryUnaryCall:
+        """Start the Prefill call (a grpc.aio call: it is on its way once made) that pushes the
+        KV to `kv_address` under `transfer_id`; its deadline is `prefill_by` (loop time)."""
+        return self.pool.prefill_stub(prefill).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=inp.request_id,
+                token_ids=inp.prompt_token_ids,
+                sampling=_sampling_pb(inp),
+                decode_kv_address=kv_address,
+                transfer_id=transfer_id,
+                page_size=self.pool.page_size,
+                block_hashes=hashes,  # hashed once, here: prefill reuses them
+            ),
+            timeout=prefill_by - asyncio.get_running_loop().time(),
+            metadata=tracing.inject(span),
+        )
+
     async def _run(
         self,
         life: RequestLife,
         reserve_call: asyncio.Future,
+        early: tuple[str, grpc.aio.UnaryUnaryCall] | None,
         prefill_by: float,
         inp: GenerateInput,
         hashes: Sequence[bytes],
@@ -347,30 +391,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
         prefill, decode = life.prefill, life.decode
         assert prefill is not None, rid
+        call: grpc.aio.UnaryUnaryCall | None = early[1] if early is not None else None
         try:
-            # shielded: a client that leaves now must not cut the call off mid-way, or decode
-            # could reserve pages nobody releases; the life releases the late answer instead
-            reserve = await asyncio.shield(reserve_call)
-        except grpc.aio.AioRpcError as exc:
-            failure = failure_from_rpc(exc, "decode", decode, decode, rid)
-            # a full decode pool frees pages as answers end: wait for room (bounded)
-            failure.wait_for_room = failure.cause == FailureCause.OVERLOADED
-            raise failure from None
-        life.reserved(reserve.transfer_id)
+            try:
+                # shielded: a client that leaves now must not cut the call off mid-way, or decode
+                # could reserve pages nobody releases; the life releases the late answer instead
+                reserve = await asyncio.shield(reserve_call)
+            except grpc.aio.AioRpcError as exc:
+                failure = failure_from_rpc(exc, "decode", decode, decode, rid)
+                # a full decode pool frees pages as answers end: wait for room (bounded)
+                failure.wait_for_room = failure.cause == FailureCause.OVERLOADED
+                raise failure from None
+            life.reserved(reserve.transfer_id)
+            decode.kv_address = reserve.kv_address
+            if call is not None and early is not None and early[0] != reserve.kv_address:
+                # decode moved its KV listener (restarted on the same gRPC address): push there
+                logger.info("[%s] decode's KV address is now %s; sending Prefill again", rid, reserve.kv_address)
+                call.cancel()
+                call = None
+            if call is None:
+                call = self._prefill(prefill, inp, hashes, reserve.kv_address, reserve.transfer_id, prefill_by, span)
+        except BaseException:
+            if call is not None:
+                call.cancel()  # prefill drops the job and its pages
+            raise
         try:
-            pre = await self.pool.prefill_stub(prefill).Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=rid,
-                    token_ids=inp.prompt_token_ids,
-                    sampling=_sampling_pb(inp),
-                    decode_kv_address=reserve.kv_address,
-                    transfer_id=reserve.transfer_id,
-                    page_size=self.pool.page_size,
-                    block_hashes=hashes,  # hashed once, here: prefill reuses them
-                ),
-                timeout=prefill_by - asyncio.get_running_loop().time(),
-                metadata=tracing.inject(span),
-            )
+            pre = await call
         except grpc.aio.AioRpcError as exc:
             raise failure_from_rpc(exc, "prefill", prefill, decode, rid, slow_is_lost=False) from None
         life.prefilled()

@@ -5,7 +5,9 @@ kvstore/ucx_receiver.py); `kvstore.transports` picks one by name.
 The shape follows NIXL and Mooncake's transfer engine: the receiver registers destination
 buffers under a transfer id (`expect`) and hands the sender its address; the sender pushes a
 list of source buffers, buffer i into destination buffer i, and returns once the receiver
-acknowledged every byte.
+acknowledged every byte. A push may arrive a little before its `expect` (the gateway sends
+Prefill while decode's Reserve is still in flight): the receiver holds it, for a bounded time,
+until the transfer is expected or refused.
 """
 
 from __future__ import annotations
@@ -105,6 +107,11 @@ class KVPushReceiver(Protocol):
 
     def cancel(self, transfer_id: int) -> None:
         """Forget `transfer_id`: a push in progress is cut off, a later one NACKed."""
+        ...
+
+    def refuse(self, transfer_id: int) -> None:
+        """No `expect` will come for `transfer_id` (its Reserve was refused): a push for it,
+        waiting for its reservation or yet to come, is NACKed at once."""
         ...
 
     async def close(self) -> None:

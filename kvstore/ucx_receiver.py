@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,13 +102,24 @@ class KVReceiver:
     Args:
         host: address advertised to senders in `address` (UCX listens on all interfaces).
         port: port to listen on; 0 picks a free one.
+        reservation_wait_s: how long a push for a transfer not expected yet waits for its
+            `expect` (or `refuse`) before it is refused, seconds. The gateway sends Prefill
+            while Reserve is in flight, so a push (a cached prefix's pages go out at once)
+            can beat the reservation here by a little; one that waits holds the pushes
+            behind it on its connection, hence the short bound.
 
-    Call `expect`, `cancel` and `close` from the event loop thread that ran `start`.
+    Call `expect`, `cancel`, `refuse` and `close` from the event loop thread that ran `start`.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    REFUSED_KEPT = 4096
+    """Refused transfer ids remembered, so a push that comes after its refusal is NACKed at once."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, reservation_wait_s: float = 2.0) -> None:
         self.host = host
         self.port = port
+        self.reservation_wait_s = reservation_wait_s
+        self._awaited: dict[int, asyncio.Future] = {}  # pushes waiting for their expect()
+        self._refused: OrderedDict[int, None] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None
         self._closed = False
@@ -176,7 +188,37 @@ class KVReceiver:
         entry.future = _TransferFuture(entry, self._loop)
         entry.future.add_done_callback(lambda _f: self._forget(entry))
         self._expected[tid] = entry
+        self._refused.pop(tid, None)
+        self._wake(tid)
         return entry.future
+
+    def refuse(self, transfer_id: int) -> None:
+        """No `expect` will come for `transfer_id` (its Reserve was refused): a push for it,
+        waiting or yet to come, is NACKed (ACK_UNKNOWN) at once. The last `REFUSED_KEPT` ids
+        are remembered; an unknown id is fine."""
+        self._refused[transfer_id] = None
+        while len(self._refused) > self.REFUSED_KEPT:
+            self._refused.popitem(last=False)
+        self._wake(transfer_id)
+
+    def _wake(self, transfer_id: int) -> None:
+        waiter = self._awaited.pop(transfer_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _await_reservation(self, tid: int) -> _Expected | None:
+        """The entry of `tid`, waiting up to reservation_wait_s for its expect(); None when it
+        was refused or did not come in time."""
+        entry = self._expected.get(tid)
+        if entry is not None or tid in self._refused or self.reservation_wait_s <= 0:
+            return entry
+        assert self._loop is not None
+        waiter = self._awaited.setdefault(tid, self._loop.create_future())
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), self.reservation_wait_s)
+        except TimeoutError:
+            self._awaited.pop(tid, None)
+        return self._expected.get(tid)
 
     def cancel(self, transfer_id: int) -> None:
         """The pages of `transfer_id` are no longer wanted (request aborted or expired).
@@ -200,6 +242,8 @@ class KVReceiver:
         if self._closed:
             return
         self._closed = True  # from now on new connections are aborted on arrival
+        for tid in list(self._awaited):
+            self._wake(tid)  # pushes waiting for a reservation: refused now
         for entry in list(self._expected.values()):
             if not entry.landing:
                 entry.future._cancel_now()
@@ -275,7 +319,7 @@ class KVReceiver:
             if n:
                 await ep.recv(sizes, tag=_TAG_SIZES)
                 await ep.recv(source, tag=_TAG_SOURCE)
-            entry = self._expected.get(tid)
+            entry = await self._await_reservation(tid)
             if entry is None or entry.future.done() or entry.landing:
                 logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: refused", tid, peer)
                 await self._go(ep, ACK_UNKNOWN)
@@ -413,3 +457,4 @@ class KVReceiver:
     def _forget(self, entry: _Expected) -> None:
         if self._expected.get(entry.transfer_id) is entry:
             del self._expected[entry.transfer_id]
+            self.refuse(entry.transfer_id)  # done: a late push for it is NACKed without waiting

@@ -212,6 +212,66 @@ def test_release_while_generate_waits_keeps_pages_until_no_push_can_land(mesh):
     assert "Paris" in complete(mesh, "What is the capital of France?", chat=True, max_tokens=16).text
 
 
+def test_reserve_under_the_callers_transfer_id_and_a_prefill_sent_before_it(mesh):
+    """The gateway picks the transfer id so Prefill can go out with Reserve: decode reserves
+    under that id, refuses one in use, and a push that beat its Reserve lands once it comes;
+    a push for a refused Reserve fails at once (not after the receiver's wait)."""
+
+    async def body(decode, prefill):
+        stats = await decode.GetStats(common_pb2.StatsRequest(), timeout=10)
+        assert stats.kv_address  # the gateway learns where to push from the stats poll
+        tid = 0x5EED_0001
+
+        def reserve(request_id: str, transfer_id: int, max_tokens: int = 4):
+            return decode.Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id=request_id, num_prompt_tokens=len(PROMPT), max_tokens=max_tokens, transfer_id=transfer_id
+                ),
+                timeout=10,
+            )
+
+        def prefill_call(request_id: str, transfer_id: int):
+            return prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=request_id,
+                    token_ids=PROMPT,
+                    sampling=common_pb2.SamplingParams(),
+                    decode_kv_address=stats.kv_address,
+                    transfer_id=transfer_id,
+                ),
+                timeout=30,
+            )
+
+        early = asyncio.ensure_future(prefill_call("early", tid))  # before its Reserve
+        res = await reserve("early", tid)
+        assert res.transfer_id == tid and res.kv_address == stats.kv_address
+        in_use = await _code(reserve("other", tid))
+        pre = await early
+        tokens = []
+        async for msg in decode.Generate(
+            decode_pb2.DecodeRequest(
+                request_id="early",
+                transfer_id=tid,
+                prompt_token_ids=PROMPT,
+                first_token=pre.first_token,
+                sampling=common_pb2.SamplingParams(),
+                kv_timeout_s=30,
+            )
+        ):
+            tokens.extend(msg.token_ids)
+        # a Reserve refused (past the context) makes its early push fail at once
+        refused_tid = 0x5EED_0002
+        late = asyncio.ensure_future(_code(prefill_call("refused", refused_tid)))
+        refused = await _code(reserve("refused", refused_tid, max_tokens=100_000))
+        return in_use, len(tokens), refused, await asyncio.wait_for(late, 30)
+
+    in_use, num_tokens, refused, late = _run(mesh, body)
+    assert in_use == grpc.StatusCode.INVALID_ARGUMENT
+    assert num_tokens == 3  # max_tokens 4: the first token came from prefill
+    assert refused == grpc.StatusCode.INVALID_ARGUMENT and late == grpc.StatusCode.UNAVAILABLE
+    wait_idle(mesh)
+
+
 def test_unknown_chat_role_and_oversized_prompt_are_invalid_argument(mesh):
     for prompt, kwargs in (
         (b"", dict(messages=[("", "hi")])),

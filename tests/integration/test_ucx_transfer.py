@@ -118,6 +118,60 @@ def test_unknown_id_and_size_mismatch_are_nacked_and_the_receiver_keeps_serving(
     assert np.array_equal(pool[3], good[0]) and np.array_equal(pool[4], good[1])
 
 
+@pytest.fixture(scope="module")
+def patient_decode():
+    """A receiver that holds a push for an unexpected transfer for up to 120 s (far past
+    HANG_S), so a push that ends shows its reservation (or refusal) ended the wait."""
+    peer = Peer(receiver_main, NUM_PAGES, PAGE, 120.0)
+    yield peer
+    peer.close()
+
+
+def test_a_push_that_beats_its_reservation_waits_for_it_and_lands(patient_decode):
+    """The gateway sends Prefill while Reserve is in flight: a push may arrive first."""
+    pages = page_data(seed=61, num_pages=2, page_nbytes=PAGE)
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            push = asyncio.ensure_future(tx.push(patient_decode.hello, 611, [pages[0], pages[1]]))
+            await asyncio.sleep(0.5)  # the header is at the receiver, which knows no transfer 611
+            assert not push.done()
+            await call(patient_decode, "expect", 611, [10, 11])
+            return await asyncio.wait_for(push, HANG_S)
+        finally:
+            await tx.close()
+
+    assert run(scenario()).nbytes == 2 * PAGE
+    assert patient_decode.call("wait", 611, 5) == ("ok", 2 * PAGE, 2)
+    pool = patient_decode.call("pool")
+    assert np.array_equal(pool[10], pages[0]) and np.array_equal(pool[11], pages[1])
+
+
+def test_a_push_for_a_refused_reservation_is_nacked_without_waiting_out_the_bound(patient_decode):
+    """Decode refused the Reserve (full): the push waiting for it, and a later one, are NACKed."""
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            push = asyncio.ensure_future(tx.push(patient_decode.hello, 612, list(page_data(62, 2, PAGE))))
+            await asyncio.sleep(0.5)
+            await call(patient_decode, "refuse", 612)
+            with pytest.raises(TransferError, match="unknown or cancelled"):
+                await asyncio.wait_for(push, HANG_S)  # the receiver alone would wait 120 s
+            with pytest.raises(TransferError, match="unknown or cancelled"):
+                await asyncio.wait_for(tx.push(patient_decode.hello, 612, list(page_data(62, 2, PAGE))), HANG_S)
+            # a transfer that landed (or was cancelled) is over: a late push is NACKed at once too
+            await call(patient_decode, "expect", 613, [12])
+            await tx.push(patient_decode.hello, 613, list(page_data(63, 1, PAGE)))
+            with pytest.raises(TransferError, match="unknown or cancelled"):
+                await asyncio.wait_for(tx.push(patient_decode.hello, 613, list(page_data(63, 1, PAGE))), HANG_S)
+        finally:
+            await tx.close()
+
+    run(scenario())
+
+
 def test_a_transfer_pushed_in_parts_lands_whole_and_resolves_after_its_last_part(decode):
     """Chunked prefill pushes each chunk's pages as it completes them: parts in order."""
     pages = page_data(seed=4, num_pages=4, page_nbytes=PAGE)

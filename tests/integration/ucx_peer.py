@@ -75,7 +75,7 @@ async def _serve_commands(conn, handle) -> None:
             return
 
 
-def receiver_main(conn, num_pages: int, page_nbytes: int) -> None:
+def receiver_main(conn, num_pages: int, page_nbytes: int, reservation_wait_s: float = 2.0) -> None:
     """Decode side: a KV pool of num_pages pages and a KVReceiver landing pushes in it."""
     import uvloop
 
@@ -83,7 +83,7 @@ def receiver_main(conn, num_pages: int, page_nbytes: int) -> None:
 
     async def main() -> None:
         pool = np.zeros((num_pages, page_nbytes), dtype=np.uint8)
-        rx = KVReceiver("127.0.0.1", 0)
+        rx = KVReceiver("127.0.0.1", 0, reservation_wait_s=reservation_wait_s)
         await rx.start()
         futures: dict[int, asyncio.Future] = {}
 
@@ -111,6 +111,9 @@ def receiver_main(conn, num_pages: int, page_nbytes: int) -> None:
             if op == "cancel":
                 rx.cancel(args[0])
                 return futures[args[0]].done()
+            if op == "refuse":
+                rx.refuse(args[0])
+                return None
             if op == "pool":
                 return pool.copy()
             if op in ("close", "close_receiver"):  # close_receiver keeps answering commands

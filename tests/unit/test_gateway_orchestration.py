@@ -1,16 +1,21 @@
 """The gateway's path to the first token (its orchestration): Reserve goes out before the
-prefix index answers, the prefill leg joins the attempt afterwards, small prompts skip the
-worker thread, and `kvmesh bench` derives the orchestration time from the Final message.
+prefix index answers, the prefill leg joins the attempt afterwards, Prefill goes out while
+Reserve is in flight once decode's KV address is known (under the gateway's transfer id),
+small prompts skip the worker thread, and `kvmesh bench` derives the orchestration time
+from the Final message.
 The instances and the index are test doubles; the pool, the router and the servicer are real."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
+
+from engine.outcomes import FailureCause
 from engine.sampling_params import SamplingParams
 from gateway.admission import AdmissionQueue
 from gateway.pool import InstancePool
-from gateway.request_life import RequestLife, Stage
+from gateway.request_life import RequestFailed, RequestLife, Stage
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
 from gateway.servicer import INLINE_PROMPT_BYTES, GatewayServicer, _tokenize_inline
@@ -44,28 +49,48 @@ class SlowIndex:
 class FakeDecode:
     """A decode instance whose Reserve answers when the test lets it."""
 
-    def __init__(self, events: Events) -> None:
+    def __init__(self, events: Events, kv_address: str = "decode:9", refuse: bool = False) -> None:
         self.events = events
         self.answer = asyncio.Event()
+        self.kv_address = kv_address
+        self.refuse = refuse
 
     async def Reserve(self, request, timeout=None, metadata=None):
         self.events.append("reserve sent")
         await self.answer.wait()
+        if self.refuse:
+            self.events.append("reserve refused")
+            raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad")
         self.events.append("reserved")
-        return decode_pb2.ReserveResponse(kv_address="decode:9", transfer_id=7, instance_id="d1")
+        # decode reserves under the caller's id (as decode_svc does when one is given)
+        return decode_pb2.ReserveResponse(kv_address=self.kv_address, transfer_id=request.transfer_id, instance_id="d1")
 
     async def Release(self, request, timeout=None):
         self.events.append(f"release {request.transfer_id}")
         return decode_pb2.ReleaseResponse(released=True)
 
 
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 class FakePrefill:
+    """Prefill calls as grpc.aio makes them: on their way once made, cancellable."""
+
     def __init__(self, events: Events) -> None:
         self.events = events
+        self.calls: list[asyncio.Task] = []
 
-    async def Prefill(self, request, timeout=None, metadata=None):
-        self.events.append(f"prefill transfer {request.transfer_id}")
-        return prefill_pb2.PrefillResponse(first_token=5, num_cached_tokens=32, instance_id="p2")
+    def Prefill(self, request, timeout=None, metadata=None):
+        self.events.append(f"prefill to {request.decode_kv_address}")
+
+        async def answer():
+            await asyncio.sleep(0)
+            self.events.append("prefilled")
+            return prefill_pb2.PrefillResponse(first_token=5, num_cached_tokens=32, instance_id="p2")
+
+        self.calls.append(asyncio.ensure_future(answer()))
+        return self.calls[-1]
 
 
 class Tokenizer:
@@ -77,7 +102,7 @@ class Builder:
     tokenizer = Tokenizer()
 
 
-def _servicer(events: Events, index: SlowIndex) -> tuple[GatewayServicer, InstancePool]:
+def _servicer(events: Events, index, decode: FakeDecode | None = None) -> tuple[GatewayServicer, InstancePool]:
     pool = InstancePool(
         ["p1:1", "p2:1"],
         ["d1:1"],
@@ -89,7 +114,7 @@ def _servicer(events: Events, index: SlowIndex) -> tuple[GatewayServicer, Instan
     )
     for inst, name in zip(pool.prefills, ("p1", "p2")):
         inst.instance_id = name
-    pool._decode_stubs = {"d1:1": FakeDecode(events)}  # type: ignore[dict-item]
+    pool._decode_stubs = {"d1:1": decode or FakeDecode(events)}  # type: ignore[dict-item]
     pool._prefill_stubs = {a: FakePrefill(events) for a in ("p1:1", "p2:1")}  # type: ignore[misc]
     admission = AdmissionQueue(lambda: 8, max_queued_requests=8, max_queued_tokens=10_000, max_queue_time_s=5)
     servicer = GatewayServicer(Builder(), pool, admission, frozenset(), 1.0, 30.0, 20.0, 8.0)  # type: ignore[arg-type]
@@ -124,11 +149,15 @@ def test_reserve_goes_out_before_the_prefix_index_answers_and_routing_follows_th
             index.answer.set()
             for _ in range(5):
                 await asyncio.sleep(0)
-            # routed by the index (p2 holds the prefix); Prefill waits for decode's pages
+            # routed by the index (p2 holds the prefix); decode's KV address is not known yet
+            # (no stats poll answered), so Prefill waits for the Reserve's answer
             assert events[2:] == ["index answered"] and (p1.in_flight_requests, p2.in_flight_requests) == (0, 1)
             pool._decode_stubs["d1:1"].answer.set()  # type: ignore[attr-defined]
             msgs = await run
-            assert events[3:] == ["reserved", "prefill transfer 7", "release 7"]
+            assert events[3:5] == ["reserved", "prefill to decode:9"] and events[5] == "prefilled"
+            assert events[6].startswith("release ") and int(events[6].split()[1]) > 0
+            # and the Reserve's answer taught the pool where decode takes KV
+            assert pool.decodes[0].kv_address == "decode:9"
             final = msgs[-1].final
             assert final.prefill_instance == "p2" and final.decode_instance == "d1"
             # a finished attempt keeps its routed tokens (prompt minus the cached prefix) on p2
@@ -254,3 +283,79 @@ def test_the_index_is_asked_in_growing_stages_and_only_while_an_instance_holds_e
     assert asyncio.run(lookup({"a": set(), "b": set(hashes[:10]) | {hashes[50]}})) == ({"a": 0, "b": 10}, [8, 32])
     # a holds all of it: stages of 8, 32 and the remaining 88, the same answer as one lookup
     assert asyncio.run(lookup({"a": set(hashes), "b": set(hashes[:3])})) == ({"a": 128, "b": 3}, [8, 32, 88])
+
+
+class FixedIndex:
+    async def longest_prefix(self, block_hashes, instance_ids):
+        return dict.fromkeys(instance_ids, 0)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_prefill_goes_out_while_reserve_is_in_flight_once_decode_s_kv_address_is_known():
+    async def scenario():
+        events = Events()
+        servicer, pool = _servicer(events, FixedIndex())
+        pool.decodes[0].kv_address = "decode:9"  # as its stats poll reported
+        try:
+            run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
+            for _ in range(10):
+                await asyncio.sleep(0)
+            # both calls are out, neither waited for the other; prefill has even answered
+            assert events == ["reserve sent", "prefill to decode:9", "prefilled"]
+            pool._decode_stubs["d1:1"].answer.set()  # type: ignore[attr-defined]
+            msgs = await run
+            assert events[3] == "reserved" and msgs[0].delta.token_ids == [5]
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_reserve_cancels_the_prefill_sent_beside_it():
+    async def scenario():
+        events = Events()
+        decode = FakeDecode(events, refuse=True)
+        servicer, pool = _servicer(events, FixedIndex(), decode)
+        pool.decodes[0].kv_address = "decode:9"
+        prefill_stubs = [pool._prefill_stubs[a] for a in ("p1:1", "p2:1")]
+        try:
+            run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
+            await asyncio.sleep(0)
+            decode.answer.set()  # refused before prefill answered
+            try:
+                await run
+            except RequestFailed as failure:
+                assert failure.cause == FailureCause.BAD_REQUEST
+            else:
+                raise AssertionError("a refused Reserve did not fail the attempt")
+            calls = [c for stub in prefill_stubs for c in stub.calls]
+            assert len(calls) == 1 and calls[0].cancelled()
+            assert "prefilled" not in events and pool.decodes[0].in_flight_requests == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_prefill_is_sent_again_when_decode_answers_with_another_kv_address():
+    async def scenario():
+        events = Events()
+        decode = FakeDecode(events, kv_address="decode:10")  # restarted: a new KV listener
+        servicer, pool = _servicer(events, FixedIndex(), decode)
+        pool.decodes[0].kv_address = "decode:9"  # what the last poll said
+        try:
+            run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
+            await asyncio.sleep(0)
+            decode.answer.set()
+            msgs = await run
+            sent = [e for e in events if e.startswith("prefill to")]
+            assert sent == ["prefill to decode:9", "prefill to decode:10"]
+            calls = [c for a in ("p1:1", "p2:1") for c in pool._prefill_stubs[a].calls]
+            assert calls[0].cancelled() and not calls[1].cancelled()
+            assert msgs[0].delta.token_ids == [5] and pool.decodes[0].kv_address == "decode:10"
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
