@@ -176,6 +176,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             generated = 0
             while True:
                 tokens, end = await queue.get()
+                # steps that went out while this stream waited for the loop go in one message:
+                # a loaded loop sends fewer, larger messages instead of falling behind
+                while end is None and not queue.empty():
+                    more, end = queue.get_nowait()
+                    tokens = tokens + more
                 if first:  # waiting for admission into the running batch, then the first step
                     tracing.record(span, "decode.admission", landed_ns, tracing.now_ns())
                     span.add_event("first_token")

@@ -450,7 +450,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             bound = self.rpc_timeout_s + self.token_timeout_s
             while finish is None:
                 try:
-                    msg = await asyncio.wait_for(messages.__anext__(), bound)
+                    # a timeout scope, not wait_for: no task per token on the stream's hot path
+                    async with asyncio.timeout(bound):
+                        msg = await messages.__anext__()
                 except TimeoutError:
                     raise RequestFailed(
                         FailureCause.INSTANCE_LOST,
