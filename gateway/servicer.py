@@ -179,13 +179,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if f.generated_tokens > 1:
             metrics.ITL.observe(f.itl_s)
         logger.info(
-            "request finished: %s, %d prompt (%d cached) + %d generated tokens, TTFT %.3f s, e2e %.3f s",
+            "request finished: %s, %d prompt (%d cached) + %d generated tokens, TTFT %.3f s, e2e %.3f s, "
+            "prefill %s, decode %s",
             f.finish_reason,
             f.prompt_tokens,
             f.cached_tokens,
             f.generated_tokens,
             f.ttft_s,
             f.e2e_s,
+            f.prefill_instance,
+            f.decode_instance,
         )
 
     async def _generate(self, request, context, span, arrived: float):
@@ -249,13 +252,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 prefill_by = loop.time() + self._prefill_deadline_s(
                     self.pool.max_queued_prefill_tokens(exclude) + n_prompt
                 )
-                # Reserve goes first: its round trip to decode covers hashing the prompt, the
-                # prefix index lookup and the prefill choice (none of which it needs)
                 transfer_id = random.getrandbits(63) or 1
-                reserve_call = self._reserve(
-                    life, inp, span, prefill_by - loop.time() + self.rpc_timeout_s, transfer_id
-                )
-                await asyncio.sleep(0)  # let the call go out before the CPU work below
+                kv_address = decode.kv_address  # as decode's stats last said; its Reserve confirms it
+                reserve_call = None
+                if not kv_address:
+                    # Prefill needs Reserve's answer (where to push): Reserve goes first, and its
+                    # round trip covers hashing the prompt, the index lookup and the prefill choice
+                    reserve_call = self._reserve(
+                        life, inp, span, prefill_by - loop.time() + self.rpc_timeout_s, transfer_id
+                    )
+                    await asyncio.sleep(0)  # let the call go out before the CPU work below
                 if hashes is None:
                     # the prompt's block hashes, once per request: the index lookup, routing and
                     # prefill's cache read them
@@ -279,7 +285,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         "kvmesh.routing_policy": self.pool.router.policy,
                     },
                 )
-                logger.info(
+                logger.debug(
                     "[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s",
                     rid,
                     n_prompt,
@@ -287,13 +293,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     cached_hint,
                     decode.address,
                 )
-                # Prefill goes out now too, to the KV address decode last reported (its Reserve
-                # answer confirms it): the prefill round trip overlaps the Reserve's
                 early = None
-                if decode.kv_address:
+                if reserve_call is None:
+                    # Prefill is TTFT's path: it leaves first, and Reserve right behind it (decode's
+                    # receiver holds a push that beats its Reserve); neither waits for the other
                     early = (
-                        decode.kv_address,
-                        self._prefill(prefill, inp, hashes, decode.kv_address, transfer_id, prefill_by, span),
+                        kv_address,
+                        self._prefill(prefill, inp, hashes, kv_address, transfer_id, prefill_by, span),
+                    )
+                    reserve_call = self._reserve(
+                        life, inp, span, prefill_by - loop.time() + self.rpc_timeout_s, transfer_id
                     )
                 async for msg in self._run(
                     life, reserve_call, early, prefill_by, inp, hashes, span, arrived, waited, retries, streamed

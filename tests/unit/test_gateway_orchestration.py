@@ -80,12 +80,15 @@ class FakePrefill:
     def __init__(self, events: Events) -> None:
         self.events = events
         self.calls: list[asyncio.Task] = []
+        self.answer = asyncio.Event()
+        self.answer.set()  # answers at once unless a test holds it
 
     def Prefill(self, request, timeout=None, metadata=None):
         self.events.append(f"prefill to {request.decode_kv_address}")
 
         async def answer():
             await asyncio.sleep(0)
+            await self.answer.wait()
             self.events.append("prefilled")
             return prefill_pb2.PrefillResponse(first_token=5, num_cached_tokens=32, instance_id="p2")
 
@@ -302,8 +305,9 @@ def test_prefill_goes_out_while_reserve_is_in_flight_once_decode_s_kv_address_is
             run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
             for _ in range(10):
                 await asyncio.sleep(0)
-            # both calls are out, neither waited for the other; prefill has even answered
-            assert events == ["reserve sent", "prefill to decode:9", "prefilled"]
+            # both calls are out, Prefill first (TTFT's path), and neither waited for the other:
+            # prefill has even answered while Reserve is still out
+            assert events == ["prefill to decode:9", "reserve sent", "prefilled"]
             pool._decode_stubs["d1:1"].answer.set()  # type: ignore[attr-defined]
             msgs = await run
             assert events[3] == "reserved" and msgs[0].delta.token_ids == [5]
@@ -320,6 +324,8 @@ def test_a_refused_reserve_cancels_the_prefill_sent_beside_it():
         servicer, pool = _servicer(events, FixedIndex(), decode)
         pool.decodes[0].kv_address = "decode:9"
         prefill_stubs = [pool._prefill_stubs[a] for a in ("p1:1", "p2:1")]
+        for stub in prefill_stubs:
+            stub.answer.clear()  # prefill is still computing when decode refuses
         try:
             run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
             await asyncio.sleep(0)
@@ -345,10 +351,17 @@ def test_prefill_is_sent_again_when_decode_answers_with_another_kv_address():
         decode = FakeDecode(events, kv_address="decode:10")  # restarted: a new KV listener
         servicer, pool = _servicer(events, FixedIndex(), decode)
         pool.decodes[0].kv_address = "decode:9"  # what the last poll said
+        stubs = [pool._prefill_stubs[a] for a in ("p1:1", "p2:1")]
+        for stub in stubs:
+            stub.answer.clear()  # the first Prefill is still computing when Reserve answers
         try:
             run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
             await asyncio.sleep(0)
             decode.answer.set()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            for stub in stubs:
+                stub.answer.set()
             msgs = await run
             sent = [e for e in events if e.startswith("prefill to")]
             assert sent == ["prefill to decode:9", "prefill to decode:10"]
