@@ -142,6 +142,12 @@ def _cmd_routesim(args: argparse.Namespace) -> int:
         return 2
 
 
+def _cmd_eplb_plan(args: argparse.Namespace) -> int:
+    from kvmesh.eplb_tool import run
+
+    return run(args)
+
+
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.tiny_models import make_tiny_model
 
@@ -262,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_fuzz_arguments(fuzz)
     fuzz.set_defaults(func=_cmd_fuzz)
+
+    from kvmesh.eplb_tool import add_arguments as add_eplb_arguments
+
+    eplb = sub.add_parser("eplb", help="expert-parallel load balancing (DeepSeek's EPLB)")
+    eplb_sub = eplb.add_subparsers(dest="eplb_command", required=True)
+    eplb_plan = eplb_sub.add_parser("plan", help="a placement from per-expert token counts, balancedness before/after")
+    add_eplb_arguments(eplb_plan)
+    eplb_plan.set_defaults(func=_cmd_eplb_plan)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random checkpoint (tests, benchmarks)")
     tiny.add_argument("--arch", required=True, choices=["deepseek_v4"], help="model architecture")
