@@ -1,27 +1,29 @@
-# V=vocab, H=hidden
-"""Where the time of one batch-1 decode step goes: per token, in milliseconds and % of the step.
+# V=vocab, H=hidden, B=sequences in a decode step
+"""Where the time of one decode step of B sequences goes: in milliseconds a step and % of it.
 
-    python -m engine.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3]
+    python -m engine.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3] [--batch 1]
 
-Runs LlamaRunner greedy single-stream decode (forward + `engine.sampler.sample`) after a chat
-prompt's prefill and times each part of the step with `time.perf_counter` around the model's
+Runs LlamaRunner greedy decode (forward + `engine.sampler.sample`) of --batch sequences (the chat
+prompt each, in pages of its own) after their prefills and times each part of the step with `time.perf_counter` around the model's
 parts: the quantized (or fp32) matmuls grouped by projection (q/k/v, o, MLP gate/up, MLP down,
 lm_head), attention over pages (K/V write and SDPA), RMSNorm, RoPE, SiLU*up, the step's setup
 (positions, attention metadata), sampling, and the rest (embedding, residual adds, views and
-the Python between them: the step's time less every timed part). A batch-1 step of a model with
-GGUF blocks is one numba call (`engine.models.llama._decode_step`), which counts its own parts'
-CPU cycles (`LlamaModel.step_cycles`, converted here at the counter's measured rate); it applies
-SiLU*up inside the gate/up matmul's tiles, so that row reads 0 and gate/up includes it. The timers are a profiling
+the Python between them: the step's time less every timed part). A decode step of a model with
+GGUF blocks (up to `QUANTIZED_MAX_BATCH` sequences) is one numba call
+(`engine.models.llama_step.decode_step`), which counts its own parts' CPU cycles
+(`LlamaModel.step_cycles`, converted here at the counter's measured rate); it applies SiLU*up
+inside the gate/up matmul's tiles, so that row reads 0 and gate/up includes it. The timers are a profiling
 hook: they replace the module-level functions `engine.models.llama` calls (`_mm`, `_lm_head`,
 `rms_norm`, `apply_rotary`, `paged_attention`, `silu_and_mul`) for the profiled steps only and
 put them back after, so the served hot path carries no timer. The step is also timed without
 the hook, which shows what the timers themselves cost.
 
-Also printed: the weight bytes one decode token reads (every matmul weight once, in the format
+Also printed: the weight bytes one decode step reads (every matmul weight once, in the format
 the step uses: GGUF blocks as packed for `kernels.quant`, or fp32; norms and one embedding row
 included) and the GB/s that implies over the whole step and over the matmuls alone.
-Of --repeats runs of --steps tokens, the one with the fastest timed step is reported (and the
-fastest untimed step), so background load distorts them least. Units: ms per token, % of the hooked step, bytes, GB/s (1e9 bytes/s).
+Of --repeats runs of --steps steps, the one with the fastest timed step is reported (and the
+fastest untimed step), so background load distorts them least. Units: ms per step (B tokens), % of
+the hooked step, bytes, GB/s (1e9 bytes/s).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 import torch
 
 import engine.models.llama as llama
+import engine.models.llama_step as llama_step
 from engine.checkpoint import load_tokenizer
 from engine.forward import ForwardItem
 from engine.llama_runner import LlamaRunner
@@ -61,13 +64,14 @@ REST = "rest (embedding, residual adds, Python)"
 
 @dataclass(frozen=True)
 class Profile:
-    """Mean milliseconds per decode token of each part (`PARTS`, then `REST`), the hooked step
-    (`step_ms`), the step without the hook (`plain_step_ms`), and weight bytes read per token."""
+    """Mean milliseconds per decode step (`batch` tokens) of each part (`PARTS`, then `REST`), the
+    hooked step (`step_ms`), the step without the hook (`plain_step_ms`), and weight bytes read per step."""
 
     ms: dict[str, float]
     step_ms: float
     plain_step_ms: float
     weight_bytes: int
+    batch: int = 1
 
     @property
     def matmul_ms(self) -> float:
@@ -135,30 +139,37 @@ def _hooked(model: llama.LlamaModel, ms: dict[str, float]) -> Iterator[None]:
         del model.forward
 
 
-def _decode(runner: LlamaRunner, prompt: list[int], steps: int, ms: dict[str, float] | None) -> float:
-    """Prefill `prompt` (untimed), then `steps` greedy decode steps; returns their seconds.
+def pages_needed(prompt: list[int], steps: int, page_size: int, batch: int = 1) -> int:
+    """Pages `profile` uses: each of `batch` sequences holds len(prompt) + steps tokens."""
+    return batch * ((len(prompt) + steps + page_size) // page_size)
+
+
+def _decode(runner: LlamaRunner, prompt: list[int], steps: int, batch: int, ms: dict[str, float] | None) -> float:
+    """Prefill `prompt` for `batch` sequences (untimed), then `steps` greedy decode steps of all of
+    them together; returns those steps' seconds.
 
     With `ms`, also accumulates the seconds of sampling and of the step's setup (the runner's
     forward less the model's) into it; the hook times the model's parts."""
-    greedy, gens = [SamplingParams()], [None]
-    pages = list(range((len(prompt) + steps + runner.page_size) // runner.page_size))
-    tok = sample(runner.forward([ForwardItem(prompt, 0, pages)]), greedy, gens)[0]
+    greedy, gens = [SamplingParams()] * batch, [None] * batch
+    each = pages_needed(prompt, steps, runner.page_size)
+    tables = [list(range(b * each, (b + 1) * each)) for b in range(batch)]
+    toks = [sample(runner.forward([ForwardItem(prompt, 0, t)]), greedy[:1], gens[:1])[0] for t in tables]
     if ms is not None:
-        ms.update(dict.fromkeys(ms, 0.0))  # the prefill went through the hook too
+        ms.update(dict.fromkeys(ms, 0.0))  # the prefills went through the hook too
         runner.model.step_cycles[:] = 0
     n = len(prompt)
     total = 0.0
     for _ in range(steps):
-        item = [ForwardItem([tok], n, pages)]
+        items = [ForwardItem([tok], n, t) for tok, t in zip(toks, tables)]
         start = time.perf_counter()
         if ms is None:
-            tok = sample(runner.forward(item), greedy, gens)[0]
+            toks = sample(runner.forward(items), greedy, gens)
         else:
             model_before = ms[_MODEL]
-            logits = runner.forward(item)
+            logits = runner.forward(items)
             mid = time.perf_counter()
             ms[SETUP] += mid - start - (ms[_MODEL] - model_before)
-            tok = sample(logits, greedy, gens)[0]
+            toks = sample(logits, greedy, gens)
             ms[SAMPLING] += time.perf_counter() - mid
         total += time.perf_counter() - start
         n += 1
@@ -166,39 +177,40 @@ def _decode(runner: LlamaRunner, prompt: list[int], steps: int, ms: dict[str, fl
 
 
 def cycles_per_second(span_s: float = 0.05) -> float:
-    """Rate of `engine.models.llama.read_cycles`, the counter the fused step's parts are timed in."""
-    llama.read_cycles()  # compiled before timing
-    c0, t0 = llama.read_cycles(), time.perf_counter()
+    """Rate of `engine.models.llama_step.read_cycles`, the counter the fused step's parts are timed in."""
+    llama_step.read_cycles()  # compiled before timing
+    c0, t0 = llama_step.read_cycles(), time.perf_counter()
     time.sleep(span_s)
-    return (llama.read_cycles() - c0) / (time.perf_counter() - t0)
+    return (llama_step.read_cycles() - c0) / (time.perf_counter() - t0)
 
 
-def profile(runner: LlamaRunner, prompt: list[int], steps: int = 64, repeats: int = 3) -> Profile:
-    """Profile `steps` decode tokens after `prompt`, `repeats` times; keep the fastest run.
+def profile(runner: LlamaRunner, prompt: list[int], steps: int = 64, repeats: int = 3, batch: int = 1) -> Profile:
+    """Profile `steps` decode steps of `batch` sequences after `prompt`, `repeats` times; keep the
+    fastest run.
 
-    The runner needs pages for len(prompt) + steps tokens. Returns ms per token of each part.
-    Raises ValueError when steps or repeats < 1.
+    The runner needs `pages_needed(prompt, steps, page_size, batch)` pages. Returns ms per step of
+    each part. Raises ValueError when steps, repeats or batch < 1.
     """
-    if steps < 1 or repeats < 1:
-        raise ValueError(f"steps and repeats must be >= 1, got {steps} and {repeats}")
+    if steps < 1 or repeats < 1 or batch < 1:
+        raise ValueError(f"steps, repeats and batch must be >= 1, got {steps}, {repeats} and {batch}")
     model = runner.model
     hz = cycles_per_second()
     best: Profile | None = None
     fastest_plain = float("inf")
     for _ in range(repeats):
-        plain = _decode(runner, prompt, steps, None)
+        plain = _decode(runner, prompt, steps, batch, None)
         sums = dict.fromkeys((*PARTS, _MODEL), 0.0)
-        model.step_cycles = np.zeros(len(llama.STEP_PARTS), np.int64)
+        model.step_cycles = np.zeros(len(llama_step.STEP_PARTS), np.int64)
         with _hooked(model, sums):
-            step = _decode(runner, prompt, steps, sums)
-        for name, cycles in zip(llama.STEP_PARTS, model.step_cycles):
+            step = _decode(runner, prompt, steps, batch, sums)
+        for name, cycles in zip(llama_step.STEP_PARTS, model.step_cycles):
             sums[name] += cycles / hz
         model.step_cycles = np.zeros(0, np.int64)
         del sums[_MODEL]
         ms = {k: v / steps * 1e3 for k, v in sums.items()}
         ms[REST] = step / steps * 1e3 - sum(ms.values())
-        quantized = model.q_lm_head is not None and llama.QUANTIZED_MAX_BATCH >= 1
-        run = Profile(ms, step / steps * 1e3, plain / steps * 1e3, weight_bytes_per_token(model, quantized))
+        quantized = model.q_lm_head is not None and llama.QUANTIZED_MAX_BATCH >= batch
+        run = Profile(ms, step / steps * 1e3, plain / steps * 1e3, weight_bytes_per_token(model, quantized), batch)
         if best is None or run.step_ms < best.step_ms:
             best = run
         fastest_plain = min(fastest_plain, run.plain_step_ms)
@@ -207,15 +219,15 @@ def profile(runner: LlamaRunner, prompt: list[int], steps: int = 64, repeats: in
 
 
 def format_profile(p: Profile) -> str:
-    """The profile as a table: part, ms per token, % of the hooked step."""
-    lines = [f"{'part of a decode step (B=1)':<40}{'ms/token':>10}{'% step':>8}"]
+    """The profile as a table: part, ms per step, % of the hooked step."""
+    lines = [f"{f'part of a decode step (B={p.batch})':<40}{'ms/step':>10}{'% step':>8}"]
     for name in (*PARTS, REST):
         lines.append(f"{name:<40}{p.ms[name]:>10.3f}{100 * p.ms[name] / p.step_ms:>7.1f}%")
     lines.append(f"{'  of which matmuls':<40}{p.matmul_ms:>10.3f}{100 * p.matmul_ms / p.step_ms:>7.1f}%")
     lines.append(f"{'step, timed parts':<40}{p.step_ms:>10.3f}{100.0:>7.1f}%")
-    lines.append(f"{'step, no timers':<40}{p.plain_step_ms:>10.3f}  ({1e3 / p.plain_step_ms:.1f} tokens/s)")
+    lines.append(f"{'step, no timers':<40}{p.plain_step_ms:>10.3f}  ({p.batch * 1e3 / p.plain_step_ms:.1f} tokens/s)")
     lines.append(
-        f"weights read per token: {p.weight_bytes / 1e6:.1f} MB; "
+        f"weights read per step: {p.weight_bytes / 1e6:.1f} MB; "
         f"{p.weight_bytes / p.plain_step_ms / 1e6:.1f} GB/s over the step, "
         f"{p.weight_bytes / p.matmul_ms / 1e6:.1f} GB/s over the matmuls"
     )
@@ -228,19 +240,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
     ap.add_argument("--steps", type=int, default=64, help="decode tokens a run")
     ap.add_argument("--repeats", type=int, default=3, help="runs; the fastest is printed")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     files = resolve_model(args.model)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ids = load_tokenizer(files).apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    runner = LlamaRunner(files, num_pages=(len(prompt) + args.steps) // 16 + 2)
+    runner = LlamaRunner(files, num_pages=pages_needed(prompt, args.steps, 16, args.batch))
     runner.warmup()
-    p = profile(runner, prompt, args.steps, args.repeats)
+    p = profile(runner, prompt, args.steps, args.repeats, args.batch)
     kind = "GGUF blocks" if runner.model.q_lm_head is not None else "fp32"
     print(
         f"model {files.name} [{kind}], {torch.get_num_threads()} torch threads, prompt {len(prompt)} tokens, "
-        f"{args.steps} decode tokens, fastest of {args.repeats} runs"
+        f"{args.batch} sequences, {args.steps} decode steps, fastest of {args.repeats} runs"
     )
     print(format_profile(p))
 

@@ -16,14 +16,15 @@
   (`kernels.quant`), reading 5x fewer weight bytes than fp32. Prefill keeps the fp32 weights:
   a prompt's first positions carry residuals near 2e4, where the kernels' per-block sums
   round up to 1.5e-4 away from transformers' logits, past the 1e-4 the parity tests hold;
-- a decode step of one sequence (batch-1 decode, single-stream serving) runs as one numba call,
-  `_decode_step`: every layer and the lm_head from the blocks, with RMSNorm, RoPE, the K/V
-  write, attention and SiLU*up in the same call, so no torch op runs per layer. Measured on 2
-  busy-shared cores (`engine.profile_decode`): as torch ops around the block kernels the step
-  spent 6.3 ms a token outside the matmuls (RMSNorm alone 2.0 ms, ~16 us a torch op on a
-  [1, H] tensor); fused, 1.5 ms. Its matmuls are the block kernels' tiles
-  (`kernels.quant.q4_1_tile`), bit for bit; the rest rounds within an ulp or two of the torch
-  ops (sums in another order), well inside the parity bound.
+- a decode step of up to `QUANTIZED_MAX_BATCH` sequences runs as one numba call,
+  `engine.models.llama_step.decode_step`: every layer and the lm_head from the blocks, with
+  RMSNorm, RoPE, the K/V write, attention over each sequence's own pages and SiLU*up in the same
+  call, so no torch op runs per layer. Measured on 2 busy-shared cores (`engine.profile_decode`):
+  as torch ops around the block kernels a batch-1 step spent 6.3 ms a token outside the matmuls
+  (RMSNorm alone 2.0 ms, ~16 us a torch op on a [1, H] tensor), fused 1.5 ms; a 16-sequence step
+  spent ~40 ms outside them. Its matmuls are the block kernels' tiles (`kernels.quant.q4_1_tile`),
+  bit for bit; the rest rounds within an ulp or two of the torch ops (sums in another order), well
+  inside the parity bound, and a sequence gets the same bits alone or in any batch.
 """
 
 from __future__ import annotations
@@ -31,29 +32,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
-from llvmlite import ir
-from numba.core import cgutils
-from numba.core import types as nbtypes
-from numba.extending import intrinsic
 
 from engine.config import ModelConfig
 from engine.gguf_blocks import GGUFBlocks
+from engine.models.llama_step import decode_step
 from kernels import AttentionMetadata, apply_rotary, paged_attention, rms_norm, silu_and_mul
-from kernels.quant import (
-    TN,
-    Q4_1Weight,
-    Q8_0Weight,
-    block_sums,
-    pack_q4_1,
-    pack_q8_0,
-    q4_1_tile,
-    q8_0_tile,
-    quantized_matmul,
-)
+from kernels.attention import DecodeGroup
+from kernels.quant import TN, Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0, quantized_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +172,7 @@ class LlamaModel:
         self._step = self._stack_for_step()
 
     def _stack_for_step(self) -> tuple | None:
-        """Arguments of `_decode_step` that stay the same from step to step: the norms, and the
+        """Arguments of `decode_step` that stay the same from step to step: the norms, and the
         layers' Q4_1 blocks stacked [L, ...] (the layers keep views of them: nothing is stored
         twice); None unless every layer has Q4_1 blocks and the lm_head Q8_0 ones."""
         names = ("q_qkv", "q_o", "q_gate_up", "q_down")
@@ -220,30 +208,27 @@ class LlamaModel:
             (self.q_lm_head.q, self.q_lm_head.d),
         )
 
-    def _decode_one(
-        self,
-        token: int,
-        cos: torch.Tensor,
-        sin_rot: torch.Tensor,
-        read_blocks: torch.Tensor,
-        write_row: int,
-        kv_cache: torch.Tensor,
+    def _decode_fused(
+        self, input_ids: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, g: DecodeGroup, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        """A batch-1 decode step as one numba call (`_decode_step`): logits [1, V] fp32."""
+        """A decode step of B sequences as one numba call (`llama_step.decode_step`): logits [B, V] fp32."""
         assert self._step is not None
-        _, _, _, S, K, D = kv_cache.shape
-        pos = (read_blocks.shape[-1] - 1) * S + write_row % S  # one sequence: its last page is the token's
-        h = self.embed[token].numpy().copy()  # [H], the residual stream
-        logits = torch.empty(1, self._step[-1][0].shape[0] * TN)  # [1, V padded to tiles]
-        _decode_step(  # type: ignore[call-arg]  # a numba dispatcher: mypy sees no signature
+        _, L, _, S, K, D = kv_cache.shape
+        B = input_ids.shape[0]
+        M = g.read_blocks.shape[-1] // B  # pages of the longest context
+        # each context's length: the keys its mask lets through (all M*S of them without a mask)
+        lens = torch.full((B,), M * S) if g.mask is None else g.mask.view(B, M * S).sum(1)  # [B] int64
+        h = self.embed.index_select(0, input_ids).numpy()  # [B, H], the residual stream (a copy)
+        logits = torch.empty(B, self._step[-1][0].shape[0] * TN)  # [B, V padded to tiles]
+        decode_step(  # type: ignore[call-arg]  # a numba dispatcher: mypy sees no signature
             h,
-            pos,
-            cos.view(-1).numpy(),
-            sin_rot.view(-1).numpy(),
-            read_blocks.numpy(),
+            lens.numpy(),
+            cos.view(B, D).numpy(),
+            sin_rot.view(B, D).numpy(),
+            g.read_blocks.view(L, 2, B, M).numpy(),
             kv_cache.view(-1, S, K, D).numpy(),
             *self._step,
-            logits.numpy()[0],
+            logits.numpy(),
             self.step_cycles,
         )
         return logits[:, : self.config.vocab_size]
@@ -269,11 +254,9 @@ class LlamaModel:
         # a decode step: every sequence brings one token, so no logits_index picks rows
         use_blocks = logits_index is None and T <= QUANTIZED_MAX_BATCH
         g = meta.decode
-        if use_blocks and T == 1 and self._step is not None and g is not None and g.token_index is None:
-            # one sequence, one token: the whole step in one numba call, no torch op per layer
-            return self._decode_one(
-                int(input_ids[0]), cos, sin_rot, g.read_blocks, int(meta.write_rows[0, 0, 0]), kv_cache
-            )
+        if use_blocks and self._step is not None and g is not None and g.token_index is None:
+            # every sequence brings one token: the whole step in one numba call, no torch op per layer
+            return self._decode_fused(input_ids, cos, sin_rot, g, kv_cache)
         nq, nk, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         qk_width = (nq + nk) * D
         h = F.embedding(input_ids, self.embed)  # [T, H], the residual stream
@@ -293,158 +276,3 @@ class LlamaModel:
             h = h.index_select(0, logits_index)  # [B, H]
         h = rms_norm(h, self.norm, eps)
         return _lm_head(h, self.lm_head, self.q_lm_head if use_blocks else None)  # [B, V] fp32
-
-
-# --- the fused batch-1 decode step -------------------------------------------------------------
-
-STEP_PARTS = (
-    "RMSNorm",
-    "matmul q/k/v",
-    "RoPE",
-    "attention over pages",
-    "matmul o",
-    "matmul MLP gate/up",
-    "matmul MLP down",
-    "matmul lm_head",
-)
-"""The parts `_decode_step` counts cycles of, in the order of `LlamaModel.step_cycles`. The K/V
-write counts with attention, each residual add with the matmul before it, and SiLU*up with
-gate/up: each thread applies it to the gate and up tiles it just computed."""
-
-
-@intrinsic
-def _rdtsc(typingctx):
-    def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.IntType(64), []), "llvm.readcyclecounter"
-        )
-        return builder.call(fn, [])
-
-    return nbtypes.int64(), codegen
-
-
-@numba.njit(nogil=True, cache=True)
-def read_cycles() -> int:
-    """The CPU's time-stamp counter (cycles), which the step's profiling counts in."""
-    return _rdtsc()  # type: ignore[call-arg]  # an intrinsic: numba supplies typingctx
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _lap(cycles, part, start):  # add the cycles since start to cycles[part] when profiling
-    if cycles.shape[0] == 0:
-        return start
-    now = _rdtsc()
-    cycles[part] += now - start
-    return now
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def _rms_norm_into(h, w, eps, out):  # h, w, out [H]
-    # transformers: fp32 squares, their mean (summed here in fp64), rsqrt, then w * (h * r)
-    ss = 0.0
-    for i in range(h.shape[0]):
-        ss += np.float32(h[i] * h[i])
-    r = np.float32(1) / np.sqrt(np.float32(np.float32(ss / h.shape[0]) + eps))
-    for i in range(h.shape[0]):
-        out[i] = w[i] * (h[i] * r)
-
-
-# reassociation lets LLVM vectorize the dot products (a sequential sum is add-latency bound:
-# 0.93 ms of a 7.8 ms step went to attention); the rounding stays within SDPA's own
-@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
-def _attend(q, kv, k_blocks, v_blocks, n_ctx, kh, scale, out):  # q [D], kv [P*L*2, S, K, D], out [D]
-    # one query head over its kv head's n_ctx keys: softmax(q.k * scale) @ v, as SDPA
-    S, D = kv.shape[1], q.shape[0]
-    scores = np.empty(n_ctx, np.float32)
-    top = np.float32(-np.inf)
-    for p in range(n_ctx):
-        key = kv[k_blocks[p // S], p % S, kh]
-        s = np.float32(0)
-        for i in range(D):
-            s += q[i] * key[i]
-        scores[p] = s * scale
-        top = max(top, scores[p])
-    acc = np.zeros(D, np.float32)
-    total = np.float32(0)
-    for p in range(n_ctx):
-        e = np.exp(scores[p] - top)
-        total += e
-        val = kv[v_blocks[p // S], p % S, kh]
-        for i in range(D):
-            acc[i] += e * val[i]
-    for i in range(D):
-        out[i] = acc[i] / total
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
-def _decode_step(
-    h, pos, cos, sin_rot, blocks, kv, norms, eps, nq, nk, inter, qkv, o, gate_up, down, head, logits, cycles
-):
-    """One token through every layer and the lm_head, in place: the batch-1 decode step.
-
-        h [H] the token's embedding row (becomes the last residual); pos its position; cos, sin_rot
-        [D] its RoPE row; blocks [L, 2, M] its pages' K and V blocks in kv [P*L*2, S, K, D]
-        (written at pos); norms [L + 1, 2, H] (input and post-attention norms, then the final norm
-        twice); qkv, o, gate_up, down: (qs, d, m) of the layers' Q4_1 weights stacked [L, NT, ...]
-    (gate_up's gate rows first, inter of them, a multiple of TN);
-        head (q, d) of the Q8_0 lm_head; logits [NT*TN] out; cycles [len(STEP_PARTS)] int64
-        accumulates each part's cycles, or is empty.
-    """
-    L, H, S, D = norms.shape[0] - 1, h.shape[0], kv.shape[1], kv.shape[3]
-    x = np.empty(H, np.float32)
-    y_qkv = np.empty(qkv[0].shape[1] * TN, np.float32)
-    rot = np.empty((nq + nk, D), np.float32)
-    attn = np.empty(nq * D, np.float32)
-    y_o = np.empty(o[0].shape[1] * TN, np.float32)
-    y_gu = np.empty(gate_up[0].shape[1] * TN, np.float32)
-    act = np.empty(inter, np.float32)
-    y_down = np.empty(down[0].shape[1] * TN, np.float32)
-    page, slot, half, group = pos // S, pos % S, D // 2, nq // nk
-    scale = np.float32(1 / np.sqrt(D))
-    t = _rdtsc() if cycles.shape[0] else 0
-    for li in range(L):
-        _rms_norm_into(h, norms[li, 0], eps, x)
-        t = _lap(cycles, 0, t)
-        xs = block_sums(x)
-        for tile in numba.prange(qkv[0].shape[1]):
-            q4_1_tile(x, xs, qkv[0][li], qkv[1][li], qkv[2][li], tile, y_qkv)
-        t = _lap(cycles, 1, t)
-        for hd in range(nq + nk):  # x * cos + swap_halves(x) * sin_rot, as `apply_rotary`
-            for i in range(D):
-                rot[hd, i] = y_qkv[hd * D + i] * cos[i] + y_qkv[hd * D + (i + half) % D] * sin_rot[i]
-        t = _lap(cycles, 2, t)
-        kb, vb = blocks[li, 0, page], blocks[li, 1, page]
-        for kh in range(nk):
-            for i in range(D):
-                kv[kb, slot, kh, i] = rot[nq + kh, i]
-                kv[vb, slot, kh, i] = y_qkv[(nq + nk + kh) * D + i]
-        for hq in numba.prange(nq):
-            _attend(rot[hq], kv, blocks[li, 0], blocks[li, 1], pos + 1, hq // group, scale, attn[hq * D : (hq + 1) * D])
-        t = _lap(cycles, 3, t)
-        xs = block_sums(attn)
-        for tile in numba.prange(o[0].shape[1]):
-            q4_1_tile(attn, xs, o[0][li], o[1][li], o[2][li], tile, y_o)
-        for i in range(H):
-            h[i] = h[i] + y_o[i]
-        t = _lap(cycles, 4, t)
-        _rms_norm_into(h, norms[li, 1], eps, x)
-        t = _lap(cycles, 0, t)
-        xs = block_sums(x)
-        for tile in numba.prange(inter // TN):  # a gate tile, its up tile, then silu(gate) * up
-            q4_1_tile(x, xs, gate_up[0][li], gate_up[1][li], gate_up[2][li], tile, y_gu)
-            q4_1_tile(x, xs, gate_up[0][li], gate_up[1][li], gate_up[2][li], tile + inter // TN, y_gu)
-            for i in range(tile * TN, (tile + 1) * TN):  # as `silu_and_mul`
-                g = y_gu[i]
-                act[i] = g / (np.float32(1) + np.exp(-g)) * y_gu[inter + i]
-        t = _lap(cycles, 5, t)
-        xs = block_sums(act)
-        for tile in numba.prange(down[0].shape[1]):
-            q4_1_tile(act, xs, down[0][li], down[1][li], down[2][li], tile, y_down)
-        for i in range(H):
-            h[i] = h[i] + y_down[i]
-        t = _lap(cycles, 6, t)
-    _rms_norm_into(h, norms[L, 0], eps, x)
-    t = _lap(cycles, 0, t)
-    for tile in numba.prange(head[0].shape[0]):
-        q8_0_tile(x, head[0], head[1], tile, logits)
-    _lap(cycles, 7, t)

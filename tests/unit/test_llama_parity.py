@@ -207,3 +207,70 @@ def test_small_steps_use_the_gguf_blocks_and_agree_with_fp32_weights(files, runn
     for rows in (1, 2, 16, QUANTIZED_MAX_BATCH):  # decode batches (one sequence, repeated)
         batch = [ForwardItem([ids[rows % 30]], 30, [1, 2, 3])] * rows
         torch.testing.assert_close(runner.forward(batch), fp32_only.forward(batch), atol=ATOL, rtol=0)
+
+
+def test_fused_batched_decode_equals_the_torch_path_and_each_sequence_alone(runner, monkeypatch):
+    # a decode step of B sequences runs as one numba call (engine.models.llama_step); the torch ops
+    # path (same block matmuls, torch RMSNorm, RoPE, gathers and SDPA) is its reference here
+    import engine.models.llama as llama
+
+    # ragged contexts: the new token of the 16-token one opens page 2, the 15-token one's fills
+    # page 1's last slot, the 40-token one reads three pages; pages are scattered and interleaved
+    lengths = [5, 15, 16, 40, 1]
+    free = list(range(1, 256))
+    random.Random(0).shuffle(free)
+    tables = [[free.pop() for _ in range((n + 1 + PAGE - 1) // PAGE)] for n in lengths]
+    prompts = [_prompt(n, seed=200 + n) for n in lengths]
+    for p, pages in zip(prompts, tables):
+        runner.forward([ForwardItem(p, 0, pages)])
+    items = [ForwardItem([100 + b], n, pages) for b, (n, pages) in enumerate(zip(lengths, tables))]
+    kv_before = runner.kv_cache.clone()
+
+    def torch_op_called(*args, **kwargs):
+        raise AssertionError("a fused decode step ran a torch op per layer")
+
+    with monkeypatch.context() as m:  # the fused step must not go through the torch ops
+        m.setattr(llama, "paged_attention", torch_op_called)
+        m.setattr(llama, "rms_norm", torch_op_called)
+        fused = runner.forward(items)
+    kv_fused = runner.kv_cache.clone()
+    runner.kv_cache.copy_(kv_before)
+    with monkeypatch.context() as m:
+        m.setattr(runner.model, "_step", None)  # no stacked step arguments: the torch ops path
+        ref = runner.forward(items)
+    assert fused.shape == ref.shape == (len(lengths), runner.config.vocab_size)
+    torch.testing.assert_close(fused, ref, atol=ATOL, rtol=0)
+    # both wrote each new token's K and V in the same slot (and nothing else)
+    torch.testing.assert_close(kv_fused, runner.kv_cache, atol=ATOL, rtol=1e-4)
+    assert torch.equal(kv_fused != kv_before, runner.kv_cache != kv_before)
+    # each sequence alone (a batch of one, the same numba call) gets the same bits
+    runner.kv_cache.copy_(kv_before)
+    alone = torch.cat([runner.forward([it]) for it in items])
+    assert torch.equal(alone, fused)
+    # in another order too: a sequence's numbers depend on its own row only
+    runner.kv_cache.copy_(kv_before)
+    order = [3, 0, 4, 2, 1]
+    shuffled = runner.forward([items[i] for i in order])
+    assert torch.equal(shuffled, fused[order])
+
+
+def test_fused_decode_keeps_decoding_like_the_torch_path(runner, monkeypatch):
+    # greedy steps from both paths, fed their own tokens, stay together over pages' boundaries
+    lengths = [14, 30, 3]
+    steps = 6
+    alloc = Pages()
+    prompts = [_prompt(n, seed=300 + n) for n in lengths]
+    fused_pages = [alloc.take(n + steps) for n in lengths]
+    torch_pages = [alloc.take(n + steps) for n in lengths]
+    for p, fp, tp in zip(prompts, fused_pages, torch_pages):
+        runner.forward([ForwardItem(p, 0, fp)])
+        runner.forward([ForwardItem(p, 0, tp)])
+    tokens = [9, 99, 999]
+    for step in range(steps):
+        fused = runner.forward([ForwardItem([t], n + step, p) for t, n, p in zip(tokens, lengths, fused_pages)])
+        with monkeypatch.context() as m:
+            m.setattr(runner.model, "_step", None)
+            ref = runner.forward([ForwardItem([t], n + step, p) for t, n, p in zip(tokens, lengths, torch_pages)])
+        torch.testing.assert_close(fused, ref, atol=ATOL, rtol=0)
+        assert fused.argmax(-1).tolist() == ref.argmax(-1).tolist()
+        tokens = fused.argmax(-1).tolist()

@@ -58,3 +58,15 @@ def test_weight_bytes_count_each_fp32_weight_once(runner):
     )  # layers, lm_head, final norm, one embedding row
     assert weight_bytes_per_token(runner.model, quantized=False) == expected
     assert weight_bytes_per_token(runner.model, quantized=True) == expected  # no blocks: fp32 either way
+
+
+def test_profile_of_a_batch_decodes_every_sequence_together(runner):
+    from engine.profile_decode import pages_needed
+
+    # two sequences of 3 + 2 tokens in pages of 4: two pages each, inside the runner's 8
+    assert pages_needed([1, 5, 9], 2, runner.page_size, batch=2) == 4
+    p = profile(runner, prompt=[1, 5, 9], steps=2, repeats=1, batch=2)
+    assert p.batch == 2 and set(p.ms) == {*PARTS, REST}
+    assert "part of a decode step (B=2)" in format_profile(p)
+    with pytest.raises(ValueError, match="batch"):
+        profile(runner, prompt=[1, 5, 9], steps=2, repeats=1, batch=0)

@@ -43,30 +43,38 @@ def test_q8_0_matmul_matches_dequantized_reference(rows):
 
 
 def test_each_row_is_computed_the_same_alone_or_in_a_batch():
-    # batched decode must give each sequence the logits it gets alone, bit for bit
+    # batched decode must give each sequence the logits it gets alone, bit for bit: one row takes
+    # the kernels' one-row path, several rows the unpacked-block one
     rng = np.random.default_rng(7)
     w = pack_q4_1(*_q4_1(rng, 192, 64))
+    w8 = pack_q8_0(rng.integers(-128, 128, (192, 64), dtype=np.int8), (rng.random((192, 2)) * 0.01).astype(np.float16))
     x = torch.randn(4, 64)
-    alone = torch.cat([quantized_matmul(x[i : i + 1], w) for i in range(4)])
-    assert torch.equal(quantized_matmul(x, w), alone)
+    for weight in (w, w8):
+        alone = torch.cat([quantized_matmul(x[i : i + 1], weight) for i in range(4)])
+        assert torch.equal(quantized_matmul(x, weight), alone)
 
 
-def test_one_row_tiles_give_the_batched_kernels_bits():
-    # the fused batch-1 decode step (engine.models.llama) multiplies tile by tile with
-    # q4_1_tile / q8_0_tile: each row must come out exactly as quantized_matmul computes it
+@pytest.mark.parametrize("rows", [1, 2, 5])  # one row: the registers path; several: unpacked once
+def test_tiles_give_the_batched_kernels_bits(rows):
+    # the fused decode step (engine.models.llama_step) multiplies tile by tile with
+    # q4_1_tile / q8_0_tile: its rows must come out exactly as quantized_matmul computes them
     rng = np.random.default_rng(3)
     w4 = pack_q4_1(*_q4_1(rng, 100, 96))  # a padded last tile too
     w8 = pack_q8_0(rng.integers(-128, 128, (130, 64), dtype=np.int8), (rng.random((130, 2)) * 0.01).astype(np.float16))
-    x4, x8 = torch.randn(3, 96) * 3, torch.randn(3, 64)
-    batched4, batched8 = quantized_matmul(x4, w4), quantized_matmul(x8, w8)
-    for r in range(3):
-        row4, row8 = x4[r].numpy(), x8[r].numpy()
-        out4, out8 = np.empty(w4.qs.shape[0] * TN, np.float32), np.empty(w8.q.shape[0] * TN, np.float32)
-        for t in range(w4.qs.shape[0]):
-            q4_1_tile(row4, block_sums(row4), w4.qs, w4.d, w4.m, t, out4)
-        for t in range(w8.q.shape[0]):
-            q8_0_tile(row8, w8.q, w8.d, t, out8)
-        assert np.array_equal(out4[:100], batched4[r].numpy()) and np.array_equal(out8[:130], batched8[r].numpy())
+    x4, x8 = (torch.randn(rows, 96) * 3).numpy(), torch.randn(rows, 64).numpy()
+    out4 = np.empty((rows, w4.qs.shape[0] * TN), np.float32)
+    out8 = np.empty((rows, w8.q.shape[0] * TN), np.float32)
+    for t in range(w4.qs.shape[0]):
+        q4_1_tile(x4, block_sums(x4), w4.qs, w4.d, w4.m, t, out4)
+    for t in range(w8.q.shape[0]):
+        q8_0_tile(x8, w8.q, w8.d, t, out8)
+    assert np.array_equal(out4[:, :100], quantized_matmul(torch.from_numpy(x4), w4).numpy())
+    assert np.array_equal(out8[:, :130], quantized_matmul(torch.from_numpy(x8), w8).numpy())
+    # and each row alone (the one-row path) gives the bits it got among the others
+    for r in range(rows):
+        alone4 = quantized_matmul(torch.from_numpy(x4[r : r + 1]), w4).numpy()
+        alone8 = quantized_matmul(torch.from_numpy(x8[r : r + 1]), w8).numpy()
+        assert np.array_equal(alone4[0], out4[r, :100]) and np.array_equal(alone8[0], out8[r, :130])
 
 
 def test_bad_shapes_are_refused():
