@@ -83,16 +83,18 @@ def _rms_norm_rows(h, w, eps, out):  # h, out [B, H], w [H]
 # reassociation lets LLVM vectorize the dot products (a sequential sum is add-latency bound:
 # 0.93 ms of a 7.8 ms batch-1 step went to attention); the rounding stays within SDPA's own
 @numba.njit(nogil=True, cache=True, boundscheck=False, fastmath={"reassoc", "contract"})
-def _attend(q, kv, k_blocks, v_blocks, n_ctx, kh, scale, out, o):  # q [Q*D], kv [P*L*2, S, K, D], out [Q*D]
-    # one query head (q[o : o+D]) over its kv head's n_ctx keys: softmax(q.k * scale) @ v, as SDPA
-    S, D = kv.shape[1], kv.shape[3]
+def _attend(q, kv, k_blocks, v_blocks, n_ctx, kh, scale, out):  # q [D], kv [P*L*2, S, K, D], out [D]
+    # one query head over its kv head's n_ctx keys: softmax(q.k * scale) @ v, as SDPA. q and out
+    # are rows of their own: with an offset into a longer row (q[o + i]) numba's negative-index
+    # wraparound turned the dot product into gathers, 2x slower
+    S, D = kv.shape[1], q.shape[0]
     scores = np.empty(n_ctx, np.float32)
     top = np.float32(-np.inf)
     for p in range(n_ctx):
         key = kv[k_blocks[p // S], p % S, kh]
         s = np.float32(0)
         for i in range(D):
-            s += q[o + i] * key[i]
+            s += q[i] * key[i]
         scores[p] = s * scale
         top = max(top, scores[p])
     acc = np.zeros(D, np.float32)
@@ -104,7 +106,7 @@ def _attend(q, kv, k_blocks, v_blocks, n_ctx, kh, scale, out, o):  # q [Q*D], kv
         for i in range(D):
             acc[i] += e * val[i]
     for i in range(D):
-        out[o + i] = acc[i] / total
+        out[i] = acc[i] / total
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
@@ -127,8 +129,9 @@ def decode_step(
     L, B, H, S, D = norms.shape[0] - 1, h.shape[0], h.shape[1], kv.shape[1], kv.shape[3]
     x = np.empty((B, H), np.float32)
     y_qkv = np.empty((B, qkv[0].shape[1] * TN), np.float32)
-    rot = np.empty((B, (nq + nk) * D), np.float32)
-    attn = np.empty((B, nq * D), np.float32)
+    rot = np.empty((B, nq + nk, D), np.float32)
+    heads_out = np.empty((B, nq, D), np.float32)
+    attn = heads_out.reshape(B, nq * D)  # the same memory, as the o projection's input rows
     y_o = np.empty((B, o[0].shape[1] * TN), np.float32)
     y_gu = np.empty((B, gate_up[0].shape[1] * TN), np.float32)
     act = np.empty((B, inter), np.float32)
@@ -147,18 +150,18 @@ def decode_step(
             for hd in range(nq + nk):
                 for i in range(D):
                     c = hd * D
-                    rot[b, c + i] = y_qkv[b, c + i] * cos[b, i] + y_qkv[b, c + (i + half) % D] * sin_rot[b, i]
+                    rot[b, hd, i] = y_qkv[b, c + i] * cos[b, i] + y_qkv[b, c + (i + half) % D] * sin_rot[b, i]
         t = _lap(cycles, 2, t)
         for b in range(B):
             page, slot = (lens[b] - 1) // S, (lens[b] - 1) % S
             kb, vb = blocks[li, 0, b, page], blocks[li, 1, b, page]
             for kh in range(nk):
                 for i in range(D):
-                    kv[kb, slot, kh, i] = rot[b, (nq + kh) * D + i]
+                    kv[kb, slot, kh, i] = rot[b, nq + kh, i]
                     kv[vb, slot, kh, i] = y_qkv[b, (nq + nk + kh) * D + i]
         for job in numba.prange(B * heads):  # (sequence, query head): each over its own pages
             b, hq = job // heads, job % heads
-            _attend(rot[b], kv, blocks[li, 0, b], blocks[li, 1, b], lens[b], hq // group, scale, attn[b], hq * D)
+            _attend(rot[b, hq], kv, blocks[li, 0, b], blocks[li, 1, b], lens[b], hq // group, scale, heads_out[b, hq])
         t = _lap(cycles, 3, t)
         xs = block_sums(attn)
         for tile in numba.prange(o[0].shape[1]):
