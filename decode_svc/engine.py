@@ -25,6 +25,7 @@ import torch
 
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
+from engine.eplb import expert_stats
 from engine.forward import ForwardItem, Runner, StateSlots
 from engine.outcomes import FinishReason
 from engine.sampler import sample
@@ -259,7 +260,7 @@ class DecodeEngine:
         """Requests reserved, waiting or running."""
         return len(self._by_transfer)
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, int | str | list[int]]:
         """Pool and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
         with self._cond:
             error = self.pool.integrity_error()
@@ -274,6 +275,7 @@ class DecodeEngine:
                 "max_batch_size": self.max_batch_size_seen,
                 "num_steps": self.num_steps,
                 "integrity_error": error,
+                **expert_stats(self.runner.expert_token_counts()),
             }
 
     # --- the engine thread -----------------------------------------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from runtime.moe_metrics import register_expert_load
+
 REGISTRY = CollectorRegistry()
 
 BATCH_SIZE = Gauge("kvmesh_decode_running_batch_size", "Requests in the running decode batch", registry=REGISTRY)
@@ -25,6 +27,7 @@ STEP_CPU = Histogram(
 
 def bind(engine) -> None:
     """Read the gauges from `engine` (a DecodeEngine) at scrape time."""
+    register_expert_load(REGISTRY, engine.runner.expert_token_counts)
     BATCH_SIZE.set_function(lambda: engine.num_running)
     ACTIVE.set_function(lambda: engine.num_active_requests)
     PAGES_FREE.set_function(lambda: engine.pool.num_free_blocks)

@@ -51,6 +51,22 @@ class Placement:
         return slot // self.slots_per_rank
 
 
+def expert_stats(counts: np.ndarray | None) -> dict[str, int | list[int]]:
+    """InstanceStats fields of a runner's expert_token_counts(): num_experts (E) and
+    expert_tokens ([L * E], layer-major); {} for a dense model."""
+    if counts is None:
+        return {}
+    return {"num_experts": int(counts.shape[1]), "expert_tokens": [int(x) for x in counts.reshape(-1)]}
+
+
+def counts_from_stats(num_experts: int, expert_tokens) -> np.ndarray:
+    """[L, E] counts back from InstanceStats' flat fields. Raises ValueError when they disagree."""
+    flat = np.asarray(list(expert_tokens), np.int64)
+    if num_experts < 1 or flat.size % num_experts:
+        raise ValueError(f"{flat.size} expert token counts do not split into rows of {num_experts} experts")
+    return flat.reshape(-1, num_experts)
+
+
 def default_placement(num_layers: int, num_experts: int, num_ranks: int) -> Placement:
     """No EPLB: expert e on rank e // (E / R), one replica each. Raises ValueError unless
     R divides E."""

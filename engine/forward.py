@@ -66,6 +66,11 @@ class Runner(Protocol):
         """A prefix-cache hit: start `slot` from the end of the last cached page."""
         ...
 
+    def expert_token_counts(self) -> np.ndarray | None:
+        """[L, E] int64 tokens routed to each expert of each MoE layer since load (a copy);
+        None for a dense model."""
+        ...
+
     def warmup(self) -> None:
         """Run a tiny step so the first request pays no one-time costs (page 0 left garbage)."""
         ...

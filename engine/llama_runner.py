@@ -98,6 +98,10 @@ class LlamaRunner:
     def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
         """Nothing to resume: pages hold everything."""
 
+    def expert_token_counts(self) -> None:
+        """Llama is dense: no experts to count."""
+        return None
+
     def page_buffer(self, page_id: int) -> np.ndarray:
         """Zero-copy, writable 1-D uint8 numpy view of page `page_id` (page_nbytes bytes).
 

@@ -77,16 +77,45 @@ def deepseek_v4_tiny_config(**overrides):
     return DeepseekV4Config(**fields)
 
 
-def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+HOT_EXPERTS = (0, 1)
+"""The experts `skew_routers` makes hot in every MoE layer: neighbours, so experts-in-order
+placement puts both on one rank, as an unlucky real placement does."""
+
+
+def _skew_hash_table(table, p_hot: float, gen) -> None:
+    """Give each row of a hash-MoE table [vocab, k] (distinct experts a row) a hot expert first
+    with probability p_hot, keeping the row's experts distinct."""
+    import torch
+
+    picks = torch.rand(table.shape[0], generator=gen) < p_hot
+    hot = torch.tensor(HOT_EXPERTS)[torch.randint(len(HOT_EXPERTS), (table.shape[0],), generator=gen)]
+    for row in torch.nonzero(picks).flatten().tolist():
+        e = int(hot[row])
+        where = (table[row] == e).nonzero().flatten()
+        if len(where):  # already in the row: move it first
+            table[row, int(where[0])] = table[row, 0]
+        table[row, 0] = e
+
+
+def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, skew_routers: float = 0.0, **overrides) -> Path:
     """Write a random `arch` checkpoint plus SmolLM2's tokenizer into `out_dir`; return it.
 
     Weights are drawn with std 0.02 like the models' own init, except what init leaves at
     zero and would make the test blind: attention sinks, compressor position biases, the
     hyper-connection biases, router correction biases and the hash-MoE table get random
-    values too. Raises ValueError for an unknown arch.
+    values too.
+
+    skew_routers: tiny random routers spread tokens almost evenly over the experts, unlike
+    trained ones; s > 0 makes `HOT_EXPERTS` hot in every MoE layer, as real traffic does: their
+    top-k selection bias (`e_score_correction_bias`, which picks experts but does not weigh
+    them) grows by s, and each hash-MoE table row takes a hot expert with probability
+    min(1, 4 s). EPLB (engine.eplb) has something to balance then. Raises ValueError for an
+    unknown arch or s < 0.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; known: {list(ARCHITECTURES)}")
+    if skew_routers < 0:
+        raise ValueError(f"skew_routers must be >= 0, got {skew_routers}")
     import torch
     from transformers import DeepseekV4ForCausalLM
 
@@ -108,6 +137,7 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) 
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+                b[list(HOT_EXPERTS)] += skew_routers
             elif name.endswith("tid2eid"):
                 # distinct experts per token, as the real table has
                 b.copy_(
@@ -118,6 +148,8 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) 
                         ]
                     )
                 )
+                if skew_routers:
+                    _skew_hash_table(b, min(1.0, 4 * skew_routers), torch.Generator().manual_seed(seed + 2))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     load_tokenizer(resolve_model(None)).save_pretrained(out)

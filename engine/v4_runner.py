@@ -73,6 +73,10 @@ class DeepseekV4Runner:
             self.state_nbytes,
         )
 
+    def expert_token_counts(self) -> np.ndarray:
+        """[L, E] int64 tokens routed to each expert of each layer since load (a copy)."""
+        return self.model.expert_counts.numpy().copy()
+
     def page_buffer(self, page_id: int) -> np.ndarray:
         """Zero-copy writable uint8 view of page `page_id` (ValueError when out of range)."""
         if not 0 <= page_id < self.num_pages:

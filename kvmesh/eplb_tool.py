@@ -1,9 +1,14 @@
-"""`kvmesh eplb plan`: an EPLB placement (engine.eplb) from recorded per-expert token counts,
-with each MoE layer's balancedness before (one replica per expert, experts in order on the
-ranks) and after.
+"""`kvmesh eplb stats` and `kvmesh eplb plan`: record the expert load of live instances, and
+turn it into an EPLB placement (engine.eplb).
+
+`stats` asks each instance's GetStats for its per-expert token counts (every MoE layer, top-k
+and hash-routed alike, since it started; with --window S, the traffic of the next S seconds),
+adds them up, prints each layer's balancedness at --ranks for the placement in use (experts in
+order, one replica each: no EP placement is loaded yet) and writes the stats file.
+`plan` reads such a file and prints each layer's balancedness before and after EPLB.
 
 The stats file is JSON: {"layers": [[tokens routed to expert 0, 1, ...], ...]}, one row per MoE
-layer (hash-routed layers included), as counted over a window of real traffic.
+layer.
 """
 
 from __future__ import annotations
@@ -13,6 +18,74 @@ import json
 import sys
 
 import numpy as np
+
+
+def add_stats_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instance", action="append", required=True, help="a prefill or decode HOST:PORT (repeatable)")
+    p.add_argument("--ranks", type=int, default=4, help="EP ranks to report balancedness at (default 4)")
+    p.add_argument("--window", type=float, default=0.0, help="seconds of traffic to count (0: since start)")
+    p.add_argument("-o", "--output", default="", help="write the stats file here")
+
+
+async def _instance_counts(address: str) -> np.ndarray:
+    """[L, E] counts from one instance's GetStats (Decode or Prefill service)."""
+    import grpc
+
+    from engine.eplb import counts_from_stats
+    from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stats = None
+        for stub in (decode_pb2_grpc.DecodeStub(channel), prefill_pb2_grpc.PrefillStub(channel)):
+            try:
+                stats = await stub.GetStats(common_pb2.StatsRequest(), timeout=10)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise ValueError(f"{address}: GetStats failed: {exc.code().name} {exc.details()}") from None
+    if stats is None or not stats.num_experts:
+        raise ValueError(f"{address} serves no MoE model (no expert counts in its stats)")
+    return counts_from_stats(stats.num_experts, stats.expert_tokens)
+
+
+async def record(addresses: list[str], window_s: float = 0.0) -> np.ndarray:
+    """[L, E] tokens routed to each expert summed over `addresses`: since start, or over the next
+    window_s seconds. Raises ValueError for an instance without expert counts or of another shape."""
+    import asyncio
+
+    async def total() -> np.ndarray:
+        rows = await asyncio.gather(*(_instance_counts(a) for a in addresses))
+        if len({r.shape for r in rows}) != 1:
+            raise ValueError(f"instances report different expert layouts: {[r.shape for r in rows]}")
+        return np.sum(rows, axis=0)
+
+    start = await total()
+    if window_s <= 0:
+        return start
+    await asyncio.sleep(window_s)
+    return await total() - start
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.eplb import balancedness, default_placement
+
+    try:
+        load = asyncio.run(record(args.instance, args.window))
+        current = balancedness(load, default_placement(load.shape[0], load.shape[1], args.ranks))
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{load.shape[0]} MoE layers, {load.shape[1]} experts, {int(load[0].sum())} routings in layer 0")
+    print(f"{'layer':>5}  {'balancedness at ' + str(args.ranks) + ' ranks':>26}  tokens per expert")
+    for i, row in enumerate(load):
+        print(f"{i:>5}  {current[i]:>26.3f}  {row.astype(int).tolist()}")
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump({"layers": load.astype(int).tolist()}, f)
+        print(f"wrote {args.output}")
+    return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

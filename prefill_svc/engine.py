@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.eplb import expert_stats
 from engine.forward import ForwardItem, Runner, StateSlots
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
@@ -354,7 +355,7 @@ class PrefillEngine:
         except Exception:  # the caller's hook must not fail the compute of the whole batch
             logger.exception("[%s] on_pages_ready failed", job.request_id)
 
-    def stats(self, check: bool = True) -> dict[str, int | str]:
+    def stats(self, check: bool = True) -> dict[str, int | str | list[int]]:
         """Pool figures. Through call() (on the worker thread) they are exact and the pool's
         integrity is checked; with check=False, from another thread while the worker computes,
         they may be a step stale and integrity_error is '' unchecked."""
@@ -371,4 +372,5 @@ class PrefillEngine:
             "integrity_error": error,
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_prompt_tokens_cached": self.num_prompt_tokens_cached,
+            **expert_stats(self.runner.expert_token_counts()),
         }

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from runtime.moe_metrics import register_expert_load
+
 REGISTRY = CollectorRegistry()
 
 QUEUE_DEPTH = Gauge("kvmesh_prefill_queue_depth", "Prefill requests queued or computing", registry=REGISTRY)
@@ -40,6 +42,7 @@ STEP_CPU = Histogram(
 
 def bind(engine) -> None:
     """Read the gauges from `engine` (a PrefillEngine) at scrape time."""
+    register_expert_load(REGISTRY, engine.runner.expert_token_counts)
     QUEUE_DEPTH.set_function(lambda: engine.num_active)
     QUEUED_TOKENS.set_function(lambda: engine.num_queued_tokens)
     PAGES_FREE.set_function(lambda: engine.pool.num_free_blocks)

@@ -129,6 +129,9 @@ class DeepseekV4Model:
         """When True, count in topk_boundary_ties the indexer queries whose top-k set a tie
         decided (tests turn it on to prove their comparisons tie-free; it costs a top-k a layer)."""
         self.topk_boundary_ties = 0
+        self.expert_counts = torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.int64)  # [L, E]
+        """Tokens routed to each expert of each MoE layer (top-k and hash-routed alike), since
+        load; EPLB's input (engine.eplb). A token with k experts counts once for each."""
         g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
         # o_a_proj as [g, in_per_group, o_lora_rank] for one bmm (DeepseekV4GroupedLinear)
         self.o_a = [
@@ -175,6 +178,7 @@ class DeepseekV4Model:
                 self.w[p + "gate.e_score_correction_bias"],
                 c.routed_scaling_factor,
             )
+        self.expert_counts[i] += torch.bincount(experts.reshape(-1), minlength=c.n_routed_experts)
         routed = self.kernels.moe_experts(
             x, self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], weights, experts, c.swiglu_limit
         )

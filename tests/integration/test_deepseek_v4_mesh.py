@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 from engine.models.deepseek_v4_state import V4StateLayout
 from engine.models.deepseek_v4_weights import load_config as load_v4_config
 from engine.tiny_models import make_tiny_model
+from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
 
 WORDS = (
@@ -104,4 +105,37 @@ def test_eight_concurrent_equal_alone(mesh):
     alone = [complete(mesh, p, chat=False, max_tokens=24, ignore_eos=True).token_ids for p in prompts]
     together = complete_many(mesh, [dict(prompt=p, chat=False, max_tokens=24, ignore_eos=True) for p in prompts])
     assert [c.token_ids for c in together] == alone
+    wait_idle(mesh)
+
+
+def test_expert_token_counts_follow_the_traffic_and_kvmesh_eplb_stats_records_them(mesh, tiny, tmp_path, capsys):
+    """EPLB's input: every MoE layer (hash-routed too) counts each token's k experts, on prefill
+    for the prompt tokens it computed and on decode for each step's token."""
+    import json
+
+    import numpy as np
+
+    from engine.eplb import counts_from_stats
+    from kvmesh.cli import main
+
+    def counts(address: str, kind: str) -> np.ndarray:
+        s = instance_stats(address, kind)
+        return counts_from_stats(s.num_experts, s.expert_tokens)
+
+    wait_idle(mesh)
+    (p,), (d,) = mesh.prefill_addresses, mesh.decode_addresses
+    before_p, before_d = counts(p, "prefill"), counts(d, "decode")
+    out = complete(mesh, _text(40) + " a prompt counted by expert", chat=False, max_tokens=9, ignore_eos=True)
+    after_p, after_d = counts(p, "prefill"), counts(d, "decode")
+    k = load_v4_config(tiny, "tiny").num_experts_per_tok  # hash-MoE table rows are as wide
+    assert after_p.shape == (4, 8)  # the tiny config: 4 MoE layers of 8 routed experts
+    computed = out.final.prompt_tokens - out.final.cached_tokens
+    assert (after_p - before_p).sum(axis=1).tolist() == [computed * k] * 4
+    assert (after_d - before_d).sum(axis=1).tolist() == [(9 - 1) * k] * 4  # the first token came from prefill
+    # the command adds the instances' counts up and writes the file `kvmesh eplb plan` reads
+    stats_file = tmp_path / "stats.json"
+    assert main(["eplb", "stats", "--instance", p, "--instance", d, "--ranks", "4", "-o", str(stats_file)]) == 0
+    assert json.loads(stats_file.read_text())["layers"] == (after_p + after_d).tolist()
+    assert "balancedness at 4 ranks" in capsys.readouterr().out
+    assert main(["eplb", "plan", "--ranks", "4", "--redundant", "4", str(stats_file)]) == 0
     wait_idle(mesh)

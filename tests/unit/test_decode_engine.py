@@ -41,6 +41,9 @@ class CountingRunner:
             logits[row, (it.token_ids[-1] + 1) % VOCAB] = 1.0
         return logits
 
+    def expert_token_counts(self):
+        return None  # dense
+
 
 def _engine(**kw) -> tuple[DecodeEngine, CountingRunner]:
     runner = CountingRunner(kw.pop("num_state_slots", 0))

@@ -86,3 +86,49 @@ def test_kvmesh_eplb_plan_prints_balancedness_before_and_after(tmp_path, capsys)
     stats.write_text(json.dumps({"layers": [[1, 2], [3]]}))
     assert main(["eplb", "plan", "--ranks", "2", str(stats)]) == 2
     assert "one length per row" in capsys.readouterr().err
+
+
+def test_skewed_tiny_routers_unbalance_real_text_and_eplb_rebalances_it(tmp_path):
+    """`make-tiny-model --skew-routers`: random routers are too even for EPLB to matter; skewed
+    ones make experts 0 and 1 hot, as trained ones are. Counted on a real prompt's tokens."""
+    from engine.checkpoint import load_tokenizer
+    from engine.forward import ForwardItem
+    from engine.loader import resolve_model
+    from engine.tiny_models import HOT_EXPERTS, make_tiny_model
+    from engine.v4_runner import DeepseekV4Runner
+
+    text = " ".join(
+        ["Tell me a story about a lighthouse keeper.", "Explain how rainbows form.", "Describe a busy market."] * 12
+    )
+    loads = {}
+    for skew in (0.0, 0.12):
+        files = resolve_model(str(make_tiny_model("deepseek_v4", tmp_path / f"s{skew}", skew_routers=skew)))
+        ids = load_tokenizer(files).encode(text)[:256]
+        runner = DeepseekV4Runner(files, num_pages=16, num_state_slots=1)
+        runner.forward([ForwardItem(ids, 0, list(range(16)), 0)])
+        loads[skew] = runner.expert_token_counts()
+        assert (loads[skew].sum(axis=1) == len(ids) * 2).all()  # top-2 (hash rows of 2) in every layer
+    hot = list(HOT_EXPERTS)
+    assert (loads[0.12][1:, hot].sum(axis=1) > loads[0.0][1:, hot].sum(axis=1)).all()  # the top-k layers
+    before = balancedness(loads[0.12], default_placement(4, 8, 4)).mean()
+    after = balancedness(loads[0.12], plan(loads[0.12], num_ranks=4, num_redundant=4)).mean()
+    assert before <= 0.5 and after >= 0.9, (before, after)
+
+
+def test_expert_load_metrics_are_read_at_scrape_time():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from runtime.moe_metrics import register_expert_load
+
+    registry = CollectorRegistry()
+    counts = {"now": np.array([[3, 1], [0, 0]])}
+    register_expert_load(registry, lambda: counts["now"])
+    text = generate_latest(registry).decode()
+    assert 'kvmesh_moe_expert_tokens_total{expert="0",layer="0"} 3.0' in text
+    assert 'kvmesh_moe_expert_balancedness{layer="0"} 0.6666' in text  # mean 2 over max 3
+    assert 'kvmesh_moe_expert_balancedness{layer="1"} 1.0' in text  # no tokens yet
+    counts["now"] = np.array([[5, 5], [1, 0]])
+    assert 'kvmesh_moe_expert_balancedness{layer="0"} 1.0' in generate_latest(registry).decode()
+    # a dense model exports nothing, and registering again replaces the source
+    register_expert_load(registry, lambda: None)
+    assert "kvmesh_moe" not in generate_latest(registry).decode()

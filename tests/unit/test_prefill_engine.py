@@ -24,6 +24,9 @@ class ArgmaxRunner:
     def resume_state_slot(self, slot, page):
         raise AssertionError("no slots here")
 
+    def expert_token_counts(self):
+        return None  # dense
+
 
 def _job(rid, tokens):
     return PrefillJob(rid, tokens, SamplingParams(), 0)
