@@ -1,12 +1,13 @@
 """The Gateway service: validate, admit, route, reserve on decode, prefill, stream tokens back.
 
 Per request: tokenize; wait for a turn in the admission queue (a burst beyond the decode
-pools queues, bounded); pick a decode instance (least active) and send Reserve under a
-transfer id chosen here; while it is in flight, hash the prompt's blocks (once), ask the
-prefix index, pick a prefill instance (cached prefix vs load) and send Prefill too (which
-pushes the KV into the reserved pages, under that id, and returns the first token, sent on
-at once): neither call waits for the other's round trip (decode's receiver holds a push
-that beats its Reserve, briefly). Then stream Decode.Generate back to the client with
+pools queues, bounded); pick a decode instance (least active) and a transfer id; hash the
+prompt's blocks (once), ask the prefix index and pick a prefill instance (cached prefix vs
+load); send Prefill (which pushes the KV into decode's reserved pages under that id and
+returns the first token, sent on at once) and, right behind it, Reserve: neither waits for
+the other's round trip (decode's receiver holds a push that beats its Reserve, briefly).
+Until decode's KV address is known (its stats poll reports it), Reserve goes first instead
+and Prefill waits for its answer. Then stream Decode.Generate back to the client with
 incremental detokenization and stop strings.
 Each attempt is one gateway.request_life.RequestLife that ends exactly once. An attempt
 that fails on one instance before any token reached the client is retried once on
@@ -299,6 +300,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     # receiver holds a push that beats its Reserve); neither waits for the other
                     early = (
                         kv_address,
+                        transfer_id,
                         self._prefill(prefill, inp, hashes, kv_address, transfer_id, prefill_by, span),
                     )
                     reserve_call = self._reserve(
@@ -387,7 +389,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self,
         life: RequestLife,
         reserve_call: asyncio.Future,
-        early: tuple[str, grpc.aio.UnaryUnaryCall] | None,
+        early: tuple[str, int, grpc.aio.UnaryUnaryCall] | None,
         prefill_by: float,
         inp: GenerateInput,
         hashes: Sequence[bytes],
@@ -400,7 +402,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
         prefill, decode = life.prefill, life.decode
         assert prefill is not None, rid
-        call: grpc.aio.UnaryUnaryCall | None = early[1] if early is not None else None
+        call: grpc.aio.UnaryUnaryCall | None = early[2] if early is not None else None
         try:
             try:
                 # shielded: a client that leaves now must not cut the call off mid-way, or decode
@@ -413,9 +415,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise failure from None
             life.reserved(reserve.transfer_id)
             decode.kv_address = reserve.kv_address
-            if call is not None and early is not None and early[0] != reserve.kv_address:
-                # decode moved its KV listener (restarted on the same gRPC address): push there
-                logger.info("[%s] decode's KV address is now %s; sending Prefill again", rid, reserve.kv_address)
+            if call is not None and early is not None and early[:2] != (reserve.kv_address, reserve.transfer_id):
+                # decode moved its KV listener (restarted on the same gRPC address), or picked its
+                # own transfer id (an older decode): push where and as it says
+                logger.info(
+                    "[%s] decode reserved transfer %x at %s; sending Prefill again",
+                    rid,
+                    reserve.transfer_id,
+                    reserve.kv_address,
+                )
                 call.cancel()
                 call = None
             if call is None:

@@ -49,11 +49,12 @@ class SlowIndex:
 class FakeDecode:
     """A decode instance whose Reserve answers when the test lets it."""
 
-    def __init__(self, events: Events, kv_address: str = "decode:9", refuse: bool = False) -> None:
+    def __init__(self, events: Events, kv_address: str = "decode:9", refuse: bool = False, own_id: int = 0) -> None:
         self.events = events
         self.answer = asyncio.Event()
         self.kv_address = kv_address
         self.refuse = refuse
+        self.own_id = own_id  # an older decode picks its own transfer id
 
     async def Reserve(self, request, timeout=None, metadata=None):
         self.events.append("reserve sent")
@@ -63,7 +64,9 @@ class FakeDecode:
             raise _rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad")
         self.events.append("reserved")
         # decode reserves under the caller's id (as decode_svc does when one is given)
-        return decode_pb2.ReserveResponse(kv_address=self.kv_address, transfer_id=request.transfer_id, instance_id="d1")
+        return decode_pb2.ReserveResponse(
+            kv_address=self.kv_address, transfer_id=self.own_id or request.transfer_id, instance_id="d1"
+        )
 
     async def Release(self, request, timeout=None):
         self.events.append(f"release {request.transfer_id}")
@@ -80,11 +83,13 @@ class FakePrefill:
     def __init__(self, events: Events) -> None:
         self.events = events
         self.calls: list[asyncio.Task] = []
+        self.transfer_ids: list[int] = []
         self.answer = asyncio.Event()
         self.answer.set()  # answers at once unless a test holds it
 
     def Prefill(self, request, timeout=None, metadata=None):
         self.events.append(f"prefill to {request.decode_kv_address}")
+        self.transfer_ids.append(request.transfer_id)
 
         async def answer():
             await asyncio.sleep(0)
@@ -368,6 +373,34 @@ def test_prefill_is_sent_again_when_decode_answers_with_another_kv_address():
             calls = [c for a in ("p1:1", "p2:1") for c in pool._prefill_stubs[a].calls]
             assert calls[0].cancelled() and not calls[1].cancelled()
             assert msgs[0].delta.token_ids == [5] and pool.decodes[0].kv_address == "decode:10"
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_prefill_is_sent_again_under_the_transfer_id_an_older_decode_picked():
+    async def scenario():
+        events = Events()
+        decode = FakeDecode(events, own_id=7)
+        servicer, pool = _servicer(events, FixedIndex(), decode)
+        pool.decodes[0].kv_address = "decode:9"
+        stubs = [pool._prefill_stubs[a] for a in ("p1:1", "p2:1")]
+        for stub in stubs:
+            stub.answer.clear()
+        try:
+            run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
+            await asyncio.sleep(0)
+            decode.answer.set()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            for stub in stubs:
+                stub.answer.set()
+            await run
+            sent = [t for stub in stubs for t in stub.transfer_ids]  # type: ignore[attr-defined]
+            assert len(sent) == 2 and sent[0] != 7 and sent[1] == 7
+            calls = [c for stub in stubs for c in stub.calls]  # type: ignore[attr-defined]
+            assert calls[0].cancelled() and not calls[1].cancelled()
         finally:
             await pool.close()
 
