@@ -124,6 +124,8 @@ class DecodeEngine:
         self._stopping = False
         self.max_batch_size_seen = 0
         self.num_steps = 0
+        self.step_seconds = 0.0
+        """Wall seconds spent in steps (the batch's forward and sampling) since start."""
         self._loop_done: concurrent.futures.Future | None = None
         self.dispatch: DispatchFn = deliver_all
 
@@ -260,7 +262,7 @@ class DecodeEngine:
         """Requests reserved, waiting or running."""
         return len(self._by_transfer)
 
-    def stats(self) -> dict[str, int | str | list[int]]:
+    def stats(self) -> dict[str, int | float | str | list[int]]:
         """Pool and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
         with self._cond:
             error = self.pool.integrity_error()
@@ -274,6 +276,7 @@ class DecodeEngine:
                 "num_active_requests": len(self._by_transfer),
                 "max_batch_size": self.max_batch_size_seen,
                 "num_steps": self.num_steps,
+                "step_seconds": self.step_seconds,
                 "integrity_error": error,
                 **expert_stats(self.runner.expert_token_counts()),
             }
@@ -340,6 +343,7 @@ class DecodeEngine:
         return len(self._running)
 
     def _step(self, batch: list[DecodeSequence]) -> None:
+        started = time.perf_counter()
         cpu_started = time.process_time()
         items = [
             ForwardItem(
@@ -352,12 +356,14 @@ class DecodeEngine:
         ]
         logits = self.runner.forward(items)  # [B, V]
         tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
+        step_s = time.perf_counter() - started
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
         metrics.STEPS.inc()
         metrics.TOKENS.inc(len(batch))
         deliveries: list[Delivery] = []
         with self._cond:
             self.num_steps += 1
+            self.step_seconds += step_s
             self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))
             for seq, token in zip(batch, tokens):
                 seq.num_computed_tokens += 1

@@ -13,7 +13,9 @@ exactly --new-tokens tokens. First the peers, each in a process of its own while
   decode and prompt evaluation of the same 2K tokens;
 - the engine alone (LlamaRunner, no services): single-stream decode.
 Then the mesh (1 prefill, 1 decode):
-- single-stream decode tokens/s ((generated-1) / (e2e - TTFT) per request);
+- single-stream decode tokens/s ((generated-1) / (e2e - TTFT) per request), and how much of a
+  token's time decode's step takes (forward + sampling, from its GetStats `step_seconds`) and
+  how much goes outside it (emit, hand-off to decode's event loop, gRPC to the gateway);
 - aggregate tokens/s with 4 and 16 concurrent requests (all tokens, prefill included, over
   the round's wall time);
 - a 2K-token prompt: prefill tokens/s (prompt / prefill compute), the whole KV push and the
@@ -116,6 +118,17 @@ async def _long_prompt(address: str, long_ids: list[int], cached: list[int]):
     return out.final
 
 
+async def _decode_steps(address: str) -> tuple[int, float]:
+    """(steps, wall seconds in steps) a decode instance reports in GetStats."""
+    import grpc
+
+    from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stats = await decode_pb2_grpc.DecodeStub(channel).GetStats(common_pb2.StatsRequest(), timeout=10)
+    return stats.num_steps, stats.step_seconds
+
+
 def _peers(args, say) -> dict:
     """Each peer in its own process, before the mesh starts."""
     n, rounds = args.new_tokens, args.rounds
@@ -164,7 +177,9 @@ def run_bench(args) -> int:
                 cached: list[int] = []
                 async with GatewayClient(mesh.gateway_address) as client:  # warm-up
                     await client.complete(make_request("Hello", chat=True, max_tokens=8))
+                steps0 = await _decode_steps(mesh.decode_addresses[0])
                 singles = [(await _round(mesh.gateway_address, 1, n, ttfts, cached))[1] for _ in range(args.rounds)]
+                steps1 = await _decode_steps(mesh.decode_addresses[0])
                 batches = {
                     b: statistics.median(
                         [(await _round(mesh.gateway_address, b, n, ttfts, cached))[0] for _ in range(args.rounds)]
@@ -176,6 +191,9 @@ def run_bench(args) -> int:
                 q = statistics.quantiles(ttfts, n=10)
                 return {
                     "single_tokens_per_s": statistics.median(singles),
+                    # the single stream's mean decode step (forward + sampling, batch 1), as decode
+                    # timed it: the rest of a token's time is hand-offs and gRPC hops
+                    "single_step_s": (steps1[1] - steps0[1]) / max(1, steps1[0] - steps0[0]),
                     "batch_tokens_per_s": batches,
                     "c4_tokens_per_s": batches[4],
                     "c16_tokens_per_s": batches[16],
@@ -229,6 +247,12 @@ def _print_table(r: dict) -> None:
     )
     if engine:
         print(f"mesh single stream / engine alone: {r['single_tokens_per_s'] / engine:.2f}x")
+    itl_ms, step_ms = 1000 / r["single_tokens_per_s"], r["single_step_s"] * 1000
+    print(
+        f"a single-stream token in the mesh: {itl_ms:.2f} ms = decode step {step_ms:.2f} ms (forward + "
+        f"sampling, as decode timed it{f'; the engine alone {1000 / engine:.2f} ms a token' if engine else ''}) "
+        f"+ {itl_ms - step_ms:.2f} ms outside the step (emit, decode's loop, gRPC to the gateway, its loop)"
+    )
     if cpp is None:
         print("llama.cpp not installed: pip install ../shared/wheels/llama_cpp_python-*.whl for its figures")
     p, hfp, cppp = r["prefill_tokens_per_s"], r["hf_prefill_tokens_per_s"], r["llama_cpp_prefill_tokens_per_s"]

@@ -122,6 +122,10 @@ def test_admission_is_bounded_per_step_and_requests_share_steps():
     # 2 admitted in step 1, 2 more in step 2 (4 running), the last in step 3
     assert [len(b) for b in runner.batches[:3]] == [2, 4, 3]
     assert engine.max_batch_size_seen == 4
+    # GetStats' figures: one step per forward, and the wall time they took (the held first step
+    # alone lasted until the gate opened)
+    stats = engine.stats()
+    assert stats["num_steps"] == len(runner.batches) and stats["step_seconds"] > 0
     engine.pool.check_integrity()
     assert engine.pool.num_free_blocks == 32
 
