@@ -100,18 +100,17 @@ def test_skewed_tiny_routers_unbalance_real_text_and_eplb_rebalances_it(tmp_path
     text = " ".join(
         ["Tell me a story about a lighthouse keeper.", "Explain how rainbows form.", "Describe a busy market."] * 12
     )
-    loads = {}
-    for skew in (0.0, 0.12):
-        files = resolve_model(str(make_tiny_model("deepseek_v4", tmp_path / f"s{skew}", skew_routers=skew)))
-        ids = load_tokenizer(files).encode(text)[:256]
-        runner = DeepseekV4Runner(files, num_pages=16, num_state_slots=1)
-        runner.forward([ForwardItem(ids, 0, list(range(16)), 0)])
-        loads[skew] = runner.expert_token_counts()
-        assert (loads[skew].sum(axis=1) == len(ids) * 2).all()  # top-2 (hash rows of 2) in every layer
+    files = resolve_model(str(make_tiny_model("deepseek_v4", tmp_path / "skewed", skew_routers=0.12)))
+    ids = load_tokenizer(files).encode(text)[:256]
+    runner = DeepseekV4Runner(files, num_pages=16, num_state_slots=1)
+    runner.forward([ForwardItem(ids, 0, list(range(16)), 0)])
+    load = runner.expert_token_counts()
+    assert (load.sum(axis=1) == len(ids) * 2).all()  # top-2 (hash rows of 2) in every layer
+    # the hot pair takes over half of every top-k layer's routings (2 of 8 experts: 1/4 if even)
     hot = list(HOT_EXPERTS)
-    assert (loads[0.12][1:, hot].sum(axis=1) > loads[0.0][1:, hot].sum(axis=1)).all()  # the top-k layers
-    before = balancedness(loads[0.12], default_placement(4, 8, 4)).mean()
-    after = balancedness(loads[0.12], plan(loads[0.12], num_ranks=4, num_redundant=4)).mean()
+    assert (load[1:, hot].sum(axis=1) > 0.5 * load[1:].sum(axis=1)).all(), load
+    before = balancedness(load, default_placement(4, 8, 4)).mean()
+    after = balancedness(load, plan(load, num_ranks=4, num_redundant=4)).mean()
     assert before <= 0.5 and after >= 0.9, (before, after)
 
 
