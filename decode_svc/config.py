@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from decode_svc.speculative import SPECULATIVE_METHODS
 from runtime.service_config import ModelServiceConfig
 from runtime.settings import setting
 
@@ -31,6 +32,18 @@ class DecodeConfig(ModelServiceConfig):
         "--reservation-timeout",
         "seconds a reservation no Generate claims is kept, unless its Reserve set kv_deadline_s (the gateway does)",
     )
+    speculative: str = setting(
+        "off",
+        "--speculative",
+        "speculative decoding: off, or ngram (drafts by prompt lookup, verified by the model in the same batched "
+        "step; the output is the same as without it)",
+    )
+    num_draft_tokens: int = setting(4, "--num-draft-tokens", "most draft tokens a sequence carries into a step")
+    max_verify_rows: int = setting(
+        32,
+        "--max-verify-rows",
+        "most rows (tokens) a speculative step runs; drafts are left out past it, so large batches decode plainly",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,3 +53,9 @@ class DecodeConfig(ModelServiceConfig):
             raise ValueError(f"max_admit_per_step must be >= 1, got {self.max_admit_per_step}")
         if not self.reservation_timeout_s > 0:
             raise ValueError(f"reservation_timeout_s must be > 0, got {self.reservation_timeout_s}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if self.max_verify_rows < 1:
+            raise ValueError(f"max_verify_rows must be >= 1, got {self.max_verify_rows}")

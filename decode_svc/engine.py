@@ -25,10 +25,11 @@ import torch
 
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
+from decode_svc.speculative import DraftCounts, SpeculationGovernor, propose_ngram
 from engine.eplb import expert_stats
 from engine.forward import ForwardItem, Runner, StateSlots
 from engine.outcomes import FinishReason
-from engine.sampler import sample
+from engine.sampler import sample, verify_drafts
 from engine.sampling_params import SamplingParams
 from kvstore.block_pool import BlockPool
 
@@ -92,6 +93,8 @@ class DecodeSequence:
     emit: EmitFn | None = None
     aborted: bool = False
     state: SeqState = SeqState.RESERVED
+    drafts: DraftCounts = field(default_factory=DraftCounts)
+    governor: SpeculationGovernor = field(default_factory=SpeculationGovernor)
 
     @property
     def num_generated(self) -> int:
@@ -113,6 +116,13 @@ class DecodeEngine:
     """Owns the decode page pool and the batch loop over a Runner."""
 
     def __init__(self, config: DecodeConfig, runner: Runner) -> None:
+        """Raises ValueError when speculative decoding is asked of a model whose state does not
+        live only in its pages (DeepSeek-V4's windows and compressors cannot roll back yet)."""
+        if config.speculative != "off" and runner.num_state_slots:
+            raise ValueError(
+                f"--speculative {config.speculative} needs a model whose decode state is all in its KV pages; "
+                "DeepSeek-V4's sliding window and compressor state cannot roll back rejected drafts yet"
+            )
         self.config = config
         self.runner = runner
         self.pool = BlockPool(config.num_pages, config.page_size, enable_prefix_caching=False)
@@ -199,9 +209,11 @@ class DecodeEngine:
         seed: int,
         stop_token_ids: frozenset[int],
         emit: EmitFn,
+        drafts: DraftCounts | None = None,
     ) -> None:
         """Queue a reserved request whose prompt KV has landed, continuing after first_token.
 
+        `drafts` (optional) is kept up to date with the request's speculation counts.
         Raises KeyError for an unknown transfer, ValueError when the prompt length
         differs from the reservation.
         """
@@ -214,6 +226,8 @@ class DecodeEngine:
             seq.sampling = sampling
             seq.stop_token_ids = stop_token_ids
             seq.emit = emit
+            if drafts is not None:
+                seq.drafts = drafts
             if not sampling.greedy:
                 # prefill sampled the first token with `seed`; continue on another stream
                 seq.generator = torch.Generator().manual_seed((seed + 1) % 2**63)
@@ -284,9 +298,15 @@ class DecodeEngine:
     # --- the engine thread -----------------------------------------------------------
 
     def _finish_reason(self, seq: DecodeSequence, token: int) -> FinishReason | None:
+        """Why the answer ends at `token`, already appended to seq.token_ids (None: it goes on)."""
+        return self._finish_reason_after(seq, token, 0)
+
+    @staticmethod
+    def _finish_reason_after(seq: DecodeSequence, token: int, n: int) -> FinishReason | None:
+        """Why the answer ends at `token`, the n-th of this step's tokens not yet appended."""
         if token in seq.stop_token_ids:
             return FinishReason.STOP
-        if seq.num_generated >= seq.max_tokens:
+        if seq.num_generated + n >= seq.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -342,37 +362,76 @@ class DecodeEngine:
         """Requests in the running batch."""
         return len(self._running)
 
+    def _drafts(self, batch: list[DecodeSequence]) -> list[list[int]]:
+        """Each sequence's draft tokens for this step ([] for none): n-gram prompt lookup, at most
+        num_draft_tokens, never past the answer's max_tokens (nor so its KV would leave the
+        reserved pages), and none once the step would exceed max_verify_rows rows."""
+        cfg = self.config
+        out: list[list[int]] = [[] for _ in batch]
+        if cfg.speculative == "off":
+            return out
+        rows = len(batch)
+        for i, seq in enumerate(batch):
+            room = min(cfg.num_draft_tokens, seq.max_tokens - seq.num_generated - 1, cfg.max_verify_rows - rows)
+            if room < 1 or not seq.governor.should_draft():
+                continue
+            out[i] = propose_ngram(seq.token_ids, room)
+            rows += len(out[i])
+        return out
+
     def _step(self, batch: list[DecodeSequence]) -> None:
         started = time.perf_counter()
         cpu_started = time.process_time()
+        drafts = self._drafts(batch)
+        # a sequence with k drafts runs as k + 1 one-token rows at consecutive positions over its
+        # own pages: the step writes every row's K/V before any row attends, so row j sees the
+        # rows before it, and each row computes exactly what a plain step at that position would
         items = [
             ForwardItem(
-                token_ids=[s.token_ids[-1]],
-                num_computed_tokens=s.num_computed_tokens,
+                token_ids=[tok],
+                num_computed_tokens=s.num_computed_tokens + j,
                 block_ids=s.block_ids,
                 state_slot=s.state_slot,
             )
-            for s in batch
+            for s, d in zip(batch, drafts)
+            for j, tok in enumerate([s.token_ids[-1], *d])
         ]
-        logits = self.runner.forward(items)  # [B, V]
-        tokens = sample(logits, [s.sampling for s in batch], [s.generator for s in batch])
+        logits = self.runner.forward(items)  # [rows, V]
+        if len(items) == len(batch):
+            kept = [[t] for t in sample(logits, [s.sampling for s in batch], [s.generator for s in batch])]
+        else:
+            kept, row = [], 0
+            for s, d in zip(batch, drafts):
+                kept.append(verify_drafts(logits[row : row + len(d) + 1], d, s.sampling, s.generator))
+                row += len(d) + 1
         step_s = time.perf_counter() - started
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
         metrics.STEPS.inc()
-        metrics.TOKENS.inc(len(batch))
         deliveries: list[Delivery] = []
         with self._cond:
             self.num_steps += 1
             self.step_seconds += step_s
             self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))
-            for seq, token in zip(batch, tokens):
-                seq.num_computed_tokens += 1
+            for seq, d, tokens in zip(batch, drafts, kept):
                 if seq.aborted:
                     continue  # freed by the next _schedule
-                seq.token_ids.append(token)
-                finish = self._finish_reason(seq, token)
+                finish = None
+                for n, token in enumerate(tokens, 1):  # stop at EOS or max_tokens, mid-run too
+                    finish = self._finish_reason_after(seq, token, n)
+                    if finish is not None:
+                        tokens = tokens[:n]
+                        break
+                seq.token_ids.extend(tokens)
+                seq.num_computed_tokens += len(tokens)
+                metrics.TOKENS.inc(len(tokens))
+                if d:
+                    accepted = len(tokens) - 1
+                    seq.drafts.drafted += len(d)
+                    seq.drafts.accepted += accepted
+                    seq.governor.record(len(d), accepted)
+                    metrics.ACCEPTED.observe(accepted)
                 assert seq.emit is not None, seq.request_id
-                deliveries.append((seq.emit, [token], finish))
+                deliveries.append((seq.emit, tokens, finish))
                 if finish is not None:
                     self._running.remove(seq)
                     self._free(seq)

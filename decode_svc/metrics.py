@@ -24,6 +24,13 @@ STEP_CPU = Histogram(
     registry=REGISTRY,
 )
 
+ACCEPTED = Histogram(
+    "kvmesh_decode_accepted_draft_tokens",
+    "Draft tokens the model kept per sequence per speculative step (0 .. --num-draft-tokens)",
+    buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+    registry=REGISTRY,
+)
+
 
 def bind(engine) -> None:
     """Read the gauges from `engine` (a DecodeEngine) at scrape time."""

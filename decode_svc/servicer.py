@@ -14,6 +14,7 @@ import math
 import grpc
 
 from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deliver_all
+from decode_svc.speculative import DraftCounts
 from decode_svc.transfers import TransferTable
 from engine.outcomes import FailureCause, FinishReason
 from kvstore.transport import KVPushReceiver, pages_digest
@@ -158,6 +159,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             )
             digest = pages_digest(self.engine.transfer_buffers(tid)) if self.engine.config.kv_digest else ""
             stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
+            drafts = DraftCounts()
             try:
                 self.engine.begin(
                     tid,
@@ -167,6 +169,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     seed,
                     stop_ids,
                     lambda toks, end: queue.put_nowait((toks, end)),
+                    drafts,
                 )  # runs on this loop
             except ValueError as exc:
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
@@ -192,6 +195,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 msg = decode_pb2.DecodeResponse(token_ids=tokens)
                 if end is not None:
                     msg.finish_reason = FINISH_TO_PB[FinishReason(end)]
+                    msg.num_drafted, msg.num_accepted = drafts.drafted, drafts.accepted
                 if first:
                     msg.kv_digest = digest
                     first = False
@@ -204,6 +208,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                             "kvmesh.decode.generated_tokens": generated,
                             "kvmesh.prompt_tokens": len(request.prompt_token_ids),
                             "kvmesh.decode.seconds": (tracing.now_ns() - landed_ns) / 1e9,
+                            "kvmesh.decode.drafted_tokens": drafts.drafted,
+                            "kvmesh.decode.accepted_tokens": drafts.accepted,
                         }
                     )
                     logger.info("[%s] decode finished: %s after %d tokens", rid, end, generated)

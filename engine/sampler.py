@@ -65,3 +65,47 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(dim=-1)
+
+
+def verify_drafts(
+    logits: torch.Tensor, drafts: Sequence[int], params: SamplingParams, generator: torch.Generator | None
+) -> list[int]:
+    """Speculative decoding's verification for one sequence: the tokens to keep, 1..k+1 of them.
+
+    logits [k+1, V] fp32: the target's logits after the last accepted token (row 0) and after
+    each of the k drafts (row j after draft j-1); drafts [k] token ids from a drafter that
+    proposes one token for sure (n-gram lookup: its distribution is one-hot). Greedy keeps drafts
+    while each equals the row's argmax, then the first row that disagrees (or the last) gives
+    the target's own token: exactly the tokens greedy decoding without drafts gives. Sampling
+    follows the speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023) for a
+    one-hot draft: draft x at row j is kept with probability p_j(x) (p_j the row's filtered
+    distribution, as `sample` draws from); on a rejection the token is drawn from p_j without x,
+    renormalized; after k kept drafts the bonus token is drawn from p_k. The output
+    distribution is the target's. Raises ValueError when logits has not len(drafts) + 1 rows.
+    """
+    k = len(drafts)
+    if logits.dim() != 2 or logits.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} rows of logits for {k} drafts, got {tuple(logits.shape)}")
+    if params.greedy:
+        target = logits.argmax(dim=-1).tolist()  # [k+1]
+        out = []
+        for j in range(k + 1):
+            out.append(target[j])
+            if j == k or drafts[j] != target[j]:
+                return out
+    probs = _filtered_probs(logits, [params] * (k + 1))  # [k+1, V]
+    out = []
+    for j, x in enumerate(drafts):
+        p = probs[j]
+        if float(torch.rand((), generator=generator)) < float(p[x]):
+            out.append(x)
+            continue
+        residual = p.clone()
+        residual[x] = 0
+        if float(residual.sum()) <= 0:  # p was all on x: cannot happen after a rejection
+            out.append(x)
+            continue
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[k], 1, generator=generator)))
+    return out

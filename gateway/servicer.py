@@ -159,6 +159,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             "kvmesh.generated_tokens": final.generated_tokens,
                             "kvmesh.ttft_s": final.ttft_s,
                             "kvmesh.retries": final.retries,
+                            "kvmesh.drafted_tokens": final.drafted_tokens,
+                            "kvmesh.accepted_tokens": final.accepted_tokens,
                         }
                     )
                 yield msg
@@ -446,6 +448,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # the first token comes with prefill's answer and goes out now: it never waits for decode
         yield gateway_pb2.GenerateResponse(delta=gateway_pb2.TextDelta(text=text, token_ids=[pre.first_token]))
         decode_digest = ""
+        drafted = accepted = 0
         if hit:
             finish = FinishReason.STOP
         if finish is None:
@@ -484,6 +487,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise failure_from_rpc(exc, "decode", decode, decode, rid) from None
                 bound = self.token_timeout_s
                 decode_digest = decode_digest or msg.kv_digest
+                drafted, accepted = max(drafted, msg.num_drafted), max(accepted, msg.num_accepted)
                 streamed.extend(msg.token_ids)
                 ended = FINISH_FROM_PB.get(msg.finish_reason)
                 text, hit = stops.feed(detok.add(list(msg.token_ids)), final=ended is not None)
@@ -514,6 +518,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 prefill_s=pre.compute_s,
                 retries=retries,
                 admission_s=waited,
+                drafted_tokens=drafted,
+                accepted_tokens=accepted,
                 kv_transfer=gateway_pb2.KVTransfer(
                     num_pages=pre.num_pages,
                     page_nbytes=pre.page_nbytes,

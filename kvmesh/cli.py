@@ -52,7 +52,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     print(
                         f"\n[{f.finish_reason}: {f.prompt_tokens} prompt ({f.cached_tokens} cached), "
                         f"{f.generated_tokens} generated, TTFT {f.ttft_s * 1000:.0f} ms, "
-                        f"ITL {f.itl_s * 1000:.1f} ms, prefill {f.prefill_instance}, decode {f.decode_instance}]",
+                        f"ITL {f.itl_s * 1000:.1f} ms, prefill {f.prefill_instance}, decode {f.decode_instance}"
+                        + (f", drafts {f.accepted_tokens}/{f.drafted_tokens} accepted" if f.drafted_tokens else "")
+                        + "]",
                         file=sys.stderr,
                     )
             print()
@@ -73,7 +75,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from kvmesh.launcher import run_up
 
     try:
-        return run_up(args.prefill, args.decode, args.model, args.port, args.prefill_threads, args.decode_threads)
+        return run_up(
+            args.prefill,
+            args.decode,
+            args.model,
+            args.port,
+            args.prefill_threads,
+            args.decode_threads,
+            args.speculative,
+            args.num_draft_tokens,
+        )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -195,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="model threads of each decode (default 0: every core)",
     )
+    up.add_argument(
+        "--speculative",
+        default="off",
+        choices=["off", "ngram"],
+        help="speculative decoding on every decode (default off; ngram: prompt-lookup drafts, same output)",
+    )
+    up.add_argument("--num-draft-tokens", type=int, default=4, help="most draft tokens a step (default 4)")
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="stream an answer from a gateway")

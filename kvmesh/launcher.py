@@ -200,13 +200,16 @@ def run_up(
     port: int,
     prefill_threads: int = 0,
     decode_threads: int = 0,
+    speculative: str = "off",
+    num_draft_tokens: int = 4,
 ) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
 
     prefill_threads / decode_threads: each instance's model threads (`--torch-threads`; 0:
     every core). The default split on a small machine: both use every core, decode's threads
     spin between steps and prefill's wait passively (see README, Measured), so a prefill burst
-    slows decode only while it computes.
+    slows decode only while it computes. speculative / num_draft_tokens go to every decode
+    (`kvmesh serve decode --speculative ... --num-draft-tokens ...`).
     """
     if prefill_threads < 0 or decode_threads < 0:
         raise ValueError(f"thread counts must be >= 0 (0: every core), got {prefill_threads} and {decode_threads}")
@@ -226,7 +229,15 @@ def run_up(
             model,
             port,
             extra_prefill_args=["--torch-threads", str(prefill_threads)] if prefill_threads else None,
-            extra_decode_args=["--torch-threads", str(decode_threads)] if decode_threads else None,
+            extra_decode_args=[
+                *(["--torch-threads", str(decode_threads)] if decode_threads else []),
+                *(
+                    ["--speculative", speculative, "--num-draft-tokens", str(num_draft_tokens)]
+                    if speculative != "off"
+                    else []
+                ),
+            ]
+            or None,
         )
     except KeyboardInterrupt:
         print("start-up interrupted; stopped everything it started", file=sys.stderr, flush=True)

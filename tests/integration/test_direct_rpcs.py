@@ -18,7 +18,9 @@ PROMPT = [1, 9690, 198, 2683, 359, 253]  # six real token ids of the default mod
 
 @pytest.fixture(scope="module")
 def mesh():
-    with running_mesh(1, 1) as m:
+    # decode speculates (n-gram drafts): its output must be what plain decoding gives, so every
+    # test here runs on it, and the exactness test below compares it with transformers
+    with running_mesh(1, 1, decode_args=["--speculative", "ngram", "--num-draft-tokens", "4"]) as m:
         yield m
 
 
@@ -283,4 +285,32 @@ def test_unknown_chat_role_and_oversized_prompt_are_invalid_argument(mesh):
             raise AssertionError(f"accepted {list(kwargs)}")
         except grpc.aio.AioRpcError as exc:
             assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+    wait_idle(mesh)
+
+
+def test_speculative_decoding_through_the_mesh_gives_transformers_greedy_tokens(mesh):
+    """With n-gram drafts on decode: the same tokens as transformers' greedy generate, and on a
+    prompt that quotes its input most of them come from kept drafts (fewer steps)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.checkpoint import load_tokenizer
+    from engine.loader import resolve_model
+
+    files = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()
+    tok = load_tokenizer(files)
+    quote = "Lighthouses guide ships past rocks at night with a bright rotating beam. " * 2
+    prompts = [f"Repeat exactly: {quote}", "Name a famous painter."]
+    for prompt in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        with torch.inference_mode():
+            ref = model.generate(**ids, max_new_tokens=32, do_sample=False)[0, ids["input_ids"].shape[1] :].tolist()
+        got = complete(mesh, prompt, chat=True, max_tokens=32)
+        assert got.token_ids == ref[: len(got.token_ids)] and len(got.token_ids) == len(ref), prompt
+        if prompt.startswith("Repeat"):
+            f = got.final
+            assert f.accepted_tokens > 0 and f.drafted_tokens >= f.accepted_tokens, f
     wait_idle(mesh)

@@ -1,0 +1,124 @@
+"""Speculative decoding on decode: n-gram drafts, their verification, and the engine's output
+with speculation equal to its output without it (the real default model, in process)."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from decode_svc.config import DecodeConfig
+from decode_svc.engine import DecodeEngine
+from decode_svc.speculative import DraftCounts, SpeculationGovernor, propose_ngram
+from engine.sampler import _filtered_probs, verify_drafts
+from engine.sampling_params import SamplingParams
+
+
+def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    # [1, 2, 3] recurs (the 4-token suffix [9, 1, 2, 3] does not): what followed it comes next
+    assert propose_ngram([1, 2, 3, 4, 9, 1, 2, 3], k=3) == [4, 9, 1]
+    # [5, 6] occurred twice: the latest occurrence's continuation, cut at the sequence's end
+    assert propose_ngram([5, 6, 7, 5, 6, 8, 5, 6], k=5) == [8, 5, 6]
+    assert propose_ngram([1, 2, 3, 4], k=3) == []  # nothing recurs
+    assert propose_ngram([7, 7], k=2) == [7]  # a 1-gram
+    assert propose_ngram([1, 2, 1], k=0) == []
+
+
+def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
+    logits = torch.full((3, 10), -1.0)
+    for row, best in enumerate([4, 6, 8]):
+        logits[row, best] = 1.0
+    assert verify_drafts(logits, [4, 6], SamplingParams(), None) == [4, 6, 8]  # both kept, plus row 2's
+    assert verify_drafts(logits, [4, 5], SamplingParams(), None) == [4, 6]  # 5 rejected: row 1's 6
+    assert verify_drafts(logits, [3, 6], SamplingParams(), None) == [4]  # the first rejected
+    with pytest.raises(ValueError, match="3 rows"):
+        verify_drafts(logits[:2], [4, 6], SamplingParams(), None)
+
+
+def test_sampled_verification_keeps_the_target_distribution():
+    # one draft (always token 3) against a target p: the first token's frequencies are p's
+    params = SamplingParams(temperature=1.0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 1.5], [0.0, 0.0, 0.0, 0.0]])
+    p = _filtered_probs(logits[:1], [params])[0]
+    gen = torch.Generator().manual_seed(7)
+    trials = 3000
+    counts = torch.zeros(4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ops on 4 numbers: a thread team only costs (10 ms a call on a busy machine)
+    try:
+        for _ in range(trials):
+            counts[verify_drafts(logits, [3], params, gen)[0]] += 1
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.allclose(counts / trials, p, atol=0.03), (counts / trials, p)  # ~4 standard errors
+
+
+def test_the_governor_backs_off_after_rejections_and_resets_on_an_accept():
+    g = SpeculationGovernor(max_skip=4)
+    g.record(drafted=3, accepted=0)  # skip the next step
+    assert [g.should_draft() for _ in range(2)] == [False, True]
+    g.record(3, 0)  # then 2 steps, then 4, capped
+    assert [g.should_draft() for _ in range(3)] == [False, False, True]
+    g.record(3, 0)
+    g.record(3, 0)
+    assert g.skip == 4
+    g.record(3, 1)
+    assert g.skip == 0
+
+
+def test_speculation_is_refused_for_a_model_whose_state_cannot_roll_back():
+    class Stateful:
+        num_state_slots = 4
+
+    with pytest.raises(ValueError, match="cannot roll back"):
+        DecodeEngine(DecodeConfig(num_pages=8, speculative="ngram"), Stateful())  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    from engine.llama_runner import LlamaRunner
+    from engine.loader import resolve_model
+
+    r = LlamaRunner(resolve_model(None), num_pages=64)
+    r.warmup()
+    return r
+
+
+def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) -> tuple[list[int], DraftCounts]:
+    """Prefill `prompt` into decode's reserved pages in process, then decode with `config`."""
+    from engine.forward import ForwardItem
+
+    engine = DecodeEngine(config, runner)
+    res = engine.reserve("r", len(prompt), max_tokens)
+    first = int(runner.forward([ForwardItem(prompt, 0, list(res.block_ids))]).argmax())
+    out: queue.Queue = queue.Queue()
+    counts = DraftCounts()
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, frozenset(), lambda t, f: out.put((t, f)), counts)
+    engine.start()
+    tokens = [first]
+    try:
+        while True:
+            t, f = out.get(timeout=120)
+            tokens += t
+            if f is not None:
+                break
+    finally:
+        engine.shutdown()
+    engine.pool.check_integrity()
+    return tokens, counts
+
+
+def test_greedy_output_with_ngram_drafts_equals_output_without(runner):
+    from engine.checkpoint import load_tokenizer
+    from engine.loader import resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    quote = "The quick brown fox jumps over the lazy dog. " * 3
+    prompt = tok.encode(f"Repeat this text exactly: {quote}\nRepeated: {quote[:20]}")
+    plain, none = _generate(runner, DecodeConfig(num_pages=64), prompt, 24)
+    assert none.drafted == 0
+    for k in (1, 2, 3, 4):
+        got, counts = _generate(runner, DecodeConfig(num_pages=64, speculative="ngram", num_draft_tokens=k), prompt, 24)
+        assert got == plain, k  # the same tokens, exactly
+        assert counts.accepted > 0 and counts.drafted >= counts.accepted, (k, counts)
