@@ -135,6 +135,8 @@ class DecodeEngine:
         self.max_batch_size_seen = 0
         self.num_steps = 0
         self.step_seconds = 0.0
+        self.row_cost = 0.35
+        """A speculative verification row's cost relative to a one-row step (`calibrate`)."""
         """Wall seconds spent in steps (the batch's forward and sampling) since start."""
         self._loop_done: concurrent.futures.Future | None = None
         self.dispatch: DispatchFn = deliver_all
@@ -226,6 +228,7 @@ class DecodeEngine:
             seq.sampling = sampling
             seq.stop_token_ids = stop_token_ids
             seq.emit = emit
+            seq.governor = SpeculationGovernor(row_cost=self.row_cost)
             if drafts is not None:
                 seq.drafts = drafts
             if not sampling.greedy:
@@ -373,11 +376,37 @@ class DecodeEngine:
         rows = len(batch)
         for i, seq in enumerate(batch):
             room = min(cfg.num_draft_tokens, seq.max_tokens - seq.num_generated - 1, cfg.max_verify_rows - rows)
-            if room < 1 or not seq.governor.should_draft():
+            k = seq.governor.num_drafts(max(0, room))
+            if k < 1:
                 continue
-            out[i] = propose_ngram(seq.token_ids, room)
+            out[i] = propose_ngram(seq.token_ids, k)
             rows += len(out[i])
         return out
+
+    def calibrate(self) -> float:
+        """Measure a verification row's cost relative to a plain one-row step (on page 0, whose
+        contents are garbage until a request's KV lands there) and give it to new sequences'
+        governors; returns it. Runs where steps run; a no-op without speculation."""
+        if self.config.speculative == "off":
+            return self.row_cost
+        k = min(self.config.num_draft_tokens, self.config.page_size - 1)
+
+        def timed(rows: int) -> float:
+            items = [ForwardItem([0], j, [0]) for j in range(rows)]
+            self.runner.forward(items)  # warm
+            best = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                self.runner.forward(items)
+                best = min(best, time.perf_counter() - t)
+            return best
+
+        one, more = timed(1), timed(1 + k)
+        self.row_cost = max(0.05, (more - one) / (k * one))
+        logger.info(
+            "speculative decoding: a verification row costs %.2f of a one-row step (%d rows)", self.row_cost, 1 + k
+        )
+        return self.row_cost
 
     def _step(self, batch: list[DecodeSequence]) -> None:
         started = time.perf_counter()

@@ -53,6 +53,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
+    await asyncio.wrap_future(executor.submit(engine.calibrate))  # what a speculative row costs here
     engine.start(executor)  # the batch loop occupies the main thread
     await svc.mark_serving()
     print(f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})", flush=True)

@@ -5,7 +5,8 @@ n tokens of a sequence (n from `max_ngram` down to `min_ngram`) are looked up in
 tokens, prompt included, and the k tokens that followed their latest earlier occurrence are the
 drafts. Text that quotes its input (summaries, rewrites, code edits) repeats long runs, which
 the target then accepts several at a time in one batched forward; other text mostly finds no
-match (no drafts, no cost) or a wrong one, which `SpeculationGovernor` backs off from.
+match (no drafts, no cost) or a wrong one, and `SpeculationGovernor` turns drafting down
+where the acceptance does not pay for the extra rows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ SPECULATIVE_METHODS = ("off", "ngram")
 
 
 def propose_ngram(
-    tokens: Sequence[int], k: int, min_ngram: int = 1, max_ngram: int = 4, window: int = 4096
+    tokens: Sequence[int], k: int, min_ngram: int = 2, max_ngram: int = 4, window: int = 4096
 ) -> list[int]:
     """Up to k draft tokens continuing `tokens` by prompt lookup ([] when no n-gram recurs).
 
@@ -44,28 +45,50 @@ def propose_ngram(
 
 @dataclass
 class SpeculationGovernor:
-    """Per-sequence back-off: after a step whose drafts were all rejected, draft again only
-    after 1, 2, 4, ... up to `max_skip` steps; a step with any accepted draft resets it. Text
-    that does not repeat itself thus pays for few wasted verification rows."""
+    """How many drafts one sequence carries into a step: the count that maximizes the expected
+    tokens per step over the step's cost, from the acceptance its drafts have had so far.
 
-    max_skip: int = 16
-    skip: int = 0
-    wait: int = 0
+    With per-draft acceptance a (the chance a draft is kept when the ones before it were), k
+    drafts yield 1 + a + a^2 + ... + a^k tokens a step; the step costs 1 + row_cost * k plain
+    steps (each verification row adds the work of one row of every matmul: on a CPU that is far
+    from free, `DecodeEngine.calibrate` measures it). When no k beats plain decoding the sequence
+    drafts nothing, except one draft every `probe_every` steps to learn whether the text has
+    started to repeat. a is estimated from decayed counts of kept and rejected drafts (a Beta
+    prior of 4 kept, 1 rejected), so it follows the text as it changes.
+    """
 
-    def should_draft(self) -> bool:
-        if self.wait > 0:
-            self.wait -= 1
-            return False
-        return True
+    row_cost: float = 0.35
+    probe_every: int = 8
+    decay: float = 0.9
+    kept: float = 4.0
+    rejected: float = 1.0
+    idle: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+    def num_drafts(self, most: int) -> int:
+        """Drafts for this step, in [0, most]."""
+        a, best_k, best, tokens, term = self.acceptance, 0, 1.0, 1.0, 1.0
+        for k in range(1, most + 1):
+            term *= a
+            tokens += term
+            if tokens / (1 + self.row_cost * k) > best:
+                best_k, best = k, tokens / (1 + self.row_cost * k)
+        if best_k == 0 and most > 0:
+            self.idle += 1
+            if self.idle >= self.probe_every:
+                self.idle = 0
+                return 1
+        return best_k
 
     def record(self, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` drafts and kept the first `accepted` of them."""
         if not drafted:
             return
-        if accepted:
-            self.skip = 0
-        else:
-            self.skip = min(self.max_skip, max(1, 2 * self.skip))
-            self.wait = self.skip
+        self.kept = self.decay * self.kept + accepted
+        self.rejected = self.decay * self.rejected + (1 if accepted < drafted else 0)
 
 
 @dataclass

@@ -116,6 +116,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.speculative:
+        from kvmesh.bench_speculative import run_speculative_bench
+
+        return run_speculative_bench(args)
     if args.trace:
         from kvmesh.bench_trace import run_trace_bench
 
@@ -253,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
     bench.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level; the median counts")
     bench.add_argument("--model", default=None)
+    bench.add_argument(
+        "--speculative",
+        action="store_true",
+        help="single-stream decode with and without n-gram speculation, quoting and plain prompts",
+    )
+    bench.add_argument("--num-draft-tokens", type=int, default=4, help="with --speculative: drafts a step (default 4)")
     from kvmesh.bench_trace import add_arguments as add_trace_arguments
 
     add_trace_arguments(bench)

@@ -21,7 +21,8 @@ def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suf
     # [5, 6] occurred twice: the latest occurrence's continuation, cut at the sequence's end
     assert propose_ngram([5, 6, 7, 5, 6, 8, 5, 6], k=5) == [8, 5, 6]
     assert propose_ngram([1, 2, 3, 4], k=3) == []  # nothing recurs
-    assert propose_ngram([7, 7], k=2) == [7]  # a 1-gram
+    assert propose_ngram([7, 7], k=2, min_ngram=1) == [7]  # a 1-gram, when allowed
+    assert propose_ngram([7, 7], k=2) == []  # by default n >= 2
     assert propose_ngram([1, 2, 1], k=0) == []
 
 
@@ -54,17 +55,23 @@ def test_sampled_verification_keeps_the_target_distribution():
     assert torch.allclose(counts / trials, p, atol=0.03), (counts / trials, p)  # ~4 standard errors
 
 
-def test_the_governor_backs_off_after_rejections_and_resets_on_an_accept():
-    g = SpeculationGovernor(max_skip=4)
-    g.record(drafted=3, accepted=0)  # skip the next step
-    assert [g.should_draft() for _ in range(2)] == [False, True]
-    g.record(3, 0)  # then 2 steps, then 4, capped
-    assert [g.should_draft() for _ in range(3)] == [False, False, True]
-    g.record(3, 0)
-    g.record(3, 0)
-    assert g.skip == 4
-    g.record(3, 1)
-    assert g.skip == 0
+def test_the_governor_drafts_what_pays_for_its_rows():
+    # acceptance 0.9, a row costing 0.35 of a step: 4 drafts give 4.1 tokens for 2.4 steps' work
+    g = SpeculationGovernor(row_cost=0.35, kept=9.0, rejected=1.0)
+    assert g.num_drafts(4) == 4 and g.num_drafts(2) == 2
+    # acceptance 0.5: only 1 draft pays (1.5 / 1.35 = 1.11; 2 drafts: 1.75 / 1.7 = 1.03)
+    assert SpeculationGovernor(row_cost=0.35, kept=1.0, rejected=1.0).num_drafts(4) == 1
+    # acceptance 0.2: none pays, but every 8th step probes with one draft
+    low = SpeculationGovernor(row_cost=0.35, kept=1.0, rejected=4.0, probe_every=8)
+    assert [low.num_drafts(4) for _ in range(8)] == [0] * 7 + [1]
+    # rejections lower the estimate, kept drafts raise it
+    g = SpeculationGovernor()
+    before = g.acceptance
+    g.record(drafted=4, accepted=0)
+    assert g.acceptance < before
+    g.record(drafted=4, accepted=4)
+    g.record(drafted=4, accepted=4)
+    assert g.acceptance > before
 
 
 def test_speculation_is_refused_for_a_model_whose_state_cannot_roll_back():
