@@ -39,6 +39,12 @@ class DecodeConfig(ModelServiceConfig):
         "step; the output is the same as without it)",
     )
     num_draft_tokens: int = setting(4, "--num-draft-tokens", "most draft tokens a sequence carries into a step")
+    draft_row_cost: float = setting(
+        0.0,
+        "--draft-row-cost",
+        "what a speculative verification row costs relative to a plain one-row step (0: measure it at start); "
+        "drafting is turned down where the acceptance does not pay for it",
+    )
     max_verify_rows: int = setting(
         32,
         "--max-verify-rows",
@@ -57,5 +63,7 @@ class DecodeConfig(ModelServiceConfig):
             raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {self.speculative!r}")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if not self.draft_row_cost >= 0:
+            raise ValueError(f"draft_row_cost must be >= 0, got {self.draft_row_cost}")
         if self.max_verify_rows < 1:
             raise ValueError(f"max_verify_rows must be >= 1, got {self.max_verify_rows}")

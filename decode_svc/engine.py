@@ -135,7 +135,7 @@ class DecodeEngine:
         self.max_batch_size_seen = 0
         self.num_steps = 0
         self.step_seconds = 0.0
-        self.row_cost = 0.35
+        self.row_cost = config.draft_row_cost or 0.35
         """A speculative verification row's cost relative to a one-row step (`calibrate`)."""
         """Wall seconds spent in steps (the batch's forward and sampling) since start."""
         self._loop_done: concurrent.futures.Future | None = None
@@ -386,8 +386,12 @@ class DecodeEngine:
     def calibrate(self) -> float:
         """Measure a verification row's cost relative to a plain one-row step (on page 0, whose
         contents are garbage until a request's KV lands there) and give it to new sequences'
-        governors; returns it. Runs where steps run; a no-op without speculation."""
+        governors; returns it. --draft-row-cost, when set, is taken instead. Runs where steps
+        run; a no-op without speculation."""
         if self.config.speculative == "off":
+            return self.row_cost
+        if self.config.draft_row_cost:
+            self.row_cost = self.config.draft_row_cost
             return self.row_cost
         k = min(self.config.num_draft_tokens, self.config.page_size - 1)
 

@@ -20,7 +20,9 @@ PROMPT = [1, 9690, 198, 2683, 359, 253]  # six real token ids of the default mod
 def mesh():
     # decode speculates (n-gram drafts): its output must be what plain decoding gives, so every
     # test here runs on it, and the exactness test below compares it with transformers
-    with running_mesh(1, 1, decode_args=["--speculative", "ngram", "--num-draft-tokens", "4"]) as m:
+    # (a row cost of 0.1 makes drafting pay whatever the machine's load: the test wants drafts)
+    decode_args = ["--speculative", "ngram", "--num-draft-tokens", "4", "--draft-row-cost", "0.1"]
+    with running_mesh(1, 1, decode_args=decode_args) as m:
         yield m
 
 

@@ -126,6 +126,8 @@ def test_greedy_output_with_ngram_drafts_equals_output_without(runner):
     plain, none = _generate(runner, DecodeConfig(num_pages=64), prompt, 24)
     assert none.drafted == 0
     for k in (1, 2, 3, 4):
-        got, counts = _generate(runner, DecodeConfig(num_pages=64, speculative="ngram", num_draft_tokens=k), prompt, 24)
+        got, counts = _generate(
+            runner, DecodeConfig(num_pages=64, speculative="ngram", num_draft_tokens=k, draft_row_cost=0.1), prompt, 24
+        )
         assert got == plain, k  # the same tokens, exactly
         assert counts.accepted > 0 and counts.drafted >= counts.accepted, (k, counts)
