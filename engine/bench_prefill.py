@@ -1,0 +1,122 @@
+# T=tokens
+"""Prefill speed of LlamaRunner against transformers' forward on the same prompt, in one run.
+
+    python -m engine.bench_prefill [--model NAME_OR_PATH] [--prompt-tokens 2048] [--chunk 512]
+        [--repeats 5]
+
+Prints tokens/s of three contenders over the same T-token prompt (`long_prompt_ids`, the text
+`kvmesh.bench_peers` uses), each as a ratio to transformers:
+- transformers: one fp32 `model(input_ids=...)` forward computing every position's logits, as
+  `kvmesh.bench_peers` measures its `prefill_tokens_per_s`;
+- LlamaRunner, the whole prompt in one forward (logits of the last token only);
+- LlamaRunner in chunks the way the prefill service schedules them with
+  `--chunked-prefill-size` (`chunk_ends`: whole-page chunks, the last at most a quarter of
+  one; 2048 tokens at 512 are 512, 512, 512, 384, 128), each chunk a forward after the cached
+  prefix the earlier ones left in the pages.
+Runs are interleaved, one of each contender per repeat, and the best and the median of
+--repeats are reported, so background load on a shared machine skews all contenders alike.
+Units: tokens per second, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.checkpoint import load_tokenizer
+from engine.forward import ForwardItem
+from engine.llama_runner import LlamaRunner
+from engine.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+def long_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
+    """`kvmesh.bench_peers.long_prompt_ids`, restated (engine sits below kvmesh): exactly
+    `num_tokens` ids of a numbered list, no special tokens. ValueError if the text is short."""
+    text = " ".join(f"item {i}: the lighthouse keeper logs the weather." for i in range(num_tokens))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < num_tokens:
+        raise ValueError(f"the long prompt has {len(ids)} tokens, fewer than {num_tokens}")
+    return list(ids[:num_tokens])
+
+
+def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int) -> list[int]:
+    """`prefill_svc.engine.chunk_ends`, restated (engine sits below the services): the end
+    position of each chunk of [start, end), chunks of whole pages, the last at most a quarter
+    of a chunk; [end] when chunk_tokens <= 0 or the range fits one chunk."""
+    if chunk_tokens <= 0 or end - start <= chunk_tokens:
+        return [end]
+    chunk = max(page_size, chunk_tokens // page_size * page_size)
+    tail = max(page_size, chunk // 4 // page_size * page_size)
+    tail_start = (end - tail) // page_size * page_size
+    ends = list(range(start + chunk, tail_start, chunk))
+    if tail_start > start:
+        ends.append(tail_start)
+    ends.append(end)
+    return ends
+
+
+def runner_prefill(runner: LlamaRunner, ids: list[int], ends: list[int]) -> float:
+    """Seconds to prefill `ids` into pages 0.. as forwards ending at each of `ends`."""
+    S = runner.page_size
+    pages = list(range((len(ids) + S - 1) // S))
+    start = time.perf_counter()
+    done = 0
+    for end in ends:
+        runner.forward([ForwardItem(ids[done:end], done, pages)])
+        done = end
+    return time.perf_counter() - start
+
+
+def transformers_forward(model, ids: list[int]) -> float:
+    """Seconds of one transformers forward over `ids`, every position's logits."""
+    x = torch.tensor([ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=x)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model name or path (default: the default model)")
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=512, help="the prefill service's --chunked-prefill-size")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    files = resolve_model(args.model)
+    ids = long_prompt_ids(load_tokenizer(files), args.prompt_tokens)
+    hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()
+    runner = LlamaRunner(files, num_pages=(len(ids) + 15) // 16 + 1)
+    runner.warmup()
+    ends = chunk_ends(0, len(ids), args.chunk, runner.page_size)
+    contenders: dict[str, Callable[[], float]] = {
+        "transformers forward, all logits": lambda: transformers_forward(hf, ids),
+        "LlamaRunner, one chunk": lambda: runner_prefill(runner, ids, [len(ids)]),
+        f"LlamaRunner, chunks {[b - a for a, b in zip([0, *ends], ends)]}": lambda: runner_prefill(runner, ids, ends),
+    }
+    for run in contenders.values():  # warm-up: first-call allocations and kernel choices
+        run()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+        for name, run in contenders.items():
+            times[name].append(run())
+    base = len(ids) / min(next(iter(times.values())))
+    print(f"{len(ids)}-token prefill, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats")
+    print(f"{'':<48}{'best tok/s':>12}{'median tok/s':>14}{'best ratio':>12}")
+    for name, ts in times.items():
+        best, median = len(ids) / min(ts), len(ids) / statistics.median(ts)
+        print(f"{name:<48}{best:>12.1f}{median:>14.1f}{best / base:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()
