@@ -16,8 +16,8 @@ several new tokens (prefill, possibly after a cached prefix) runs causal attenti
 blocks (`_causal_blocks`). The reference is `ref.paged_attention_ref` (vLLM's paged attention
 semantics, transformers' Llama attention numerics).
 
-Unused slots of a page are read and masked, so they must hold finite values: a NaN there
-leaks through the mask as 0 * NaN. ModelRunner zero-fills its cache and only K/V ever lands
+Decode reads the unused slots of a sequence's last page and masks them, so they must hold
+finite values: a NaN there leaks through the mask as 0 * NaN (prefill reads only its N tokens). ModelRunner zero-fills its cache and only K/V ever lands
 in it, which keeps that true.
 """
 
