@@ -167,8 +167,8 @@ class LlamaModel:
         if unused:
             raise ValueError(f"checkpoint of {c.name!r} has tensors this Llama does not use, e.g. {sorted(unused)[:3]}")
         self.step_cycles = np.zeros(0, np.int64)
-        """A profiling hook: set it to zeros(len(STEP_PARTS)) and each fused decode step adds its
-        parts' cycles (`read_cycles`) to it; empty (the default), nothing is counted."""
+        """A profiling hook: set it to zeros(len(llama_step.STEP_PARTS)) and each fused decode step adds its
+        parts' cycles (`llama_step.read_cycles`) to it; empty (the default), nothing is counted."""
         self._step = self._stack_for_step()
 
     def _stack_for_step(self) -> tuple | None:
