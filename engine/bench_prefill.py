@@ -29,38 +29,12 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.checkpoint import load_tokenizer
-from engine.forward import ForwardItem
+from engine.checkpoint import load_tokenizer, long_prompt_ids
+from engine.forward import ForwardItem, chunk_ends
 from engine.llama_runner import LlamaRunner
 from engine.loader import resolve_model
 
 logger = logging.getLogger(__name__)
-
-
-def long_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
-    """`kvmesh.bench_peers.long_prompt_ids`, restated (engine sits below kvmesh): exactly
-    `num_tokens` ids of a numbered list, no special tokens. ValueError if the text is short."""
-    text = " ".join(f"item {i}: the lighthouse keeper logs the weather." for i in range(num_tokens))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < num_tokens:
-        raise ValueError(f"the long prompt has {len(ids)} tokens, fewer than {num_tokens}")
-    return list(ids[:num_tokens])
-
-
-def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int) -> list[int]:
-    """`prefill_svc.engine.chunk_ends`, restated (engine sits below the services): the end
-    position of each chunk of [start, end), chunks of whole pages, the last at most a quarter
-    of a chunk; [end] when chunk_tokens <= 0 or the range fits one chunk."""
-    if chunk_tokens <= 0 or end - start <= chunk_tokens:
-        return [end]
-    chunk = max(page_size, chunk_tokens // page_size * page_size)
-    tail = max(page_size, chunk // 4 // page_size * page_size)
-    tail_start = (end - tail) // page_size * page_size
-    ends = list(range(start + chunk, tail_start, chunk))
-    if tail_start > start:
-        ends.append(tail_start)
-    ends.append(end)
-    return ends
 
 
 def runner_prefill(runner: LlamaRunner, ids: list[int], ends: list[int]) -> float:

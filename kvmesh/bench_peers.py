@@ -28,16 +28,9 @@ import subprocess
 import sys
 import time
 
+from engine.checkpoint import long_prompt_ids
+
 PROMPT = "Tell me a story about a lighthouse keeper."
-
-
-def long_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
-    """A prompt of exactly `num_tokens` token ids (a numbered list, no special tokens)."""
-    text = " ".join(f"item {i}: the lighthouse keeper logs the weather." for i in range(num_tokens))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if len(ids) < num_tokens:
-        raise ValueError(f"the long prompt has {len(ids)} tokens, fewer than {num_tokens}")
-    return list(ids[:num_tokens])
 
 
 def _median(runs: list[float]) -> float:

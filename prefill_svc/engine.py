@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.eplb import expert_stats
-from engine.forward import ForwardItem, Runner, StateSlots
+from engine.forward import ForwardItem, Runner, StateSlots, chunk_ends
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from kvstore.block_hash import BlockHash, hash_blocks
@@ -41,30 +41,6 @@ logger = logging.getLogger(__name__)
 
 class Cancelled(Exception):
     """The request was cancelled before its compute started."""
-
-
-def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int) -> list[int]:
-    """Where each chunk of a prompt's computed range [start, end) ends (token positions).
-
-    Chunks are `chunk_tokens` long (rounded down to whole pages, at least one page) except
-    the last, which is at most a quarter of a chunk (whole pages, at least one): a chunk's
-    pages are pushed while the next one computes, so only the last chunk's push is left in
-    TTFT. `start` must be page-aligned (a cached prefix is whole pages); every end but the
-    last is too. chunk_tokens <= 0, or a range no longer than one chunk: [end].
-
-    >>> chunk_ends(0, 2048, 512, 16)
-    [512, 1024, 1536, 1920, 2048]
-    """
-    if chunk_tokens <= 0 or end - start <= chunk_tokens:
-        return [end]
-    chunk = max(page_size, chunk_tokens // page_size * page_size)
-    tail = max(page_size, chunk // 4 // page_size * page_size)
-    tail_start = (end - tail) // page_size * page_size
-    ends = list(range(start + chunk, tail_start, chunk))
-    if tail_start > start:
-        ends.append(tail_start)
-    ends.append(end)
-    return ends
 
 
 @dataclass(frozen=True)

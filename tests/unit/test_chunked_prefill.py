@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from engine.checkpoint import ModelFiles
+from engine.forward import chunk_ends
 from engine.loader import resolve_model
 from engine.runners import create_runner
 from engine.sampling_params import SamplingParams
 from engine.tiny_models import make_tiny_model
-from prefill_svc.engine import PrefillEngine, PrefillJob, chunk_ends
+from prefill_svc.engine import PrefillEngine, PrefillJob
 
 
 def test_chunk_ends_by_hand():
