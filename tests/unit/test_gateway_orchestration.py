@@ -350,27 +350,34 @@ def test_a_refused_reserve_cancels_the_prefill_sent_beside_it():
     asyncio.run(scenario())
 
 
+async def _reserve_answers_while_prefill_computes(decode: FakeDecode, events: Events):
+    """An attempt with decode's KV address known ("decode:9"): Prefill goes out and is held
+    computing while `decode` answers Reserve, then answers. Returns (pool, prefill stubs, the
+    attempt's messages); the caller closes the pool."""
+    servicer, pool = _servicer(events, FixedIndex(), decode)
+    pool.decodes[0].kv_address = "decode:9"  # what the last poll said
+    stubs = [pool._prefill_stubs[a] for a in ("p1:1", "p2:1")]
+    for stub in stubs:
+        stub.answer.clear()  # type: ignore[attr-defined]
+    run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
+    await asyncio.sleep(0)
+    decode.answer.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    for stub in stubs:
+        stub.answer.set()  # type: ignore[attr-defined]
+    return pool, stubs, await run
+
+
 def test_prefill_is_sent_again_when_decode_answers_with_another_kv_address():
     async def scenario():
         events = Events()
         decode = FakeDecode(events, kv_address="decode:10")  # restarted: a new KV listener
-        servicer, pool = _servicer(events, FixedIndex(), decode)
-        pool.decodes[0].kv_address = "decode:9"  # what the last poll said
-        stubs = [pool._prefill_stubs[a] for a in ("p1:1", "p2:1")]
-        for stub in stubs:
-            stub.answer.clear()  # the first Prefill is still computing when Reserve answers
+        pool, stubs, msgs = await _reserve_answers_while_prefill_computes(decode, events)
         try:
-            run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
-            await asyncio.sleep(0)
-            decode.answer.set()
-            for _ in range(5):
-                await asyncio.sleep(0)
-            for stub in stubs:
-                stub.answer.set()
-            msgs = await run
             sent = [e for e in events if e.startswith("prefill to")]
             assert sent == ["prefill to decode:9", "prefill to decode:10"]
-            calls = [c for a in ("p1:1", "p2:1") for c in pool._prefill_stubs[a].calls]
+            calls = [c for stub in stubs for c in stub.calls]  # type: ignore[attr-defined]
             assert calls[0].cancelled() and not calls[1].cancelled()
             assert msgs[0].delta.token_ids == [5] and pool.decodes[0].kv_address == "decode:10"
         finally:
@@ -382,21 +389,8 @@ def test_prefill_is_sent_again_when_decode_answers_with_another_kv_address():
 def test_prefill_is_sent_again_under_the_transfer_id_an_older_decode_picked():
     async def scenario():
         events = Events()
-        decode = FakeDecode(events, own_id=7)
-        servicer, pool = _servicer(events, FixedIndex(), decode)
-        pool.decodes[0].kv_address = "decode:9"
-        stubs = [pool._prefill_stubs[a] for a in ("p1:1", "p2:1")]
-        for stub in stubs:
-            stub.answer.clear()
+        pool, stubs, _ = await _reserve_answers_while_prefill_computes(FakeDecode(events, own_id=7), events)
         try:
-            run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
-            await asyncio.sleep(0)
-            decode.answer.set()
-            for _ in range(5):
-                await asyncio.sleep(0)
-            for stub in stubs:
-                stub.answer.set()
-            await run
             sent = [t for stub in stubs for t in stub.transfer_ids]  # type: ignore[attr-defined]
             assert len(sent) == 2 and sent[0] != 7 and sent[1] == 7
             calls = [c for stub in stubs for c in stub.calls]  # type: ignore[attr-defined]
