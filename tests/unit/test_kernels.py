@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from kernels import apply_rotary, build_attention_metadata, paged_attention, rms_norm, rope_table, silu_and_mul
 from kernels.ref import apply_rotary_ref, paged_attention_ref, rms_norm_ref, rope_cos_sin_ref, silu_and_mul_ref
+from tests.unit.paged_cases import D, K, L, P, Q, S, run_both
 
 # a tiny GQA layout: 6 query heads over 2 kv heads, pages of 4 token slots
-P, L, S, Q, K, D = 24, 3, 4, 6, 2, 8
 
 
 @pytest.fixture(autouse=True)
@@ -66,28 +66,6 @@ def test_reference_attention_equals_dense_causal_sdpa():
     torch.testing.assert_close(out, dense.transpose(0, 1).reshape(n, Q * D))
 
 
-def _run_both(num_computed, num_new, layer=1):
-    """Random prefix K/V in scattered pages; run kernel and reference on copies of one cache."""
-    pages = list(range(P))
-    random.shuffle(pages)
-    block_ids = []
-    for nc, n in zip(num_computed, num_new):
-        need = (nc + n + S - 1) // S
-        block_ids.append([pages.pop() for _ in range(need)])
-    # garbage everywhere (finite, large): a read of an unwritten or padded slot would show
-    cache = torch.randn(P, L, 2, S, K, D) * 1e3
-    for nc, pages_b in zip(num_computed, block_ids):  # plausible prefix K/V
-        for p in range(nc):
-            cache[pages_b[p // S], :, :, p % S] = torch.randn(L, 2, K, D)
-    T = sum(num_new)
-    q, k, v = torch.randn(T, Q, D), torch.randn(T, K, D), torch.randn(T, K, D)
-    cache_ref = cache.clone()
-    meta = build_attention_metadata(num_computed, num_new, block_ids, S, L, P)
-    out = paged_attention(q, k, v, cache, layer, meta)
-    ref = paged_attention_ref(q, k, v, cache_ref, layer, num_computed, num_new, block_ids)
-    return out, ref, cache, cache_ref
-
-
 @pytest.mark.parametrize(
     "num_computed,num_new",
     [
@@ -102,7 +80,7 @@ def _run_both(num_computed, num_new, layer=1):
     ],
 )
 def test_paged_attention_matches_reference(num_computed, num_new):
-    out, ref, cache, cache_ref = _run_both(num_computed, num_new)
+    out, ref, cache, cache_ref = run_both(num_computed, num_new, layer=1)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     # the same slots were written, with the same values, and nothing else changed
     torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)

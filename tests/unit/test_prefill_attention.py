@@ -13,34 +13,13 @@ import torch
 
 import kernels.attention as attention
 from kernels import build_attention_metadata, paged_attention
-from kernels.ref import paged_attention_ref
-
-# the tiny layout of test_kernels.py: 6 query heads over 2 kv heads, pages of 4 token slots
-P, L, S, Q, K, D = 24, 3, 4, 6, 2, 8
+from tests.unit.paged_cases import run_both
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     random.seed(0)
-
-
-def _run_both(num_computed, num_new, layer=2):
-    """Random prefix K/V in shuffled pages, garbage elsewhere; kernel and reference on copies."""
-    pages = list(range(P))
-    random.shuffle(pages)
-    block_ids = [[pages.pop() for _ in range((nc + n + S - 1) // S)] for nc, n in zip(num_computed, num_new)]
-    cache = torch.randn(P, L, 2, S, K, D) * 1e3  # a read of an unwritten slot would show
-    for nc, pages_b in zip(num_computed, block_ids):
-        for p in range(nc):
-            cache[pages_b[p // S], :, :, p % S] = torch.randn(L, 2, K, D)
-    T = sum(num_new)
-    q, k, v = torch.randn(T, Q, D), torch.randn(T, K, D), torch.randn(T, K, D)
-    cache_ref = cache.clone()
-    meta = build_attention_metadata(num_computed, num_new, block_ids, S, L, P)
-    out = paged_attention(q, k, v, cache, layer, meta)
-    ref = paged_attention_ref(q, k, v, cache_ref, layer, num_computed, num_new, block_ids)
-    return out, ref, cache, cache_ref
 
 
 @pytest.mark.parametrize("block", [1, 3, 4, 256])
@@ -59,7 +38,7 @@ def _run_both(num_computed, num_new, layer=2):
 )
 def test_blocked_prefill_matches_reference(monkeypatch, block, num_computed, num_new):
     monkeypatch.setattr(attention, "QUERY_BLOCK", block)
-    out, ref, cache, cache_ref = _run_both(num_computed, num_new)
+    out, ref, cache, cache_ref = run_both(num_computed, num_new, layer=2)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0)  # the same K/V written, nothing else
 
