@@ -456,7 +456,6 @@ class DecodeEngine:
                         break
                 seq.token_ids.extend(tokens)
                 seq.num_computed_tokens += len(tokens)
-                metrics.TOKENS.inc(len(tokens))
                 if d:
                     accepted = len(tokens) - 1
                     seq.drafts.drafted += len(d)
@@ -468,6 +467,7 @@ class DecodeEngine:
                 if finish is not None:
                     self._running.remove(seq)
                     self._free(seq)
+        metrics.TOKENS.inc(sum(len(tokens) for _, tokens, _ in deliveries))
         # one hand-off per step, not one per request: each wake-up of the event loop
         # thread competes with this thread for the GIL between ops
         self.dispatch(deliveries)
