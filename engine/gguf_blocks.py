@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 import torch
+from tqdm import tqdm
 
 from engine.checkpoint import load_checkpoint_tensors
 from kernels.quant import QK
@@ -112,7 +113,9 @@ def extract_blocks(gguf_path: Path, config: dict, fp32: dict[str, torch.Tensor])
     }
     out: dict[str, GGUFBlocks] = {}
     skipped: list[str] = []
-    for tensor in GGUFReader(gguf_path).tensors:
+    tensors = GGUFReader(gguf_path).tensors
+    # a bar on a terminal only (the launcher converts in the foreground; services log to files)
+    for tensor in tqdm(tensors, desc="keeping GGUF blocks", unit="tensor", leave=False, disable=None):
         name = _hf_name(tensor.name)
         if name is None:
             continue

@@ -41,6 +41,7 @@ import tempfile
 import time
 
 from kvmesh import bench_peers
+from kvmesh.progress import progress_bar
 
 PROMPTS = [
     "Tell me a story about a lighthouse keeper.",
@@ -178,16 +179,25 @@ def run_bench(args) -> int:
                 async with GatewayClient(mesh.gateway_address) as client:  # warm-up
                     await client.complete(make_request("Hello", chat=True, max_tokens=8))
                 steps0 = await _decode_steps(mesh.decode_addresses[0])
-                singles = [(await _round(mesh.gateway_address, 1, n, ttfts, cached))[1] for _ in range(args.rounds)]
+                bar = progress_bar(args.rounds * (2 + len(BATCHES)) + 1, "rounds", desc="mesh", quiet=args.json)
+
+                def tick(x):
+                    bar.update()
+                    return x
+
+                singles = [
+                    tick((await _round(mesh.gateway_address, 1, n, ttfts, cached))[1]) for _ in range(args.rounds)
+                ]
                 steps1 = await _decode_steps(mesh.decode_addresses[0])
                 batches = {
                     b: statistics.median(
-                        [(await _round(mesh.gateway_address, b, n, ttfts, cached))[0] for _ in range(args.rounds)]
+                        [tick((await _round(mesh.gateway_address, b, n, ttfts, cached))[0]) for _ in range(args.rounds)]
                     )
                     for b in BATCHES
                 }
-                longs = [await _long_prompt(mesh.gateway_address, long_ids, cached) for _ in range(args.rounds)]
-                short = await _short_prompts(mesh.gateway_address, long_ids, ORCHESTRATION_REQUESTS)
+                longs = [tick(await _long_prompt(mesh.gateway_address, long_ids, cached)) for _ in range(args.rounds)]
+                short = tick(await _short_prompts(mesh.gateway_address, long_ids, ORCHESTRATION_REQUESTS))
+                bar.close()
                 q = statistics.quantiles(ttfts, n=10)
                 return {
                     "single_tokens_per_s": statistics.median(singles),

@@ -7,7 +7,8 @@ so prompts fit the model and the machine. The first --limit requests are sent as
 their trace arrival times divided by --speedup, each decoding --max-tokens tokens, to a mesh
 of --prefill prefill instances (the gateway's default cache-aware routing over a real Redis
 index). Printed: prefix-cache hits as the prefill services count them, per instance, next to
-what `kvmesh routesim`'s simulation of the same scaled requests predicts.
+what `kvmesh routesim`'s simulation of the same scaled requests predicts. `--plot DIR` also
+writes PNGs of both (see kvmesh/trace_plots.py).
 """
 
 from __future__ import annotations
@@ -16,30 +17,82 @@ import asyncio
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from kvmesh.progress import progress_bar
+from kvmesh.routesim import TraceRequest, load_trace, router_chooser, simulate
+from kvmesh.trace_plots import MeasuredRequest, write_plots
 
-def block_tokens(block_id: int, n: int, vocab_lo: int = 1000, vocab_hi: int = 40000) -> list[int]:
+
+def block_tokens_of(block_id: int, n: int, vocab_lo: int = 1000, vocab_hi: int = 40000) -> list[int]:
     """The n token ids standing for trace block `block_id` (deterministic in the id)."""
     return np.random.default_rng(block_id).integers(vocab_lo, vocab_hi, size=n).tolist()
+
+
+def scale_trace(trace: Sequence[TraceRequest], block_tokens: int) -> tuple[list[list[int]], list[TraceRequest]]:
+    """Each request's prompt token ids (block_tokens per hash id) and the request with that length."""
+    prompts = [[t for h in r.hash_ids for t in block_tokens_of(h, block_tokens)] for r in trace]
+    return prompts, [TraceRequest(r.arrival_s, len(p), r.hash_ids) for r, p in zip(trace, prompts)]
+
+
+async def replay(
+    gateway_address: str,
+    trace: Sequence[TraceRequest],
+    prompts: Sequence[list[int]],
+    *,
+    speedup: float,
+    concurrency: int,
+    max_tokens: int,
+    quiet: bool = False,
+) -> tuple[list[MeasuredRequest], float]:
+    """Send each prompt (token ids) at its arrival / speedup, at most `concurrency` in flight.
+
+    Returns one MeasuredRequest per request, in trace order, and the replay's wall time
+    (seconds). A request that fails raises its grpc.aio.AioRpcError. A progress bar counts
+    finished requests on a terminal, unless `quiet`.
+    """
+    from kvmesh.client import GatewayClient, make_request
+
+    async with GatewayClient(gateway_address) as client:
+        start = time.perf_counter()
+        slots = asyncio.Semaphore(concurrency)
+        bar = progress_bar(len(prompts), "requests", quiet=quiet)
+
+        async def one(r: TraceRequest, ids: list[int]) -> MeasuredRequest:
+            await asyncio.sleep(max(0.0, r.arrival_s / speedup - (time.perf_counter() - start)))
+            async with slots:  # a client with a bounded number of requests in flight
+                sent = time.perf_counter() - start
+                out = await client.complete(
+                    make_request(prompt_token_ids=ids, ignore_eos=True, max_tokens=max_tokens), timeout_s=600
+                )
+            bar.update()
+            f = out.final
+            return MeasuredRequest(
+                sent, f.ttft_s, f.itl_s, f.prompt_tokens, f.cached_tokens, f.prefill_instance, f.prefill_s
+            )
+
+        try:
+            outs = await asyncio.gather(*[one(r, p) for r, p in zip(trace, prompts)])
+        finally:
+            bar.close()
+        return list(outs), time.perf_counter() - start
 
 
 def run_trace_bench(args) -> int:
     import grpc
 
-    from kvmesh.client import GatewayClient, make_request
     from kvmesh.launcher import start_mesh
     from kvmesh.redis_server import free_port
-    from kvmesh.routesim import TraceRequest, load_trace, router_chooser, simulate
     from protos.kvmesh.v1 import common_pb2, prefill_pb2_grpc
 
     trace = load_trace(args.trace)[: args.limit]
     B = args.block_tokens
-    prompts = [[t for h in r.hash_ids for t in block_tokens(h, B)] for r in trace]
+    prompts, scaled = scale_trace(trace, B)
     # the simulator on the same scaled requests: blocks of B tokens, unlimited caches
-    scaled = [TraceRequest(r.arrival_s, len(p), r.hash_ids) for r, p in zip(trace, prompts)]
-    predicted = simulate(scaled, args.prefill, 0, router_chooser("cache_aware"), 1e9, "cache_aware")
+    predicted = simulate(scaled, args.prefill, 0, router_chooser("cache_aware", B), 1e9, "cache_aware", B)
     print(
         f"replaying {len(trace)} requests ({sum(map(len, prompts))} prompt tokens, blocks of {B} tokens) "
         f"through {args.prefill} prefill + 1 decode, {args.speedup:g}x the trace's pace ...",
@@ -58,30 +111,24 @@ def run_trace_bench(args) -> int:
         )
         try:
 
-            async def replay() -> tuple[list, list, float]:
-                async with GatewayClient(mesh.gateway_address) as client:
-                    start = time.perf_counter()
-                    slots = asyncio.Semaphore(args.concurrency)
-
-                    async def one(r: TraceRequest, ids: list[int]):
-                        await asyncio.sleep(max(0.0, r.arrival_s / args.speedup - (time.perf_counter() - start)))
-                        async with slots:  # a client with a bounded number of requests in flight
-                            return await client.complete(
-                                make_request(prompt_token_ids=ids, ignore_eos=True, max_tokens=args.max_tokens),
-                                timeout_s=600,
-                            )
-
-                    outs = await asyncio.gather(*[one(r, p) for r, p in zip(trace, prompts)])
-                    wall = time.perf_counter() - start
+            async def run() -> tuple[list[MeasuredRequest], list, float]:
+                measured, wall = await replay(
+                    mesh.gateway_address,
+                    trace,
+                    prompts,
+                    speedup=args.speedup,
+                    concurrency=args.concurrency,
+                    max_tokens=args.max_tokens,
+                )
                 stats = []
                 for address in mesh.prefill_addresses:
                     async with grpc.aio.insecure_channel(address) as ch:
                         stats.append(
                             await prefill_pb2_grpc.PrefillStub(ch).GetStats(common_pb2.StatsRequest(), timeout=10)
                         )
-                return outs, stats, wall
+                return measured, stats, wall
 
-            outs, stats, wall = asyncio.run(replay())
+            measured, stats, wall = asyncio.run(run())
         finally:
             mesh.stop()
     cached = sum(s.num_prompt_tokens_cached for s in stats)
@@ -97,9 +144,24 @@ def run_trace_bench(args) -> int:
     )
     print(
         f"computed tokens per prefill instance: {per}; TTFT p50 "
-        f"{sorted(o.final.ttft_s for o in outs)[len(outs) // 2] * 1000:.0f} ms; {wall:.1f} s in all"
+        f"{sorted(m.ttft_s for m in measured)[len(measured) // 2] * 1000:.0f} ms; {wall:.1f} s in all"
     )
+    if args.plot:
+        rate = measured_prefill_rate(measured)
+        # the simulation again, on the replay's clock and at the prefill rate the mesh showed,
+        # so its TTFT (queue + prefill) lines up with the measured one
+        paced = [TraceRequest(r.arrival_s / args.speedup, r.input_tokens, r.hash_ids) for r in scaled]
+        sim = simulate(paced, args.prefill, 0, router_chooser("cache_aware", B), rate, "cache_aware", B)
+        paths = write_plots(Path(args.plot), measured, sim.requests)
+        print(f"plots ({rate:.0f} prefill tok/s simulated): " + ", ".join(map(str, paths)))
     return 0
+
+
+def measured_prefill_rate(measured: Sequence[MeasuredRequest]) -> float:
+    """Prompt tokens computed per second of prefill compute, over the replay (tokens/s; > 0)."""
+    tokens = sum(m.prompt_tokens - m.cached_tokens for m in measured)
+    seconds = sum(m.prefill_s for m in measured)
+    return max(tokens, 1) / max(seconds, 1e-6)
 
 
 def add_arguments(p) -> None:
@@ -112,6 +174,12 @@ def add_arguments(p) -> None:
     p.add_argument("--speedup", type=float, default=2.0, help="with --trace: replay this many times faster")
     p.add_argument("--max-tokens", type=int, default=2, help="with --trace: tokens each request decodes")
     p.add_argument("--concurrency", type=int, default=16, help="with --trace: most requests in flight")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help="with --trace: write TTFT/ITL CDFs, computed tokens and hit rate over time as PNGs into DIR",
+    )
 
 
 if __name__ == "__main__":

@@ -93,6 +93,19 @@ class LRUBlocks:
 
 
 @dataclass(frozen=True)
+class SimRequest:
+    """One simulated request: where it went and when its prefill ran (seconds from the trace's start)."""
+
+    arrival_s: float
+    instance: int
+    prompt_tokens: int
+    hit_blocks: int
+    computed_tokens: int
+    start_s: float
+    finish_s: float
+
+
+@dataclass(frozen=True)
 class SimResult:
     policy: str
     hit_rate: float
@@ -101,6 +114,8 @@ class SimResult:
     queue_p50_s: float
     queue_p90_s: float
     tokens_per_instance: tuple[int, ...]
+    # per request, in trace order
+    requests: tuple[SimRequest, ...] = ()
 
 
 def _block_key(h: int) -> bytes:
@@ -124,8 +139,13 @@ def simulate(
     choose: Callable[[TraceRequest, list[InstanceLoad], list[LRUBlocks]], int],
     tokens_per_s: float,
     policy: str = "",
+    block_tokens: int = BLOCK_TOKENS,
 ) -> SimResult:
-    """Replay `trace` with `choose(request, loads, caches) -> instance index`; see the module docstring."""
+    """Replay `trace` with `choose(request, loads, caches) -> instance index`; see the module docstring.
+
+    `block_tokens` is the tokens each hash id stands for (512 in Mooncake traces; fewer when a
+    benchmark scales the trace down), so a hit of h blocks saves h x block_tokens prompt tokens.
+    """
     caches = [LRUBlocks(capacity_blocks) for _ in range(num_instances)]
     loads = [InstanceLoad(address=f"sim-{k}", instance_id=f"sim-{k}") for k in range(num_instances)]
     free_at = [0.0] * num_instances
@@ -133,6 +153,7 @@ def simulate(
     computed = [0] * num_instances
     hits = total = 0
     delays = []
+    records = []
     for r in trace:
         for k in range(num_instances):  # prefills finished by now leave the queue
             while running[k] and running[k][0][0] <= r.arrival_s:
@@ -143,10 +164,11 @@ def simulate(
         caches[k].touch(r.hash_ids)
         hits += hit
         total += len(r.hash_ids)
-        uncached = max(1, r.input_tokens - hit * BLOCK_TOKENS)  # the last token is always computed
+        uncached = max(1, r.input_tokens - hit * block_tokens)  # the last token is always computed
         start = max(r.arrival_s, free_at[k])
         free_at[k] = start + uncached / tokens_per_s
         delays.append(start - r.arrival_s)
+        records.append(SimRequest(r.arrival_s, k, r.input_tokens, hit, uncached, start, free_at[k]))
         heapq.heappush(running[k], (free_at[k], uncached))
         loads[k].in_flight_tokens += uncached
         loads[k].in_flight_requests += 1
@@ -161,10 +183,11 @@ def simulate(
         statistics.median(delays),
         q[8],
         tuple(computed),
+        tuple(records),
     )
 
 
-def router_chooser(policy: str, **router_args) -> Callable:
+def router_chooser(policy: str, block_tokens: int = BLOCK_TOKENS, **router_args) -> Callable:
     """A `choose` that asks gateway.router.PrefillRouter, fed what the index and gateway would know."""
     router: PrefillRouter | None = None
 
@@ -173,7 +196,7 @@ def router_chooser(policy: str, **router_args) -> Callable:
         if router is None:
             router = PrefillRouter(loads, policy=policy, **router_args)
         cached = {inst.instance_id: c.prefix_hits(r.hash_ids) for inst, c in zip(loads, caches)}
-        d = router.choose(r.input_tokens, cached, BLOCK_TOKENS, [_block_key(h) for h in r.hash_ids])
+        d = router.choose(r.input_tokens, cached, block_tokens, [_block_key(h) for h in r.hash_ids])
         return next(k for k, inst in enumerate(loads) if inst.address == d.address)
 
     return choose

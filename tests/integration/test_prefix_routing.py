@@ -113,3 +113,29 @@ def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer
     assert not any(index.longest_prefix([h], [a.final.prefill_instance])[a.final.prefill_instance] for h in hashes)
     index.close()
     wait_idle(mesh)
+
+
+def test_trace_replay_records_and_plots(mesh, tmp_path):
+    # `kvmesh bench --trace`'s replay on this mesh: eight requests of four 16-token blocks,
+    # pairs sharing their first three blocks (ids no other test uses), one at a time
+    from kvmesh.bench_trace import measured_prefill_rate, replay, scale_trace
+    from kvmesh.routesim import TraceRequest
+    from kvmesh.trace_plots import PLOT_FILES, write_plots
+
+    trace = [TraceRequest(0.0, 0, (7_000 + i // 2, 7_100 + i // 2, 7_200 + i // 2, 7_300 + i)) for i in range(8)]
+    prompts, _ = scale_trace(trace, PAGE)
+    measured, wall = asyncio.run(
+        replay(mesh.gateway_address, trace, prompts, speedup=1.0, concurrency=1, max_tokens=2, quiet=True)
+    )
+    assert [m.prompt_tokens for m in measured] == [4 * PAGE] * 8 and wall > 0
+    assert {m.prefill_instance for m in measured} <= set(_by_id(mesh))
+    # the second of each pair goes where its first three blocks are and reuses them
+    for first, second in zip(measured[::2], measured[1::2]):
+        assert first.cached_tokens == 0
+        assert second.prefill_instance == first.prefill_instance
+        assert second.cached_tokens == 3 * PAGE
+    assert all(m.ttft_s > 0 and m.itl_s > 0 and m.prefill_s > 0 for m in measured)
+    assert measured_prefill_rate(measured) > 0
+    paths = write_plots(tmp_path, measured, [])
+    assert [p.name for p in paths] == list(PLOT_FILES) and all(p.stat().st_size > 5_000 for p in paths)
+    wait_idle(mesh)

@@ -28,6 +28,25 @@ def test_round_robin_and_oracle_by_hand():
     assert res.queue_p50_s == 0.5 and res.queue_p90_s == 1.0
 
 
+def test_per_request_records_by_hand():
+    res = simulate(TINY, 2, 0, router_chooser("round_robin"), 1024.0, "round_robin")
+    # the same schedule as above, request by request: (instance, hit blocks, computed, start, finish)
+    assert [(r.instance, r.hit_blocks, r.computed_tokens, r.start_s, r.finish_s) for r in res.requests] == [
+        (1, 0, 1024, 0.0, 1.0),
+        (0, 0, 1024, 0.0, 1.0),
+        (1, 2, 512, 1.0, 1.5),
+        (0, 2, 1024, 1.0, 2.0),
+    ]
+
+
+def test_scaled_blocks_save_their_own_tokens():
+    # a trace scaled to 16-token blocks: a hit of 2 blocks saves 32 tokens, not 2 x 512
+    scaled = [TraceRequest(0.0, 16 * len(r.hash_ids), r.hash_ids) for r in TINY]
+    res = simulate(scaled, 2, 0, router_chooser("round_robin", 16), 1024.0, "round_robin", 16)
+    assert [r.computed_tokens for r in res.requests] == [32, 32, 16, 32]
+    assert res.tokens_per_instance == (64, 48)
+
+
 def test_lru_capacity_and_oracle_capacity():
     cache = LRUBlocks(2)
     cache.touch([1, 2])
