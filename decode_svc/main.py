@@ -26,7 +26,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
     files = resolve_model(config.model)
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
-    address = f"{config.reachable_host}:{svc.port}"  # what gateways dial
+    address = config.reachable_address(svc.port)  # what gateways dial
     instance_id = config.instance_id or f"decode@{address}"
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))

@@ -126,7 +126,10 @@ class Discovery:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(self.interval_s)
-                await self.refresh()
+                try:
+                    await self.refresh()
+                except Exception:  # a bug must not end discovery for the gateway's life
+                    logger.exception("instance discovery failed; retrying in %.1f s", self.interval_s)
 
         self._task = asyncio.ensure_future(loop())
 

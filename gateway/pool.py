@@ -167,7 +167,8 @@ class InstancePool:
             if insts and all(i.mismatch for i in insts):
                 raise MismatchError("; ".join(i.mismatch for i in insts))
             if not any(i.routable for i in insts):
-                raise LookupError(f"no healthy {kind} instance ({self._why_down(insts)})")
+                why = self._why_down(insts) or "none listed, none registered in Redis yet"
+                raise LookupError(f"no healthy {kind} instance ({why})")
 
     @staticmethod
     def _why_down(insts: list[InstanceLoad]) -> str:

@@ -33,7 +33,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     files = resolve_model(config.model)
     model_config = load_config(files)
     svc = service.Service(["kvmesh.v1.Prefill"], config.host, config.port)
-    address = f"{config.reachable_host}:{svc.port}"  # what gateways dial
+    address = config.reachable_address(svc.port)  # what gateways dial
     instance_id = config.instance_id or address
     index = None
     if config.redis_url:

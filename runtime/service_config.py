@@ -90,3 +90,11 @@ class ModelServiceConfig:
         if self.advertise_host:
             return self.advertise_host
         return socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def reachable_address(self, port: int) -> str:
+        """host:port of this instance's gRPC server as others dial it (`reachable_host`, an
+        IPv6 address in brackets); `port` is the port the server bound."""
+        host = self.reachable_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{port}"

@@ -197,3 +197,18 @@ def test_gateway_config_needs_lists_only_without_discovery():
         GatewayConfig(redis_url="redis://redis:6379/0", discovery_interval_s=0)
     static = GatewayConfig(prefill_addresses=("a:1",), decode_addresses=("b:2",))
     assert not static.discovers
+
+
+def test_an_instance_registers_the_address_others_dial():
+    from decode_svc.config import DecodeConfig
+
+    # a pod: bound to every interface, reached at its pod IP (the downward API sets it)
+    assert DecodeConfig(host="0.0.0.0", advertise_host="10.244.1.7").reachable_address(50071) == "10.244.1.7:50071"
+    assert DecodeConfig(host="0.0.0.0", advertise_host="fd00::7").reachable_address(50071) == "[fd00::7]:50071"
+    assert DecodeConfig(host="127.0.0.1").reachable_address(4000) == "127.0.0.1:4000"
+    # a wildcard is no address: the hostname stands in, and a record refuses the wildcard
+    import socket
+
+    assert DecodeConfig(host="0.0.0.0").reachable_address(1) == f"{socket.gethostname()}:1"
+    with pytest.raises(ValueError):
+        InstanceRecord("d", "decode", "0.0.0.0:1")
