@@ -343,7 +343,7 @@ class InstancePool:
             logger.debug("index reap skipped: %s", exc)
             return
         for instance_id in dead:
-            logger.warning("prefill %s stopped renewing its index lease; its index entries are removed", instance_id)
+            logger.warning("%s stopped renewing its lease; its registry and index entries are removed", instance_id)
 
     def start_polling(self, interval_s: float, reap_every_s: float = 5.0) -> None:
         async def loop() -> None:

@@ -260,6 +260,7 @@ def run_up(
         flush=True,
     )
     print(f'try: kvmesh generate --gateway {mesh.gateway_address} "What is the capital of France?"', flush=True)
+    print(f"scale: kvmesh serve prefill|decode --redis-url {mesh.redis_url} joins this gateway", flush=True)
     code = 0
     try:
         while not stop.wait(0.5):

@@ -25,6 +25,7 @@ from runtime.service import wait_for_health
 from tests.integration.meshutil import SHARED_CORES_ENV
 
 DISCOVERY_INTERVAL_S = 0.2
+FAST_LEASE = ["--lease-ttl", "1.5"]  # renewed every 0.5 s: a frozen instance drops out quickly
 
 
 def _spawn(kind: str, args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
@@ -129,7 +130,8 @@ def test_instances_that_start_take_traffic_and_one_that_drains_fails_no_request(
 
                 # a second prefill and a second decode start while traffic runs
                 new_prefill, _ = mesh.spawn("prefill", ["--instance-id", "prefill-new"])
-                new_decode, _ = mesh.spawn("decode", ["--instance-id", "decode-new"])
+                new_decode, address = mesh.spawn("decode", ["--instance-id", "decode-new", *FAST_LEASE])
+                mesh.new_decode = (new_decode, address)
                 await until(
                     lambda: (
                         served("prefill_instance", "prefill-new") >= 2 and served("decode_instance", "decode-new") >= 2
@@ -160,3 +162,38 @@ def test_instances_that_start_take_traffic_and_one_that_drains_fails_no_request(
     assert all(c.final.kv_transfer.prefill_digest == c.final.kv_transfer.decode_digest for _, c in done)
     log = open(mesh.log_path).read()
     assert "joined through the registry" in log and "left the registry" in log
+
+
+def test_a_frozen_instance_drops_out_when_its_lease_lapses_and_rejoins_when_it_thaws(mesh):
+    if getattr(mesh, "new_decode", None) is None:  # the test above did not run
+        proc, address = mesh.spawn("decode", ["--instance-id", "decode-new", *FAST_LEASE])
+        asyncio.run(wait_for_health(address, 300))
+        mesh.new_decode = (proc, address)
+    proc, address = mesh.new_decode
+
+    def logged(needle: str) -> int:
+        with open(mesh.log_path, errors="replace") as f:
+            return f.read().count(needle)
+
+    def wait_logged(needle: str, count: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while logged(needle) < count:
+            assert time.monotonic() < deadline, f"{needle!r} not logged {count} times within {timeout_s:.0f} s"
+            time.sleep(0.05)
+
+    left, joined = f"decode {address} left the registry", f"decode decode-new ({address}) joined through the registry"
+    left_before, joined_before = logged(left), logged(joined)
+    proc.send_signal(signal.SIGSTOP)  # frozen: it stops renewing, its lease lapses 1.5 s later
+    try:
+        wait_logged(left, left_before + 1)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    wait_logged(joined, joined_before + 1)  # the next renewal brings it back, no restart
+
+    async def ask() -> Completion:
+        async with GatewayClient(mesh.gateway) as client:
+            return await client.complete(
+                make_request(prompt_token_ids=list(range(300, 340)), max_tokens=2, ignore_eos=True), 60
+            )
+
+    assert asyncio.run(ask()).final.generated_tokens == 2
