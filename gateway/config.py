@@ -19,7 +19,7 @@ class GatewayConfig:
         (),
         "--prefill",
         "a prefill instance's gRPC address, routed to beside those the registry lists "
-        "(required without --redis-url and --discover)",
+        "(required unless --redis-url is given with --discover)",
         env="KVMESH_PREFILL",
         kind="list",
     )
@@ -27,7 +27,7 @@ class GatewayConfig:
         (),
         "--decode",
         "a decode instance's gRPC address, routed to beside those the registry lists "
-        "(required without --redis-url and --discover)",
+        "(required unless --redis-url is given with --discover)",
         env="KVMESH_DECODE",
         kind="list",
     )
