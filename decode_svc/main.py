@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import socket
 
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
@@ -14,9 +13,11 @@ from decode_svc.servicer import DecodeServicer
 from engine.checkpoint import model_fingerprint
 from engine.loader import load_config, resolve_model
 from engine.runners import create_runner
+from kvstore.registry import InstanceRecord, InstanceRegistry
 from kvstore.transports import create_receiver
 from protos.kvmesh.v1 import decode_pb2_grpc
 from runtime import service, settings, tracing
+from runtime.registration import Registration
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
     files = resolve_model(config.model)
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
-    instance_id = config.instance_id or f"decode@{svc.address}"
+    address = config.reachable_address(svc.port)  # what gateways dial
+    instance_id = config.instance_id or f"decode@{address}"
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(
@@ -35,8 +37,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     )
     engine = DecodeEngine(config, runner)
     # a wildcard bind address is no address to push to: advertise a name others can reach
-    kv_host = config.advertise_host or (socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
-    receiver = create_receiver(config.kv_transport, kv_host, config.kv_port)
+    receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
     await receiver.start()
     model_config = load_config(files)
     servicer = DecodeServicer(
@@ -55,10 +56,19 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     await asyncio.wrap_future(executor.submit(runner.warmup))
     await asyncio.wrap_future(executor.submit(engine.calibrate))  # what a speculative row costs here
     engine.start(executor)  # the batch loop occupies the main thread
+    registration = None
+    if config.redis_url:
+        record = InstanceRecord(instance_id, "decode", address, model_fingerprint(files), config.page_size)
+        registry = InstanceRegistry.from_url(config.redis_url, model=files.name)
+        registration = Registration(registry, record, config.lease_ttl_s)
+        registration.start()
     await svc.mark_serving()
     print(f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})", flush=True)
     await stop.wait()
     logger.info("shutting down")
+    if registration is not None:
+        await registration.leave()  # gateways stop routing here while in-flight streams finish
+        registration.registry.close()
     await svc.stop(grace_s=config.drain_grace_s)
     engine.shutdown()
     await receiver.close()

@@ -16,10 +16,20 @@ class GatewayConfig:
     """Settings of a gateway, built once in main() from flags and KVMESH_* variables."""
 
     prefill_addresses: tuple[str, ...] = setting(
-        (), "--prefill", "a prefill instance's gRPC address, required", env="KVMESH_PREFILL", kind="list"
+        (),
+        "--prefill",
+        "a prefill instance's gRPC address, routed to beside those the registry lists "
+        "(required unless --redis-url is given with --discover)",
+        env="KVMESH_PREFILL",
+        kind="list",
     )
     decode_addresses: tuple[str, ...] = setting(
-        (), "--decode", "a decode instance's gRPC address, required", env="KVMESH_DECODE", kind="list"
+        (),
+        "--decode",
+        "a decode instance's gRPC address, routed to beside those the registry lists "
+        "(required unless --redis-url is given with --discover)",
+        env="KVMESH_DECODE",
+        kind="list",
     )
     model: str | None = setting(
         None, "--model", "model name or path whose tokenizer the gateway uses (none: SmolLM2-135M-Instruct)"
@@ -27,7 +37,24 @@ class GatewayConfig:
     host: str = setting("127.0.0.1", "--host", "address the gRPC server binds to")
     port: int = setting(50051, "--port", "gRPC port clients connect to")
     redis_url: str = setting(
-        "", "--redis-url", "Redis holding the prefix index (empty: route by load alone)", env="REDIS_URL"
+        "",
+        "--redis-url",
+        "Redis holding the prefix index and the instance registry (empty: route by load alone, to the listed "
+        "instances)",
+        env="REDIS_URL",
+    )
+    discover: bool = setting(
+        True,
+        "--discover",
+        "add the prefill and decode instances the registry in --redis-url lists, and stop routing to those "
+        "that leave it (drained, or their lease lapsed)",
+        kind="flag",
+    )
+    discovery_interval_s: float = setting(
+        1.0,
+        "--discovery-interval",
+        "seconds between reads of the instance registry: the longest a new instance waits for traffic, "
+        "and a drained one's window for a request that is then retried elsewhere",
     )
     page_size: int = setting(
         16, "--page-size", "tokens per block; must equal the services' page size (block hashes depend on it)"
@@ -82,10 +109,17 @@ class GatewayConfig:
     drain_grace_s: float = drain_grace_setting()
 
     def __post_init__(self) -> None:
-        if not self.prefill_addresses:
-            raise ValueError("at least one prefill address is required (--prefill host:port)")
-        if not self.decode_addresses:
-            raise ValueError("at least one decode address is required (--decode host:port)")
+        if not self.discovers:
+            if not self.prefill_addresses:
+                raise ValueError(
+                    "at least one prefill address is required (--prefill host:port), "
+                    "or a --redis-url whose registry lists them (with --discover)"
+                )
+            if not self.decode_addresses:
+                raise ValueError(
+                    "at least one decode address is required (--decode host:port), "
+                    "or a --redis-url whose registry lists them (with --discover)"
+                )
         for flag, addresses in (("--prefill", self.prefill_addresses), ("--decode", self.decode_addresses)):
             for a in addresses:
                 host, _, port = a.rpartition(":")
@@ -105,6 +139,7 @@ class GatewayConfig:
             "token_timeout_s",
             "max_queue_time_s",
             "stats_interval_s",
+            "discovery_interval_s",
             "drain_grace_s",
         ):
             value = getattr(self, name)
@@ -119,3 +154,8 @@ class GatewayConfig:
             raise ValueError(
                 f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}"
             )
+
+    @property
+    def discovers(self) -> bool:
+        """Whether instances come from the registry too (--discover with a --redis-url)."""
+        return self.discover and bool(self.redis_url)

@@ -11,10 +11,12 @@ from engine.loader import load_config, resolve_model
 from gateway import metrics
 from gateway.admission import AdmissionQueue
 from gateway.config import GatewayConfig
+from gateway.discovery import Discovery
 from gateway.pool import InstancePool
 from gateway.requests import PromptBuilder
 from gateway.servicer import GatewayServicer
 from kvstore.redis_index import AsyncRedisKVIndexReader
+from kvstore.registry import AsyncRegistryReader
 from protos.kvmesh.v1 import gateway_pb2_grpc
 from runtime import service, settings, tracing
 
@@ -60,14 +62,24 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         svc.server,
     )
     await pool.poll_once()
+    discovery = registry = None
+    if config.discovers:
+        registry = AsyncRegistryReader(config.redis_url, model=files.name)
+        discovery = Discovery(registry.live, pool, config.discovery_interval_s)
+        await discovery.refresh()  # after the static instances' first poll: their ids dedupe the registry's
+        discovery.start()
     pool.start_polling(config.stats_interval_s)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await svc.mark_serving()
-    print(f"gateway serving {files.name} on {svc.address}", flush=True)
+    found = ", finding instances in the Redis registry" if config.discovers else ""
+    print(f"gateway serving {files.name} on {svc.address}{found}", flush=True)
     await stop.wait()
     logger.info("shutting down")
     await svc.stop(grace_s=config.drain_grace_s)
+    if discovery is not None and registry is not None:
+        await discovery.close()
+        await registry.close()
     await pool.close()
     tracing.shutdown_tracing()
 

@@ -3,12 +3,18 @@
 
 If Redis is unreachable the gateway keeps routing by load alone, logs it once, and goes
 back to prefix routing when Redis answers again; no request fails because of the index.
+
+The instances are the static ones the gateway was started with plus those the instance
+registry lists (gateway/discovery.py calls `add_instance` and `retire_instance`). A retired
+instance takes no new request at once; its channel closes once the requests it still
+serves have ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -53,16 +59,96 @@ class InstancePool:
         self.router = PrefillRouter(
             self.prefills, cache_threshold=cache_threshold, load_weight=load_weight, policy=routing_policy
         )
-        self._channels = {
-            a: grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in (*prefill_addresses, *decode_addresses)
-        }
-        self._prefill_stubs = {a: prefill_pb2_grpc.PrefillStub(self._channels[a]) for a in prefill_addresses}
-        self._decode_stubs = {a: decode_pb2_grpc.DecodeStub(self._channels[a]) for a in decode_addresses}
+        self.static_addresses = frozenset((*prefill_addresses, *decode_addresses))
+        """The instances given on the command line: never retired."""
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefill_stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}
+        self._decode_stubs: dict[str, decode_pb2_grpc.DecodeStub] = {}
+        for a in prefill_addresses:
+            self._connect("prefill", a)
+        for a in decode_addresses:
+            self._connect("decode", a)
+        self._retired: dict[str, tuple[InstanceLoad, float]] = {}
+        """address -> (instance, monotonic time it was retired), until its channel closes."""
         self._rr = 0
         self._poller: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self.on_capacity: list = []
         """Called (no arguments) after each poll: capacity may have grown (admission pumps)."""
+
+    def _connect(self, role: str, address: str) -> None:
+        channel = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        if role == "prefill":
+            self._prefill_stubs[address] = prefill_pb2_grpc.PrefillStub(channel)
+        else:
+            self._decode_stubs[address] = decode_pb2_grpc.DecodeStub(channel)
+
+    def instances_of(self, role: str) -> list[InstanceLoad]:
+        """The routing list of `role` (prefill or decode); ValueError for another role."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        return self.prefills if role == "prefill" else self.decodes
+
+    def add_instance(self, role: str, address: str) -> InstanceLoad | None:
+        """Start routing to the `role` instance at `address` (host:port) once a stats poll has
+        answered (it starts unreachable); brings back one retired with its channel still open.
+        Returns the new instance, or None when the gateway has it already."""
+        insts = self.instances_of(role)
+        if any(i.address == address for i in (*self.prefills, *self.decodes)):
+            return None
+        retired = self._retired.pop(address, None)
+        if retired is not None and address in self.instance_stubs(role):
+            inst = retired[0]  # back (a lease renewed after a pause): its accounting is still right
+        else:
+            old = self._close_channel(address)  # retired as the other role: a new channel
+            if old is not None:
+                self.spawn(old)
+            self._connect(role, address)
+            inst = InstanceLoad(address, reachable=False)
+        insts.append(inst)  # in place: the router holds this list
+        return inst
+
+    def instance_stubs(self, role: str) -> dict:
+        """address -> stub of every `role` instance with an open channel (retired ones too)."""
+        return self._prefill_stubs if role == "prefill" else self._decode_stubs
+
+    def retire_instance(self, address: str) -> InstanceLoad | None:
+        """Stop routing new requests to the instance at `address` (it drained, or its lease
+        lapsed); requests it serves run on. Static instances are never retired. Returns the
+        instance, or None when there is none to retire."""
+        if address in self.static_addresses:
+            return None
+        for insts in (self.prefills, self.decodes):
+            for inst in insts:
+                if inst.address == address:
+                    insts.remove(inst)
+                    self._retired[address] = (inst, time.monotonic())
+                    for callback in self.on_capacity:
+                        callback()  # decode capacity shrank: admission re-reads it
+                    return inst
+        return None
+
+    async def close_retired(self, linger_s: float) -> list[str]:
+        """Close the channels of retired instances that serve no request of this gateway and
+        were retired at least linger_s seconds ago (a Release may follow a request's end).
+        Returns their addresses."""
+        now = time.monotonic()
+        done = [
+            a for a, (inst, since) in self._retired.items() if inst.in_flight_requests == 0 and now - since >= linger_s
+        ]
+        for a in done:
+            del self._retired[a]
+            closing = self._close_channel(a)
+            if closing is not None:
+                await closing
+        return done
+
+    def _close_channel(self, address: str):
+        """Forget the stubs of `address`; the channel's close() coroutine, or None without one."""
+        self._prefill_stubs.pop(address, None)
+        self._decode_stubs.pop(address, None)
+        channel = self._channels.pop(address, None)
+        return channel.close() if channel is not None else None
 
     def prefill_stub(self, inst: InstanceLoad) -> prefill_pb2_grpc.PrefillStub:
         return self._prefill_stubs[inst.address]
@@ -81,7 +167,8 @@ class InstancePool:
             if insts and all(i.mismatch for i in insts):
                 raise MismatchError("; ".join(i.mismatch for i in insts))
             if not any(i.routable for i in insts):
-                raise LookupError(f"no healthy {kind} instance ({self._why_down(insts)})")
+                why = self._why_down(insts) or "none listed, none registered in Redis yet"
+                raise LookupError(f"no healthy {kind} instance ({why})")
 
     @staticmethod
     def _why_down(insts: list[InstanceLoad]) -> str:
@@ -197,8 +284,15 @@ class InstancePool:
         busy instance still answers: prefill reads its counters when its worker is busy);
         the next answer brings it back.
         """
+        await self.poll([*self.prefills, *self.decodes])
 
-        async def one(inst: InstanceLoad, stub) -> None:
+    async def poll(self, insts: list[InstanceLoad]) -> None:
+        """poll_once for `insts` alone (instances of this pool), then the capacity callbacks."""
+
+        async def one(inst: InstanceLoad) -> None:
+            stub = self._prefill_stubs.get(inst.address) or self._decode_stubs.get(inst.address)
+            if stub is None:  # retired and closed while the poll was on its way
+                return
             try:
                 stats = await stub.GetStats(common_pb2.StatsRequest(), timeout=min(self.rpc_timeout_s, 2.0))
             except grpc.aio.AioRpcError as exc:
@@ -210,9 +304,9 @@ class InstancePool:
                         logger.warning("%s stopped answering (%s); not routing to it", inst.address, exc.code().name)
                     inst.reachable = False
                 return
-            inst.failed_polls = 0
             if not inst.reachable:
-                logger.info("%s answers again", inst.address)
+                logger.info("%s answers again" if inst.failed_polls else "%s answers; routing to it", inst.address)
+            inst.failed_polls = 0
             inst.reachable = True
             inst.instance_id = stats.instance_id
             inst.reported_queued_tokens = stats.num_queued_tokens
@@ -224,10 +318,7 @@ class InstancePool:
                 logger.error("%s; not routing to it", mismatch)
             inst.mismatch = mismatch
 
-        await asyncio.gather(
-            *[one(i, self._prefill_stubs[i.address]) for i in self.prefills],
-            *[one(i, self._decode_stubs[i.address]) for i in self.decodes],
-        )
+        await asyncio.gather(*[one(i) for i in insts])
         for callback in self.on_capacity:
             callback()
 
@@ -252,7 +343,7 @@ class InstancePool:
             logger.debug("index reap skipped: %s", exc)
             return
         for instance_id in dead:
-            logger.warning("prefill %s stopped renewing its index lease; its index entries are removed", instance_id)
+            logger.warning("%s stopped renewing its lease; its registry and index entries are removed", instance_id)
 
     def start_polling(self, interval_s: float, reap_every_s: float = 5.0) -> None:
         async def loop() -> None:

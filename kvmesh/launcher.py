@@ -1,5 +1,9 @@
 """`kvmesh up`: a whole local mesh on loopback (Redis, N prefill, M decode, the gateway).
 
+Every instance registers in Redis (kvstore/registry.py) and the gateway is given the
+instances it starts with and finds more in the registry: an instance started later by hand
+(`kvmesh serve prefill --redis-url URL`) takes traffic without a gateway restart.
+
 Children are tied to the launcher (PR_SET_PDEATHSIG), so even a killed launcher leaves
 no orphans; on Ctrl-C or SIGTERM they are stopped in order: gateway first (stop
 admitting), then prefill and decode, then Redis.
@@ -125,7 +129,12 @@ def start_mesh(
             mesh.procs.append(
                 (
                     f"decode-{i}",
-                    _serve("decode", ["--host", host, "--port", str(p), *(extra_decode_args or [])], env, log),
+                    _serve(
+                        "decode",
+                        ["--host", host, "--port", str(p), "--redis-url", redis_url, *(extra_decode_args or [])],
+                        env,
+                        log,
+                    ),
                 )
             )
         for i in range(num_prefill):
@@ -251,6 +260,7 @@ def run_up(
         flush=True,
     )
     print(f'try: kvmesh generate --gateway {mesh.gateway_address} "What is the capital of France?"', flush=True)
+    print(f"scale: kvmesh serve prefill|decode --redis-url {mesh.redis_url} joins this gateway", flush=True)
     code = 0
     try:
         while not stop.wait(0.5):

@@ -8,7 +8,11 @@ prompt where its longest prefix is already cached. Keys, for namespace `ns` and 
     {ns}:{model}:instance:{id}:blocks      set of hashes an instance holds (for clears)
     {ns}:{model}:kv_events                 stream of every event (instance, seq, type, hashes)
     {ns}:{model}:lease:{id}                the instance's lease: exists while it heartbeats (TTL)
-    {ns}:{model}:instances                 set of instance ids that ever registered (for reaping)
+    {ns}:{model}:instances                 set of instance ids that registered (for reaping)
+
+The leases and the instances set are the instance registry's (kvstore/registry.py): a
+prefill's lease holds its registry record, so gateways find it there and count its blocks
+while it lives; decode instances register in the same set.
 
 Each instance numbers its events 1, 2, ... (`seq` in the stream; a restart starts again at
 1 with an `cleared` event), so a consumer of the stream sees gaps and restarts. Readers count
@@ -32,6 +36,7 @@ import redis.asyncio
 
 from kvstore.block_hash import BlockHash
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.registry import InstanceRecord, InstanceRegistry, RegistryKeys
 
 STREAM_MAXLEN = 100_000
 
@@ -46,17 +51,11 @@ return #hashes
 """
 
 
-class _Keys:
+class _Keys(RegistryKeys):
     def __init__(self, namespace: str, model: str) -> None:
-        if not namespace or not model:
-            raise ValueError(f"namespace and model must be non-empty, got {namespace!r}, {model!r}")
-        self.prefix = f"{namespace}:{model}"
+        super().__init__(namespace, model)
         self.block_prefix = f"{self.prefix}:block:"
         self.stream = f"{self.prefix}:kv_events"
-        self.instances = f"{self.prefix}:instances"
-
-    def lease(self, instance_id: str) -> str:
-        return f"{self.prefix}:lease:{instance_id}"
 
     def block(self, block_hash: BlockHash | str) -> str:
         return self.block_prefix + (block_hash if isinstance(block_hash, str) else block_hash.hex())
@@ -112,20 +111,18 @@ class RedisKVIndex:
         )
         self._clear_script = self._redis.register_script(_CLEAR_INSTANCE_LUA)
         self._seq: dict[str, int] = {}
+        self.registry = InstanceRegistry(self._redis, model, namespace)
+        """The instance registry on this index's connection (the lease is its entry)."""
 
-    def heartbeat(self, instance_id: str, ttl_s: float) -> bool:
-        """Register `instance_id` and renew its lease for ttl_s seconds (call every ttl_s / 3).
+    def heartbeat(self, instance_id: str, ttl_s: float, record: InstanceRecord | None = None) -> bool:
+        """Register `instance_id` and renew its lease for ttl_s seconds (call every ttl_s / 3),
+        holding its registry `record` (InstanceRegistry.heartbeat; None: an index-only lease).
 
         Returns True when the instance was not registered: the first heartbeat, or the index
         lost it (a Redis restart, or reaped after a long pause), so the caller should re-publish
         what it holds (`resync`).
         """
-        if ttl_s <= 0:
-            raise ValueError(f"lease ttl must be > 0 s, got {ttl_s}")
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.set(self._keys.lease(instance_id), "1", px=max(1, int(ttl_s * 1000)))
-        pipe.sadd(self._keys.instances, instance_id)
-        return bool(pipe.execute()[1])
+        return self.registry.heartbeat(instance_id, ttl_s, record)
 
     def resync(self, instance_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """Replace the instance's entries with exactly `block_hashes` (what its cache holds now)."""
@@ -137,10 +134,7 @@ class RedisKVIndex:
     def leave(self, instance_id: str) -> None:
         """Clear the instance's entries and drop its lease and registration (clean shutdown)."""
         self.clear_instance(instance_id)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.delete(self._keys.lease(instance_id))
-        pipe.srem(self._keys.instances, instance_id)
-        pipe.execute()
+        self.registry.leave(instance_id)
 
     def publish(self, instance_id: str, events: Sequence[KVEvent]) -> None:
         """Append `events` to the stream and apply them to the index, in order, in ONE transaction.

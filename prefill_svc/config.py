@@ -21,7 +21,10 @@ class PrefillConfig(ModelServiceConfig):
         kind="flag",
     )
     redis_url: str = setting(
-        "", "--redis-url", "Redis of the prefix index, fed by KV events (empty: no index)", env="REDIS_URL"
+        "",
+        "--redis-url",
+        "Redis of the prefix index (fed by KV events) and the instance registry (empty: neither)",
+        env="REDIS_URL",
     )
     max_batch_tokens: int = setting(4096, "--max-batch-tokens", "most prompt tokens prefilled together in one forward")
     chunked_prefill_size: int = setting(
@@ -32,12 +35,6 @@ class PrefillConfig(ModelServiceConfig):
     push_timeout_s: float = setting(
         30.0, "--push-timeout", "seconds one KV push may take before it fails with UNAVAILABLE"
     )
-    lease_ttl_s: float = setting(
-        10.0,
-        "--lease-ttl",
-        "seconds this instance's prefix-index entries count after its last heartbeat (renewed every third of it)",
-        env="KVMESH_LEASE_TTL_S",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,7 +42,5 @@ class PrefillConfig(ModelServiceConfig):
             raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
         if self.chunked_prefill_size < 0:
             raise ValueError(f"chunked_prefill_size must be >= 0 tokens, got {self.chunked_prefill_size}")
-        if not self.lease_ttl_s > 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if not self.push_timeout_s > 0:
             raise ValueError(f"push_timeout_s must be > 0, got {self.push_timeout_s}")

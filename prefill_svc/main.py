@@ -10,6 +10,7 @@ from engine.checkpoint import model_fingerprint
 from engine.loader import load_config, resolve_model
 from engine.runners import create_runner
 from kvstore.redis_index import RedisKVIndex
+from kvstore.registry import InstanceRecord
 from kvstore.transports import create_sender
 from prefill_svc import metrics
 from prefill_svc.config import PrefillConfig
@@ -18,6 +19,7 @@ from prefill_svc.kv_publisher import KVEventPublisher
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
 from runtime import service, settings, tracing
+from runtime.registration import Registration
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     files = resolve_model(config.model)
     model_config = load_config(files)
     svc = service.Service(["kvmesh.v1.Prefill"], config.host, config.port)
-    instance_id = config.instance_id or svc.address
+    address = config.reachable_address(svc.port)  # what gateways dial
+    instance_id = config.instance_id or address
     index = None
     if config.redis_url:
         index = RedisKVIndex(config.redis_url, model=files.name)
@@ -75,20 +78,22 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
-    heartbeat = (
-        asyncio.ensure_future(_heartbeat(index, publisher, instance_id, config.lease_ttl_s, engine))
-        if index and publisher
-        else None
-    )
+    registration = None
+    if index is not None and publisher is not None:
+        record = InstanceRecord(instance_id, "prefill", address, model_fingerprint(files), config.page_size)
+        registration = Registration(
+            index.registry, record, config.lease_ttl_s, after_beat=_resync_after(publisher, engine)
+        )
+        registration.start()
     await svc.mark_serving()
     print(f"prefill {instance_id} serving on {svc.address}", flush=True)
     await stop.wait()
     logger.info("shutting down")
+    if registration is not None:
+        await registration.leave()  # gateways stop routing here while in-flight prefills finish
     await svc.stop(grace_s=config.drain_grace_s)
     engine.shutdown()
     await sender.close()
-    if heartbeat is not None:
-        heartbeat.cancel()
     if index is not None and publisher is not None:
         await asyncio.to_thread(publisher.close)
         try:
@@ -99,31 +104,19 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     tracing.shutdown_tracing()
 
 
-async def _heartbeat(
-    index: RedisKVIndex, publisher: KVEventPublisher, instance_id: str, ttl_s: float, engine: PrefillEngine
-) -> None:
-    """Renew this instance's lease every ttl/3 s; a Redis outage only delays it (logged once).
-
-    When the index has forgotten this instance (Redis restarted empty) or events were
-    dropped while Redis was down, re-publish what the prefix cache holds: the snapshot is
-    taken on the engine's worker thread and queued in order with the KV events, so no
-    event slips between the snapshot and the publish.
+def _resync_after(publisher: KVEventPublisher, engine: PrefillEngine):
+    """The registration's after_beat: when the index has forgotten this instance (its first
+    lease, or Redis restarted empty) or events were dropped while Redis was down, re-publish
+    what the prefix cache holds. The snapshot is taken on the engine's worker thread and
+    queued in order with the KV events, so no event slips between the snapshot and the publish.
     """
-    down = False
-    while True:
-        try:
-            lost = await asyncio.to_thread(index.heartbeat, instance_id, ttl_s)
-            resync = lost or publisher.needs_resync
-            if resync:
-                await asyncio.wrap_future(engine.call(lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
-            if down:
-                logger.info("prefix index reachable again; lease renewed%s", ", cache re-published" if resync else "")
-            down = False
-        except Exception as exc:
-            if not down:
-                logger.warning("cannot renew the index lease (%s); retrying every %.1f s", exc, ttl_s / 3)
-            down = True
-        await asyncio.sleep(ttl_s / 3)
+
+    async def after_beat(lost: bool) -> None:
+        if lost or publisher.needs_resync:
+            await asyncio.wrap_future(engine.call(lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
+            logger.info("prefix cache re-published to the index (%s)", "lease was new" if lost else "events dropped")
+
+    return after_beat
 
 
 def main(args: argparse.Namespace) -> None:

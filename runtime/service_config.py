@@ -3,6 +3,7 @@ service's config dataclass extends `ModelServiceConfig` with its own."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,12 @@ class ModelServiceConfig:
     model: str | None = setting(None, "--model", "model name or path (none: SmolLM2-135M-Instruct)")
     host: str = setting("127.0.0.1", "--host", "address the gRPC server (and decode's KV listener) binds to")
     port: int = setting(0, "--port", "gRPC port (0: any free port)")
+    advertise_host: str = setting(
+        "",
+        "--advertise-host",
+        "host other machines reach this instance at: its address in the instance registry, and on decode where "
+        "prefill pushes KV (empty: --host, or this machine's hostname when --host is 0.0.0.0 or ::)",
+    )
     num_pages: int = setting(
         1024, "--num-pages", "KV pages in the pool (on prefill, pages left over hold the prefix cache)"
     )
@@ -46,6 +53,13 @@ class ModelServiceConfig:
         "", "--instance-id", "name in the prefix index, logs and stats (empty: from the gRPC address)"
     )
     drain_grace_s: float = drain_grace_setting()
+    lease_ttl_s: float = setting(
+        10.0,
+        "--lease-ttl",
+        "seconds this instance stays in the instance registry (and its prefix-index entries count) after its "
+        "last renewal; renewed every third of it, so a dead or frozen instance drops out this long after it stops",
+        env="KVMESH_LEASE_TTL_S",
+    )
     kv_digest: bool = setting(
         False,
         "--kv-digest",
@@ -66,3 +80,21 @@ class ModelServiceConfig:
         check_transport(self.kv_transport)
         if not self.drain_grace_s >= 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if not self.lease_ttl_s > 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+
+    @property
+    def reachable_host(self) -> str:
+        """The host other machines reach this instance at: --advertise-host, else --host
+        unless it is a wildcard (no address to dial), else this machine's hostname."""
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def reachable_address(self, port: int) -> str:
+        """host:port of this instance's gRPC server as others dial it (`reachable_host`, an
+        IPv6 address in brackets); `port` is the port the server bound."""
+        host = self.reachable_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{port}"

@@ -86,6 +86,7 @@ def mesh(tmp_path_factory):
                         f"--decode={bad_address}",
                         "--redis-url",
                         m.redis_url,
+                        "--no-discover",  # exactly these instances, not the mesh's others
                     ],
                 }
                 gateways = {name: spawn_service("gateway", flags, log) for name, flags in gateway_flags.items()}
