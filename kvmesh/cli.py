@@ -84,6 +84,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.decode_threads,
             args.speculative,
             args.num_draft_tokens,
+            args.http_port,
         )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -198,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
     up.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
+    up.add_argument(
+        "--http-port",
+        type=gateway_config.port_or_off,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP port (default 8000; 0 or off: none)",
+    )
     up.add_argument(
         "--prefill-threads",
         type=int,
