@@ -24,7 +24,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -81,7 +81,7 @@ class EventStream:
     """An ASGI response streaming server-sent events (bytes from `events`); a disconnect
     stops it and closes `events`."""
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
         self.events = events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -104,7 +104,7 @@ class EventStream:
             logger.info("client disconnected mid-stream; request cancelled")
             return
         finally:
-            await self.events.aclose()  # type: ignore[attr-defined]
+            await self.events.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -264,10 +264,11 @@ class HttpFront:
                     first = await anext(messages)
                     return EventStream(self._events(ask, model, created, first, messages))  # type: ignore[return-value]
                 text: list[str] = []
-                async for msg in messages:
-                    if msg.HasField("final"):
-                        return JSONResponse(openai_api.response(ask, model, created, "".join(text), msg.final))
-                    text.append(msg.delta.text)
+                async with contextlib.aclosing(messages):
+                    async for msg in messages:
+                        if msg.HasField("final"):
+                            return JSONResponse(openai_api.response(ask, model, created, "".join(text), msg.final))
+                        text.append(msg.delta.text)
         except RequestFailed as failure:
             return failure_response(failure)
         except ClientGone:
@@ -281,8 +282,8 @@ class HttpFront:
         model: str,
         created: int,
         first: gateway_pb2.GenerateResponse,
-        messages: AsyncIterator[gateway_pb2.GenerateResponse],
-    ) -> AsyncIterator[bytes]:
+        messages: AsyncGenerator[gateway_pb2.GenerateResponse, None],
+    ) -> AsyncGenerator[bytes, None]:
         """The answer as server-sent events: text chunks, the finish reason, usage when asked
         for, `data: [DONE]`; a failure mid-stream is an error event before [DONE]."""
         msg, is_first = first, True
@@ -301,5 +302,5 @@ class HttpFront:
             status = openai_api.http_status(status_of(failure.cause))
             yield openai_api.sse(openai_api.error(status, str(failure), failure.cause))
         finally:
-            await messages.aclose()  # type: ignore[attr-defined]
+            await messages.aclose()
         yield openai_api.sse("[DONE]")

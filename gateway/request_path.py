@@ -29,11 +29,12 @@ within seconds).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -170,7 +171,7 @@ class RequestPath:
         request: gateway_pb2.GenerateRequest,
         metadata: Sequence[tuple[str, str | bytes]] = (),
         authorization: str | None = None,
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """Run one request: yield its text deltas as they are decoded, then one `final`.
 
         One trace per request (continuing a `traceparent` in `metadata`: gRPC metadata or HTTP
@@ -183,26 +184,19 @@ class RequestPath:
         arrived = time.perf_counter()
         span = tracing.tracer().start_span("gateway.generate", kind=SpanKind.SERVER, context=tracing.extract(metadata))
         request_context.set(("", tracing.trace_id(span)))  # the id goes on log lines once it is checked
-        final = None
+        finished = False
         try:
             key = self.authenticate(authorization)
-            async for msg in self._generate(request, key, span, arrived):
-                if msg.HasField("final"):
-                    final = msg.final
-                    span.set_attributes(
-                        {
-                            "kvmesh.finish_reason": final.finish_reason,
-                            "kvmesh.prompt_tokens": final.prompt_tokens,
-                            "kvmesh.cached_tokens": final.cached_tokens,
-                            "kvmesh.generated_tokens": final.generated_tokens,
-                            "kvmesh.ttft_s": final.ttft_s,
-                            "kvmesh.retries": final.retries,
-                            "kvmesh.drafted_tokens": final.drafted_tokens,
-                            "kvmesh.accepted_tokens": final.accepted_tokens,
-                        }
-                    )
-                yield msg
+            async with contextlib.aclosing(self._generate(request, key, span, arrived)) as messages:
+                async for msg in messages:
+                    if msg.HasField("final"):
+                        # counted as it goes out: a caller may stop reading once it has it
+                        self._record_finish(span, msg.final)
+                        finished = True
+                    yield msg
         except BaseException as exc:
+            if finished and isinstance(exc, GeneratorExit | asyncio.CancelledError):
+                raise  # the answer was whole; the caller stopped reading after it
             if isinstance(exc, RequestFailed):
                 status = status_of(exc.cause).name
             elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
@@ -215,8 +209,22 @@ class RequestPath:
             raise
         finally:
             span.end()
-        f = final
-        assert f is not None, "a request path ended without a final message"
+
+    @staticmethod
+    def _record_finish(span, f: gateway_pb2.Final) -> None:
+        """A whole answer's span attributes, metrics and log line."""
+        span.set_attributes(
+            {
+                "kvmesh.finish_reason": f.finish_reason,
+                "kvmesh.prompt_tokens": f.prompt_tokens,
+                "kvmesh.cached_tokens": f.cached_tokens,
+                "kvmesh.generated_tokens": f.generated_tokens,
+                "kvmesh.ttft_s": f.ttft_s,
+                "kvmesh.retries": f.retries,
+                "kvmesh.drafted_tokens": f.drafted_tokens,
+                "kvmesh.accepted_tokens": f.accepted_tokens,
+            }
+        )
         metrics.REQUESTS.labels(f.finish_reason, "OK").inc()
         metrics.TTFT.observe(f.ttft_s)
         metrics.E2E.observe(f.e2e_s)
