@@ -201,6 +201,7 @@ class HttpFront:
         self._sock.close()
 
     async def health(self, request: Request) -> Response:
+        """GET /health: 200 {"status": "ok"} from start() to stop(), else 503; no key needed."""
         if self.serving:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "not serving"}, status_code=503)
@@ -219,12 +220,14 @@ class HttpFront:
         ]
 
     async def models(self, request: Request) -> Response:
+        """GET /v1/models: OpenAI's model list (one model: the served one)."""
         try:
             return JSONResponse({"object": "list", "data": self._model_list(request)})
         except RequestFailed as failure:
             return failure_response(failure)
 
     async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model, or 404."""
         try:
             models = self._model_list(request)
         except RequestFailed as failure:
@@ -236,9 +239,11 @@ class HttpFront:
         return error_response(404, f"unknown model {wanted[:64]!r}", FailureCause.UNKNOWN_MODEL, "model")
 
     async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions (OpenAI Chat Completions; messages through the chat template)."""
         return await self._complete(request, chat=True)
 
     async def completions(self, request: Request) -> Response:
+        """POST /v1/completions (OpenAI Completions; the prompt as it is, text or token ids)."""
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, chat: bool) -> Response:

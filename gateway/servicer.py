@@ -25,12 +25,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.path = path
 
     async def ListModels(self, request, context):
+        """The served model and its limits; UNAUTHENTICATED without a known key."""
         try:
             return self.path.models(_authorization(context))
         except RequestFailed as failure:
             await abort(context, failure.cause, str(failure))
 
     async def Generate(self, request, context):
+        """Stream the answer (deltas, then `final`); a failure ends the RPC with its cause's status."""
         metadata = context.invocation_metadata() or ()
         try:
             async for msg in self.path.generate(request, metadata, _authorization(context)):
