@@ -39,9 +39,14 @@ from gateway.openai_api import BadField, OpenAIRequest
 from gateway.request_life import RequestFailed
 from gateway.request_path import RequestPath
 from protos.kvmesh.v1 import gateway_pb2
+from runtime.service import MAX_MESSAGE_BYTES
 from runtime.wire import status_of
 
 logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = MAX_MESSAGE_BYTES
+"""Largest request body read (bytes), the gRPC front's message limit: a longer one is a 413
+before it is parsed (no prompt that fits a context comes near it)."""
 
 
 class ClientGone(Exception):
@@ -252,8 +257,15 @@ class HttpFront:
             self.path.authenticate(authorization)  # before the body: no key, no parsing
         except RequestFailed as failure:
             return failure_response(failure)
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                return error_response(
+                    413, f"the body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt", FailureCause.BAD_REQUEST
+                )
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(400, "the body is not valid JSON", FailureCause.BAD_REQUEST)
         try:
