@@ -51,6 +51,6 @@ RUN python -c "from engine.loader import resolve_model; from engine.runners impo
 create_runner(resolve_model(None), num_pages=1).warmup()"
 
 # gateway 50051; prefill 50061; decode 50071 (gRPC) and 50081 (UCX KV receiver)
-EXPOSE 50051 50061 50071 50081
+EXPOSE 50051 8000 50061 50071 50081
 ENTRYPOINT ["kvmesh"]
 CMD ["--help"]

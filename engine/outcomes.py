@@ -25,6 +25,10 @@ class FailureCause(enum.Enum):
     only causes a retry can fix map to UNAVAILABLE."""
 
     BAD_REQUEST = "BAD_REQUEST"
+    UNKNOWN_MODEL = "UNKNOWN_MODEL"
+    """The request names a model this gateway does not serve (NOT_FOUND)."""
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    """No API key, or one the gateway does not know (UNAUTHENTICATED)."""
     OVERLOADED = "OVERLOADED"
     NO_INSTANCE = "NO_INSTANCE"
     INSTANCE_LOST = "INSTANCE_LOST"

@@ -4,7 +4,14 @@ Requests are admitted in arrival order while the routable decode instances have 
 slots (each reports how many requests it takes at once); the rest wait here, bounded
 by count, by prompt tokens and by time, as SGLang's and vLLM's schedulers queue a
 burst instead of refusing it. Only a request past a bound is refused (OverloadedError,
-which the servicer maps to RESOURCE_EXHAUSTED with a retry hint).
+which the request path maps to RESOURCE_EXHAUSTED, HTTP 429, with a retry hint).
+
+Each API key has its own bounds as well: the requests it has in flight (waiting here or
+running) and its prompt tokens not yet prefilled (waiting here or computing on a prefill
+instance). A key past either is refused at once, before it queues: one client's burst
+waits on the client, never on prefill, and never ahead of the other keys' requests.
+In total, the mesh holds at most its decode slots plus max_queued_requests requests, and
+max_queued_tokens prompt tokens wait here.
 """
 
 from __future__ import annotations
@@ -26,6 +33,16 @@ class OverloadedError(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass
+class KeyLoad:
+    """What one API key holds in the mesh now."""
+
+    requests: int = 0
+    """Requests in flight: waiting for admission or running."""
+    queued_tokens: int = 0
+    """Prompt tokens of those requests not yet prefilled."""
+
+
 @dataclass(eq=False)
 class _Waiter:
     num_tokens: int
@@ -41,16 +58,33 @@ class AdmissionQueue:
         max_queued_requests: requests that may wait at once; more are refused at once.
         max_queued_tokens: prompt tokens that may wait at once; more are refused at once.
         max_queue_time_s: seconds a request may wait before it is refused.
+        max_requests_per_key: requests one key may have in flight (0: no bound).
+        max_queued_tokens_per_key: prompt tokens one key may have waiting for prefill, here
+            or on a prefill instance (0: no bound).
     """
 
     def __init__(
-        self, capacity: Callable[[], int], max_queued_requests: int, max_queued_tokens: int, max_queue_time_s: float
+        self,
+        capacity: Callable[[], int],
+        max_queued_requests: int,
+        max_queued_tokens: int,
+        max_queue_time_s: float,
+        max_requests_per_key: int = 0,
+        max_queued_tokens_per_key: int = 0,
     ) -> None:
-        if max_queued_requests < 0 or max_queued_tokens < 0 or not max_queue_time_s >= 0:
+        if (
+            min(max_queued_requests, max_queued_tokens, max_requests_per_key, max_queued_tokens_per_key) < 0
+            or not max_queue_time_s >= 0
+        ):
             raise ValueError(
                 "admission queue bounds must be >= 0, got "
-                f"{max_queued_requests} requests, {max_queued_tokens} tokens, {max_queue_time_s} s"
+                f"{max_queued_requests} requests, {max_queued_tokens} tokens, {max_queue_time_s} s, "
+                f"{max_requests_per_key} requests and {max_queued_tokens_per_key} tokens per key"
             )
+        self.max_requests_per_key = max_requests_per_key
+        self.max_queued_tokens_per_key = max_queued_tokens_per_key
+        self.keys: dict[str, KeyLoad] = {}
+        """Load of each key with requests in flight (a key leaves when its last one ends)."""
         self._capacity = capacity
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
@@ -64,11 +98,50 @@ class AdmissionQueue:
     def num_queued(self) -> int:
         return len(self._waiters)
 
-    async def admit(self, num_tokens: int) -> float:
-        """Wait for a turn; return the seconds waited. The caller must call `done()` once after.
+    async def admit(self, num_tokens: int, key: str = "") -> float:
+        """Wait for a turn; return the seconds waited. The caller must call `done(key, ...)`
+        once after (and `prefilled(key, num_tokens)` once the prompt is computed).
 
-        Raises OverloadedError when the queue is full or the wait passes max_queue_time_s.
+        Raises OverloadedError when `key` is past its own bounds, the queue is full or the
+        wait passes max_queue_time_s.
         """
+        self._charge(key, num_tokens)
+        try:
+            return await self._admit(num_tokens)
+        except BaseException:
+            self._discharge(key, 1, num_tokens)
+            raise
+
+    def _charge(self, key: str, num_tokens: int) -> None:
+        """Count a new request on `key`, or raise OverloadedError past the key's bounds."""
+        load = self.keys.get(key) or KeyLoad()
+        who = f"API key {key}" if key else "this client"
+        if self.max_requests_per_key and load.requests >= self.max_requests_per_key:
+            raise OverloadedError(f"{who} has {load.requests} requests in flight, its limit; retry when one ends", 1.0)
+        if self.max_queued_tokens_per_key and load.queued_tokens + num_tokens > self.max_queued_tokens_per_key:
+            raise OverloadedError(
+                f"{who} has {load.queued_tokens} prompt tokens waiting for prefill; {num_tokens} more would pass "
+                f"its limit of {self.max_queued_tokens_per_key}; retry later",
+                1.0,
+            )
+        load.requests += 1
+        load.queued_tokens += num_tokens
+        self.keys[key] = load
+
+    def _discharge(self, key: str, requests: int, num_tokens: int) -> None:
+        load = self.keys[key]
+        load.requests -= requests
+        load.queued_tokens -= num_tokens
+        assert load.requests >= 0 and load.queued_tokens >= 0, (load, requests, num_tokens)
+        if load.requests == 0:
+            del self.keys[key]
+
+    def prefilled(self, key: str, num_tokens: int) -> None:
+        """`num_tokens` prompt tokens of an admitted request of `key` are computed: they no
+        longer count against the key's queued-token bound."""
+        self._discharge(key, 0, num_tokens)
+
+    async def _admit(self, num_tokens: int) -> float:
         if not self._waiters and self.num_admitted < self._capacity():
             self.num_admitted += 1
             return 0.0
@@ -92,7 +165,8 @@ class AdmissionQueue:
             await asyncio.wait_for(asyncio.shield(waiter.granted), self.max_queue_time_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.granted.done() and not waiter.granted.cancelled():
-                self.done()  # granted in the same moment: hand the slot on
+                self.num_admitted -= 1  # granted in the same moment: hand the slot on
+                self.pump()
             else:
                 waiter.granted.cancel()
                 self._remove(waiter)
@@ -104,8 +178,10 @@ class AdmissionQueue:
             ) from None
         return loop.time() - started
 
-    def done(self) -> None:
-        """An admitted request left the mesh: its slot goes to the next in line."""
+    def done(self, key: str = "", unprefilled_tokens: int = 0) -> None:
+        """An admitted request of `key` left the mesh (with `unprefilled_tokens` of its prompt
+        never computed): its slot goes to the next in line."""
+        self._discharge(key, 1, unprefilled_tokens)
         self.num_admitted -= 1
         assert self.num_admitted >= 0, self.num_admitted
         self.pump()

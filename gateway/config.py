@@ -11,6 +11,11 @@ from runtime.service_config import drain_grace_setting, metrics_port_setting
 from runtime.settings import setting
 
 
+def port_or_off(text: str) -> int:
+    """A port number; "off" (or "none") is 0, nothing served."""
+    return 0 if text.strip().lower() in ("off", "none") else int(text)
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Settings of a gateway, built once in main() from flags and KVMESH_* variables."""
@@ -36,6 +41,21 @@ class GatewayConfig:
     )
     host: str = setting("127.0.0.1", "--host", "address the gRPC server binds to")
     port: int = setting(50051, "--port", "gRPC port clients connect to")
+    http_port: int = setting(
+        0,
+        "--http-port",
+        "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health); "
+        "0 or off: none (`kvmesh up` serves it on 8000)",
+        type=port_or_off,
+    )
+    api_key_file: str = setting(
+        "",
+        "--api-key-file",
+        "file of API keys, one a line, that callers must send as 'Authorization: Bearer <key>' (HTTP header "
+        "or gRPC metadata); KVMESH_API_KEYS adds comma-separated ones; none: the gateway is open",
+    )
+    tls_cert: str = setting("", "--tls-cert", "PEM certificate (chain) of the gRPC and HTTP ports; with --tls-key")
+    tls_key: str = setting("", "--tls-key", "PEM private key of --tls-cert (empty: plain TCP)")
     redis_url: str = setting(
         "",
         "--redis-url",
@@ -104,6 +124,16 @@ class GatewayConfig:
     max_queue_time_s: float = setting(
         600.0, "--max-queue-time", "seconds a request may wait for a decode slot before RESOURCE_EXHAUSTED"
     )
+    max_requests_per_key: int = setting(
+        0,
+        "--max-requests-per-key",
+        "requests one API key may have in flight, queued or running (more: RESOURCE_EXHAUSTED / 429; 0: no bound)",
+    )
+    max_queued_tokens_per_key: int = setting(
+        0,
+        "--max-queued-tokens-per-key",
+        "prompt tokens one API key may have waiting for prefill (more: RESOURCE_EXHAUSTED / 429; 0: no bound)",
+    )
     stats_interval_s: float = setting(0.5, "--stats-interval", "seconds between polls of instances' load and health")
     metrics_port: int = metrics_port_setting()
     drain_grace_s: float = drain_grace_setting()
@@ -145,11 +175,24 @@ class GatewayConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
-            raise ValueError(
-                f"max_queued_requests and max_queued_tokens must be >= 0, got "
-                f"{self.max_queued_requests}, {self.max_queued_tokens}"
+        if (
+            min(
+                self.max_queued_requests,
+                self.max_queued_tokens,
+                self.max_requests_per_key,
+                self.max_queued_tokens_per_key,
             )
+            < 0
+        ):
+            raise ValueError(
+                f"max_queued_requests, max_queued_tokens, max_requests_per_key and max_queued_tokens_per_key "
+                f"must be >= 0, got {self.max_queued_requests}, {self.max_queued_tokens}, "
+                f"{self.max_requests_per_key}, {self.max_queued_tokens_per_key}"
+            )
+        if not 0 <= self.http_port < 65536 or self.http_port and self.http_port == self.port:
+            raise ValueError(f"http_port must be in [0, 65535] and differ from the gRPC port, got {self.http_port}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key (or neither)")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(
                 f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}"

@@ -1,18 +1,22 @@
-"""`kvmesh serve gateway`: the client-facing gRPC service."""
+"""`kvmesh serve gateway`: the client-facing gRPC service, and its OpenAI-compatible HTTP API
+(--http-port) in the same process and event loop, both over one RequestPath."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 
 from engine.checkpoint import load_tokenizer, model_fingerprint
 from engine.loader import load_config, resolve_model
 from gateway import metrics
 from gateway.admission import AdmissionQueue
+from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.discovery import Discovery
 from gateway.pool import InstancePool
+from gateway.request_path import RequestPath
 from gateway.requests import PromptBuilder
 from gateway.servicer import GatewayServicer
 from kvstore.redis_index import AsyncRedisKVIndexReader
@@ -21,6 +25,10 @@ from protos.kvmesh.v1 import gateway_pb2_grpc
 from runtime import service, settings, tracing
 
 logger = logging.getLogger(__name__)
+
+API_KEYS_ENV = "KVMESH_API_KEYS"
+"""Comma-separated API keys, added to --api-key-file's (an environment variable, not a flag:
+a flag's value shows in every process listing)."""
 
 
 async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
@@ -44,23 +52,43 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         model_fingerprint(files),
     )
     admission = AdmissionQueue(
-        pool.decode_capacity, config.max_queued_requests, config.max_queued_tokens, config.max_queue_time_s
+        pool.decode_capacity,
+        config.max_queued_requests,
+        config.max_queued_tokens,
+        config.max_queue_time_s,
+        config.max_requests_per_key,
+        config.max_queued_tokens_per_key,
     )
     pool.on_capacity.append(admission.pump)
-    svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(
-            builder,
-            pool,
-            admission,
-            frozenset(model_config.eos_token_ids),
-            config.rpc_timeout_s,
-            config.prefill_timeout_base_s,
-            config.prefill_min_tokens_per_s,
-            config.token_timeout_s,
-        ),
-        svc.server,
+    try:
+        keys = ApiKeys.load(config.api_key_file, os.environ.get(API_KEYS_ENV, ""))
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {config.api_key_file}: {exc.strerror}") from None
+    path = RequestPath(
+        builder,
+        pool,
+        admission,
+        frozenset(model_config.eos_token_ids),
+        config.rpc_timeout_s,
+        config.prefill_timeout_base_s,
+        config.prefill_min_tokens_per_s,
+        config.token_timeout_s,
+        keys,
     )
+    tls = None
+    if config.tls_cert:
+        try:
+            with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+                tls = (k.read(), c.read())
+        except OSError as exc:
+            raise ValueError(f"TLS: cannot read {exc.filename}: {exc.strerror}") from None
+    svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port, tls=tls)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(path), svc.server)
+    http = None
+    if config.http_port:
+        from gateway.http_api import HttpFront  # starlette and uvicorn load only when HTTP is on
+
+        http = HttpFront(path, config.host, config.http_port, config.tls_cert, config.tls_key, config.drain_grace_s)
     await pool.poll_once()
     discovery = registry = None
     if config.discovers:
@@ -71,12 +99,17 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     pool.start_polling(config.stats_interval_s)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
+    if http is not None:
+        await http.start()
     await svc.mark_serving()
+    http_note = f", OpenAI HTTP API on {http.address}/v1" if http is not None else ""
+    keys_note = f", {len(keys)} API keys" if len(keys) else ""
     found = ", finding instances in the Redis registry" if config.discovers else ""
-    print(f"gateway serving {files.name} on {svc.address}{found}", flush=True)
+    print(f"gateway serving {files.name} on {svc.address}{http_note}{keys_note}{found}", flush=True)
     await stop.wait()
     logger.info("shutting down")
-    await svc.stop(grace_s=config.drain_grace_s)
+    # both fronts stop admitting at once, then in-flight answers get the same grace period
+    await asyncio.gather(svc.stop(grace_s=config.drain_grace_s), *([http.stop()] if http is not None else []))
     if discovery is not None and registry is not None:
         await discovery.close()
         await registry.close()

@@ -30,6 +30,10 @@ _PROBE_CONVERSATION = (
 )
 
 
+class UnknownModelError(ValueError):
+    """The request names a model this gateway does not serve (NOT_FOUND, HTTP 404)."""
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     """A validated request: prompt token ids and how to generate."""
@@ -77,8 +81,9 @@ class PromptBuilder:
             self._check_chat_template()
 
     def check_model(self, model: str) -> None:
+        """Raises UnknownModelError unless `model` is empty or the served model's name (any case)."""
         if model and model.lower() != self.model_name.lower():
-            raise ValueError(
+            raise UnknownModelError(
                 f"unknown model {model[:64]!r}{'...' if len(model) > 64 else ''}: this gateway serves "
                 f"{self.model_name!r} (or leave model empty)"
             )

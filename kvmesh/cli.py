@@ -25,7 +25,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     state = {"printed": False}
 
     async def run() -> int:
-        async with GatewayClient(args.gateway) as client:
+        ca = None
+        if args.tls_ca:
+            with open(args.tls_ca, "rb") as f:
+                ca = f.read()
+        async with GatewayClient(args.gateway, args.api_key, ca) as client:
             chat = args.chat
             if chat is None:
                 chat = (await client.list_models()).has_chat_template
@@ -62,6 +66,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(run())
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except grpc.aio.AioRpcError as exc:
         hint = ""
         if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
@@ -84,6 +91,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.decode_threads,
             args.speculative,
             args.num_draft_tokens,
+            args.http_port,
         )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -199,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None, help="model name or path (default SmolLM2-135M-Instruct)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
     up.add_argument(
+        "--http-port",
+        type=gateway_config.port_or_off,
+        default=8000,
+        help="the gateway's OpenAI-compatible HTTP port (default 8000; 0 or off: none)",
+    )
+    up.add_argument(
         "--prefill-threads",
         type=int,
         default=0,
@@ -222,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream an answer from a gateway")
     gen.add_argument("prompt")
     env_flag(gen, "--gateway", "KVMESH_GATEWAY", "127.0.0.1:50051", "gateway address HOST:PORT")
+    env_flag(gen, "--api-key", "KVMESH_API_KEY", "", "API key of a gateway that needs one (better in the variable)")
+    env_flag(gen, "--tls-ca", "KVMESH_TLS_CA", "", "PEM certificate(s) to trust for a gateway serving TLS")
     gen.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: the gateway's, 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     gen.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1] (default 1)")

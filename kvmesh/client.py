@@ -58,9 +58,17 @@ def make_request(
 class GatewayClient:
     """Async client; use as `async with GatewayClient(addr) as c: ...`."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str = "", root_certificates: bytes | None = None) -> None:
+        """api_key: sent as `authorization: Bearer <key>` on every call (a gateway started with
+        --api-key-file or KVMESH_API_KEYS needs one). root_certificates: PEM certificates to trust
+        for a gateway serving TLS (--tls-cert); None: plain TCP."""
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates)
+            self.channel = grpc.aio.secure_channel(address, creds, options=GRPC_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def __aenter__(self) -> GatewayClient:
@@ -70,13 +78,13 @@ class GatewayClient:
         await self.channel.close()
 
     async def list_models(self, timeout_s: float = 10.0) -> gateway_pb2.ListModelsResponse:
-        return await self.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout_s)
+        return await self.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=timeout_s, metadata=self.metadata)
 
     async def stream(
         self, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """Yield the gateway's messages as they arrive; raises grpc.aio.AioRpcError on failure."""
-        async for msg in self.stub.Generate(request, timeout=timeout_s):
+        async for msg in self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata):
             yield msg
 
     async def complete(self, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None) -> Completion:

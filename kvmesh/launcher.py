@@ -54,6 +54,8 @@ class Mesh:
     redis_url: str
     prefill_addresses: list[str]
     decode_addresses: list[str]
+    http_address: str = ""
+    """The gateway's OpenAI-compatible HTTP API ("http://host:port"), "" when off."""
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     redis: RedisProcess | None = None
 
@@ -90,8 +92,11 @@ def start_mesh(
     env: dict[str, str] | None = None,
     log=None,
     ready_timeout_s: float = 600.0,
+    http_port: int = 0,
 ) -> Mesh:
     """Start Redis (unless REDIS_URL answers), the instances and the gateway; wait until all are SERVING.
+
+    http_port: the gateway's OpenAI-compatible HTTP API (0: none).
 
     Raises ValueError for an unknown model, RuntimeError when a child exits during start-up,
     TimeoutError when one is not ready within ready_timeout_s seconds.
@@ -102,6 +107,10 @@ def start_mesh(
         raise ValueError(f"need at least one prefill and one decode, got {num_prefill} and {num_decode}")
     if not _port_free(host, port):
         raise RuntimeError(f"port {port} on {host} is in use (another kvmesh?): pick another with --port")
+    if http_port and not _port_free(host, http_port):
+        raise RuntimeError(
+            f"HTTP port {http_port} on {host} is in use (another kvmesh?): pick another with --http-port (0: none)"
+        )
     resolve_model(model)  # converts the GGUF once here, before the children race for it
     env = {**os.environ, **(env or {})}
     if model:
@@ -121,6 +130,7 @@ def start_mesh(
         prefill_addresses=[],
         decode_addresses=[],
         redis=redis_proc,
+        http_address=f"http://{host}:{http_port}" if http_port else "",
     )
     try:
         for i in range(num_decode):
@@ -161,6 +171,7 @@ def start_mesh(
             redis_url,
             *[a for d in mesh.prefill_addresses for a in ("--prefill", d)],
             *[a for d in mesh.decode_addresses for a in ("--decode", d)],
+            *(["--http-port", str(http_port)] if http_port else []),
             *(extra_gateway_args or []),
         ]
         mesh.procs.append(("gateway", _serve("gateway", gw_args, env, log)))
@@ -211,6 +222,7 @@ def run_up(
     decode_threads: int = 0,
     speculative: str = "off",
     num_draft_tokens: int = 4,
+    http_port: int = 8000,
 ) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
 
@@ -218,7 +230,8 @@ def run_up(
     every core). The default split on a small machine: both use every core, decode's threads
     spin between steps and prefill's wait passively (see README, Measured), so a prefill burst
     slows decode only while it computes. speculative / num_draft_tokens go to every decode
-    (`kvmesh serve decode --speculative ... --num-draft-tokens ...`).
+    (`kvmesh serve decode --speculative ... --num-draft-tokens ...`). http_port: the gateway's
+    OpenAI-compatible HTTP API (0: none).
     """
     if prefill_threads < 0 or decode_threads < 0:
         raise ValueError(f"thread counts must be >= 0 (0: every core), got {prefill_threads} and {decode_threads}")
@@ -247,6 +260,7 @@ def run_up(
                 ),
             ]
             or None,
+            http_port=http_port,
         )
     except KeyboardInterrupt:
         print("start-up interrupted; stopped everything it started", file=sys.stderr, flush=True)
@@ -254,12 +268,19 @@ def run_up(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    http = f", OpenAI HTTP {mesh.http_address}/v1" if mesh.http_address else ""
     print(
-        f"kvmesh is up: gateway {mesh.gateway_address} (prefill {', '.join(mesh.prefill_addresses)}; "
+        f"kvmesh is up: gateway {mesh.gateway_address}{http} (prefill {', '.join(mesh.prefill_addresses)}; "
         f"decode {', '.join(mesh.decode_addresses)}; redis {mesh.redis_url})",
         flush=True,
     )
     print(f'try: kvmesh generate --gateway {mesh.gateway_address} "What is the capital of France?"', flush=True)
+    if mesh.http_address:
+        print(
+            f"  or: curl {mesh.http_address}/v1/chat/completions -H 'Content-Type: application/json' "
+            """-d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'""",
+            flush=True,
+        )
     print(f"scale: kvmesh serve prefill|decode --redis-url {mesh.redis_url} joins this gateway", flush=True)
     code = 0
     try:

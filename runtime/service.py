@@ -87,7 +87,16 @@ class Service:
     readiness is not liveness.
     """
 
-    def __init__(self, serving_names: list[str], host: str, port: int) -> None:
+    def __init__(
+        self,
+        serving_names: list[str],
+        host: str,
+        port: int,
+        tls: tuple[bytes, bytes] | None = None,
+    ) -> None:
+        """tls: (PEM private key, PEM certificate chain) to serve TLS; None: plain TCP.
+
+        Raises OSError when the port cannot be bound."""
         # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
         self.server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
@@ -96,7 +105,10 @@ class Service:
         reflection.enable_server_reflection([*serving_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.serving_names = serving_names
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if tls is not None:
+                self.port = self.server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([tls]))
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:
             self.port = 0
         if self.port == 0:
@@ -213,11 +225,20 @@ def run(main: Callable[[asyncio.Event, MainThreadExecutor], Awaitable[None]]) ->
         raise errors[0]
 
 
-async def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
-    """Poll grpc.health.v1 at `address` until SERVING; TimeoutError after timeout_s seconds."""
+async def wait_for_health(
+    address: str, timeout_s: float, service: str = "", root_certificates: bytes | None = None
+) -> None:
+    """Poll grpc.health.v1 at `address` until SERVING; TimeoutError after timeout_s seconds.
+
+    root_certificates: PEM certificates to trust for a TLS port (None: plain TCP)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+    if root_certificates is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates)
+        channel = grpc.aio.secure_channel(address, creds, options=GRPC_OPTIONS)
+    else:
+        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

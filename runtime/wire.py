@@ -5,6 +5,7 @@ Only servicers import this; the engine, pools and router never see *_pb2 types.
 
 from __future__ import annotations
 
+import math
 import re
 
 import grpc
@@ -41,6 +42,8 @@ def status_of(cause: FailureCause) -> grpc.StatusCode:
 
 _STATUS_OF = {
     FailureCause.BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    FailureCause.UNKNOWN_MODEL: grpc.StatusCode.NOT_FOUND,
+    FailureCause.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     FailureCause.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FailureCause.NO_INSTANCE: grpc.StatusCode.UNAVAILABLE,
     FailureCause.INSTANCE_LOST: grpc.StatusCode.UNAVAILABLE,
@@ -86,6 +89,8 @@ async def abort(context, cause: FailureCause, message: str, retry_after_s: float
     trailers = [(FAILURE_CAUSE_KEY, cause.value)]
     if retry_after_s is not None:
         trailers.append((RETRY_AFTER_KEY, f"{retry_after_s:.1f}"))
+        # and as HTTP's Retry-After spells it: whole seconds, rounded up
+        trailers.append(("retry-after", str(math.ceil(retry_after_s))))
     context.set_trailing_metadata(trailers)
     await context.abort(status_of(cause), message)
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from kvmesh.redis_server import free_port
@@ -47,10 +48,20 @@ class Launcher:
 
     def __init__(self, out_path: str) -> None:
         self.port = free_port()
+        self.http_port = free_port()  # not the default 8000: two start together, and others may run
         self.out_path = out_path
         with open(out_path, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvmesh.cli", "up", "--port", str(self.port)],
+                [
+                    sys.executable,
+                    "-m",
+                    "kvmesh.cli",
+                    "up",
+                    "--port",
+                    str(self.port),
+                    "--http-port",
+                    str(self.http_port),
+                ],
                 env={**os.environ, "REDIS_URL": "", **SHARED_CORES_ENV},
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -104,6 +115,12 @@ def test_kvmesh_up_then_generate_names_paris(launchers):
         )
         assert gen.returncode == 0, gen.stderr
         assert "Paris" in gen.stdout
+        # the OpenAI-compatible HTTP API, printed beside the gRPC address, answers too
+        http = f"http://127.0.0.1:{up.http_port}"
+        assert f"OpenAI HTTP {http}/v1" in text and f"curl {http}/v1/chat/completions" in text
+        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+        answer = httpx.post(f"{http}/v1/chat/completions", json=body, timeout=120).json()
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
     finally:
         up.proc.send_signal(signal.SIGTERM)
         up.proc.wait(timeout=60)

@@ -90,6 +90,8 @@ def test_services_are_redis_jaeger_gateway_two_prefill_two_decode(services):
     assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one")
     assert "16686:16686" in services["jaeger"]["ports"]
     assert "50051:50051" in services["gateway"]["ports"]
+    # and its OpenAI-compatible HTTP API, on the port its command serves it on
+    assert "8000:8000" in services["gateway"]["ports"] and _config(services["gateway"]).http_port == 8000
     # one image, built from the repository's Dockerfile, for every kvmesh service
     assert {services[n]["build"] for n in KVMESH_SERVICES} == {"."}
     assert len({services[n]["image"] for n in KVMESH_SERVICES}) == 1

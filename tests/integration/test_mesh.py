@@ -137,7 +137,7 @@ def _status(mesh, prompt=b"", **kwargs) -> tuple[grpc.StatusCode, str, float]:
         (dict(prompt="hi", top_p=0.0), "top_p must be in (0, 1]"),
         (dict(prompt="hi", top_p=1.5), "top_p must be in (0, 1]"),
         (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
-        (dict(prompt="hi", model="gpt-4"), "unknown model"),
+        # an unknown model is NOT_FOUND (HTTP 404): tests/integration/test_http_api.py
     ],
 )
 def test_bad_input_is_invalid_argument_and_mesh_keeps_serving(mesh, kwargs, needle):

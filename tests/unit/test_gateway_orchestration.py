@@ -16,9 +16,9 @@ from engine.sampling_params import SamplingParams
 from gateway.admission import AdmissionQueue
 from gateway.pool import InstancePool
 from gateway.request_life import RequestFailed, RequestLife, Stage
+from gateway.request_path import INLINE_PROMPT_BYTES, RequestPath, _tokenize_inline
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
-from gateway.servicer import INLINE_PROMPT_BYTES, GatewayServicer, _tokenize_inline
 from kvmesh.bench import orchestration_s
 from kvmesh.client import make_request
 from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
@@ -110,7 +110,7 @@ class Builder:
     tokenizer = Tokenizer()
 
 
-def _servicer(events: Events, index, decode: FakeDecode | None = None) -> tuple[GatewayServicer, InstancePool]:
+def _servicer(events: Events, index, decode: FakeDecode | None = None) -> tuple[RequestPath, InstancePool]:
     pool = InstancePool(
         ["p1:1", "p2:1"],
         ["d1:1"],
@@ -125,7 +125,7 @@ def _servicer(events: Events, index, decode: FakeDecode | None = None) -> tuple[
     pool._decode_stubs = {"d1:1": decode or FakeDecode(events)}  # type: ignore[dict-item]
     pool._prefill_stubs = {a: FakePrefill(events) for a in ("p1:1", "p2:1")}  # type: ignore[misc]
     admission = AdmissionQueue(lambda: 8, max_queued_requests=8, max_queued_tokens=10_000, max_queue_time_s=5)
-    servicer = GatewayServicer(Builder(), pool, admission, frozenset(), 1.0, 30.0, 20.0, 8.0)  # type: ignore[arg-type]
+    servicer = RequestPath(Builder(), pool, admission, frozenset(), 1.0, 30.0, 20.0, 8.0)  # type: ignore[arg-type]
     return servicer, pool
 
 

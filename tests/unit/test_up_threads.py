@@ -33,6 +33,10 @@ def test_thread_flags_become_each_instances_torch_threads(monkeypatch):
     seen.clear()
     assert cli.main(["up", "--port", "50999"]) == 130  # the default: every core, no flag passed
     assert seen["extra_prefill_args"] is None and seen["extra_decode_args"] is None
+    assert seen["http_port"] == 8000  # the OpenAI-compatible HTTP API is on by default
+    seen.clear()
+    assert cli.main(["up", "--port", "50999", "--http-port", "off"]) == 130
+    assert seen["http_port"] == 0
     seen.clear()
     assert cli.main(["up", "--port", "50999", "--speculative", "ngram", "--num-draft-tokens", "3"]) == 130
     assert seen["extra_decode_args"] == ["--speculative", "ngram", "--num-draft-tokens", "3"]

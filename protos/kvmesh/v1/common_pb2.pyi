@@ -25,6 +25,8 @@ class FailureCause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_CAUSE_DEADLINE: _ClassVar[FailureCause]
     FAILURE_CAUSE_CANCELLED: _ClassVar[FailureCause]
     FAILURE_CAUSE_INTERNAL: _ClassVar[FailureCause]
+    FAILURE_CAUSE_UNKNOWN_MODEL: _ClassVar[FailureCause]
+    FAILURE_CAUSE_UNAUTHENTICATED: _ClassVar[FailureCause]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -38,6 +40,8 @@ FAILURE_CAUSE_MISMATCH: FailureCause
 FAILURE_CAUSE_DEADLINE: FailureCause
 FAILURE_CAUSE_CANCELLED: FailureCause
 FAILURE_CAUSE_INTERNAL: FailureCause
+FAILURE_CAUSE_UNKNOWN_MODEL: FailureCause
+FAILURE_CAUSE_UNAUTHENTICATED: FailureCause
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos")

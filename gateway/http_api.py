@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP front of the gateway: Starlette on uvicorn, in the gateway's
+own process and event loop, a thin adapter over gateway.request_path.RequestPath.
+
+    POST /v1/chat/completions   OpenAI Chat Completions (stream: server-sent events)
+    POST /v1/completions        OpenAI Completions
+    GET  /v1/models             the served model (GET /v1/models/{id} too)
+    GET  /health                200 while the gateway serves, 503 otherwise (no key needed)
+
+Bodies are translated by gateway/openai_api.py; a RequestFailed from the path answers with
+the HTTP status of its gRPC status (openai_api.HTTP_STATUS) and OpenAI's error object, and
+a 429 carries Retry-After (seconds). Streaming answers start (status 200) once the first
+token is there, so every failure before it has its own status; one after it ends the event
+stream with an error event and `data: [DONE]`. A client that disconnects, mid-stream or
+while waiting, cancels the request: the path aborts both legs (decode and prefill free the
+request's pages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import time
+from collections.abc import AsyncGenerator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from engine.outcomes import FailureCause
+from gateway import openai_api
+from gateway.openai_api import BadField, OpenAIRequest
+from gateway.request_life import RequestFailed
+from gateway.request_path import RequestPath
+from protos.kvmesh.v1 import gateway_pb2
+from runtime.service import MAX_MESSAGE_BYTES
+from runtime.wire import status_of
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = MAX_MESSAGE_BYTES
+"""Largest request body read (bytes), the gRPC front's message limit: a longer one is a 413
+before it is parsed (no prompt that fits a context comes near it)."""
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was complete."""
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(receive: Receive):
+    """Within the block, a client disconnect (ASGI `http.disconnect`) cancels the current task
+    at the await it is in, and the block raises ClientGone: whatever it awaited (the request
+    path's generator) sees the cancel and cleans up. Use only after the body has been read."""
+    task = asyncio.current_task()
+    assert task is not None
+    state = {"inside": True, "gone": False}
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if state["inside"]:  # checked at the moment of cancelling: the cancel lands in the block
+            state["gone"] = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not state["gone"]:
+            raise
+        task.uncancel()
+        raise ClientGone() from None
+    finally:
+        state["inside"] = False
+        watcher.cancel()
+
+
+class EventStream:
+    """An ASGI response streaming server-sent events (bytes from `events`); a disconnect
+    stops it and closes `events`."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),  # proxies pass each event on at once
+                ],
+            }
+        )
+        try:
+            async with cancel_on_disconnect(receive):
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+        except ClientGone:
+            logger.info("client disconnected mid-stream; request cancelled")
+            return
+        finally:
+            await self.events.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def error_response(
+    status: int, message: str, cause: FailureCause | None, param: str | None = None, retry_after_s: float | None = None
+) -> JSONResponse:
+    """OpenAI's error object with `status` (and Retry-After, whole seconds, when given)."""
+    headers = {"retry-after": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    return JSONResponse(openai_api.error(status, message, cause, param), status_code=status, headers=headers)
+
+
+def failure_response(failure: RequestFailed) -> JSONResponse:
+    """The HTTP answer to a RequestFailed: the status of its cause's gRPC status."""
+    retry = failure.retry_after_s
+    if failure.cause == FailureCause.OVERLOADED and retry is None:
+        retry = 1.0
+    param = "model" if failure.cause == FailureCause.UNKNOWN_MODEL else None
+    return error_response(openai_api.http_status(status_of(failure.cause)), str(failure), failure.cause, param, retry)
+
+
+class HttpFront:
+    """The HTTP server: binds `host:port` at once (OSError when taken), serves from `start()`
+    to `stop()`; TLS when `tls_cert` and `tls_key` (PEM files) are given.
+
+    Raises OSError when the port is taken, ValueError when the certificate or key cannot be
+    loaded."""
+
+    def __init__(
+        self, path: RequestPath, host: str, port: int, tls_cert: str = "", tls_key: str = "", grace_s: float = 25.0
+    ) -> None:
+        self.path = path
+        self.serving = False
+        self.grace_s = grace_s
+        self.created = int(time.time())
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+            ]
+        )
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(f"could not bind HTTP {host}:{port} ({exc.strerror}): pick another --http-port") from None
+        self._sock.listen(1024)
+        self._sock.setblocking(False)
+        self.port = self._sock.getsockname()[1]
+        self.address = f"{'https' if tls_cert else 'http'}://{host}:{self.port}"
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,  # the gateway's own logging stays as it is
+            access_log=False,  # request lines would add nothing the gateway's own lines lack
+            ws="none",
+            ssl_certfile=tls_cert or None,
+            ssl_keyfile=tls_key or None,
+            timeout_graceful_shutdown=max(1, math.ceil(grace_s)),
+        )
+        try:
+            config.load()
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            self._sock.close()
+            raise ValueError(f"could not load the TLS certificate/key for HTTP: {exc}") from None
+        self.server = uvicorn.Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Serve (in a task on the running loop) once the server has started."""
+        self._task = asyncio.ensure_future(self.server.serve(sockets=[self._sock]))
+        while not self.server.started:
+            if self._task.done():
+                try:
+                    self._task.result()
+                except SystemExit:  # uvicorn exits on a failed start-up
+                    pass
+                raise RuntimeError(f"the HTTP server on {self.address} did not start")
+            await asyncio.sleep(0.01)
+        self.serving = True
+
+    async def stop(self) -> None:
+        """Stop admitting, let open requests run on for the grace period, then close."""
+        self.serving = False
+        self.server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError, SystemExit):
+                await asyncio.wait_for(self._task, self.grace_s + 5)
+        self._sock.close()
+
+    async def health(self, request: Request) -> Response:
+        """GET /health: 200 {"status": "ok"} from start() to stop(), else 503; no key needed."""
+        if self.serving:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "not serving"}, status_code=503)
+
+    def _model_list(self, request: Request) -> list[dict]:
+        info = self.path.models(request.headers.get("authorization"))
+        return [
+            {
+                "id": m,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "kvmesh",
+                "max_model_len": info.max_context_tokens,
+            }
+            for m in info.models
+        ]
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: OpenAI's model list (one model: the served one)."""
+        try:
+            return JSONResponse({"object": "list", "data": self._model_list(request)})
+        except RequestFailed as failure:
+            return failure_response(failure)
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model, or 404."""
+        try:
+            models = self._model_list(request)
+        except RequestFailed as failure:
+            return failure_response(failure)
+        wanted = request.path_params["model"]
+        for m in models:
+            if m["id"].lower() == wanted.lower():
+                return JSONResponse(m)
+        return error_response(404, f"unknown model {wanted[:64]!r}", FailureCause.UNKNOWN_MODEL, "model")
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions (OpenAI Chat Completions; messages through the chat template)."""
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions (OpenAI Completions; the prompt as it is, text or token ids)."""
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        authorization = request.headers.get("authorization")
+        try:
+            self.path.authenticate(authorization)  # before the body: no key, no parsing
+        except RequestFailed as failure:
+            return failure_response(failure)
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                return error_response(
+                    413, f"the body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt", FailureCause.BAD_REQUEST
+                )
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "the body is not valid JSON", FailureCause.BAD_REQUEST)
+        try:
+            ask = openai_api.parse(body, chat, request.headers.get("x-request-id", ""))
+        except BadField as exc:
+            return error_response(400, str(exc), FailureCause.BAD_REQUEST, exc.param)
+        messages = self.path.generate(ask.request, list(request.headers.items()), authorization)
+        model, created = self.path.builder.model_name, int(time.time())
+        try:
+            async with cancel_on_disconnect(request.receive):
+                if ask.stream:
+                    # the first token decides the status: every failure before it has its own
+                    first = await anext(messages)
+                    return EventStream(self._events(ask, model, created, first, messages))  # type: ignore[return-value]
+                text: list[str] = []
+                async with contextlib.aclosing(messages):
+                    async for msg in messages:
+                        if msg.HasField("final"):
+                            return JSONResponse(openai_api.response(ask, model, created, "".join(text), msg.final))
+                        text.append(msg.delta.text)
+        except RequestFailed as failure:
+            return failure_response(failure)
+        except ClientGone:
+            logger.info("client disconnected before the answer; request cancelled")
+            return Response(status_code=499)
+        raise AssertionError("the request path ended without a final message")
+
+    async def _events(
+        self,
+        ask: OpenAIRequest,
+        model: str,
+        created: int,
+        first: gateway_pb2.GenerateResponse,
+        messages: AsyncGenerator[gateway_pb2.GenerateResponse, None],
+    ) -> AsyncGenerator[bytes, None]:
+        """The answer as server-sent events: text chunks, the finish reason, usage when asked
+        for, `data: [DONE]`; a failure mid-stream is an error event before [DONE]."""
+        msg, is_first = first, True
+        try:
+            while True:
+                if msg.HasField("final"):
+                    yield openai_api.sse(openai_api.chunk(ask, model, created, None, msg.final.finish_reason))
+                    if ask.include_usage:
+                        yield openai_api.sse(openai_api.usage_chunk(ask, model, created, msg.final))
+                    break
+                if msg.delta.text or (is_first and ask.chat):
+                    yield openai_api.sse(openai_api.chunk(ask, model, created, msg.delta.text, first=is_first))
+                    is_first = False
+                msg = await anext(messages)
+        except RequestFailed as failure:
+            status = openai_api.http_status(status_of(failure.cause))
+            yield openai_api.sse(openai_api.error(status, str(failure), failure.cause))
+        finally:
+            await messages.aclose()
+        yield openai_api.sse("[DONE]")

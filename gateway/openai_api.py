@@ -1,0 +1,294 @@
+"""OpenAI's request and response bodies <-> the gateway's GenerateRequest and its answer.
+
+Pure translation, no I/O: gateway/http_api.py serves it. Follows OpenAI's API reference
+for Chat Completions (POST /v1/chat/completions, https://platform.openai.com/docs/api-reference/chat)
+and Completions (POST /v1/completions, .../api-reference/completions). Only the shapes are
+checked here (a wrong type is a BadField, HTTP 400, naming the field); every limit and range
+(max_tokens, temperature, top_p, the context) is the request path's own check
+(gateway.requests.PromptBuilder), so HTTP and gRPC refuse the same requests with the same
+words. Unknown fields are ignored, as OpenAI does; vLLM's extensions `top_k` and
+`ignore_eos` are honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engine.outcomes import FailureCause
+from protos.kvmesh.v1 import common_pb2, gateway_pb2
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+"""OpenAI's message roles -> the chat template's ("developer" is OpenAI's newer name for system)."""
+
+
+class BadField(ValueError):
+    """A field of the body has the wrong type or shape: HTTP 400, `param` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One OpenAI request, translated."""
+
+    request: gateway_pb2.GenerateRequest
+    chat: bool
+    """/v1/chat/completions (else /v1/completions)."""
+    stream: bool
+    include_usage: bool
+    """stream_options.include_usage: a last chunk carries `usage`."""
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.request.request_id
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    """body[name] when it is one of `kinds` (None when absent or null); BadField otherwise."""
+    value = body.get(name)
+    if value is None:
+        return None
+    # bool is an int to Python, never to JSON Schema: true is not a number
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise BadField(f"{name} must be {what}, got {json.dumps(value)[:40]}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadField(f"{name} must be a finite number", name)
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...})."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadField(f"{where}[{i}] must be a text part {{'type': 'text', 'text': '...'}}", where)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadField(f"{where} must be a string or a list of text parts", where)
+
+
+def _messages(body: dict) -> list[gateway_pb2.ChatMessage]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadField("messages must be a non-empty list of {'role', 'content'} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadField(f"{where} must be an object with a string role", where)
+        role = CHAT_ROLES.get(m["role"], m["role"])  # an unknown role: the request path names the allowed ones
+        out.append(gateway_pb2.ChatMessage(role=role, content=_text(m.get("content"), f"{where}.content")))
+    return out
+
+
+def _prompt(body: dict) -> tuple[str, list[int]]:
+    """The completion prompt: a string or token ids, alone or as a batch of one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt, []
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(-(2**31) <= t < 2**31 for t in prompt):
+            raise BadField("prompt token ids must be 32-bit integers", "prompt")
+        return "", prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise BadField("send one prompt per request (this gateway answers no batch of prompts)", "prompt")
+    raise BadField("prompt must be a string or a non-empty list of token ids", "prompt")
+
+
+def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
+    """Translate the JSON body of /v1/chat/completions (`chat`) or /v1/completions.
+
+    Chat messages go through the model's chat template; a completion prompt is sent as it is.
+    `request_id` (from an X-Request-Id header) names the request; empty: a new uuid.
+    Raises BadField for a body that is not an object, a missing or mistyped field, n != 1,
+    or a batch of prompts.
+    """
+    if not isinstance(body, dict):
+        raise BadField("the body must be a JSON object", None)
+    model = _get(body, "model", (str,), "a string") or ""
+    n = _get(body, "n", (int,), "an integer")
+    if n is not None and n != 1:
+        raise BadField(f"n must be 1 (this gateway returns one choice per request), got {n}", "n")
+    max_tokens = _get(body, "max_tokens", (int,), "an integer")
+    max_completion_tokens = _get(body, "max_completion_tokens", (int,), "an integer")
+    if max_completion_tokens is not None:
+        max_tokens = max_completion_tokens  # the newer name wins, as OpenAI documents
+    temperature = _get(body, "temperature", (int, float), "a number")
+    top_p = _get(body, "top_p", (int, float), "a number")
+    top_k = _get(body, "top_k", (int,), "an integer")
+    seed = _get(body, "seed", (int,), "an integer")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise BadField(f"seed must be in [0, 2**64), got {seed}", "seed")
+    stop = _get(body, "stop", (str, list), "a string or a list of strings")
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        raise BadField("stop must be a string or a list of strings", "stop")
+    stream = _get(body, "stream", (bool,), "a boolean") or False
+    options = _get(body, "stream_options", (dict,), "an object") or {}
+    include_usage = _get(options, "include_usage", (bool,), "a boolean") or False
+    ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean") or False
+    _get(body, "user", (str,), "a string")  # accepted and unused, as OpenAI's abuse-tracking field
+    sampling = common_pb2.SamplingParams(
+        temperature=float(temperature) if temperature is not None else 1.0,  # OpenAI's default
+        top_k=top_k or 0,
+        stop=[stop] if isinstance(stop, str) else (stop or []),
+        ignore_eos=ignore_eos,
+    )
+    if top_p is not None:
+        sampling.top_p = float(top_p)
+    if max_tokens is not None:
+        if not -(2**31) <= max_tokens < 2**31:
+            raise BadField(f"max_tokens must be a 32-bit integer, got {max_tokens}", "max_tokens")
+        sampling.max_tokens = max_tokens
+    if seed is not None:
+        sampling.seed = seed
+    request = gateway_pb2.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex, model=model, sampling=sampling, chat=False
+    )
+    if chat:
+        request.messages.extend(_messages(body))
+    else:
+        text, ids = _prompt(body)
+        if ids:
+            request.prompt_token_ids.extend(ids)
+        else:
+            request.prompt = text.encode("utf-8", "surrogatepass")
+    return OpenAIRequest(request=request, chat=chat, stream=stream, include_usage=include_usage)
+
+
+def usage(final: gateway_pb2.Final) -> dict:
+    """OpenAI's `usage` object (tokens) from the gateway's Final message."""
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.generated_tokens,
+        "total_tokens": final.prompt_tokens + final.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+    }
+
+
+def response(ask: OpenAIRequest, model: str, created: int, text: str, final: gateway_pb2.Final) -> dict:
+    """The whole (non-streaming) answer: a chat.completion or a text_completion object."""
+    if ask.chat:
+        choice: dict = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": final.finish_reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+    return {
+        "id": ask.response_id,
+        "object": "chat.completion" if ask.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(final),
+    }
+
+
+def chunk(
+    ask: OpenAIRequest,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    first: bool = False,
+) -> dict:
+    """One streamed chunk (chat.completion.chunk or text_completion): `text` (None: no text,
+    as in the chunk that carries the finish reason); the first chat chunk names the role."""
+    if ask.chat:
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    out: dict[str, Any] = {
+        "id": ask.response_id,
+        "object": "chat.completion.chunk" if ask.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if ask.include_usage:
+        out["usage"] = None  # every chunk but the last, as OpenAI sends them
+    return out
+
+
+def usage_chunk(ask: OpenAIRequest, model: str, created: int, final: gateway_pb2.Final) -> dict:
+    """The last chunk when stream_options.include_usage is set: no choices, the usage."""
+    return {
+        "id": ask.response_id,
+        "object": "chat.completion.chunk" if ask.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(final),
+    }
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+"""The HTTP status of each gRPC status the request path produces; any other is a 500 (a mesh
+set up wrong, FAILED_PRECONDITION, is the server's fault, not the caller's)."""
+
+_ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+_ERROR_CODE = {
+    FailureCause.UNAUTHENTICATED: "invalid_api_key",
+    FailureCause.UNKNOWN_MODEL: "model_not_found",
+    FailureCause.OVERLOADED: "rate_limit_exceeded",
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status for a gRPC status (see HTTP_STATUS)."""
+    return HTTP_STATUS.get(code, 500)
+
+
+def error(status: int, message: str, cause: FailureCause | None = None, param: str | None = None) -> dict:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    code = _ERROR_CODE.get(cause, cause.value.lower()) if cause is not None else None
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }

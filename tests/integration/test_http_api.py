@@ -1,0 +1,389 @@
+"""The gateway's OpenAI-compatible HTTP front on a real mesh, driven by the official `openai`
+package (sync and async, streaming and not) and by raw HTTP (httpx) for the SSE framing.
+
+The instances are the session's shared mesh (tests/conftest.py `observed_mesh`); this module
+adds a second gateway in front of them (a gateway loads only a tokenizer: seconds), started
+with API keys (a file and KVMESH_API_KEYS), a bound of one request in flight per key, TLS on
+both ports with a certificate made here, and HTTP. The shared mesh's own gateway (plain gRPC,
+no keys) answers the same greedy requests for comparison: one request path, two fronts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import os
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+import tokenizers
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from engine.loader import resolve_model
+from kvmesh.client import GatewayClient, make_request
+from kvmesh.launcher import PARENT_PID_ENV
+from kvmesh.redis_server import free_port
+from runtime.service import wait_for_health
+from tests.conftest import instance_stats
+from tests.integration.meshutil import complete, wait_idle
+
+KEY_A, KEY_B = "sk-test-alpha-0123", "sk-test-beta-4567"
+QUESTION = "What is the capital of France?"
+LONG = {"max_tokens": 1500, "ignore_eos": True}  # an answer that runs for 15 s or more unless cancelled
+
+
+@pytest.fixture(scope="module")
+def mesh(observed_mesh):
+    """Shared with test_mesh and test_observability: 1 prefill, 1 decode, their own gateway."""
+    return observed_mesh
+
+
+def _self_signed(tmp) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (its own CA), and its key, as PEM files in `tmp`."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvmesh test gateway")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp / "gateway.crt", tmp / "gateway.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return str(cert_path), str(key_path)
+
+
+@dataclass
+class Front:
+    """The second gateway: gRPC and HTTP over TLS, keys required."""
+
+    grpc_address: str
+    base_url: str
+    ca_path: str
+    log_path: str
+
+    @property
+    def ca(self) -> bytes:
+        with open(self.ca_path, "rb") as f:
+            return f.read()
+
+    def ssl_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=self.ca_path)
+
+    def http(self, timeout_s: float = 60.0) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, verify=self.ssl_context(), timeout=timeout_s)
+
+    def openai(self, key: str = KEY_A) -> openai.OpenAI:
+        # no retries: a test sees every status as the gateway sent it
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60, http_client=self.http())
+
+    def async_openai(self, key: str = KEY_A) -> openai.AsyncOpenAI:
+        client = httpx.AsyncClient(verify=self.ssl_context(), timeout=60)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60, http_client=client)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def front(mesh, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("front")
+    cert, key = _self_signed(tmp)
+    (tmp / "keys").write_text(f"# the test's key\n{KEY_A}\n")
+    grpc_port, http_port = free_port(), free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-http-gateway-", suffix=".log", delete=False)
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.cli",
+        "serve",
+        "gateway",
+        "--port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--redis-url",
+        mesh.redis_url,
+        *[a for p in mesh.prefill_addresses for a in ("--prefill", p)],
+        *[a for d in mesh.decode_addresses for a in ("--decode", d)],
+        "--api-key-file",
+        str(tmp / "keys"),
+        "--max-requests-per-key",
+        "1",
+        "--tls-cert",
+        cert,
+        "--tls-key",
+        key,
+        "--drain-grace",
+        "2",
+    ]
+    env = {**os.environ, "KVMESH_API_KEYS": KEY_B, PARENT_PID_ENV: str(os.getpid())}
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    f = Front(f"127.0.0.1:{grpc_port}", f"https://127.0.0.1:{http_port}/v1", cert, log.name)
+    try:
+        # health is open: no key needed, over TLS
+        asyncio.run(wait_for_health(f.grpc_address, 120, root_certificates=f.ca))
+        with f.http(timeout_s=5) as c:
+            assert c.get(f"https://127.0.0.1:{http_port}/health").json() == {"status": "ok"}
+        yield f
+    except BaseException:
+        print(f.log()[-4000:])
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+def _model() -> str:
+    return resolve_model(None).name
+
+
+def test_openai_chat_sync_gives_the_grpc_path_s_greedy_text_and_usage(mesh, front):
+    want = complete(mesh, "", messages=[("user", QUESTION)], max_tokens=12)  # the shared mesh's plain gateway
+    with front.openai() as client:
+        _check_chat(client, want)
+
+    # this gateway's gRPC port, over TLS with the key in the metadata, answers the same
+    async def via_grpc():
+        async with GatewayClient(front.grpc_address, KEY_B, front.ca) as c:
+            return await c.complete(make_request(messages=[("user", QUESTION)], max_tokens=12), timeout_s=60)
+
+    assert asyncio.run(via_grpc()).text == want.text
+    wait_idle(mesh)
+
+
+def _check_chat(client: openai.OpenAI, want) -> None:
+    r = client.chat.completions.create(
+        model=_model(), messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0
+    )
+    assert r.object == "chat.completion" and r.model == _model()
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.final.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want.final.prompt_tokens, want.final.generated_tokens)
+    # the gRPC request left the prompt's full blocks in prefill's cache: this one reused them
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+    # streamed, the same text; the first chunk names the role
+    chunks = list(
+        client.chat.completions.create(
+            model=_model(), messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == want.final.finish_reason
+    assert [m.id for m in client.models.list().data] == [_model()]
+
+
+def test_openai_async_completions_streamed_and_whole_agree_and_token_id_prompts_work(mesh, front):
+    prompt = "The capital of France is"
+    # the tokenizer's own file (the gateway encodes plain text the same way), faster than transformers'
+    tokenizer = tokenizers.Tokenizer.from_file(os.path.join(resolve_model(None).checkpoint_dir, "tokenizer.json"))
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+
+    async def run():
+        client = front.async_openai()
+        extra = {"ignore_eos": True}  # vLLM's extension: exactly max_tokens tokens
+        whole = await client.completions.create(
+            model=_model(), prompt=prompt, max_tokens=8, temperature=0, extra_body=extra
+        )
+        stream = await client.completions.create(
+            model=_model(),
+            prompt=ids,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+        chunks = [c async for c in stream]
+        await client.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(run())
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8 and whole.usage.prompt_tokens == len(ids)
+    # a completion prompt goes as it is (no chat template): its ids are the text's ids
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    *text_chunks, usage = chunks
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert usage.choices == [] and usage.usage.completion_tokens == 8 and usage.usage.prompt_tokens == len(ids)
+    assert all(c.usage is None for c in text_chunks)
+    wait_idle(mesh)
+
+
+def test_raw_sse_framing_and_stop_strings(mesh, front):
+    want = complete(mesh, "", messages=[("user", QUESTION)], max_tokens=20, stop=["Paris"])
+    body = {
+        "model": _model(),
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 20,
+        "temperature": 0,
+        "stop": "Paris",
+        "stream": True,
+    }
+    with front.http() as c:
+        with c.stream("POST", "/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY_A}"}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            raw = b"".join(r.iter_bytes())
+    # events: "data: <json>" and a blank line each, the last "data: [DONE]"
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n") and raw.count(b"data: [DONE]") == 1
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and all(e.startswith(b"data: ") and b"\n" not in e for e in events[:-1])
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert finishes[-1] == "stop" and finishes.count(None) == len(chunks) - 1
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == want.text and "Paris" not in text and text.strip()
+    wait_idle(mesh)
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_errors_are_openai_error_objects_with_the_right_status(mesh, front):
+    chat = {"model": _model(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    a = {"Authorization": f"Bearer {KEY_A}"}
+    since = len(front.log())
+    with front.http() as c:
+        # keys: none or a wrong one is 401 (models too); health needs none
+        assert _error(c.post("/chat/completions", json=chat), 401)["code"] == "invalid_api_key"
+        assert _error(c.post("/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer sk-no"}), 401)
+        assert _error(c.get("/models"), 401)
+        assert c.get(front.base_url.removesuffix("/v1") + "/health").status_code == 200
+        # wrong types and shapes: 400 naming the field; limits: the request path's own words (as on gRPC)
+        assert _error(c.post("/chat/completions", json={**chat, "temperature": "hot"}, headers=a), 400)["param"] == (
+            "temperature"
+        )
+        assert "n must be 1" in _error(c.post("/chat/completions", json={**chat, "n": 2}, headers=a), 400)["message"]
+        too_few = _error(c.post("/chat/completions", json={**chat, "max_tokens": 0}, headers=a), 400)
+        assert too_few["message"].startswith("max_tokens must be in [1, ") and too_few["code"] == "bad_request"
+        assert _error(c.post("/completions", content=b"{not json", headers=a), 400)
+        # an unknown model: 404
+        assert _error(c.post("/chat/completions", json={**chat, "model": "gpt-4"}, headers=a), 404)["param"] == "model"
+        # an unknown field is ignored, as OpenAI does
+        r = c.post("/chat/completions", json={**chat, "frequency_penalty_v9": {"x": 1}}, headers=a)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    # the openai package raises its own types for them
+    with front.openai(key="sk-wrong") as wrong, pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with front.openai() as client:
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-4", messages=chat["messages"], max_tokens=1)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=_model(), prompt="Hi", n=2)
+
+    # gRPC: no key is UNAUTHENTICATED, an unknown model NOT_FOUND (both fronts, one path)
+    async def grpc_code(address, key, ca, **kwargs) -> grpc.StatusCode:
+        async with GatewayClient(address, key, ca) as g:
+            try:
+                await g.complete(make_request("Hi", max_tokens=1, **kwargs), timeout_s=30)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(grpc_code(front.grpc_address, "", front.ca)) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(grpc_code(mesh.gateway_address, "", None, model="gpt-4")) == grpc.StatusCode.NOT_FOUND
+    log = front.log()[since:]
+    assert "request ended: UNAUTHENTICATED" in log and "request finished: length" in log
+    # a whole answer is never logged (nor counted) as cancelled, though the caller stops reading at its end
+    assert "request ended: CANCELLED" not in log
+    assert not any(k in front.log() for k in (KEY_A, KEY_B, "sk-wrong", "sk-no")), "a key was logged"
+    wait_idle(mesh)
+
+
+def _wait_freed(mesh, timeout_s: float) -> float:
+    """Seconds until decode holds no request and no page and prefill references no page;
+    fails after timeout_s (an answer that was not cancelled runs far longer)."""
+    start = time.monotonic()
+    while True:
+        d = instance_stats(mesh.decode_addresses[0], "decode")
+        p = instance_stats(mesh.prefill_addresses[0], "prefill")
+        if d.num_active_requests == 0 and d.num_free_pages == d.num_pages and p.num_referenced_pages == 0:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, (d, p)
+        time.sleep(0.1)
+
+
+def test_a_key_over_its_bound_gets_429_with_retry_after_and_a_client_gone_mid_stream_frees_both_legs(mesh, front):
+    chat = {"model": _model(), "messages": [{"role": "user", "content": "Count to a thousand."}]}
+    a, b = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
+    with front.http() as c:
+        with c.stream("POST", "/chat/completions", json={**chat, **LONG, "stream": True}, headers=a) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # key A's one request is running
+            assert instance_stats(mesh.decode_addresses[0], "decode").num_active_requests == 1
+            # key A is at its bound of 1: refused at once with a retry hint, not queued on prefill
+            over = c.post("/chat/completions", json={**chat, "max_tokens": 1}, headers=a)
+            assert _error(over, 429)["code"] == "rate_limit_exceeded" and int(over.headers["retry-after"]) >= 1
+
+            # and on gRPC: RESOURCE_EXHAUSTED with retry-after in the trailing metadata
+            async def grpc_over():
+                async with GatewayClient(front.grpc_address, KEY_A, front.ca) as g:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await g.complete(make_request("Hi", max_tokens=1), timeout_s=30)
+                    return err.value
+
+            err = asyncio.run(grpc_over())
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(err.trailing_metadata())["retry-after"]) >= 1
+            # another key is not held back by key A's
+            assert c.post("/chat/completions", json={**chat, "max_tokens": 2}, headers=b).status_code == 200
+        # the stream closed mid-answer: the gateway cancels it on both legs within moments
+        _wait_freed(mesh, timeout_s=8)
+        assert "client disconnected mid-stream" in front.log()
+        # and key A's slot came back
+        assert c.post("/chat/completions", json={**chat, "max_tokens": 1}, headers=a).status_code == 200
+    wait_idle(mesh)
+
+
+def test_a_client_gone_before_a_whole_answer_cancels_it(mesh, front):
+    with front.http(timeout_s=2) as c:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 2 s and closes
+            c.post(
+                "/completions",
+                json={"prompt": "Count to a thousand:", **LONG},
+                headers={"Authorization": f"Bearer {KEY_A}"},
+            )
+    _wait_freed(mesh, timeout_s=8)
+    assert "client disconnected before the answer" in front.log()
+    wait_idle(mesh)

@@ -1,0 +1,167 @@
+"""The OpenAI request translation (gateway/openai_api.py): bodies -> GenerateRequest, the
+gateway's answer -> OpenAI's objects, statuses and error objects. Shapes only: ranges are the
+request path's checks, the same for gRPC and HTTP (tests/integration/test_http_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from engine.outcomes import FailureCause
+from gateway import openai_api
+from gateway.openai_api import BadField, parse
+from protos.kvmesh.v1 import gateway_pb2
+from runtime.wire import status_of
+
+
+def test_a_chat_body_becomes_messages_and_sampling():
+    ask = parse(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "max_tokens": 7,
+            "max_completion_tokens": 9,  # the newer name wins
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 3,
+            "stop": "\n",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "n": 1,
+            "user": "u-1",
+            "logit_bias": {"1": 2},  # unknown to the gateway: ignored, as OpenAI ignores unknown fields
+        },
+        chat=True,
+        request_id="rid-1",
+    )
+    r = ask.request
+    assert [(m.role, m.content) for m in r.messages] == [
+        ("system", "Be brief."),
+        ("user", "Hi there"),
+        ("assistant", ""),
+    ]
+    assert r.prompt == b"" and not r.chat and r.model == "m" and r.request_id == "rid-1"
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop)) == (9, 0.0, 0.5, 3, ["\n"])
+    assert ask.stream and ask.include_usage and ask.response_id == "chatcmpl-rid-1"
+
+
+def test_defaults_follow_openai():
+    ask = parse({"prompt": "Once"}, chat=False)
+    s = ask.request.sampling
+    # temperature 1 (OpenAI's default), top_p, max_tokens and seed unset: the gateway's defaults
+    assert s.temperature == 1.0 and not s.HasField("top_p") and not s.HasField("max_tokens")
+    assert not s.HasField("seed") and not ask.stream and not ask.include_usage
+    assert len(ask.request.request_id) == 32 and ask.response_id.startswith("cmpl-")
+
+
+@pytest.mark.parametrize(
+    "prompt,text,ids",
+    [("Once", b"Once", []), ([1, 2, 3], b"", [1, 2, 3]), (["Once"], b"Once", []), ([[4, 5]], b"", [4, 5])],
+)
+def test_a_completion_prompt_is_text_or_token_ids_alone_or_as_a_batch_of_one(prompt, text, ids):
+    r = parse({"prompt": prompt, "stop": ["a", "b"]}, chat=False).request
+    assert (r.prompt, list(r.prompt_token_ids), list(r.messages)) == (text, ids, [])
+    assert list(r.sampling.stop) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "body,chat,param",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, True, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, True, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, True, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, True, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": [1]}, True, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, True, "stream"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, True, "seed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": 4}, True, "model"),
+        ({"messages": [{"role": "user", "content": 5}]}, True, "messages[0].content"),
+        ({"messages": [{"content": "hi"}]}, True, "messages[0]"),
+        ({"messages": []}, True, "messages"),
+        ({"prompt": "hi"}, True, "messages"),
+        ({"prompt": ["a", "b"]}, False, "prompt"),  # a batch: one prompt per request
+        ({"prompt": [1, "a"]}, False, "prompt"),
+        ({"prompt": [2**40]}, False, "prompt"),
+        ({"prompt": []}, False, "prompt"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, False, "prompt"),
+        ([1, 2], False, None),
+    ],
+)
+def test_a_wrong_type_or_shape_names_the_field(body, chat, param):
+    with pytest.raises(BadField) as err:
+        parse(body, chat=chat)
+    assert err.value.param == param
+
+
+def _final(**kw) -> gateway_pb2.Final:
+    return gateway_pb2.Final(finish_reason="length", prompt_tokens=10, cached_tokens=8, generated_tokens=3, **kw)
+
+
+def test_answers_carry_usage_with_cached_tokens_and_the_finish_reason():
+    chat = parse({"messages": [{"role": "user", "content": "hi"}]}, chat=True, request_id="r")
+    whole = openai_api.response(chat, "M", 5, "Hello", _final())
+    assert whole["object"] == "chat.completion" and whole["id"] == "chatcmpl-r" and whole["model"] == "M"
+    assert whole["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "length"}
+    ]
+    assert whole["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 3,
+        "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    text = parse({"prompt": "x"}, chat=False, request_id="r")
+    assert openai_api.response(text, "M", 5, "Hi", _final())["choices"][0]["text"] == "Hi"
+
+
+def test_stream_chunks_name_the_role_first_and_usage_only_when_asked():
+    ask = parse({"messages": [{"role": "user", "content": "hi"}], "stream": True}, chat=True)
+    first = openai_api.chunk(ask, "M", 5, "He", first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"} and "usage" not in first
+    last = openai_api.chunk(ask, "M", 5, None, "stop")
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+    with_usage = parse(
+        {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, chat=True
+    )
+    assert openai_api.chunk(with_usage, "M", 5, "x")["usage"] is None
+    tail = openai_api.usage_chunk(with_usage, "M", 5, _final())
+    assert tail["choices"] == [] and tail["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
+    event = openai_api.sse(first)
+    assert event.startswith(b"data: {") and event.endswith(b"}\n\n") and json.loads(event[6:]) == first
+    assert openai_api.sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    "cause,status,code",
+    [
+        (FailureCause.BAD_REQUEST, 400, "bad_request"),
+        (FailureCause.UNAUTHENTICATED, 401, "invalid_api_key"),
+        (FailureCause.UNKNOWN_MODEL, 404, "model_not_found"),
+        (FailureCause.OVERLOADED, 429, "rate_limit_exceeded"),
+        (FailureCause.NO_INSTANCE, 503, "no_instance"),
+        (FailureCause.INSTANCE_LOST, 503, "instance_lost"),
+        (FailureCause.DEADLINE, 504, "deadline"),
+        (FailureCause.MISMATCH, 500, "mismatch"),  # a mesh set up wrong: the server's fault
+        (FailureCause.INTERNAL, 500, "internal"),
+    ],
+)
+def test_each_cause_has_the_http_status_of_its_grpc_status_and_an_openai_error_object(cause, status, code):
+    got = openai_api.http_status(status_of(cause))
+    assert got == status
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
+        status, "rate_limit_error" if status == 429 else "server_error"
+    )
+    body = openai_api.error(got, "what to change", cause, "p")
+    assert body == {"error": {"message": "what to change", "type": kind, "param": "p", "code": code}}
+
+
+def test_statuses_outside_the_table_are_500():
+    assert openai_api.http_status(grpc.StatusCode.DATA_LOSS) == 500
+    assert openai_api.http_status(grpc.StatusCode.RESOURCE_EXHAUSTED) == 429
