@@ -7,7 +7,7 @@ import asyncio
 import logging
 import socket
 
-from decode_svc import metrics
+from decode_svc import ep, metrics
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
     files = resolve_model(config.model)
+    ep.check_ep_model(files, config.ep)
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
     instance_id = config.instance_id or f"decode@{svc.address}"
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
@@ -33,6 +34,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
             create_runner, files, config.num_pages, config.page_size, config.max_batch_size, config.kernel_backend
         )
     )
+    runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))
     engine = DecodeEngine(config, runner)
     # a wildcard bind address is no address to push to: advertise a name others can reach
     kv_host = config.advertise_host or (socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host)
@@ -50,6 +52,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
+    ep.bind_metrics(metrics.REGISTRY, runner)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
@@ -61,6 +64,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     logger.info("shutting down")
     await svc.stop(grace_s=config.drain_grace_s)
     engine.shutdown()
+    if hasattr(runner, "close"):  # expert-parallel ranks
+        await asyncio.wrap_future(executor.submit(runner.close))
     await receiver.close()
     tracing.shutdown_tracing()
 

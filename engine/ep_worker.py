@@ -148,8 +148,9 @@ def worker_main(spec: WorldSpec, rank: int, conn) -> None:
                     logger.info("rank 0 is gone; exiting")
                     return
             plan = conn.recv()
-            if plan is None:
-                break
+            if plan is None:  # leave at once: no collective teardown or interpreter clean-up to wait on
+                logging.shutdown()
+                os._exit(0)
             if plan.placement is not None:
                 moe.load_placement(_placement(plan.placement, spec.num_ranks))
             moe.token_offset = plan.token_offset
@@ -169,14 +170,6 @@ def worker_main(spec: WorldSpec, rank: int, conn) -> None:
         except OSError:
             pass
         raise SystemExit(1) from None
-    finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
 
 
 def _placement(arrays: tuple[np.ndarray, np.ndarray], num_ranks: int):

@@ -43,7 +43,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh(tiny):
-    with running_mesh(1, 1, model=str(tiny)) as m:
+    # decode runs expert-parallel over 2 ranks (`--ep 2`): every test below also proves EP decode
+    # through the mesh equal to transformers (tests/integration/test_expert_parallel.py compares
+    # it with single-process decode step by step)
+    with running_mesh(1, 1, decode_args=["--ep", "2", "--ep-timeout", "20"], model=str(tiny)) as m:
         yield m
 
 

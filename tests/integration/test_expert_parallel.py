@@ -39,6 +39,15 @@ PROMPTS = [
 STEPS = 6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the ranks share this machine's cores: one intra-op thread each, as for the workers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     path = make_tiny_model(
