@@ -51,6 +51,21 @@ class DecodeConfig(ModelServiceConfig):
         "--max-verify-rows",
         "most rows (tokens) a speculative step runs; drafts are left out past it, so large batches decode plainly",
     )
+    ep: int = setting(
+        1,
+        "--ep",
+        "expert-parallel ranks (processes under torch.distributed: attention data-parallel, routed experts spread "
+        "over the ranks, all-to-all dispatch and combine); MoE models only, 1: single-process decode",
+    )
+    eplb_placement: str = setting(
+        "",
+        "--eplb-placement",
+        "with --ep: the expert placement `kvmesh eplb plan --ranks N --json` printed (empty: experts in order, one "
+        "replica each); read again when the file changes",
+    )
+    ep_timeout_s: float = setting(
+        30.0, "--ep-timeout", "seconds any expert-parallel collective may wait for a rank before the step fails"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,5 +81,11 @@ class DecodeConfig(ModelServiceConfig):
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
         if not self.draft_row_cost >= 0:
             raise ValueError(f"draft_row_cost must be >= 0, got {self.draft_row_cost}")
+        if self.ep < 1:
+            raise ValueError(f"ep must be >= 1, got {self.ep}")
+        if self.eplb_placement and self.ep == 1:
+            raise ValueError("eplb_placement needs --ep >= 2")
+        if not self.ep_timeout_s > 0:
+            raise ValueError(f"ep_timeout_s must be > 0, got {self.ep_timeout_s}")
         if self.max_verify_rows < 1:
             raise ValueError(f"max_verify_rows must be >= 1, got {self.max_verify_rows}")

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from decode_svc import metrics
+from decode_svc import ep, metrics
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
     files = resolve_model(config.model)
+    ep.check_ep_model(files, config.ep)
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
     address = config.reachable_address(svc.port)  # what gateways dial
     instance_id = config.instance_id or f"decode@{address}"
@@ -35,6 +36,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
             create_runner, files, config.num_pages, config.page_size, config.max_batch_size, config.kernel_backend
         )
     )
+    runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))
     engine = DecodeEngine(config, runner)
     # a wildcard bind address is no address to push to: advertise a name others can reach
     receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
@@ -51,6 +53,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     )
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
+    ep.bind_metrics(metrics.REGISTRY, runner)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     await svc.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
@@ -71,6 +74,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
         registration.registry.close()
     await svc.stop(grace_s=config.drain_grace_s)
     engine.shutdown()
+    if hasattr(runner, "close"):  # expert-parallel ranks
+        await asyncio.wrap_future(executor.submit(runner.close))
     await receiver.close()
     tracing.shutdown_tracing()
 

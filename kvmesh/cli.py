@@ -92,6 +92,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.speculative,
             args.num_draft_tokens,
             args.http_port,
+            args.decode_ep,
         )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -231,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding on every decode (default off; ngram: prompt-lookup drafts, same output)",
     )
     up.add_argument("--num-draft-tokens", type=int, default=4, help="most draft tokens a step (default 4)")
+    up.add_argument(
+        "--decode-ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks of each decode (MoE models; default 1: single-process decode)",
+    )
     up.set_defaults(func=_cmd_up)
 
     gen = sub.add_parser("generate", help="stream an answer from a gateway")

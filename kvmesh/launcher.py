@@ -223,6 +223,7 @@ def run_up(
     speculative: str = "off",
     num_draft_tokens: int = 4,
     http_port: int = 8000,
+    decode_ep: int = 1,
 ) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
 
@@ -230,9 +231,12 @@ def run_up(
     every core). The default split on a small machine: both use every core, decode's threads
     spin between steps and prefill's wait passively (see README, Measured), so a prefill burst
     slows decode only while it computes. speculative / num_draft_tokens go to every decode
-    (`kvmesh serve decode --speculative ... --num-draft-tokens ...`). http_port: the gateway's
+    (`kvmesh serve decode --speculative ... --num-draft-tokens ...`), decode_ep too (`--ep N`:
+    each decode runs N expert-parallel ranks; MoE models only). http_port: the gateway's
     OpenAI-compatible HTTP API (0: none).
     """
+    if decode_ep < 1:
+        raise ValueError(f"decode_ep must be >= 1, got {decode_ep}")
     if prefill_threads < 0 or decode_threads < 0:
         raise ValueError(f"thread counts must be >= 0 (0: every core), got {prefill_threads} and {decode_threads}")
 
@@ -258,6 +262,7 @@ def run_up(
                     if speculative != "off"
                     else []
                 ),
+                *(["--ep", str(decode_ep)] if decode_ep > 1 else []),
             ]
             or None,
             http_port=http_port,

@@ -22,7 +22,7 @@ Token ties in the indexer's top-k go to the lower entry index (kernels/indexer).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +132,11 @@ class DeepseekV4Model:
         self.expert_counts = torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.int64)  # [L, E]
         """Tokens routed to each expert of each MoE layer (top-k and hash-routed alike), since
         load; EPLB's input (engine.eplb). A token with k experts counts once for each."""
+        self.routed_experts: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+        self.routed_experts = self.local_experts
+        """The routed experts of MoE layer i: (i, x [T, H], weights [T, K] fp32, expert_ids [T, K]
+        int64) -> [T, H] in x.dtype. This process's kernels by default; expert-parallel decode
+        (engine.expert_parallel) puts its all-to-all dispatch and combine here."""
         g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
         # o_a_proj as [g, in_per_group, o_lora_rank] for one bmm (DeepseekV4GroupedLinear)
         self.o_a = [
@@ -179,13 +184,17 @@ class DeepseekV4Model:
                 c.routed_scaling_factor,
             )
         self.expert_counts[i] += torch.bincount(experts.reshape(-1), minlength=c.n_routed_experts)
-        routed = self.kernels.moe_experts(
-            x, self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], weights, experts, c.swiglu_limit
-        )
+        routed = self.routed_experts(i, x, weights, experts)
         lim = c.swiglu_limit
         gate = F.linear(x, self.w[p + "shared_experts.gate_proj.weight"]).clamp(max=lim)
         up = F.linear(x, self.w[p + "shared_experts.up_proj.weight"]).clamp(min=-lim, max=lim)
         return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"])
+
+    def local_experts(self, i: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Layer i's routed experts, all in this process: `kernels.moe.moe_experts`' contract."""
+        p = f"model.layers.{i}.mlp.experts."
+        w_gate_up, w_down = self.w[p + "gate_up_proj"], self.w[p + "down_proj"]
+        return self.kernels.moe_experts(x, w_gate_up, w_down, weights, experts, self.config.swiglu_limit)
 
     # -- compressors ------------------------------------------------------------------------
     def _compress(

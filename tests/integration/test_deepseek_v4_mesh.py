@@ -42,8 +42,22 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny):
-    with running_mesh(1, 1, model=str(tiny)) as m:
+def mesh(tiny, tmp_path_factory):
+    # decode runs expert-parallel over 2 ranks (`--ep 2`) with an EPLB placement that gives
+    # experts 0 and 1 a second replica: every test below also proves EP decode through the mesh
+    # equal to transformers (tests/integration/test_expert_parallel.py compares it with
+    # single-process decode step by step)
+    import json
+
+    import numpy as np
+
+    from engine.eplb import plan
+
+    placement = plan(np.ones((4, 8)), 2, 2)
+    path = tmp_path_factory.mktemp("eplb") / "placement.json"
+    path.write_text(json.dumps({"phy2log": placement.phy2log.tolist(), "replicas": placement.replicas.tolist()}))
+    args = ["--ep", "2", "--eplb-placement", str(path), "--ep-timeout", "20"]
+    with running_mesh(1, 1, decode_args=args, model=str(tiny)) as m:
         yield m
 
 

@@ -1,0 +1,147 @@
+# L=MoE layers, P=physical expert slots, E=experts, R=ranks
+"""`kvmesh serve decode --ep N`: this decode process becomes rank 0 of N expert-parallel ranks
+(engine.ep_runner) for a MoE checkpoint; the dense default model keeps single-process decode.
+
+`--eplb-placement FILE` places the experts per an EPLB plan: the JSON `kvmesh eplb plan --ranks
+N --redundant X --json STATS` prints ({"phy2log": [[...]], "replicas": [[...]], ...}). The file
+is read again when it changes (checked at most once a second, between steps), so an operator
+can re-plan from `kvmesh eplb stats` and load the new placement without dropping a request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from engine.checkpoint import ModelFiles, architecture
+from engine.ep_runner import ExpertParallelRunner
+from engine.eplb import Placement
+from engine.forward import ForwardItem
+
+logger = logging.getLogger(__name__)
+
+
+def load_placement_file(path: str, num_ranks: int) -> Placement:
+    """The placement in `path` (`kvmesh eplb plan --json` output) for num_ranks ranks. Raises
+    ValueError naming what is missing or malformed, OSError when it cannot be read."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or "phy2log" not in data or "replicas" not in data:
+        raise ValueError(f'{path}: expected `kvmesh eplb plan --json` output with "phy2log" and "replicas"')
+    try:
+        phy2log = np.array(data["phy2log"], dtype=np.int64)
+        replicas = np.array(data["replicas"], dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: phy2log and replicas must be [layers][slots] integer lists ({exc})") from None
+    return Placement(phy2log, replicas, num_ranks)
+
+
+class ServiceEPRunner(ExpertParallelRunner):
+    """The EP runner of a decode service: reloads --eplb-placement when the file changes."""
+
+    def __init__(self, *args, placement_file: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.placement_file = placement_file
+        self._mtime = os.stat(placement_file).st_mtime_ns if placement_file else 0
+        self._checked = time.monotonic()
+
+    def forward(self, items: Sequence[ForwardItem]):
+        if self.placement_file and time.monotonic() - self._checked >= 1.0:
+            self._checked = time.monotonic()
+            self._maybe_reload()
+        return super().forward(items)
+
+    def _maybe_reload(self) -> None:
+        try:
+            mtime = os.stat(self.placement_file).st_mtime_ns
+            if mtime == self._mtime:
+                return
+            self._mtime = mtime
+            self.set_placement(load_placement_file(self.placement_file, self.num_ranks))
+        except (OSError, ValueError) as exc:  # a half-written or bad file: keep the placement in use
+            logger.warning("not loading %s: %s", self.placement_file, exc)
+            return
+        logger.info("loading the EPLB placement in %s before the next step", self.placement_file)
+
+
+MOE_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+"""Architectures whose runner can run expert-parallel."""
+
+
+def check_ep_model(files: ModelFiles, num_ranks: int) -> None:
+    """Before anything loads: ValueError when --ep > 1 is asked of a model without MoE layers."""
+    if num_ranks > 1 and architecture(files) not in MOE_ARCHITECTURES:
+        raise ValueError(
+            f"--ep {num_ranks} needs a MoE model ({', '.join(MOE_ARCHITECTURES)}); {files.name!r} is "
+            f"{architecture(files)}, a dense model: serve it with --ep 1 (single-process decode)"
+        )
+
+
+def create_ep_runner(runner, files: ModelFiles, config):
+    """`runner` itself when config.ep == 1, else rank 0 of config.ep EP ranks around it.
+
+    Raises ValueError when --ep is set for a model without MoE layers (the dense default model
+    decodes in one process), for a bad --eplb-placement, or one that does not fit the model;
+    EPWorldError when a rank fails to start."""
+    if config.ep <= 1:
+        return runner
+    check_ep_model(files, config.ep)
+    placement = load_placement_file(config.eplb_placement, config.ep) if config.eplb_placement else None
+    return ServiceEPRunner(
+        runner,
+        files,
+        config.ep,
+        placement,
+        kernel_backend=config.kernel_backend,
+        timeout_s=config.ep_timeout_s,
+        torch_threads=config.torch_threads,
+        placement_file=config.eplb_placement,
+    )
+
+
+class RankLoadCollector(Collector):
+    """`kvmesh_ep_rank_tokens_total{layer, rank}`: rows each EP rank's experts computed;
+    `kvmesh_ep_balancedness{layer}`: their mean over max (measured, not predicted)."""
+
+    def __init__(self, runner: ExpertParallelRunner) -> None:
+        self.runner = runner
+
+    def collect(self):
+        loads = self.runner.loads
+        tokens = CounterMetricFamily(
+            "kvmesh_ep_rank_tokens", "Tokens each expert-parallel rank's experts computed", labels=["layer", "rank"]
+        )
+        balance = GaugeMetricFamily(
+            "kvmesh_ep_balancedness", "Mean over max EP rank load, measured, per MoE layer", labels=["layer"]
+        )
+        for layer, row in enumerate(loads.rank_tokens):
+            for rank, n in enumerate(row):
+                tokens.add_metric([str(layer), str(rank)], float(n))
+        for layer, b in enumerate(loads.balancedness()):
+            balance.add_metric([str(layer)], float(b))
+        yield tokens
+        yield balance
+
+
+_REGISTERED: dict[int, RankLoadCollector] = {}
+
+
+def bind_metrics(registry: CollectorRegistry, runner) -> None:
+    """Export the EP ranks' measured loads when `runner` is expert-parallel (a later call for
+    the same registry replaces the earlier runner)."""
+    old = _REGISTERED.pop(id(registry), None)
+    if old is not None:
+        registry.unregister(old)
+    if isinstance(runner, ExpertParallelRunner):
+        _REGISTERED[id(registry)] = collector = RankLoadCollector(runner)
+        registry.register(collector)

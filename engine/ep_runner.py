@@ -1,0 +1,284 @@
+# B=sequences of the step, V=vocab, L=MoE layers, E=experts, R=ranks
+"""Expert-parallel decode, rank 0: a `Runner` (engine/forward.py) over N ranks of one
+DeepSeek-V4 checkpoint under torch.distributed (gloo on CPU; NCCL when every rank has a GPU).
+
+Attention is data-parallel: each step's sequences are split over the ranks by request count
+(`split_by_requests`), each rank runs attention (and the shared expert) for its own share over
+the pages every rank maps; the routed experts are spread over the ranks per the EPLB placement
+(engine.eplb; experts in order, one replica each, when none is given) and every MoE layer
+dispatches tokens to the ranks holding their experts and combines the results with all-to-all
+(engine.expert_parallel). Logits come back to rank 0, which samples. All ranks step in
+lockstep: one plan a step, sent by rank 0 (engine.ep_worker), and a rank without sequences
+still joins each exchange.
+
+A new placement (`set_placement`) is loaded by every rank before the next step: running
+requests keep their pages and state, so none is dropped. This process is rank 0: it wraps the
+single-process `DeepseekV4Runner` (its pages and slots are already in shared memory) and
+spawns ranks 1..N-1. References: DeepSeek-V3 technical report §3.4 (EP with DP attention,
+redundant experts), SGLang's DP-attention + DeepEP MoE serving design.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.ep_worker import StepPlan, WorldSpec, comm_device, gather_logits, init_world, worker_main
+from engine.eplb import Placement, default_placement
+from engine.expert_parallel import EPLoads, ExpertParallelMoE, check_placement, split_by_requests
+from engine.forward import ForwardItem
+from kvstore.shared_memory import locate
+
+if TYPE_CHECKING:
+    from engine.checkpoint import ModelFiles
+    from engine.v4_runner import DeepseekV4Runner
+
+logger = logging.getLogger(__name__)
+
+
+class EPWorldError(RuntimeError):
+    """A rank died, failed or timed out: the EP world cannot step any more (UNAVAILABLE)."""
+
+
+def pick_backend(num_ranks: int) -> str:
+    """NCCL when this host has a GPU for every rank, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks else "gloo"
+
+
+class ExpertParallelRunner:
+    """N ranks of one DeepSeek-V4 model behind the single-process runner's interface.
+
+    runner: rank 0's `DeepseekV4Runner` (built by engine.runners); files: its checkpoint (the
+    workers load it themselves); placement: an EPLB placement for num_ranks ranks (None:
+    `default_placement`); timeout_s bounds every collective, start_timeout_s the workers' start
+    (model load included). Raises ValueError for fewer than 2 ranks or a placement that does not
+    fit the model, EPWorldError when a worker fails to start.
+    """
+
+    def __init__(
+        self,
+        runner: DeepseekV4Runner,
+        files: ModelFiles,
+        num_ranks: int,
+        placement: Placement | None = None,
+        kernel_backend: str = "torch",
+        timeout_s: float = 30.0,
+        start_timeout_s: float = 600.0,
+        torch_threads: int = 0,
+        backend: str = "auto",
+    ) -> None:
+        if num_ranks < 2:
+            raise ValueError(f"expert-parallel decode needs >= 2 ranks, got {num_ranks}")
+        c = runner.model.config
+        placement = placement or default_placement(c.num_hidden_layers, c.n_routed_experts, num_ranks)
+        check_placement(placement, c.num_hidden_layers, c.n_routed_experts, num_ranks)
+        self.runner, self.num_ranks = runner, num_ranks
+        self.config, self.page_size, self.num_pages = runner.config, runner.page_size, runner.num_pages
+        self.page_nbytes, self.num_state_slots = runner.page_nbytes, runner.num_state_slots
+        self.backend = pick_backend(num_ranks) if backend == "auto" else backend
+        self._pending: Placement | None = None
+        self._broken = ""
+        found = locate([runner.pages.data_ptr()], [runner.pages.numel() * 4])
+        if found is None:
+            raise ValueError("the runner's pages are not in a shared region; EP ranks could not reach them")
+        region, (offset,) = found
+        store = torch.distributed.TCPStore(
+            "127.0.0.1",
+            0,
+            num_ranks,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=start_timeout_s),
+            wait_for_workers=False,
+        )
+        spec = WorldSpec(
+            files,
+            num_ranks,
+            store.port,
+            self.backend,
+            timeout_s,
+            region,
+            offset,
+            runner.num_pages,
+            runner.page_size,
+            runner.num_state_slots,
+            kernel_backend,
+            torch_threads,
+            np.asarray(placement.phy2log, np.int64),
+            np.asarray(placement.replicas, np.int64),
+        )
+        ctx = multiprocessing.get_context("spawn")  # no fork: the service has threads
+        self._conns, self._procs = [], []
+        for rank in range(1, num_ranks):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, args=(spec, rank, child), name=f"ep-rank-{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            self._await_all("hello", start_timeout_s)
+            init_world(spec, 0, store)
+            self._store = store
+            self.moe = ExpertParallelMoE(runner.model, 0, num_ranks, placement, device=comm_device(self.backend, 0))
+            runner.model.routed_experts = self.moe
+            self._await_all("ready", start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("expert-parallel decode: %d ranks over %s", num_ranks, self.backend)
+
+    # -- the world --------------------------------------------------------------------------
+    def _await_all(self, what: str, timeout_s: float) -> None:
+        """Wait until every worker has sent (`what`, rank); EPWorldError naming a worker that
+        died or failed, or the first still missing after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(len(self._conns)))
+        while waiting:
+            for w in list(waiting):
+                if self._conns[w].poll(0.05):
+                    kind, payload = self._conns[w].recv()
+                    if kind == "error":
+                        raise EPWorldError(f"EP rank {w + 1} failed while starting:\n{payload}")
+                    if kind == what:
+                        waiting.discard(w)
+                elif not self._procs[w].is_alive():
+                    raise EPWorldError(f"EP rank {w + 1} exited with code {self._procs[w].exitcode} while starting")
+            if waiting and time.monotonic() > deadline:
+                raise EPWorldError(f"EP ranks {sorted(w + 1 for w in waiting)} not {what} after {timeout_s:.0f} s")
+
+    def _why_down(self) -> str:
+        """What went wrong with the workers: their errors and exit codes."""
+        reasons = []
+        for w, (conn, proc) in enumerate(zip(self._conns, self._procs)):
+            try:
+                while conn.poll(0):
+                    kind, payload = conn.recv()
+                    if kind == "error":
+                        reasons.append(f"rank {w + 1} failed:\n{payload}")
+            except (EOFError, OSError):
+                pass
+            proc.join(0.5 if not reasons else 0)
+            if proc.exitcode is not None:
+                reasons.append(f"rank {w + 1} exited with code {proc.exitcode}")
+        return "; ".join(reasons) or "a collective failed or timed out"
+
+    def close(self) -> None:
+        """Stop the workers (None on their pipes, then terminate what is left) and leave the world."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(5.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    # -- placement and loads ----------------------------------------------------------------
+    def set_placement(self, placement: Placement) -> None:
+        """Load `placement` on every rank before the next step (running requests continue).
+        Raises ValueError when it does not fit the model and the world."""
+        c = self.runner.model.config
+        check_placement(placement, c.num_hidden_layers, c.n_routed_experts, self.num_ranks)
+        self._pending = placement
+
+    @property
+    def placement(self) -> Placement:
+        return self._pending or self.moe.placement
+
+    @property
+    def loads(self) -> EPLoads:
+        """Rows each rank's experts computed and tokens per expert, measured by the exchanges."""
+        return self.moe.loads
+
+    def expert_token_counts(self) -> np.ndarray:
+        """[L, E] int64 tokens routed to each expert over every rank since start (a copy)."""
+        return self.moe.loads.expert_tokens.copy()
+
+    # -- the Runner interface ---------------------------------------------------------------
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """One lockstep step over every rank; fp32 logits [B, V] in items' order. Raises
+        ValueError as DeepseekV4Runner.forward does (nothing is sent then), EPWorldError when a
+        rank is gone or a collective times out (the world stays down)."""
+        self._check(items)
+        if self._broken:
+            raise EPWorldError(f"the EP world is down: {self._broken}")
+        shares = split_by_requests(len(items), self.num_ranks)
+        tokens = [sum(len(items[b].token_ids) for b in s) for s in shares]
+        offsets = np.concatenate([[0], np.cumsum(tokens)[:-1]]).tolist()
+        max_rows = max(len(s) for s in shares)
+        pending, self._pending = self._pending, None
+        arrays = None if pending is None else (np.asarray(pending.phy2log), np.asarray(pending.replicas))
+        try:
+            for w, conn in enumerate(self._conns):
+                s = shares[w + 1]
+                conn.send(StepPlan([items[b] for b in s], int(offsets[w + 1]), max_rows, arrays))
+            if pending is not None:
+                self.moe.load_placement(pending)
+            self.moe.token_offset = 0
+            own = [items[b] for b in shares[0]]
+            logits = None
+            if own:
+                logits = self.runner.model.forward(own, self.runner.pages, self.runner.slots)
+            else:
+                self.moe.idle_forward()
+            parts = gather_logits(logits, max_rows, self.config.vocab_size, self.backend, 0)
+        except (RuntimeError, OSError, ValueError) as exc:
+            self._broken = self._why_down()
+            raise EPWorldError(f"expert-parallel step failed ({exc}); {self._broken}") from exc
+        assert parts is not None
+        return torch.cat([parts[r][: len(shares[r])] for r in range(self.num_ranks)])  # [B, V]
+
+    def _check(self, items: Sequence[ForwardItem]) -> None:
+        """DeepseekV4Runner.forward's checks, made here so a bad batch never reaches the ranks."""
+        if not items:
+            raise ValueError("forward needs at least one item")
+        cfg, S = self.config, self.page_size
+        for b, it in enumerate(items):
+            n, nc = len(it.token_ids), it.num_computed_tokens
+            if it.state_slot is None or not 0 <= it.state_slot < self.num_state_slots:
+                raise ValueError(
+                    f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), got {it.state_slot}"
+                )
+            if nc + n > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"item {b}: {nc + n} tokens exceed max_position_embeddings ({cfg.max_position_embeddings})"
+                )
+            if any(not 0 <= t < cfg.vocab_size for t in it.token_ids):
+                raise ValueError(f"item {b}: token ids must be in [0, {cfg.vocab_size})")
+            if n < 1 or len(it.block_ids) * S < nc + n:
+                raise ValueError(
+                    f"item {b}: needs >= 1 new token and pages for {nc + n} tokens, "
+                    f"got {n} new and {len(it.block_ids)} pages of {S}"
+                )
+
+    def page_buffer(self, page_id: int) -> np.ndarray:
+        return self.runner.page_buffer(page_id)
+
+    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+        return self.runner.state_buffers(slot)
+
+    def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
+        self.runner.resume_state_slot(slot, last_cached_page)
+
+    def warmup(self) -> None:
+        """A tiny prefill and decode through every rank (page 0 and slot 0 left as garbage)."""
+        start = time.monotonic()
+        tok = self.config.bos_token_id or 0
+        n = min(self.page_size - 1, 5)
+        self.forward([ForwardItem([tok] * n, 0, [0], 0)])
+        self.forward([ForwardItem([tok], n, [0], 0)])
+        logger.info("EP warmup took %.2f s", time.monotonic() - start)

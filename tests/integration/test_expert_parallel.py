@@ -1,0 +1,156 @@
+"""Expert-parallel decode on real processes and real torch.distributed (gloo): a tiny DeepSeek-V4
+with skewed routers, 2 layers, decoded greedily by one process and by EP worlds of 2 and 4
+ranks (this process is rank 0). Each world starts once; the steps' logits must agree at a tight
+tolerance and the greedy tokens exactly; the ranks' measured loads must match EPLB's
+prediction; a new placement mid-generation changes no token; a killed rank is an error within
+seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine.checkpoint import ModelFiles
+from engine.ep_runner import EPWorldError, ExpertParallelRunner
+from engine.eplb import balancedness, default_placement, plan
+from engine.forward import ForwardItem
+from engine.tiny_models import make_tiny_model
+from engine.v4_runner import DeepseekV4Runner
+
+pytestmark = pytest.mark.timeout(180)
+
+PAGE = 16
+PAGES_PER_SEQ = 4
+# 6 sequences of different lengths: EP 4 splits them 2, 2, 1, 1; one-token prompts too
+PROMPTS = [
+    [5, 17, 230, 4111, 90, 7, 7, 301, 12],
+    [1],
+    [44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+    [900, 3],
+    [31] * 6,
+    [2048, 77, 19000, 5, 6],
+]
+STEPS = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # the ranks share this machine's cores: one intra-op thread each, as for the workers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    path = make_tiny_model(
+        "deepseek_v4",
+        tmp_path_factory.mktemp("v4ep"),
+        skew_routers=1.0,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"],
+    )
+    return ModelFiles("tiny-v4-ep", path)
+
+
+def _runner(files) -> DeepseekV4Runner:
+    return DeepseekV4Runner(files, num_pages=len(PROMPTS) * PAGES_PER_SEQ + 1, page_size=PAGE, num_state_slots=8)
+
+
+def _greedy(runner, steps: int = STEPS, on_step=None) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill every prompt in one batch, then `steps` greedy decode steps; per-step logits and
+    each sequence's tokens. Page 0 stays for warmup; sequence b owns pages 1 + 4b .. 4 + 4b."""
+    tables = [list(range(1 + PAGES_PER_SEQ * b, 1 + PAGES_PER_SEQ * (b + 1))) for b in range(len(PROMPTS))]
+    items = [ForwardItem(p, 0, tables[b], b) for b, p in enumerate(PROMPTS)]
+    computed = [0] * len(PROMPTS)
+    out: list[list[int]] = [[] for _ in PROMPTS]
+    all_logits = []
+    for step in range(steps + 1):
+        if on_step:
+            on_step(step)
+        logits = runner.forward(items)
+        all_logits.append(logits)
+        nxt = logits.argmax(dim=-1).tolist()
+        for b, it in enumerate(items):
+            computed[b] += len(it.token_ids)
+            out[b].append(nxt[b])
+        items = [ForwardItem([nxt[b]], computed[b], tables[b], b) for b in range(len(PROMPTS))]
+    return all_logits, out
+
+
+@pytest.fixture(scope="module")
+def single(files):
+    runner = _runner(files)
+    logits, tokens = _greedy(runner)
+    return logits, tokens, runner.expert_token_counts()
+
+
+def _exact_and_balanced(ep: ExpertParallelRunner, single, num_ranks: int) -> None:
+    ref_logits, ref_tokens, ref_counts = single
+    # experts in order, one replica each: the hot experts 0 and 1 share rank 0
+    logits, tokens = _greedy(ep)
+    for step, (a, b) in enumerate(zip(logits, ref_logits)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
+    assert tokens == ref_tokens
+    loads = ep.loads
+    np.testing.assert_array_equal(loads.expert_tokens, ref_counts)  # every rank's routings, added up
+    c = ep.runner.model.config
+    before = balancedness(loads.expert_tokens, default_placement(c.num_hidden_layers, c.n_routed_experts, num_ranks))
+    np.testing.assert_allclose(loads.balancedness(), before, atol=1e-9)  # one replica each: exact
+    assert before.max() < 0.7, before  # the skew shows
+
+    # EPLB from the measured counts, loaded mid-generation (before step 3): same logits and
+    # tokens, and the ranks' loads since then as the planner predicts from the counts since then
+    placement = plan(loads.expert_tokens, num_ranks, 2 if num_ranks == 2 else 4)
+    marks = {}
+
+    def swap(step: int) -> None:
+        if step == 3:
+            ep.set_placement(placement)
+            marks["ranks"], marks["experts"] = ep.loads.rank_tokens.copy(), ep.loads.expert_tokens.copy()
+
+    logits, tokens = _greedy(ep, on_step=swap)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    ranks = ep.loads.rank_tokens - marks["ranks"]
+    measured = ranks.mean(axis=1) / ranks.max(axis=1)
+    predicted = balancedness(ep.loads.expert_tokens - marks["experts"], placement)
+    print(
+        f"EP {num_ranks}: balancedness without EPLB {before.round(3)}, planned {predicted.round(3)}, "
+        f"measured {measured.round(3)}"
+    )
+    np.testing.assert_allclose(measured, predicted, atol=0.05)
+    assert (predicted > before).all()
+
+
+def test_ep2_equals_single_process_then_a_killed_rank_is_an_error_within_seconds(files, single):
+    ep = ExpertParallelRunner(_runner(files), files, 2, timeout_s=20, torch_threads=1)
+    try:
+        _exact_and_balanced(ep, single, 2)
+        os.kill(ep._procs[0].pid, signal.SIGKILL)
+        ep._procs[0].join(5)
+        start = time.monotonic()
+        with pytest.raises(EPWorldError, match="rank 1"):
+            ep.warmup()
+        assert time.monotonic() - start < 10
+        with pytest.raises(EPWorldError, match="down"):  # and stays down
+            ep.warmup()
+    finally:
+        ep.close()
+
+
+def test_ep4_equals_single_process(files, single):
+    ep = ExpertParallelRunner(_runner(files), files, 4, timeout_s=20, torch_threads=1)
+    try:
+        _exact_and_balanced(ep, single, 4)
+    finally:
+        ep.close()

@@ -1,0 +1,109 @@
+"""The parts of expert-parallel decode that need no second process: the data-parallel split, the
+placement checks and file, `--ep` on a dense model, and the dispatch / combine arithmetic in a
+world of one rank (gloo) with redundant replicas, against `kernels.moe.moe_experts`.
+(tests/integration/test_expert_parallel.py runs real worlds of 2 and 4 processes.)"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from decode_svc.config import DecodeConfig
+from decode_svc.ep import check_ep_model, load_placement_file
+from engine.eplb import Placement, default_placement, plan
+from engine.expert_parallel import ExpertParallelMoE, check_placement, split_by_requests
+from engine.loader import resolve_model
+from kernels.backend import create_kernel_backend
+from kernels.moe import moe_experts
+
+
+def test_split_is_contiguous_and_balanced_by_request_count():
+    assert [list(r) for r in split_by_requests(6, 4)] == [[0, 1], [2, 3], [4], [5]]
+    assert [list(r) for r in split_by_requests(1, 3)] == [[0], [], []]  # idle ranks still step
+    assert [len(r) for r in split_by_requests(0, 2)] == [0, 0]
+
+
+def test_placement_checks_name_the_mismatch():
+    good = default_placement(2, 8, 4)
+    check_placement(good, 2, 8, 4)
+    with pytest.raises(ValueError, match="for 4 ranks, the EP world has 2"):
+        check_placement(good, 2, 8, 2)
+    with pytest.raises(ValueError, match=r"phy2log must be \[3 layers"):
+        check_placement(good, 3, 8, 4)
+    bad = Placement(good.phy2log.copy(), good.replicas, 4)
+    bad.phy2log[0, 0] = 1  # expert 0 lost its only slot
+    with pytest.raises(ValueError, match="replicas must count"):
+        check_placement(bad, 2, 8, 4)
+
+
+def test_placement_file_is_what_eplb_plan_json_prints(tmp_path, capsys):
+    from kvmesh.cli import main
+
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"layers": [[90, 80, 5, 5, 5, 5, 5, 5], [1] * 8]}))
+    assert main(["eplb", "plan", "--ranks", "2", "--redundant", "2", "--json", str(stats)]) == 0
+    out = tmp_path / "placement.json"
+    out.write_text(capsys.readouterr().out)
+    placement = load_placement_file(str(out), 2)
+    check_placement(placement, 2, 8, 2)
+    assert placement.replicas[0, :2].tolist() == [2, 2]  # the two hot experts got the spare slots
+    out.write_text("{}")
+    with pytest.raises(ValueError, match="phy2log"):
+        load_placement_file(str(out), 2)
+
+
+def test_ep_on_the_dense_default_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs a MoE model.*--ep 1"):
+        check_ep_model(resolve_model(None), 2)
+    check_ep_model(resolve_model(None), 1)  # single-process decode, as before
+    with pytest.raises(ValueError, match="ep must be >= 1"):
+        DecodeConfig(ep=0)
+    with pytest.raises(ValueError, match="eplb_placement needs --ep"):
+        DecodeConfig(eplb_placement="p.json")
+
+
+def _fake_model(E: int, H: int, I: int, K: int):
+    g = torch.Generator().manual_seed(0)
+    w = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(E, 2 * I, H, generator=g) * 0.2,
+        "model.layers.0.mlp.experts.down_proj": torch.randn(E, H, I, generator=g) * 0.2,
+        "model.embed_tokens.weight": torch.zeros(1, H),
+    }
+    config = types.SimpleNamespace(
+        num_hidden_layers=1, n_routed_experts=E, hidden_size=H, num_experts_per_tok=K, swiglu_limit=10.0
+    )
+    return types.SimpleNamespace(config=config, w=w, kernels=create_kernel_backend("torch"))
+
+
+def test_dispatch_and_combine_in_a_world_of_one_equal_moe_experts_and_count_every_replica():
+    E, H, I, K, T = 8, 16, 8, 2, 40
+    model = _fake_model(E, H, I, K)
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
+    )
+    try:
+        load = np.array([[50, 30, 1, 1, 1, 1, 1, 1]])
+        placement = plan(load, 1, 3)  # 11 slots: expert 0 gets two spare replicas, expert 1 one
+        assert placement.replicas[0].tolist() == [3, 2, 1, 1, 1, 1, 1, 1]
+        moe = ExpertParallelMoE(model, 0, 1, placement)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(T, H, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        ids[:, 0] = 0  # every token uses expert 0: its 3 replicas split them by token index
+        weights = torch.rand(T, K, generator=g)
+        p = "model.layers.0.mlp.experts."
+        want = moe_experts(x, model.w[p + "gate_up_proj"], model.w[p + "down_proj"], weights, ids, 10.0)
+        moe.token_offset = 7
+        torch.testing.assert_close(moe(0, x, weights, ids), want, rtol=1e-6, atol=1e-6)
+        assert moe.loads.rank_tokens.tolist() == [[T * K]]
+        assert moe.loads.expert_tokens[0].tolist() == torch.bincount(ids.reshape(-1), minlength=E).tolist()
+        moe.idle_forward()  # no tokens: still one exchange a layer, nothing counted
+        assert moe.loads.rank_tokens.tolist() == [[T * K]]
+    finally:
+        torch.distributed.destroy_process_group()
