@@ -35,8 +35,9 @@ class DecodeConfig(ModelServiceConfig):
     speculative: str = setting(
         "off",
         "--speculative",
-        "speculative decoding: off, or ngram (drafts by prompt lookup, verified by the model in the same batched "
-        "step; the output is the same as without it)",
+        "speculative decoding: off, ngram (drafts by prompt lookup) or mtp (drafts by a DeepSeek-V4 checkpoint's "
+        "multi-token-prediction module), verified by the model in the same batched step; the output is the same "
+        "as without it",
     )
     num_draft_tokens: int = setting(4, "--num-draft-tokens", "most draft tokens a sequence carries into a step")
     draft_row_cost: float = setting(
@@ -50,6 +51,19 @@ class DecodeConfig(ModelServiceConfig):
         "--max-verify-rows",
         "most rows (tokens) a speculative step runs; drafts are left out past it, so large batches decode plainly",
     )
+
+    @property
+    def num_scratch_slots(self) -> int:
+        """State slots a model with per-request state (DeepSeek-V4) sets aside for speculative
+        verification rows: one a draft row of the largest step (0 without speculation)."""
+        if self.speculative == "off":
+            return 0
+        return min(self.max_verify_rows, self.num_draft_tokens * self.max_batch_size)
+
+    @property
+    def num_state_slots(self) -> int:
+        """State slots the runner needs: one a request, plus `num_scratch_slots`."""
+        return self.max_batch_size + self.num_scratch_slots
 
     def __post_init__(self) -> None:
         super().__post_init__()
