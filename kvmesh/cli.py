@@ -213,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--speculative",
         default="off",
-        choices=["off", "ngram"],
-        help="speculative decoding on every decode (default off; ngram: prompt-lookup drafts, same output)",
+        choices=["off", "ngram", "mtp"],
+        help="speculative decoding on every decode (default off; ngram: prompt-lookup drafts; mtp: a DeepSeek-V4 "
+        "checkpoint's multi-token-prediction module; the same output either way)",
     )
     up.add_argument("--num-draft-tokens", type=int, default=4, help="most draft tokens a step (default 4)")
     up.set_defaults(func=_cmd_up)

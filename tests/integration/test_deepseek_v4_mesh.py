@@ -46,9 +46,9 @@ def mesh(tiny):
     # decode speculates with the checkpoint's MTP module (random weights: drafts are mostly
     # rejected, which exercises the state rollback on every step that drafts): every test here
     # compares its output with transformers' or with plain decoding, token for token. Up to 4
-    # drafts a step (fewer near max_tokens, and as the governor picks), a row cost of 0.01 so
-    # drafting keeps paying at the low acceptance of random weights.
-    decode_args = ["--speculative", "mtp", "--num-draft-tokens", "4", "--draft-row-cost", "0.01"]
+    # drafts a step, as the governor picks: 3 at first, fewer as they are rejected, then one
+    # every 8 steps (a fixed row cost, so the machine's load cannot change that)
+    decode_args = ["--speculative", "mtp", "--num-draft-tokens", "4", "--draft-row-cost", "0.35"]
     with running_mesh(1, 1, model=str(tiny), decode_args=decode_args) as m:
         yield m
 
@@ -70,16 +70,15 @@ def hf_greedy(reference, prompt: str, new_tokens: int) -> list[int]:
 def test_greedy_64_tokens_equal_transformers_generate(mesh, reference):
     # four prompt lengths crossing CSA (4), HCA (16) and sliding (8) windows and page ends;
     # decode drafts with MTP, so equal tokens mean rejected drafts left no trace in the state
-    lengths, drafted = [], 0
+    lengths = []
     for prompt in PROMPTS:
         got = complete(mesh, prompt, chat=False, max_tokens=64, ignore_eos=True)
         assert got.token_ids == hf_greedy(reference, prompt, 64), prompt[:40]
         assert got.final.prefill_instance != got.final.decode_instance
-        assert got.final.drafted_tokens >= got.final.accepted_tokens
+        # MTP drafted on several steps of every request (k = 3, 2, 1 and probes every 8 steps)
+        assert got.final.drafted_tokens >= 8 and got.final.drafted_tokens >= got.final.accepted_tokens
         lengths.append(got.final.prompt_tokens)
-        drafted += got.final.drafted_tokens
     assert len(set(lengths)) == 4 and max(lengths) > 256, lengths
-    assert drafted >= 4 * 8, drafted  # MTP drafted on many steps of every request
     wait_idle(mesh)
 
 
