@@ -395,7 +395,8 @@ class DecodeEngine:
         return len(self._running)
 
     def _drafts(self, batch: list[DecodeSequence]) -> list[list[int]]:
-        """Each sequence's draft tokens for this step ([] for none): n-gram prompt lookup, at most
+        """Each sequence's draft tokens for this step ([] for none): n-gram prompt lookup or the
+        checkpoint's MTP module (--speculative), as many as its governor asks for and at most
         num_draft_tokens, never past the answer's max_tokens (nor so its KV would leave the
         reserved pages), and none once the step would exceed max_verify_rows rows."""
         cfg = self.config
@@ -452,9 +453,9 @@ class DecodeEngine:
 
     def calibrate(self) -> float:
         """Measure a verification row's cost relative to a plain one-row step (on page 0, whose
-        contents are garbage until a request's KV lands there) and give it to new sequences'
-        governors; returns it. --draft-row-cost, when set, is taken instead. Runs where steps
-        run; a no-op without speculation."""
+        contents are garbage until a request's KV lands there; with MTP drafts plus one pass of
+        the module) and give it to new sequences' governors; returns it. --draft-row-cost, when
+        set, is taken instead. Runs where steps run; a no-op without speculation."""
         if self.config.speculative == "off":
             return self.row_cost
         if self.config.draft_row_cost:
@@ -478,6 +479,13 @@ class DecodeEngine:
 
         one, more = timed(1), timed(1 + k)
         self.row_cost = max(0.05, (more - one) / (k * one))
+        if self._drafter is not None:  # an MTP draft also costs a pass of the module
+            hidden = self._drafter.last_hidden()[:1].clone()  # [1, N, H] garbage, as page 0 is
+            item = DraftItem(0, [0], hidden, [0], 0, 1)
+            self._drafter.propose_drafts([item])  # warm (and allocate its K=V)
+            t = time.perf_counter()
+            self._drafter.propose_drafts([item])
+            self.row_cost += (time.perf_counter() - t) / one
         logger.info(
             "speculative decoding: a verification row costs %.2f of a one-row step (%d rows)", self.row_cost, 1 + k
         )

@@ -171,3 +171,13 @@ def test_mtp_whose_drafts_are_the_targets_argmax_is_accepted_every_time(tiny, tm
     assert got == plain
     # every draft kept, several a step (the governor picks k <= 4 from the acceptance it sees)
     assert counts.drafted == counts.accepted >= 6, counts
+
+
+def test_decode_measures_what_a_draft_costs_on_deepseek_v4(runner):
+    # the start-up measurement runs its rows on scratch slots (V4 rows need one) and times a pass
+    # of the MTP module on top: a cost above the floor
+    from decode_svc.engine import DecodeEngine
+
+    engine = DecodeEngine(DecodeConfig(num_pages=64, speculative="mtp", num_draft_tokens=2), runner)
+    assert engine.calibrate() > 0.05
+    engine.pool.check_integrity()
