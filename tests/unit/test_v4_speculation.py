@@ -181,3 +181,56 @@ def test_decode_measures_what_a_draft_costs_on_deepseek_v4(runner):
     engine = DecodeEngine(DecodeConfig(num_pages=64, speculative="mtp", num_draft_tokens=2), runner)
     assert engine.calibrate() > 0.05
     engine.pool.check_integrity()
+
+
+def test_the_mtp_block_computes_what_the_models_own_verified_layer_computes(tmp_path):
+    # An MTP module set up to equal a one-layer model (sliding-window attention, top-k MoE):
+    # its block holds layer 0's weights, its hc head and norm the model's, e_proj = I and
+    # h_proj = 0, and the embedding rows have unit RMS (so enorm leaves them, to 1e-6). Then a
+    # first pass over positions 0..n-1 must give the model's logits at each position: the
+    # module's attention, window and head against the path tests/unit/test_deepseek_v4_model.py
+    # checks against transformers.
+    from engine.forward import DraftItem
+    from engine.models.deepseek_v4 import DeepseekV4Model
+    from engine.models.deepseek_v4_mtp import DeepseekV4MTP
+    from engine.models.deepseek_v4_state import V4StateLayout
+    from engine.models.deepseek_v4_weights import expected_shapes
+
+    one = make_tiny_model(
+        "deepseek_v4", tmp_path, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"]
+    )
+    cfg = load_config(one, "one")
+    w = normalize_names(load_file(one / "model.safetensors"), cfg.n_routed_experts)
+    emb = w["model.embed_tokens.weight"]
+    w["model.embed_tokens.weight"] = emb * torch.rsqrt(emb.square().mean(-1, keepdim=True))
+    H = cfg.hidden_size
+    for key in [k for k in w if k.startswith(MTP_PREFIX)]:
+        del w[key]
+    for key in expected_shapes(cfg):
+        if key.startswith("model.layers.0."):
+            w[MTP_PREFIX + key[len("model.layers.0.") :]] = w[key]
+    w.update(
+        {
+            MTP_PREFIX + "e_proj.weight": torch.eye(H),
+            MTP_PREFIX + "h_proj.weight": torch.zeros(H, H),
+            MTP_PREFIX + "enorm.weight": torch.ones(H),
+            MTP_PREFIX + "hnorm.weight": torch.ones(H),
+            MTP_PREFIX + "norm.weight": w["model.norm.weight"],
+            MTP_PREFIX + "hc_head_fn": w["model.hc_head.hc_fn"],
+            MTP_PREFIX + "hc_head_base": w["model.hc_head.hc_base"],
+            MTP_PREFIX + "hc_head_scale": w["model.hc_head.hc_scale"],
+        }
+    )
+    lay = V4StateLayout.from_config(cfg, 16, mtp=True)
+    model = DeepseekV4Model(cfg, w, lay)
+    n, blocks = 21, [0, 1]  # past the sliding window of 8
+    ids = list(range(500, 500 + n))
+    pages, slots = torch.zeros(2, lay.page_floats), torch.zeros(1, lay.slot_floats)
+    ref = torch.stack([model.forward([ForwardItem([t], j, blocks, 0)], pages, slots)[0] for j, t in enumerate(ids)])
+    mtp = DeepseekV4MTP(model, 2)
+    logits, _ = mtp.forward(
+        torch.arange(n), torch.tensor(ids), torch.zeros(n, cfg.hc_mult, H), [torch.tensor(blocks)] * n, torch.zeros(n)
+    )
+    torch.testing.assert_close(logits, ref, **TIGHT)
+    # and the drafts are that argmax, each pass continuing the last
+    assert mtp.propose([DraftItem(0, ids, torch.zeros(n, cfg.hc_mult, H), blocks, 0, 1)]) == [[int(ref[-1].argmax())]]
