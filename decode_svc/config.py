@@ -36,8 +36,9 @@ class DecodeConfig(ModelServiceConfig):
     speculative: str = setting(
         "off",
         "--speculative",
-        "speculative decoding: off, or ngram (drafts by prompt lookup, verified by the model in the same batched "
-        "step; the output is the same as without it)",
+        "speculative decoding: off, ngram (drafts by prompt lookup) or mtp (drafts by a DeepSeek-V4 checkpoint's "
+        "multi-token-prediction module), verified by the model in the same batched step; the output is the same "
+        "as without it",
     )
     num_draft_tokens: int = setting(4, "--num-draft-tokens", "most draft tokens a sequence carries into a step")
     draft_row_cost: float = setting(
@@ -67,6 +68,19 @@ class DecodeConfig(ModelServiceConfig):
         30.0, "--ep-timeout", "seconds any expert-parallel collective may wait for a rank before the step fails"
     )
 
+    @property
+    def num_scratch_slots(self) -> int:
+        """State slots a model with per-request state (DeepSeek-V4) sets aside for speculative
+        verification rows: one a draft row of the largest step (0 without speculation)."""
+        if self.speculative == "off":
+            return 0
+        return min(self.max_verify_rows, self.num_draft_tokens * self.max_batch_size)
+
+    @property
+    def num_state_slots(self) -> int:
+        """State slots the runner needs: one a request, plus `num_scratch_slots`."""
+        return self.max_batch_size + self.num_scratch_slots
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_batch_size < 1:
@@ -85,6 +99,10 @@ class DecodeConfig(ModelServiceConfig):
             raise ValueError(f"ep must be >= 1, got {self.ep}")
         if self.eplb_placement and self.ep == 1:
             raise ValueError("eplb_placement needs --ep >= 2")
+        if self.ep > 1 and self.speculative != "off":
+            # verification rows need the state-slot copies and (mtp) the last hidden streams of
+            # every rank's requests on rank 0; the expert-parallel runner does not gather them yet
+            raise ValueError("--speculative with --ep >= 2 is not supported yet: use one of them")
         if not self.ep_timeout_s > 0:
             raise ValueError(f"ep_timeout_s must be > 0, got {self.ep_timeout_s}")
         if self.max_verify_rows < 1:

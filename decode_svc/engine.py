@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -27,7 +28,7 @@ from decode_svc import metrics
 from decode_svc.config import DecodeConfig
 from decode_svc.speculative import DraftCounts, SpeculationGovernor, propose_ngram
 from engine.eplb import expert_stats
-from engine.forward import ForwardItem, Runner, StateSlots
+from engine.forward import DraftingRunner, DraftItem, ForwardItem, Runner, StateSlots
 from engine.outcomes import FinishReason
 from engine.sampler import sample, verify_drafts
 from engine.sampling_params import SamplingParams
@@ -95,6 +96,11 @@ class DecodeSequence:
     state: SeqState = SeqState.RESERVED
     drafts: DraftCounts = field(default_factory=DraftCounts)
     governor: SpeculationGovernor = field(default_factory=SpeculationGovernor)
+    mtp_pending: torch.Tensor | None = None
+    """--speculative mtp: [n, N, H] the target's streams at the last n computed positions, which
+    the MTP module has not run over yet (its next drafting pass starts with them)."""
+    mtp_start: int = 0
+    """--speculative mtp: the first position whose MTP K=V this sequence wrote."""
 
     @property
     def num_generated(self) -> int:
@@ -116,17 +122,35 @@ class DecodeEngine:
     """Owns the decode page pool and the batch loop over a Runner."""
 
     def __init__(self, config: DecodeConfig, runner: Runner) -> None:
-        """Raises ValueError when speculative decoding is asked of a model whose state does not
-        live only in its pages (DeepSeek-V4's windows and compressors cannot roll back yet)."""
-        if config.speculative != "off" and runner.num_state_slots:
-            raise ValueError(
-                f"--speculative {config.speculative} needs a model whose decode state is all in its KV pages; "
-                "DeepSeek-V4's sliding window and compressor state cannot roll back rejected drafts yet"
-            )
+        """Raises ValueError when speculation needs more state slots than the runner has (a
+        DeepSeek-V4 runner needs config.num_state_slots: one a request plus the verification
+        rows' scratch slots), or `--speculative mtp` of a runner without an MTP module."""
         self.config = config
         self.runner = runner
         self.pool = BlockPool(config.num_pages, config.page_size, enable_prefix_caching=False)
         self.slots = StateSlots(runner.num_state_slots)
+        self._scratch: list[int] = []
+        """State slots the verification rows after a sequence's first write to (DeepSeek-V4):
+        row j continues row j-1's state in a slot of its own, and the step keeps the state of
+        the last accepted row, so rejected drafts leave nothing behind (`_verify_items`)."""
+        if config.speculative != "off" and runner.num_state_slots:
+            if runner.num_state_slots < config.num_state_slots:
+                raise ValueError(
+                    f"--speculative {config.speculative} needs {config.num_state_slots} state slots (one a "
+                    f"request and {config.num_scratch_slots} for verification rows), the runner has "
+                    f"{runner.num_state_slots}"
+                )
+            self._scratch = [
+                s for s in (self.slots.allocate() for _ in range(config.num_scratch_slots)) if s is not None
+            ]
+        self._drafter: DraftingRunner | None = None
+        if config.speculative == "mtp":
+            if not getattr(runner, "has_mtp", False):
+                raise ValueError(
+                    "--speculative mtp needs a DeepSeek-V4 checkpoint that carries its multi-token-prediction "
+                    "module (mtp.* tensors); use --speculative ngram for this model"
+                )
+            self._drafter = cast(DraftingRunner, runner)
         self._cond = threading.Condition()
         self._by_transfer: dict[int, DecodeSequence] = {}
         self._waiting: deque[DecodeSequence] = deque()
@@ -229,6 +253,10 @@ class DecodeEngine:
             seq.stop_token_ids = stop_token_ids
             seq.emit = emit
             seq.governor = SpeculationGovernor(row_cost=self.row_cost)
+            if self._drafter is not None and seq.state_slot is not None:
+                # the pushed slot ends on the prompt's last streams: MTP's first pending pair
+                seq.mtp_pending = self._drafter.slot_hidden(seq.state_slot)[None]
+                seq.mtp_start = seq.num_prompt_tokens - 1
             if drafts is not None:
                 seq.drafts = drafts
             if not sampling.greedy:
@@ -283,8 +311,9 @@ class DecodeEngine:
         """Pool and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
         with self._cond:
             error = self.pool.integrity_error()
-            if not error and self.slots.num_used != len(self._by_transfer):
-                error = f"{self.slots.num_used} state slots held, {len(self._by_transfer)} requests"
+            held = self.slots.num_used - len(self._scratch)  # the scratch slots are held for good
+            if not error and held != len(self._by_transfer):
+                error = f"{held} state slots held, {len(self._by_transfer)} requests"
             return {
                 "num_pages": self.pool.num_blocks,
                 "num_free_pages": self.pool.num_free_blocks,
@@ -366,7 +395,8 @@ class DecodeEngine:
         return len(self._running)
 
     def _drafts(self, batch: list[DecodeSequence]) -> list[list[int]]:
-        """Each sequence's draft tokens for this step ([] for none): n-gram prompt lookup, at most
+        """Each sequence's draft tokens for this step ([] for none): n-gram prompt lookup or the
+        checkpoint's MTP module (--speculative), as many as its governor asks for and at most
         num_draft_tokens, never past the answer's max_tokens (nor so its KV would leave the
         reserved pages), and none once the step would exceed max_verify_rows rows."""
         cfg = self.config
@@ -374,20 +404,58 @@ class DecodeEngine:
         if cfg.speculative == "off":
             return out
         rows = len(batch)
+        wanted: list[tuple[int, int]] = []  # (sequence, k) for the draft module
         for i, seq in enumerate(batch):
             room = min(cfg.num_draft_tokens, seq.max_tokens - seq.num_generated - 1, cfg.max_verify_rows - rows)
             k = seq.governor.num_drafts(max(0, room))
             if k < 1:
                 continue
-            out[i] = propose_ngram(seq.token_ids, k)
-            rows += len(out[i])
+            if self._drafter is None:
+                out[i] = propose_ngram(seq.token_ids, k)
+                rows += len(out[i])
+            else:
+                wanted.append((i, k))
+                rows += k
+        if wanted:
+            out = self._mtp_drafts(batch, wanted, out)
         return out
+
+    def _mtp_drafts(
+        self, batch: list[DecodeSequence], wanted: list[tuple[int, int]], out: list[list[int]]
+    ) -> list[list[int]]:
+        """k drafts for each (sequence, k) from the checkpoint's MTP module, in one batched pass
+        over every pending pair and then k - 1 autoregressive ones (DeepseekV4MTP.propose)."""
+        assert self._drafter is not None
+        items = []
+        for i, k in wanted:
+            s = batch[i]
+            assert s.mtp_pending is not None, s.request_id
+            first = s.num_computed_tokens - s.mtp_pending.shape[0]
+            tokens = s.token_ids[first + 1 : s.num_computed_tokens + 1]
+            items.append(DraftItem(first, tokens, s.mtp_pending, s.block_ids, s.mtp_start, k))
+        for (i, _), drafts in zip(wanted, self._drafter.propose_drafts(items)):
+            out[i] = drafts
+            batch[i].mtp_pending = None  # the module's K=V now covers them
+        return out
+
+    def _keep_mtp_pending(self, seq: DecodeSequence, hidden: torch.Tensor) -> None:
+        """After a step: the target's streams at the positions it just computed ([n, N, H]) join
+        the pairs the MTP module has yet to run over. Only the last sliding_window of them can
+        reach the next draft, so older ones are dropped and the module's window starts after
+        them (what it then computes is what keeping them all would give)."""
+        pending = hidden if seq.mtp_pending is None else torch.cat([seq.mtp_pending, hidden])
+        assert self._drafter is not None
+        window = self._drafter.draft_window
+        if pending.shape[0] > window:
+            pending = pending[-window:]
+            seq.mtp_start = seq.num_computed_tokens - window
+        seq.mtp_pending = pending
 
     def calibrate(self) -> float:
         """Measure a verification row's cost relative to a plain one-row step (on page 0, whose
-        contents are garbage until a request's KV lands there) and give it to new sequences'
-        governors; returns it. --draft-row-cost, when set, is taken instead. Runs where steps
-        run; a no-op without speculation."""
+        contents are garbage until a request's KV lands there; with MTP drafts plus one pass of
+        the module) and give it to new sequences' governors; returns it. --draft-row-cost, when
+        set, is taken instead. Runs where steps run; a no-op without speculation."""
         if self.config.speculative == "off":
             return self.row_cost
         if self.config.draft_row_cost:
@@ -396,7 +464,11 @@ class DecodeEngine:
         k = min(self.config.num_draft_tokens, self.config.page_size - 1)
 
         def timed(rows: int) -> float:
-            items = [ForwardItem([0], j, [0]) for j in range(rows)]
+            # on a model with state slots each row writes a scratch slot of its own (garbage too)
+            items = [
+                ForwardItem([0], j, [0], self._scratch[j % len(self._scratch)] if self._scratch else None)
+                for j in range(rows)
+            ]
             self.runner.forward(items)  # warm
             best = float("inf")
             for _ in range(3):
@@ -407,10 +479,47 @@ class DecodeEngine:
 
         one, more = timed(1), timed(1 + k)
         self.row_cost = max(0.05, (more - one) / (k * one))
+        if self._drafter is not None:  # an MTP draft also costs a pass of the module
+            hidden = self._drafter.last_hidden()[:1].clone()  # [1, N, H] garbage, as page 0 is
+            item = DraftItem(0, [0], hidden, [0], 0, 1)
+            self._drafter.propose_drafts([item])  # warm (and allocate its K=V)
+            t = time.perf_counter()
+            self._drafter.propose_drafts([item])
+            self.row_cost += (time.perf_counter() - t) / one
         logger.info(
             "speculative decoding: a verification row costs %.2f of a one-row step (%d rows)", self.row_cost, 1 + k
         )
         return self.row_cost
+
+    def _verify_items(
+        self, batch: list[DecodeSequence], drafts: list[list[int]]
+    ) -> tuple[list[ForwardItem], dict[int, list[int | None]]]:
+        """The step's rows: a sequence with k drafts runs as k + 1 one-token rows at consecutive
+        positions over its own pages. The step writes every row's K/V before any row attends, so
+        row j sees the rows before it, and each row computes what a plain step at that position
+        would. Where the model keeps per-request state beyond its pages (DeepSeek-V4's open
+        compressor windows), row 0 writes the sequence's slot and row j > 0 a scratch slot,
+        continuing row j-1's state (`ForwardItem.state_from`). Returns the rows and, per
+        transfer id, each row's slot."""
+        items: list[ForwardItem] = []
+        row_slots: dict[int, list[int | None]] = {}
+        scratch = iter(self._scratch)
+        for s, d in zip(batch, drafts):
+            slots: list[int | None] = [s.state_slot]
+            for j, tok in enumerate([s.token_ids[-1], *d]):
+                if j and s.state_slot is not None:
+                    slots.append(next(scratch))
+                items.append(
+                    ForwardItem(
+                        token_ids=[tok],
+                        num_computed_tokens=s.num_computed_tokens + j,
+                        block_ids=s.block_ids,
+                        state_slot=slots[j] if s.state_slot is not None else None,
+                        state_from=slots[j - 1] if j and s.state_slot is not None else None,
+                    )
+                )
+            row_slots[s.transfer_id] = slots
+        return items, row_slots
 
     def _step(self, batch: list[DecodeSequence]) -> None:
         started = time.perf_counter()
@@ -419,17 +528,9 @@ class DecodeEngine:
         # a sequence with k drafts runs as k + 1 one-token rows at consecutive positions over its
         # own pages: the step writes every row's K/V before any row attends, so row j sees the
         # rows before it, and each row computes exactly what a plain step at that position would
-        items = [
-            ForwardItem(
-                token_ids=[tok],
-                num_computed_tokens=s.num_computed_tokens + j,
-                block_ids=s.block_ids,
-                state_slot=s.state_slot,
-            )
-            for s, d in zip(batch, drafts)
-            for j, tok in enumerate([s.token_ids[-1], *d])
-        ]
+        items, row_slots = self._verify_items(batch, drafts)
         logits = self.runner.forward(items)  # [rows, V]
+        hidden = self._drafter.last_hidden() if self._drafter is not None else None  # [rows, N, H]
         if len(items) == len(batch):
             kept = [[t] for t in sample(logits, [s.sampling for s in batch], [s.generator for s in batch])]
         else:
@@ -445,7 +546,9 @@ class DecodeEngine:
             self.num_steps += 1
             self.step_seconds += step_s
             self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))
+            row = 0
             for seq, d, tokens in zip(batch, drafts, kept):
+                first_row, row = row, row + len(d) + 1
                 if seq.aborted:
                     continue  # freed by the next _schedule
                 finish = None
@@ -456,6 +559,15 @@ class DecodeEngine:
                         break
                 seq.token_ids.extend(tokens)
                 seq.num_computed_tokens += len(tokens)
+                if d and len(tokens) > 1 and seq.state_slot is not None:
+                    # keep the state after the last accepted row; the rejected rows' scratch
+                    # slots are simply reused, and what they wrote in the pages lies past the
+                    # accepted length, rewritten before any later step reads it
+                    kept_slot = row_slots[seq.transfer_id][len(tokens) - 1]
+                    assert kept_slot is not None, seq.request_id
+                    self.runner.copy_state_slot(kept_slot, seq.state_slot)
+                if hidden is not None and finish is None:
+                    self._keep_mtp_pending(seq, hidden[first_row : first_row + len(tokens)].clone())
                 if d:
                     accepted = len(tokens) - 1
                     seq.drafts.drafted += len(d)

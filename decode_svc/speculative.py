@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SPECULATIVE_METHODS = ("off", "ngram")
-"""--speculative choices. MTP (DeepSeek-V4's own draft head) is not built yet."""
+SPECULATIVE_METHODS = ("off", "ngram", "mtp")
+"""--speculative choices: n-gram prompt lookup (any model) or DeepSeek-V4's multi-token-prediction
+module (`engine.models.deepseek_v4_mtp`, checkpoints with mtp.* tensors)."""
 
 
 def propose_ngram(

@@ -34,6 +34,32 @@ class ForwardItem:
     """Page ids covering num_computed_tokens + len(token_ids) tokens, in order."""
     state_slot: int | None = None
     """The sequence's state slot, for models with per-request state beyond pages (DeepSeek-V4)."""
+    state_from: int | None = None
+    """Speculative verification (DeepSeek-V4): the slot this row's state continues from, the
+    previous row's; the row leaves its state in `state_slot` (a scratch slot) and the others'
+    untouched, so decode keeps the state after the last accepted row. None: `state_slot` itself."""
+
+
+@dataclass(frozen=True)
+class DraftItem:
+    """One sequence's share of a drafting pass of a model's own draft module (DeepSeek-V4's MTP).
+
+    The pending pairs are the positions first_position .. first_position + len(tokens) - 1 the
+    target computed since the module last ran for this sequence: at each, the target's streams
+    after that position's token (`hidden`) and the token that followed it (`tokens`).
+    """
+
+    first_position: int
+    tokens: Sequence[int]
+    """The token after each pending position, len >= 1 (the last: the token the step verifies from)."""
+    hidden: torch.Tensor
+    """[len(tokens), N, H] fp32 the target's hyper-connection streams at each pending position."""
+    block_ids: Sequence[int]
+    """The sequence's pages (the module's K=V sits at the same positions)."""
+    window_start: int
+    """First position whose draft-module K=V is valid for this sequence (earlier ones are masked)."""
+    k: int
+    """Drafts wanted, >= 1."""
 
 
 class Runner(Protocol):
@@ -67,6 +93,11 @@ class Runner(Protocol):
         """A prefix-cache hit: start `slot` from the end of the last cached page."""
         ...
 
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        """Make slot `dst` a copy of slot `src` (speculative verification keeps the state of the
+        last accepted row); ValueError for a slot out of range or a runner without slots."""
+        ...
+
     def expert_token_counts(self) -> np.ndarray | None:
         """[L, E] int64 tokens routed to each expert of each MoE layer since load (a copy);
         None for a dense model."""
@@ -74,6 +105,26 @@ class Runner(Protocol):
 
     def warmup(self) -> None:
         """Run a tiny step so the first request pays no one-time costs (page 0 left garbage)."""
+        ...
+
+
+class DraftingRunner(Runner, Protocol):
+    """A runner whose checkpoint carries its own draft module (DeepSeek-V4's MTP)."""
+
+    has_mtp: bool
+    draft_window: int
+    """Positions the draft module's attention looks back over (its sliding window), tokens."""
+
+    def last_hidden(self) -> torch.Tensor:
+        """[B, N, H] fp32 streams after each item's last token in the last forward (overwritten by the next)."""
+        ...
+
+    def slot_hidden(self, slot: int) -> torch.Tensor:
+        """[N, H] a copy of the streams the slot's last forward ended on."""
+        ...
+
+    def propose_drafts(self, items: Sequence[DraftItem]) -> list[list[int]]:
+        """items[b].k draft tokens for each item."""
         ...
 
 

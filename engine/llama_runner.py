@@ -98,6 +98,10 @@ class LlamaRunner:
     def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
         """Nothing to resume: pages hold everything."""
 
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        """Llama has no state slots (ValueError): speculation needs no rollback beyond its pages."""
+        raise ValueError("Llama keeps no state slots to copy")
+
     def expert_token_counts(self) -> None:
         """Llama is dense: no experts to count."""
         return None

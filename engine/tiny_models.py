@@ -97,7 +97,70 @@ def _skew_hash_table(table, p_hot: float, gen) -> None:
         table[row, 0] = e
 
 
-def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, skew_routers: float = 0.0, **overrides) -> Path:
+_MTP_UPSTREAM = {  # kvmesh's (transformers-style) name of an MTP block tensor -> DeepSeek's
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "attn_hc.fn": "hc_attn_fn",
+    "attn_hc.base": "hc_attn_base",
+    "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn",
+    "ffn_hc.base": "hc_ffn_base",
+    "ffn_hc.scale": "hc_ffn_scale",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight",
+    "self_attn.q_a_norm.weight": "attn.q_norm.weight",
+    "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_proj.weight": "attn.wkv.weight",
+    "self_attn.kv_norm.weight": "attn.kv_norm.weight",
+    "self_attn.o_a_proj.weight": "attn.wo_a.weight",
+    "self_attn.o_b_proj.weight": "attn.wo_b.weight",
+    "self_attn.sinks": "attn.attn_sink",
+    "mlp.gate.weight": "ffn.gate.weight",
+    "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+}
+
+
+def random_mtp_tensors(config, seed: int = 0) -> dict:
+    """A random multi-token-prediction module for `config`, named as DeepSeek-V4's released
+    checkpoints name it (`mtp.0.enorm.weight`, `mtp.0.attn.wq_a.weight`,
+    `mtp.0.ffn.experts.3.w1.weight`, `mtp.0.hc_attn_fn`, ...; shapes from
+    engine.models.deepseek_v4_weights.mtp_shapes). Matrices std 0.02, norms 1, and random values
+    where init leaves zeros the tests would not see through (sinks, hyper-connection biases,
+    router biases), as `make_tiny_model` does for the target."""
+    import torch
+
+    from engine.models.deepseek_v4_weights import MTP_PREFIX, mtp_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, shape in mtp_shapes(config).items():
+        name = key[len(MTP_PREFIX) :]
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape)
+        elif name.endswith(("sinks", "base")) or name == "mlp.gate.e_score_correction_bias":
+            t = torch.randn(shape, generator=gen) * 0.5
+        elif name.endswith(("scale",)):
+            t = 1.0 + torch.randn(shape, generator=gen) * 0.1
+        else:
+            t = torch.randn(shape, generator=gen) * 0.02
+        if name == "mlp.experts.gate_up_proj":
+            half = shape[1] // 2
+            for e in range(shape[0]):
+                out[f"{MTP_PREFIX}ffn.experts.{e}.w1.weight"] = t[e, :half].clone()
+                out[f"{MTP_PREFIX}ffn.experts.{e}.w3.weight"] = t[e, half:].clone()
+        elif name == "mlp.experts.down_proj":
+            for e in range(shape[0]):
+                out[f"{MTP_PREFIX}ffn.experts.{e}.w2.weight"] = t[e].clone()
+        else:
+            out[MTP_PREFIX + _MTP_UPSTREAM.get(name, name)] = t
+    return out
+
+
+def make_tiny_model(
+    arch: str, out_dir: str | Path, seed: int = 0, skew_routers: float = 0.0, mtp: bool = True, **overrides
+) -> Path:
     """Write a random `arch` checkpoint plus SmolLM2's tokenizer into `out_dir`; return it.
 
     Weights are drawn with std 0.02 like the models' own init, except what init leaves at
@@ -111,6 +174,10 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, skew_routers:
     them) grows by s, and each hash-MoE table row takes a hot expert with probability
     min(1, 4 s). EPLB (engine.eplb) has something to balance then. Raises ValueError for an
     unknown arch or s < 0.
+
+    mtp: also write a random multi-token-prediction module (`random_mtp_tensors`, DeepSeek's
+    names) into model.safetensors, as the released checkpoints carry one; transformers ignores
+    those tensors, kvmesh's `--speculative mtp` drafts with them.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; known: {list(ARCHITECTURES)}")
@@ -152,6 +219,13 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, skew_routers:
                     _skew_hash_table(b, min(1.0, 4 * skew_routers), torch.Generator().manual_seed(seed + 2))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    if mtp:
+        from safetensors.torch import load_file, save_file
+
+        path = out / "model.safetensors"
+        tensors = load_file(path)
+        tensors.update(random_mtp_tensors(config, seed + 3))
+        save_file(tensors, path, metadata={"format": "pt"})
     load_tokenizer(resolve_model(None)).save_pretrained(out)
     logger.info("wrote a tiny %s checkpoint to %s", arch, out)
     return out

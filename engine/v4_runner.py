@@ -17,10 +17,12 @@ import numpy as np
 import torch
 
 from engine.checkpoint import ModelFiles, load_checkpoint_tensors
-from engine.forward import ForwardItem
+from engine.forward import DraftItem, ForwardItem
 from engine.loader import load_config
 from engine.models.deepseek_v4 import DeepseekV4Model
+from engine.models.deepseek_v4_mtp import DeepseekV4MTP
 from engine.models.deepseek_v4_state import V4StateLayout
+from engine.models.deepseek_v4_weights import has_mtp
 from engine.models.deepseek_v4_weights import load_config as load_v4_config
 from kernels.backend import KernelBackend
 from kvstore.shared_memory import shared_zeros
@@ -49,10 +51,15 @@ class DeepseekV4Runner:
         start = time.monotonic()
         self.hf_config = load_v4_config(files.checkpoint_dir, files.name)
         self.config = load_config(files)
-        self.layout = V4StateLayout.from_config(self.hf_config, page_size)
         tensors = load_checkpoint_tensors(files.checkpoint_dir)
+        self.has_mtp = has_mtp(tensors)
+        """The checkpoint carries the multi-token-prediction module (`--speculative mtp`)."""
+        self.layout = V4StateLayout.from_config(self.hf_config, page_size, mtp=self.has_mtp)
         self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name, kernels)
         del tensors
+        self._mtp: DeepseekV4MTP | None = None  # built on first use: only decode drafts
+        self.draft_window = self.hf_config.sliding_window
+        """Positions the MTP module's sliding-window attention looks back over."""
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
         # pages, then slots, in one shared-memory region, so a decode process on this host can
         # pull a request's pages and slot with one copy each
@@ -93,6 +100,34 @@ class DeepseekV4Runner:
         """A prefix-cache hit: start `slot` from the end of the last cached page."""
         self.layout.restore_slot(self.pages, last_cached_page, self.slots, slot)
 
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        """Slot `dst` becomes a copy of slot `src` (ValueError when either is out of range)."""
+        for s in (src, dst):
+            if not 0 <= s < self.num_state_slots:
+                raise ValueError(f"state slot must be in [0, {self.num_state_slots}), got {s}")
+        self.slots[dst].copy_(self.slots[src])
+
+    def last_hidden(self) -> torch.Tensor:
+        """[B, N, H] fp32 the hyper-connection streams after each item's last token in the last
+        forward (shares storage with the model's: copy what must outlive the next forward)."""
+        return self.model.last_streams
+
+    def slot_hidden(self, slot: int) -> torch.Tensor:
+        """[N, H] a copy of the streams the slot's last forward ended on (the push carries them
+        from prefill); ValueError without an MTP module or for a slot out of range."""
+        if not self.has_mtp or not 0 <= slot < self.num_state_slots:
+            raise ValueError(f"slot_hidden needs an MTP checkpoint and a slot in [0, {self.num_state_slots})")
+        return self.layout.slot_view(self.slots, slot, "hidden", -1).clone()
+
+    def propose_drafts(self, items: Sequence[DraftItem]) -> list[list[int]]:
+        """Drafts from the checkpoint's MTP module (engine.models.deepseek_v4_mtp): items[b].k
+        tokens for each item. Raises ValueError without an MTP module or for a bad item."""
+        if not self.has_mtp:
+            raise ValueError(f"{self.config.name!r} has no multi-token-prediction module (mtp.* tensors)")
+        if self._mtp is None:
+            self._mtp = DeepseekV4MTP(self.model, self.num_pages)
+        return self._mtp.propose(items)
+
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         """One step over the batch; returns fp32 logits [B, V]. Every item needs a state_slot.
 
@@ -104,6 +139,8 @@ class DeepseekV4Runner:
                 raise ValueError(
                     f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), got {it.state_slot}"
                 )
+            if it.state_from is not None and not 0 <= it.state_from < self.num_state_slots:
+                raise ValueError(f"item {b}: state_from must be in [0, {self.num_state_slots}), got {it.state_from}")
             if it.num_computed_tokens + len(it.token_ids) > self.config.max_position_embeddings:
                 raise ValueError(
                     f"item {b}: {it.num_computed_tokens + len(it.token_ids)} tokens exceed "

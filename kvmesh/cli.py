@@ -182,7 +182,7 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from engine.tiny_models import make_tiny_model
 
     try:
-        print(make_tiny_model(args.arch, args.out_dir, seed=args.seed, skew_routers=args.skew_routers))
+        print(make_tiny_model(args.arch, args.out_dir, seed=args.seed, skew_routers=args.skew_routers, mtp=args.mtp))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -228,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--speculative",
         default="off",
-        choices=["off", "ngram"],
-        help="speculative decoding on every decode (default off; ngram: prompt-lookup drafts, same output)",
+        choices=["off", "ngram", "mtp"],
+        help="speculative decoding on every decode (default off; ngram: prompt-lookup drafts; mtp: a DeepSeek-V4 "
+        "checkpoint's multi-token-prediction module; the same output either way)",
     )
     up.add_argument("--num-draft-tokens", type=int, default=4, help="most draft tokens a step (default 4)")
     up.add_argument(
@@ -347,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="make experts 0 and 1 hot in every MoE layer, as trained routers are (0: random routers; 0.12 gives "
         "balancedness ~0.4 at 4 ranks on real text), for EPLB",
+    )
+    tiny.add_argument(
+        "--mtp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write a random multi-token-prediction module (mtp.0.*, for --speculative mtp; default on)",
     )
     tiny.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer into")
     tiny.set_defaults(func=_cmd_make_tiny_model)

@@ -129,6 +129,9 @@ class DeepseekV4Model:
         """When True, count in topk_boundary_ties the indexer queries whose top-k set a tie
         decided (tests turn it on to prove their comparisons tie-free; it costs a top-k a layer)."""
         self.topk_boundary_ties = 0
+        self.last_streams = torch.zeros(0, c.hc_mult, c.hidden_size)
+        """[B, N, H] the hyper-connection streams after each item's last token in the last forward
+        (what the head read): speculative decoding's MTP drafter continues from them."""
         self.expert_counts = torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.int64)  # [L, E]
         """Tokens routed to each expert of each MoE layer (top-k and hash-routed alike), since
         load; EPLB's input (engine.eplb). A token with k experts counts once for each."""
@@ -169,9 +172,20 @@ class DeepseekV4Model:
 
     # -- MLP --------------------------------------------------------------------------------
     def _mlp(self, x: torch.Tensor, ids: torch.Tensor, i: int) -> torch.Tensor:
-        c, p = self.config, f"model.layers.{i}.mlp."
+        out, experts = self.moe(x, ids, f"model.layers.{i}.mlp.", self.config.mlp_layer_types[i] == "hash_moe", layer=i)
+        self.expert_counts[i] += torch.bincount(experts.reshape(-1), minlength=self.config.n_routed_experts)
+        return out
+
+    def moe(
+        self, x: torch.Tensor, ids: torch.Tensor, p: str, hash_routed: bool, layer: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DeepseekV4MoE` under prefix p (`model.layers.3.mlp.`): x [T, H], ids [T] -> [T, H]
+        and the routed experts [T, K]. A main-model layer's routed experts go through
+        `routed_experts(layer, ...)` (expert parallelism may place them on other ranks); the MTP
+        block's (layer None) run here."""
+        c = self.config
         logits = F.linear(x, self.w[p + "gate.weight"])  # [T, E]
-        if c.mlp_layer_types[i] == "hash_moe":
+        if hash_routed:
             weights, experts = route_hash(
                 logits, c.scoring_func, self.w[p + "gate.tid2eid"], ids, c.routed_scaling_factor
             )
@@ -183,12 +197,17 @@ class DeepseekV4Model:
                 self.w[p + "gate.e_score_correction_bias"],
                 c.routed_scaling_factor,
             )
-        self.expert_counts[i] += torch.bincount(experts.reshape(-1), minlength=c.n_routed_experts)
-        routed = self.routed_experts(i, x, weights, experts)
+        routed = (
+            self.kernels.moe_experts(
+                x, self.w[p + "experts.gate_up_proj"], self.w[p + "experts.down_proj"], weights, experts, c.swiglu_limit
+            )
+            if layer is None
+            else self.routed_experts(layer, x, weights, experts)
+        )
         lim = c.swiglu_limit
         gate = F.linear(x, self.w[p + "shared_experts.gate_proj.weight"]).clamp(max=lim)
         up = F.linear(x, self.w[p + "shared_experts.up_proj.weight"]).clamp(min=-lim, max=lim)
-        return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"])
+        return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"]), experts
 
     def local_experts(self, i: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Layer i's routed experts, all in this process: `kernels.moe.moe_experts`' contract."""
@@ -225,6 +244,11 @@ class DeepseekV4Model:
         assert slot is not None, "the runner checked every item's state slot"
         nb, e0 = nc % r, nc // r
         buf_kv, buf_gate = lay.slot_view(slots, slot, bk, i), lay.slot_view(slots, slot, bg, i)
+        if item.state_from is not None and item.state_from != slot:
+            # a verification row continues the previous row's state in a slot of its own, so
+            # the rows after the last accepted one leave the sequence's state as they found it
+            for name in (bk, bg, ok, og) if overlap else (bk, bg):
+                lay.slot_view(slots, slot, name, i).copy_(lay.slot_view(slots, item.state_from, name, i))
         kv = torch.cat([buf_kv[:nb], kv])
         gate = torch.cat([buf_gate[:nb], gate])
         usable = kv.shape[0] // r * r
@@ -482,13 +506,19 @@ class DeepseekV4Model:
             streams = self._mix(post, comb, self._mlp(x, ids_t, i), streams)
         last = torch.tensor(starts[1:]) - 1
         streams = streams.index_select(0, last)  # [B, N, H]
+        self.last_streams = streams
+        if self.layout.mtp_hidden is not None:  # what the MTP drafter continues from
+            for b, it in enumerate(items):
+                assert it.state_slot is not None, "the runner checked every item's state slot"
+                self.layout.slot_view(slots, it.state_slot, "hidden", -1).copy_(streams[b])
+        return self.head(
+            streams, "model.hc_head.hc_fn", "model.hc_head.hc_scale", "model.hc_head.hc_base", "model.norm.weight"
+        )
+
+    def head(self, streams: torch.Tensor, fn: str, scale: str, base: str, norm: str) -> torch.Tensor:
+        """`DeepseekV4HyperHead` + final norm + lm_head, with the named tensors (the model's, or
+        the MTP module's own hc head and norm): streams [B, N, H] -> fp32 logits [B, V]."""
         flat = _rms(streams.flatten(1), None, self.eps)
-        pre = (
-            torch.sigmoid(
-                F.linear(flat, self.w["model.hc_head.hc_fn"]) * self.w["model.hc_head.hc_scale"]
-                + self.w["model.hc_head.hc_base"]
-            )
-            + self.hc_eps
-        )  # [B, N]
-        h = _rms((pre.unsqueeze(-1) * streams).sum(dim=1), self.w["model.norm.weight"], self.eps)
+        pre = torch.sigmoid(F.linear(flat, self.w[fn]) * self.w[scale] + self.w[base]) + self.hc_eps  # [B, N]
+        h = _rms((pre.unsqueeze(-1) * streams).sum(dim=1), self.w[norm], self.eps)
         return F.linear(h, self.w["lm_head.weight"]).float()  # [B, V]

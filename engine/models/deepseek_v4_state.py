@@ -23,6 +23,20 @@ Slot (one per running request; one contiguous fp32 row), per CSA / HCA layer:
       ov_kv, ov_gate   [r, D]      overlap state after the last closed window (CSA)
       ibuf_kv, ibuf_gate [r, 2Di]; iov_kv, iov_gate [r, Di]   the same for the indexer (CSA)
 
+With a multi-token-prediction module (checkpoints with mtp.* tensors) the slot also holds
+      hidden [N, H]             the hyper-connection streams after the last computed token (what
+                                the model's head reads), which the MTP drafter takes as its input;
+                                the push carries it, so decode drafts from its first step
+
+Speculative verification runs k + 1 rows of one sequence in one step. Row j continues row
+j-1's slot state in a scratch slot of its own (`ForwardItem.state_from`), so after the target
+accepts a of the k drafts, decode keeps row a's slot and the state is that of a run that only
+saw the accepted tokens. Pages need no rollback: every page field is indexed by position (the
+K=V of a token, the entry of a window, the overlap at a page end), so what rejected rows wrote
+lies past the accepted length, is never read (attention reads the window up to its own
+position and the entries of closed windows only) and is rewritten when that position or window
+is computed for real, before any query reads it.
+
 Entry counts are not stored: after n tokens a layer of rate r has n // r entries and n % r
 buffered tokens. Because pages end on window boundaries, a cached page's entries and end
 overlap are exactly what a run without the cache would hold there, so a prefix-cache hit needs
@@ -58,6 +72,8 @@ class V4StateLayout:
     head_dim: int
     index_head_dim: int
     page_size: int
+    mtp_hidden: tuple[int, int] | None = None
+    """(N, H) of the slot's `hidden` field, for checkpoints with an MTP module; None: no field."""
     page: dict[tuple[str, int], _Field] = field(default_factory=dict)
     slot: dict[tuple[str, int], _Field] = field(default_factory=dict)
     page_floats: int = 0
@@ -104,13 +120,17 @@ class V4StateLayout:
                     ("iov_gate", Di),
                 ):
                     add(self.slot, name, l, r, w)
+        if self.mtp_hidden is not None:
+            add(self.slot, "hidden", -1, *self.mtp_hidden)
         self.slot_floats = max(off, 1)
 
     @classmethod
-    def from_config(cls, config, page_size: int) -> V4StateLayout:
-        """Layout for a transformers `DeepseekV4Config` and a page size in tokens."""
+    def from_config(cls, config, page_size: int, mtp: bool = False) -> V4StateLayout:
+        """Layout for a transformers `DeepseekV4Config` and a page size in tokens; `mtp` adds
+        the slot's `hidden` field (a checkpoint with an MTP module)."""
         rates = [0 if t == SLIDING else config.compress_rates[t] for t in config.layer_types]
-        return cls(list(config.layer_types), rates, config.head_dim, config.index_head_dim, page_size)
+        hidden = (config.hc_mult, config.hidden_size) if mtp else None
+        return cls(list(config.layer_types), rates, config.head_dim, config.index_head_dim, page_size, hidden)
 
     @staticmethod
     def default_page_size(config, at_least: int = 16) -> int:

@@ -55,7 +55,15 @@ _TOP_RENAMES = {
     "hc_head_base": "model.hc_head.hc_base",
     "hc_head_scale": "model.hc_head.hc_scale",
 }
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^((?:model\.layers\.\d+|mtp\.0)\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
+MTP_PREFIX = "mtp.0."
+"""Where the multi-token-prediction module's tensors live, in either naming."""
+MTP_OWN = (
+    *("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight"),
+    *("hc_head_fn", "hc_head_base", "hc_head_scale"),
+)
+"""The MTP tensors beyond its transformer block, named as DeepSeek-V4's inference/model.py
+(`MTPBlock`) and its released checkpoints name them."""
 
 
 def load_config(checkpoint_dir, name: str):
@@ -75,14 +83,24 @@ def normalize_names(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[
     """Rename upstream DeepSeek keys to transformers' and stack per-expert weights.
 
     Returns a new dict keyed by transformers' names; keys already in that form pass through.
-    Multi-token-prediction tensors (`mtp.*`), which transformers does not instantiate either,
-    are dropped. Raises ValueError when an expert's w1/w2/w3 set is incomplete.
+    The multi-token-prediction module (`mtp.0.*`, which transformers does not instantiate) keeps
+    its own tensors' names (`MTP_OWN`) and gets its block's renamed as a layer's
+    (`mtp.0.attn.wq_a.weight` -> `mtp.0.self_attn.q_a_proj.weight`); deeper MTP modules
+    (`mtp.1.*`, ...; the released V4 checkpoints have one) are dropped. Raises ValueError when an
+    expert's w1/w2/w3 set is incomplete.
     """
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
-        if re.match(r"^(model\.)?mtp\.", key):
-            continue
+        mtp = re.match(r"^(?:model\.)?mtp\.(\d+)\.(.*)$", key)
+        if mtp:
+            if mtp.group(1) != "0":
+                continue
+            rest = mtp.group(2)
+            if rest not in MTP_OWN:
+                for pat, rep in _LAYER_RENAMES:
+                    rest = re.sub(pat, rep, "." + rest)[1:]
+            key = MTP_PREFIX + rest
         key = _TOP_RENAMES.get(key, key)
         if key.startswith("layers."):
             key = "model." + key
@@ -114,10 +132,7 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     Raises ValueError for a layer or MLP type this model does not know.
     """
     c = config
-    H, D, V, N = c.hidden_size, c.head_dim, c.vocab_size, c.hc_mult
-    E, I, K = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
-    nh, qr, g, olr = c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
-    Hi, Di = c.index_n_heads, c.index_head_dim
+    H, V, N = c.hidden_size, c.vocab_size, c.hc_mult
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (V, H),
         "lm_head.weight": (V, H),
@@ -126,88 +141,130 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
         "model.hc_head.hc_base": (N,),
         "model.hc_head.hc_scale": (1,),
     }
-    mix = (2 + N) * N
     for i, (attn, mlp) in enumerate(zip(c.layer_types, c.mlp_layer_types)):
-        p = f"model.layers.{i}."
         if attn not in (SLIDING, CSA, HCA):
             raise ValueError(f"layer_types[{i}] is {attn!r}; known: {[SLIDING, CSA, HCA]}")
         if mlp not in ("hash_moe", "moe"):
             raise ValueError(f"mlp_layer_types[{i}] is {mlp!r}; known: ['hash_moe', 'moe']")
+        shapes.update(_block_shapes(c, f"model.layers.{i}.", attn, mlp))
+    return shapes
+
+
+def mtp_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The multi-token-prediction module's tensors (kvmesh's naming, `mtp.0.` + a layer's
+    names) with their shapes, after DeepSeek-V4's inference/model.py `MTPBlock`: enorm, hnorm,
+    norm [H]; e_proj, h_proj [H, H]; its own hyper-connection head hc_head_fn [N, N*H],
+    hc_head_base [N], hc_head_scale [1]; and one block of the model's kind: sliding-window
+    attention (compress ratio 0, as the released configs' compress_ratios give the MTP layer)
+    and a top-k routed MoE (its layer id is past the hash-routed ones)."""
+    c = config
+    H, N = c.hidden_size, c.hc_mult
+    p = MTP_PREFIX
+    shapes = {
+        p + "enorm.weight": (H,),
+        p + "hnorm.weight": (H,),
+        p + "norm.weight": (H,),
+        p + "e_proj.weight": (H, H),
+        p + "h_proj.weight": (H, H),
+        p + "hc_head_fn": (N, N * H),
+        p + "hc_head_base": (N,),
+        p + "hc_head_scale": (1,),
+    }
+    shapes.update(_block_shapes(c, p, SLIDING, "moe"))
+    return shapes
+
+
+def _block_shapes(c, p: str, attn: str, mlp: str) -> dict[str, tuple[int, ...]]:
+    """One transformer block's tensors under prefix p (`model.layers.3.`, `mtp.0.`)."""
+    H, D, V, N = c.hidden_size, c.head_dim, c.vocab_size, c.hc_mult
+    E, I, K = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    nh, qr, g, olr = c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
+    Hi, Di = c.index_n_heads, c.index_head_dim
+    mix = (2 + N) * N
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "input_layernorm.weight": (H,),
+        p + "post_attention_layernorm.weight": (H,),
+        p + "attn_hc.fn": (mix, N * H),
+        p + "attn_hc.base": (mix,),
+        p + "attn_hc.scale": (3,),
+        p + "ffn_hc.fn": (mix, N * H),
+        p + "ffn_hc.base": (mix,),
+        p + "ffn_hc.scale": (3,),
+        p + "self_attn.q_a_proj.weight": (qr, H),
+        p + "self_attn.q_a_norm.weight": (qr,),
+        p + "self_attn.q_b_proj.weight": (nh * D, qr),
+        p + "self_attn.kv_proj.weight": (D, H),
+        p + "self_attn.kv_norm.weight": (D,),
+        p + "self_attn.o_a_proj.weight": (g * olr, nh * D // g),
+        p + "self_attn.o_b_proj.weight": (H, g * olr),
+        p + "self_attn.sinks": (nh,),
+        p + "mlp.gate.weight": (E, H),
+        p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
+        p + "mlp.experts.down_proj": (E, H, I),
+        p + "mlp.shared_experts.gate_proj.weight": (I, H),
+        p + "mlp.shared_experts.up_proj.weight": (I, H),
+        p + "mlp.shared_experts.down_proj.weight": (H, I),
+    }
+    if mlp == "hash_moe":
+        shapes[p + "mlp.gate.tid2eid"] = (V, K)
+    else:
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (E,)
+    cp = p + "self_attn.compressor."
+    if attn == HCA:
+        r = c.compress_rates[HCA]
         shapes.update(
             {
-                p + "input_layernorm.weight": (H,),
-                p + "post_attention_layernorm.weight": (H,),
-                p + "attn_hc.fn": (mix, N * H),
-                p + "attn_hc.base": (mix,),
-                p + "attn_hc.scale": (3,),
-                p + "ffn_hc.fn": (mix, N * H),
-                p + "ffn_hc.base": (mix,),
-                p + "ffn_hc.scale": (3,),
-                p + "self_attn.q_a_proj.weight": (qr, H),
-                p + "self_attn.q_a_norm.weight": (qr,),
-                p + "self_attn.q_b_proj.weight": (nh * D, qr),
-                p + "self_attn.kv_proj.weight": (D, H),
-                p + "self_attn.kv_norm.weight": (D,),
-                p + "self_attn.o_a_proj.weight": (g * olr, nh * D // g),
-                p + "self_attn.o_b_proj.weight": (H, g * olr),
-                p + "self_attn.sinks": (nh,),
-                p + "mlp.gate.weight": (E, H),
-                p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
-                p + "mlp.experts.down_proj": (E, H, I),
-                p + "mlp.shared_experts.gate_proj.weight": (I, H),
-                p + "mlp.shared_experts.up_proj.weight": (I, H),
-                p + "mlp.shared_experts.down_proj.weight": (H, I),
+                cp + "kv_proj.weight": (D, H),
+                cp + "gate_proj.weight": (D, H),
+                cp + "position_bias": (r, D),
+                cp + "kv_norm.weight": (D,),
             }
         )
-        if mlp == "hash_moe":
-            shapes[p + "mlp.gate.tid2eid"] = (V, K)
-        else:
-            shapes[p + "mlp.gate.e_score_correction_bias"] = (E,)
-        cp = p + "self_attn.compressor."
-        if attn == HCA:
-            r = c.compress_rates[HCA]
-            shapes.update(
-                {
-                    cp + "kv_proj.weight": (D, H),
-                    cp + "gate_proj.weight": (D, H),
-                    cp + "position_bias": (r, D),
-                    cp + "kv_norm.weight": (D,),
-                }
-            )
-        elif attn == CSA:
-            r = c.compress_rates[CSA]
-            ip = cp + "indexer."
-            shapes.update(
-                {
-                    cp + "kv_proj.weight": (2 * D, H),
-                    cp + "gate_proj.weight": (2 * D, H),
-                    cp + "position_bias": (r, 2 * D),
-                    cp + "kv_norm.weight": (D,),
-                    ip + "kv_proj.weight": (2 * Di, H),
-                    ip + "gate_proj.weight": (2 * Di, H),
-                    ip + "position_bias": (r, 2 * Di),
-                    ip + "kv_norm.weight": (Di,),
-                    ip + "q_b_proj.weight": (Hi * Di, qr),
-                    ip + "scorer.weights_proj.weight": (Hi, H),
-                }
-            )
+    elif attn == CSA:
+        r = c.compress_rates[CSA]
+        ip = cp + "indexer."
+        shapes.update(
+            {
+                cp + "kv_proj.weight": (2 * D, H),
+                cp + "gate_proj.weight": (2 * D, H),
+                cp + "position_bias": (r, 2 * D),
+                cp + "kv_norm.weight": (D,),
+                ip + "kv_proj.weight": (2 * Di, H),
+                ip + "gate_proj.weight": (2 * Di, H),
+                ip + "position_bias": (r, 2 * Di),
+                ip + "kv_norm.weight": (Di,),
+                ip + "q_b_proj.weight": (Hi * Di, qr),
+                ip + "scorer.weights_proj.weight": (Hi, H),
+            }
+        )
     return shapes
+
+
+def has_mtp(tensors) -> bool:
+    """Whether a checkpoint's tensor names (either naming) include an MTP module's."""
+    return any(re.match(r"^(?:model\.)?mtp\.0\.", k) for k in tensors)
 
 
 def check_and_take(tensors: dict[str, torch.Tensor], config, name: str) -> dict[str, torch.Tensor]:
     """Normalize names and check every tensor against the config; fp32 copies of float tensors.
+    A checkpoint with any `mtp.0.*` tensor must carry the whole MTP module (`mtp_shapes`).
 
     Raises ValueError naming the first missing tensor, the first with a wrong shape, or the
     first the config does not use.
     """
+    mtp = has_mtp(tensors)
     tensors = normalize_names(tensors, config.n_routed_experts)
     if config.tie_word_embeddings and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     out = {}
-    for key, shape in expected_shapes(config).items():
+    expected = expected_shapes(config)
+    if mtp:
+        expected.update(mtp_shapes(config))
+    for key, shape in expected.items():
         t = tensors.pop(key, None)
         if t is None:
-            raise ValueError(f"checkpoint of {name!r} lacks tensor {key!r}")
+            what = "multi-token-prediction tensor" if key.startswith(MTP_PREFIX) else "tensor"
+            raise ValueError(f"checkpoint of {name!r} lacks {what} {key!r}")
         if tuple(t.shape) != shape:
             raise ValueError(
                 f"tensor {key!r} of {name!r} has shape {tuple(t.shape)}, expected {shape} from its config.json"

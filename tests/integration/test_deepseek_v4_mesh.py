@@ -42,22 +42,14 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny, tmp_path_factory):
-    # decode runs expert-parallel over 2 ranks (`--ep 2`) with an EPLB placement that gives
-    # experts 0 and 1 a second replica: every test below also proves EP decode through the mesh
-    # equal to transformers (tests/integration/test_expert_parallel.py compares it with
-    # single-process decode step by step)
-    import json
-
-    import numpy as np
-
-    from engine.eplb import plan
-
-    placement = plan(np.ones((4, 8)), 2, 2)
-    path = tmp_path_factory.mktemp("eplb") / "placement.json"
-    path.write_text(json.dumps({"phy2log": placement.phy2log.tolist(), "replicas": placement.replicas.tolist()}))
-    args = ["--ep", "2", "--eplb-placement", str(path), "--ep-timeout", "20"]
-    with running_mesh(1, 1, decode_args=args, model=str(tiny)) as m:
+def mesh(tiny):
+    # decode speculates with the checkpoint's MTP module (random weights: drafts are mostly
+    # rejected, which exercises the state rollback on every step that drafts): every test here
+    # compares its output with transformers' or with plain decoding, token for token. Up to 4
+    # drafts a step, as the governor picks: 3 at first, fewer as they are rejected, then one
+    # every 8 steps (a fixed row cost, so the machine's load cannot change that)
+    decode_args = ["--speculative", "mtp", "--num-draft-tokens", "4", "--draft-row-cost", "0.35"]
+    with running_mesh(1, 1, model=str(tiny), decode_args=decode_args) as m:
         yield m
 
 
@@ -76,12 +68,15 @@ def hf_greedy(reference, prompt: str, new_tokens: int) -> list[int]:
 
 
 def test_greedy_64_tokens_equal_transformers_generate(mesh, reference):
-    # four prompt lengths crossing CSA (4), HCA (16) and sliding (8) windows and page ends
+    # four prompt lengths crossing CSA (4), HCA (16) and sliding (8) windows and page ends;
+    # decode drafts with MTP, so equal tokens mean rejected drafts left no trace in the state
     lengths = []
     for prompt in PROMPTS:
         got = complete(mesh, prompt, chat=False, max_tokens=64, ignore_eos=True)
         assert got.token_ids == hf_greedy(reference, prompt, 64), prompt[:40]
         assert got.final.prefill_instance != got.final.decode_instance
+        # MTP drafted on several steps of every request (k = 3, 2, 1 and probes every 8 steps)
+        assert got.final.drafted_tokens >= 8 and got.final.drafted_tokens >= got.final.accepted_tokens
         lengths.append(got.final.prompt_tokens)
     assert len(set(lengths)) == 4 and max(lengths) > 256, lengths
     wait_idle(mesh)
@@ -102,7 +97,7 @@ def test_prefix_cache_hit_continues_exactly(mesh, reference):
 
 def test_state_moved_bitwise_pages_plus_slot(mesh, tiny):
     cfg = load_v4_config(tiny, "tiny")
-    layout = V4StateLayout.from_config(cfg, 16)
+    layout = V4StateLayout.from_config(cfg, 16, mtp=True)  # the slot carries the last hidden streams
     out = complete(mesh, PROMPTS[2], chat=False, max_tokens=4, ignore_eos=True)
     kv = out.final.kv_transfer
     assert kv.page_nbytes == layout.page_floats * 4
@@ -145,7 +140,10 @@ def test_expert_token_counts_follow_the_traffic_and_kvmesh_eplb_stats_records_th
     assert after_p.shape == (4, 8)  # the tiny config: 4 MoE layers of 8 routed experts
     computed = out.final.prompt_tokens - out.final.cached_tokens
     assert (after_p - before_p).sum(axis=1).tolist() == [computed * k] * 4
-    assert (after_d - before_d).sum(axis=1).tolist() == [(9 - 1) * k] * 4  # the first token came from prefill
+    # the first token came from prefill; decode's steps computed one row a step plus one a draft
+    # (rejected drafts route through the experts too: real load), its MTP module is not counted
+    rows = (9 - 1) - out.final.accepted_tokens + out.final.drafted_tokens
+    assert (after_d - before_d).sum(axis=1).tolist() == [rows * k] * 4
     # the command adds the instances' counts up and writes the file `kvmesh eplb plan` reads
     stats_file = tmp_path / "stats.json"
     assert main(["eplb", "stats", "--instance", p, "--instance", d, "--ranks", "4", "-o", str(stats_file)]) == 0

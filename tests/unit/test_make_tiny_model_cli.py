@@ -27,6 +27,13 @@ def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path):
     mc = load_config(resolve_model(str(out)))
     assert mc.vocab_size == 49152 and mc.eos_token_ids == (2,)
     assert (out / "tokenizer.json").is_file()
+    # the multi-token-prediction module rides along, named as DeepSeek's checkpoints name it
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        mtp = {k for k in f.keys() if k.startswith("mtp.")}
+    assert {"mtp.0.enorm.weight", "mtp.0.hnorm.weight", "mtp.0.e_proj.weight", "mtp.0.h_proj.weight"} <= mtp
+    assert {"mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight", "mtp.0.ffn.experts.0.w1.weight"} <= mtp
 
 
 def test_unknown_arch_is_refused(tmp_path):

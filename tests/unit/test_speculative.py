@@ -74,12 +74,18 @@ def test_the_governor_drafts_what_pays_for_its_rows():
     assert g.acceptance > before
 
 
-def test_speculation_is_refused_for_a_model_whose_state_cannot_roll_back():
+def test_speculation_is_refused_without_the_slots_or_the_module_it_needs():
     class Stateful:
-        num_state_slots = 4
+        num_state_slots = 4  # a DeepSeek-V4 runner sized for requests only: no scratch slots
 
-    with pytest.raises(ValueError, match="cannot roll back"):
+    with pytest.raises(ValueError, match="needs 96 state slots"):
         DecodeEngine(DecodeConfig(num_pages=8, speculative="ngram"), Stateful())  # type: ignore[arg-type]
+
+    class NoMTP:
+        num_state_slots = 0
+
+    with pytest.raises(ValueError, match="mtp.. tensors"):
+        DecodeEngine(DecodeConfig(num_pages=8, speculative="mtp"), NoMTP())  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +104,7 @@ def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) 
 
     engine = DecodeEngine(config, runner)
     res = engine.reserve("r", len(prompt), max_tokens)
-    first = int(runner.forward([ForwardItem(prompt, 0, list(res.block_ids))]).argmax())
+    first = int(runner.forward([ForwardItem(prompt, 0, list(res.block_ids), res.state_slot)]).argmax())
     out: queue.Queue = queue.Queue()
     counts = DraftCounts()
     engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, frozenset(), lambda t, f: out.put((t, f)), counts)

@@ -1,0 +1,155 @@
+# R=MTP rows (one token each, all sequences), N=hc_mult streams, H=hidden, V=vocab, Hq=query
+# heads, D=head_dim, W=sliding window, P=pages, S=page_size, g=o_groups
+"""DeepSeek-V4's multi-token-prediction (MTP) module as a drafter for speculative decoding.
+
+The module follows DeepSeek-V4's inference/model.py (`MTPBlock`, the same composition as
+DeepSeek-V3's MTP module, paper arXiv:2412.19437 §2.2 "Multi-Token Prediction"): for the pair
+(h_i, t_{i+1}) of the target's hyper-connection streams after token i and the next token,
+
+    e = enorm(embed(t_{i+1}))                      [H]      embed: the target's, shared
+    x = e_proj(e)[None] + h_proj(hnorm(h_i))       [N, H]   hnorm per stream
+    x = Block(x)                                   [N, H]   one block of the model's own kind
+    logits = head(x; hc_head_fn/base/scale, norm)  [V]      lm_head: the target's, shared
+
+which predicts t_{i+2}. V3 writes the projection as eh_proj over the concatenation
+[enorm(e); hnorm(h)] ([H, 2H]); V4 splits it into e_proj and h_proj ([H, H] each, summed), the
+same map; V4's tensors are named `mtp.0.enorm.weight`, `mtp.0.e_proj.weight`, ...,
+`mtp.0.hc_head_fn`, and its block's as a layer's (`mtp.0.attn.wq_a.weight`,
+`mtp.0.ffn.experts.3.w1.weight`, `mtp.0.hc_attn_fn`). The block's attention is sliding-window
+only (the MTP layer's compress ratio is 0 in the released configs; transformers' config drops
+that entry) and its MoE is top-k routed (the MTP layer id is past the hash-routed layers).
+
+Drafting k tokens runs the module k times, autoregressively, as SGLang and vLLM do with one MTP
+layer: the first pass takes the target's streams, each later one the module's own output
+streams and the draft it just made. The module's sliding-window K=V lives in decode-only pages
+`[P, S, D]` indexed like the target's (the sequence's block table, by position). Its window for
+a sequence starts where decode started drafting for it (`DraftItem.window_start`): the prompt's
+positions have no MTP K=V (prefill runs no MTP), so drafts right after the prompt see less
+context than DeepSeek's, which changes only how often they are accepted, never the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward import DraftItem
+from engine.models.deepseek_v4 import DeepseekV4Model, _rms, _rope
+from engine.models.deepseek_v4_weights import MTP_PREFIX
+from kernels.sparse_attention import sparse_sink_attention
+
+
+class DeepseekV4MTP:
+    """The MTP module over the target model's weights (`model.w` holds the `mtp.0.*` tensors)."""
+
+    def __init__(self, model: DeepseekV4Model, num_pages: int) -> None:
+        """Raises ValueError when the model was loaded without MTP tensors."""
+        c = model.config
+        if MTP_PREFIX + "e_proj.weight" not in model.w:
+            raise ValueError("the checkpoint has no multi-token-prediction module (mtp.0.* tensors)")
+        self.model, self.config = model, c
+        g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
+        p = MTP_PREFIX + "self_attn."
+        self.o_a = model.w[p + "o_a_proj.weight"].view(g, -1, nh * D // g).transpose(1, 2).contiguous()
+        self.kv = torch.zeros(num_pages, model.layout.page_size, D)  # [P, S, D] the module's K=V
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        positions: torch.Tensor,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        tables: Sequence[torch.Tensor],
+        window_start: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over R rows: row r is the pair (hidden[r], tokens[r]) at positions[r] of the
+        sequence whose block table is tables[r] (int64 page ids), its window starting at
+        window_start[r]. Rows of one sequence at consecutive positions attend to each other (every
+        row's K=V is written before any row attends). Returns fp32 logits [R, V] (each row's
+        prediction of the token after tokens[r]) and the output streams [R, N, H]."""
+        m, w, eps = self.model, self.model.w, self.model.eps
+        p = MTP_PREFIX
+        e = _rms(F.embedding(tokens, w["model.embed_tokens.weight"]), w[p + "enorm.weight"], eps)  # [R, H]
+        x = _rms(hidden, w[p + "hnorm.weight"], eps)  # [R, N, H]
+        streams = F.linear(e, w[p + "e_proj.weight"]).unsqueeze(1) + F.linear(x, w[p + "h_proj.weight"])
+        post, comb, collapsed = m._hc(streams, p + "attn_hc")
+        a = self._attention(_rms(collapsed, w[p + "input_layernorm.weight"], eps), positions, tables, window_start)
+        streams = m._mix(post, comb, a, streams)
+        post, comb, collapsed = m._hc(streams, p + "ffn_hc")
+        f, _ = m.moe(_rms(collapsed, w[p + "post_attention_layernorm.weight"], eps), tokens, p + "mlp.", False)
+        streams = m._mix(post, comb, f, streams)  # [R, N, H]
+        logits = m.head(streams, p + "hc_head_fn", p + "hc_head_scale", p + "hc_head_base", p + "norm.weight")
+        return logits, streams
+
+    def _attention(
+        self, x: torch.Tensor, positions: torch.Tensor, tables: Sequence[torch.Tensor], window_start: torch.Tensor
+    ) -> torch.Tensor:
+        """The block's sliding-window attention (`DeepseekV4Attention`, compress ratio 0): x [R, H] -> [R, H]."""
+        c, w, eps = self.config, self.model.w, self.model.eps
+        p = MTP_PREFIX + "self_attn."
+        R, nh, D, W = x.shape[0], c.num_attention_heads, c.head_dim, c.sliding_window
+        S = self.kv.shape[1]
+        cos, sin = self.model.rope["main"](positions)
+        q_res = _rms(F.linear(x, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], eps)
+        q = _rms(F.linear(q_res, w[p + "q_b_proj.weight"]).view(R, nh, D), None, eps)
+        q = _rope(q, cos, sin)  # [R, Hq, D]
+        kv = _rms(F.linear(x, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], eps)
+        kv = _rope(kv.unsqueeze(1), cos, sin).squeeze(1)  # [R, D]
+        width = max(len(t) for t in tables)
+        padded = torch.stack([torch.cat([t, t[:1].expand(width - len(t))]) for t in tables])  # [R, M]
+        self.kv[padded[torch.arange(R), positions // S], positions % S] = kv
+        wpos = positions[:, None] + torch.arange(-W + 1, 1)  # [R, W] window positions, oldest first
+        wc = wpos.clamp(min=0)
+        win_kv = self.kv[padded.gather(1, wc // S), wc % S]  # [R, W, D]
+        bias = torch.zeros(R, W).masked_fill_(wpos < window_start[:, None].clamp(min=0), float("-inf"))
+        out = sparse_sink_attention(q, win_kv, bias, None, None, w[p + "sinks"], D**-0.5)
+        out = _rope(out, cos, -sin)  # undo the rope V carried (K=V), at the query's position
+        g = c.o_groups
+        grouped = torch.bmm(out.view(R, g, -1).transpose(0, 1), self.o_a).transpose(0, 1)  # [R, g, olr]
+        return F.linear(grouped.flatten(1), w[p + "o_b_proj.weight"])  # [R, H]
+
+    def propose(self, items: Sequence[DraftItem]) -> list[list[int]]:
+        """Up to items[b].k greedy drafts per sequence (the module's argmax, first index on ties).
+
+        The first pass runs every pending pair of every sequence (the positions the target
+        computed since its last pass, with the target's streams, so the module's K=V there is
+        what a run over the final sequence holds); each later pass one row per sequence still
+        drafting, at the next position, from the previous pass's streams and draft. Raises
+        ValueError for an item with no pending pair or k < 1.
+        """
+        for b, it in enumerate(items):
+            if len(it.tokens) < 1 or it.hidden.shape[0] != len(it.tokens) or it.k < 1:
+                raise ValueError(
+                    f"draft item {b}: needs k >= 1 and one hidden state a pending token, "
+                    f"got k={it.k}, {len(it.tokens)} tokens, hidden {tuple(it.hidden.shape)}"
+                )
+        tables = [torch.tensor(list(it.block_ids)) for it in items]
+        rows = [(b, it.first_position + j, t) for b, it in enumerate(items) for j, t in enumerate(it.tokens)]
+        logits, streams = self.forward(
+            torch.tensor([r[1] for r in rows]),
+            torch.tensor([r[2] for r in rows]),
+            torch.cat([it.hidden for it in items]),
+            [tables[r[0]] for r in rows],
+            torch.tensor([items[r[0]].window_start for r in rows]),
+        )
+        last = torch.tensor([len(it.tokens) for it in items]).cumsum(0) - 1  # [B] each item's last row
+        drafts: list[list[int]] = [[int(t)] for t in logits[last].argmax(dim=-1)]
+        prev = streams[last]  # [B, N, H]
+        live = list(range(len(items)))
+        for j in range(1, max(it.k for it in items)):
+            keep = [i for i, b in enumerate(live) if items[b].k > j]
+            if not keep:
+                break
+            live, prev = [live[i] for i in keep], prev[keep]
+            logits, prev = self.forward(
+                torch.tensor([items[b].first_position + len(items[b].tokens) - 1 + j for b in live]),
+                torch.tensor([drafts[b][-1] for b in live]),
+                prev,
+                [tables[b] for b in live],
+                torch.tensor([items[b].window_start for b in live]),
+            )
+            for b, t in zip(live, logits.argmax(dim=-1).tolist()):
+                drafts[b].append(t)
+        return drafts
