@@ -112,6 +112,7 @@ class ExpertParallelRunner:
             torch_threads,
             np.asarray(placement.phy2log, np.int64),
             np.asarray(placement.replicas, np.int64),
+            runner.layout.slot_floats,
         )
         ctx = multiprocessing.get_context("spawn")  # no fork: the service has threads
         self._conns, self._procs = [], []

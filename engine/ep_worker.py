@@ -60,6 +60,8 @@ class WorldSpec:
     torch_threads: int
     phy2log: np.ndarray
     replicas: np.ndarray
+    slot_floats: int = 0
+    """Floats in one of rank 0's state slots (its layout's; 0: not checked)."""
 
 
 @dataclass(frozen=True)
@@ -186,12 +188,17 @@ def _build(spec: WorldSpec, rank: int):
     from engine.expert_parallel import ExpertParallelMoE
     from engine.models.deepseek_v4 import DeepseekV4Model
     from engine.models.deepseek_v4_state import V4StateLayout
+    from engine.models.deepseek_v4_weights import has_mtp
     from engine.models.deepseek_v4_weights import load_config as load_v4_config
     from kernels.backend import create_kernel_backend
 
     hf_config = load_v4_config(spec.files.checkpoint_dir, spec.files.name)
-    layout = V4StateLayout.from_config(hf_config, spec.page_size)
     tensors = load_checkpoint_tensors(spec.files.checkpoint_dir)
+    # the layout rank 0's runner built (an MTP checkpoint's slots hold the last hidden streams
+    # too), or this rank would read rank 0's shared pages and slots at the wrong offsets
+    layout = V4StateLayout.from_config(hf_config, spec.page_size, mtp=has_mtp(tensors))
+    if spec.slot_floats and layout.slot_floats != spec.slot_floats:
+        raise RuntimeError(f"rank {rank}: state slots of {layout.slot_floats} floats, rank 0's hold {spec.slot_floats}")
     model = DeepseekV4Model(hf_config, tensors, layout, spec.files.name, create_kernel_backend(spec.kernel_backend))
     del tensors
     moe = ExpertParallelMoE(
