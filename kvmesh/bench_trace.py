@@ -158,10 +158,21 @@ def run_trace_bench(args) -> int:
 
 
 def measured_prefill_rate(measured: Sequence[MeasuredRequest]) -> float:
-    """Prompt tokens computed per second of prefill compute, over the replay (tokens/s; > 0)."""
-    tokens = sum(m.prompt_tokens - m.cached_tokens for m in measured)
-    seconds = sum(m.prefill_s for m in measured)
-    return max(tokens, 1) / max(seconds, 1e-6)
+    """Prompt tokens one prefill instance computed per second it was busy (tokens/s; > 0).
+
+    A request's prefill ran about [first token - prefill_s, first token]; a batched prefill
+    gives every request in the batch the whole batch's time, so each instance's busy time is
+    the union of its requests' intervals, not their sum.
+    """
+    tokens, busy = 0, 0.0
+    for name in {m.prefill_instance for m in measured}:
+        rows = sorted((m.first_token_s - m.prefill_s, m.first_token_s) for m in measured if m.prefill_instance == name)
+        tokens += sum(m.prompt_tokens - m.cached_tokens for m in measured if m.prefill_instance == name)
+        end = -float("inf")
+        for a, b in rows:
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+    return max(tokens, 1) / max(busy, 1e-6)
 
 
 def add_arguments(p) -> None:

@@ -48,3 +48,11 @@ def test_plots_are_written_as_pngs(tmp_path):
 def test_nothing_to_plot_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no measured requests"):
         write_plots(tmp_path, [], [])
+
+
+def test_a_batched_prefill_counts_its_time_once():
+    # two requests prefilled together in one 1 s batch (each reports the batch's 1 s), and one
+    # alone on the other instance: 300 tokens in 2 busy instance-seconds, not in 3
+    both = [MeasuredRequest(0.0, 1.0, 0.0, 100, 0, "a", 1.0), MeasuredRequest(0.0, 1.0, 0.0, 100, 0, "a", 1.0)]
+    alone = MeasuredRequest(0.5, 1.0, 0.0, 132, 32, "b", 1.0)
+    assert measured_prefill_rate([*both, alone]) == pytest.approx(150.0)
