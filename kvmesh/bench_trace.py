@@ -71,7 +71,14 @@ async def replay(
             bar.update()
             f = out.final
             return MeasuredRequest(
-                sent, f.ttft_s, f.itl_s, f.prompt_tokens, f.cached_tokens, f.prefill_instance, f.prefill_s
+                sent,
+                f.ttft_s,
+                f.itl_s,
+                f.prompt_tokens,
+                f.cached_tokens,
+                f.prefill_instance,
+                f.prefill_s,
+                r.arrival_s / speedup,
             )
 
         try:

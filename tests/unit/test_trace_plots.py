@@ -56,3 +56,10 @@ def test_a_batched_prefill_counts_its_time_once():
     both = [MeasuredRequest(0.0, 1.0, 0.0, 100, 0, "a", 1.0), MeasuredRequest(0.0, 1.0, 0.0, 100, 0, "a", 1.0)]
     alone = MeasuredRequest(0.5, 1.0, 0.0, 132, 32, "b", 1.0)
     assert measured_prefill_rate([*both, alone]) == pytest.approx(150.0)
+
+
+def test_ttft_from_arrival_counts_the_wait_for_a_client_slot():
+    # due at 1.0 s, sent at 3.0 s (all slots busy), first token 0.5 s after the send
+    m = MeasuredRequest(3.0, 0.5, 0.0, 10, 0, "a", 0.2, arrival_s=1.0)
+    assert m.ttft_from_arrival_s == pytest.approx(2.5)
+    assert MeasuredRequest(3.0, 0.5, 0.0, 10, 0, "a").ttft_from_arrival_s == pytest.approx(0.5)
