@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -74,6 +76,23 @@ def running_mesh(
     finally:
         mesh.stop()
         log.close()
+
+
+def spawn_service(
+    kind: str, args: list[str], log_path: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """An extra `kvmesh serve KIND --port P ARGS` beside a module's mesh, its output appended
+    to log_path, cores shared (`SHARED_CORES_ENV`); (process, its address). Wait for it with
+    runtime.service's wait_for_health."""
+    port = free_port()
+    with open(log_path, "a") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", **SHARED_CORES_ENV, **(env or {})},
+        )
+    return proc, f"127.0.0.1:{port}"
 
 
 def log_size(mesh: Mesh) -> int:

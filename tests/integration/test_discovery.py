@@ -9,10 +9,8 @@ test starts a second prefill and a second decode while requests flow."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -20,25 +18,12 @@ import grpc
 import pytest
 
 from kvmesh.client import Completion, GatewayClient, make_request
-from kvmesh.redis_server import RedisProcess, free_port
+from kvmesh.redis_server import RedisProcess
 from runtime.service import wait_for_health
-from tests.integration.meshutil import SHARED_CORES_ENV
+from tests.integration.meshutil import spawn_service
 
 DISCOVERY_INTERVAL_S = 0.2
 FAST_LEASE = ["--lease-ttl", "1.5"]  # renewed every 0.5 s: a frozen instance drops out quickly
-
-
-def _spawn(kind: str, args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    """`kvmesh serve KIND --port P ARGS` beside the mesh, its output appended to log_path."""
-    port = free_port()
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "KVMESH_KV_DIGEST": "1", **SHARED_CORES_ENV},
-        )
-    return proc, f"127.0.0.1:{port}"
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -63,7 +48,9 @@ def mesh(tmp_path_factory):
     mesh.redis_url = redis_proc.url
 
     def spawn(kind: str, args: list[str]) -> tuple[subprocess.Popen, str]:
-        proc, address = _spawn(kind, ["--redis-url", mesh.redis_url, *args], mesh.log_path)
+        proc, address = spawn_service(
+            kind, ["--redis-url", mesh.redis_url, *args], mesh.log_path, env={"KVMESH_KV_DIGEST": "1"}
+        )
         mesh.procs[address] = proc
         return proc, address
 

@@ -11,11 +11,9 @@ instances: first one prefill and one decode, then the rest.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections import Counter
@@ -34,12 +32,12 @@ from runtime.service import wait_for_health
 from runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
 from tests.conftest import instance_stats
 from tests.integration.meshutil import (
-    SHARED_CORES_ENV,
     complete,
     complete_many,
     log_size,
     read_log,
     running_mesh,
+    spawn_service,
     wait_for_log,
     wait_idle,
 )
@@ -126,19 +124,6 @@ async def outcome(client: GatewayClient, request, timeout_s: float = 120):
         return ("OK", out.final), time.monotonic() - started
     except grpc.aio.AioRpcError as exc:
         return (exc.code().name, exc.details(), dict(exc.trailing_metadata() or ())), time.monotonic() - started
-
-
-def spawn_service(kind: str, args: list[str], log_path: str) -> tuple[subprocess.Popen, str]:
-    """An extra `kvmesh serve KIND` beside the module's mesh; `serving` waits for it."""
-    port = free_port()
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", "serve", kind, "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", **SHARED_CORES_ENV},
-        )
-    return proc, f"127.0.0.1:{port}"
 
 
 def serving(services: list[tuple[subprocess.Popen, str]]) -> None:
