@@ -283,7 +283,7 @@ def run_up(
     if mesh.http_address:
         print(
             f"  or: curl {mesh.http_address}/v1/chat/completions -H 'Content-Type: application/json' "
-            """-d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'""",
+            """-d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}'""",
             flush=True,
         )
     print(f"scale: kvmesh serve prefill|decode --redis-url {mesh.redis_url} joins this gateway", flush=True)
