@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import mmap
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.forward import ForwardItem
-from kvstore.shared_memory import HEADER_NBYTES, MEMFD_NAME, RegionDescriptor
+from kvstore.shared_memory import HEADER_NBYTES, RegionDescriptor, map_region
 
 if TYPE_CHECKING:
     import torch
@@ -73,27 +72,6 @@ class StepPlan:
     token_offset: int
     max_rows: int
     placement: tuple[np.ndarray, np.ndarray] | None = field(default=None)
-
-
-def map_region_writable(desc: RegionDescriptor) -> mmap.mmap:
-    """Map another process's kvmesh shared region read-write (same host, same user). Raises
-    ValueError when /proc/PID/fd/FD is not that region (not a kvmesh memfd, size or nonce differs)
-    and OSError when it cannot be opened."""
-    path = f"/proc/{desc.pid}/fd/{desc.fd}"
-    if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
-        raise ValueError(f"{path} is not a kvmesh memfd")
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        if os.fstat(fd).st_size != HEADER_NBYTES + desc.nbytes:
-            raise ValueError(f"{path} is not {HEADER_NBYTES + desc.nbytes} bytes long")
-        mapped = mmap.mmap(fd, HEADER_NBYTES + desc.nbytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    nonce = np.frombuffer(mapped[:16], dtype="<u8")
-    if (int(nonce[0]), int(nonce[1])) != desc.nonce:
-        mapped.close()
-        raise ValueError(f"{path} holds another region (nonce differs)")
-    return mapped
 
 
 def comm_device(backend: str, rank: int) -> str:
@@ -209,7 +187,7 @@ def _build(spec: WorldSpec, rank: int):
         device=comm_device(spec.backend, rank),
     )
     model.routed_experts = moe
-    region = map_region_writable(spec.region)
+    region = map_region(spec.region, writable=True)
     page_numel, slot_numel = spec.num_pages * layout.page_floats, spec.num_state_slots * layout.slot_floats
     state = torch.frombuffer(
         region, dtype=torch.float32, count=page_numel + slot_numel, offset=HEADER_NBYTES + spec.state_offset

@@ -109,6 +109,28 @@ def locate(pointers: Sequence[int], sizes: Sequence[int]) -> tuple[RegionDescrip
     return None
 
 
+def map_region(desc: RegionDescriptor, writable: bool) -> mmap.mmap:
+    """Map another process's kvmesh shared region (same host, same user), header included,
+    read-only or read-write. Raises ValueError when /proc/PID/fd/FD is not that region (not a
+    kvmesh memfd, size or nonce differs) and OSError when it cannot be opened."""
+    path = f"/proc/{desc.pid}/fd/{desc.fd}"
+    if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
+        raise ValueError(f"{path} is not a kvmesh memfd")
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size != HEADER_NBYTES + desc.nbytes:
+            raise ValueError(f"{path} is not {HEADER_NBYTES + desc.nbytes} bytes long")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mapped = mmap.mmap(fd, HEADER_NBYTES + desc.nbytes, flags=mmap.MAP_SHARED, prot=prot)
+    finally:
+        os.close(fd)
+    nonce = np.frombuffer(mapped[:16], dtype="<u8")  # a copy: mapped can still close
+    if (int(nonce[0]), int(nonce[1])) != desc.nonce:
+        mapped.close()
+        raise ValueError(f"{path} holds another region (nonce differs)")
+    return mapped
+
+
 class PeerRegions:
     """Read-only mappings of other processes' regions, opened on first use and kept (at most
     `capacity`, least recently used dropped). Not thread-safe: use from one thread."""
@@ -127,21 +149,8 @@ class PeerRegions:
         if desc in self._failed:
             return None
         try:
-            path = f"/proc/{desc.pid}/fd/{desc.fd}"
-            if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
-                raise ValueError(f"{path} is not a kvmesh memfd")
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if os.fstat(fd).st_size != HEADER_NBYTES + desc.nbytes:
-                    raise ValueError(f"{path} is not {HEADER_NBYTES + desc.nbytes} bytes long")
-                # no MAP_POPULATE: a prefill pool may be GBs; pages fault in as pulls touch them
-                mapped = mmap.mmap(fd, HEADER_NBYTES + desc.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            nonce = np.frombuffer(mapped[:16], dtype="<u8")  # a copy: mapped can still close
-            if (int(nonce[0]), int(nonce[1])) != desc.nonce:
-                mapped.close()
-                raise ValueError(f"{path} holds another region (nonce differs)")
+            # no MAP_POPULATE: a prefill pool may be GBs; pages fault in as pulls touch them
+            mapped = map_region(desc, writable=False)
         except (OSError, ValueError) as exc:
             logger.info("cannot map the sender's KV pool (%s); its pages come over UCX", exc)
             self._failed.add(desc)
