@@ -34,6 +34,7 @@ from engine.ep_worker import StepPlan, WorldSpec, comm_device, gather_logits, in
 from engine.eplb import Placement, default_placement
 from engine.expert_parallel import EPLoads, ExpertParallelMoE, check_placement, split_by_requests
 from engine.forward import ForwardItem
+from engine.v4_runner import warm_up
 from kvstore.shared_memory import locate
 
 if TYPE_CHECKING:
@@ -277,9 +278,4 @@ class ExpertParallelRunner:
 
     def warmup(self) -> None:
         """A tiny prefill and decode through every rank (page 0 and slot 0 left as garbage)."""
-        start = time.monotonic()
-        tok = self.config.bos_token_id or 0
-        n = min(self.page_size - 1, 5)
-        self.forward([ForwardItem([tok] * n, 0, [0], 0)])
-        self.forward([ForwardItem([tok], n, [0], 0)])
-        logger.info("EP warmup took %.2f s", time.monotonic() - start)
+        logger.info("EP warmup took %.2f s", warm_up(self.forward, self.page_size, self.config.bos_token_id))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -152,9 +152,18 @@ class DeepseekV4Runner:
 
     def warmup(self) -> None:
         """A tiny prefill and decode on page 0 and slot 0 (left as garbage, written before read)."""
-        start = time.monotonic()
-        tok = self.config.bos_token_id or 0
-        n = min(self.page_size - 1, 5)
-        self.forward([ForwardItem([tok] * n, 0, [0], 0)])
-        self.forward([ForwardItem([tok], n, [0], 0)])
-        logger.info("warmup took %.2f s", time.monotonic() - start)
+        logger.info("warmup took %.2f s", warm_up(self.forward, self.page_size, self.config.bos_token_id))
+
+
+def warm_up(
+    forward: Callable[[Sequence[ForwardItem]], torch.Tensor], page_size: int, bos_token_id: int | None
+) -> float:
+    """A V4 runner's warm-up through `forward` (this runner's, or the expert-parallel one's): a
+    tiny prefill and a decode step on page 0 and state slot 0, which stay garbage until a
+    request writes them. Returns the seconds it took."""
+    start = time.monotonic()
+    tok = bos_token_id or 0
+    n = min(page_size - 1, 5)
+    forward([ForwardItem([tok] * n, 0, [0], 0)])
+    forward([ForwardItem([tok], n, [0], 0)])
+    return time.monotonic() - start
