@@ -51,6 +51,36 @@ def observed_mesh(otlp_collector):
         yield mesh
 
 
+@pytest.fixture
+def ns(redis_url):
+    """A random Redis key namespace; every key under it is deleted after the test."""
+    import uuid
+
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    namespace = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
+    yield namespace
+    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+    if keys:
+        client.delete(*keys)
+    assert not list(client.scan_iter(match=f"{namespace}:*")), "test keys left behind"
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for a module's tests (`pytest.mark.usefixtures`): a tiny
+    model's ops are far too small for a thread team, and on 2 busy cores its spin-waits cost
+    20x the work; where the module starts ranks, they share the cores one thread each too."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def instance_stats(address: str, kind: str):
     """GetStats of a prefill or decode instance (sync helper for tests)."""
     from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc

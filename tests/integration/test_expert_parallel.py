@@ -23,7 +23,7 @@ from engine.forward import ForwardItem
 from engine.tiny_models import make_tiny_model
 from engine.v4_runner import DeepseekV4Runner
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 PAGE = 16
 PAGES_PER_SEQ = 4
@@ -37,15 +37,6 @@ PROMPTS = [
     [2048, 77, 19000, 5, 6],
 ]
 STEPS = 6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # the ranks share this machine's cores: one intra-op thread each, as for the workers
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

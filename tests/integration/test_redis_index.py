@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -24,19 +23,6 @@ from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
 MODEL = "tiny-model"
 T = TypeVar("T")
 BS = 4
-
-
-@pytest.fixture
-def ns(redis_url):
-    """A random key namespace; every key under it is deleted after the test."""
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    namespace = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
-    yield namespace
-    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    assert not list(client.scan_iter(match=f"{namespace}:*")), "test keys left behind"
-    client.close()
 
 
 @pytest.fixture

@@ -6,27 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import pytest
-import redis
 
 from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
 from kvstore.registry import AsyncRegistryReader, InstanceRecord, InstanceRegistry
 from runtime.registration import Registration
 
 MODEL = "tiny-model"
-
-
-@pytest.fixture
-def ns(redis_url):
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    namespace = f"kvmesh-test-{uuid.uuid4().hex[:12]}"
-    yield namespace
-    keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
 
 
 def _live(redis_url: str, ns: str) -> list[InstanceRecord]:

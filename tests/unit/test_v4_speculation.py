@@ -24,17 +24,9 @@ from engine.tiny_models import make_tiny_model
 from engine.v4_runner import DeepseekV4Runner
 from tests.unit.test_speculative import _generate
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TIGHT = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # a tiny model's ops are far too small for a thread team: on 2 busy cores its spin-waits
-    # cost 20x the work (0.5 s of CPU a step instead of 20 ms)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
