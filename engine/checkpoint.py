@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,13 +48,19 @@ def model_fingerprint(files: ModelFiles) -> str:
     return digest.hexdigest()
 
 
-def load_checkpoint_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's *.safetensors files (shards merged), by name."""
+def load_checkpoint_tensors(checkpoint_dir: Path, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files (shards merged), by name; with `keep`,
+    only those whose name it accepts (the others are never read from disk)."""
+    import safetensors
     import safetensors.torch
 
     tensors = {}
     for path in sorted(checkpoint_dir.glob("*.safetensors")):
-        tensors.update(safetensors.torch.load_file(path))
+        if keep is None:
+            tensors.update(safetensors.torch.load_file(path))
+            continue
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys() if keep(k)})
     return tensors
 
 

@@ -25,7 +25,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ import torch
 from engine.ep_worker import StepPlan, WorldSpec, comm_device, gather_logits, init_world, worker_main
 from engine.eplb import Placement, default_placement
 from engine.expert_parallel import EPLoads, ExpertParallelMoE, check_placement, split_by_requests
+from engine.expert_weights import CheckpointExperts
 from engine.forward import ForwardItem
 from engine.v4_runner import warm_up
 from kvstore.shared_memory import locate
@@ -128,20 +129,33 @@ class ExpertParallelRunner:
             self._await_all("hello", start_timeout_s)
             init_world(spec, 0, store)
             self._store = store
-            self.moe = ExpertParallelMoE(runner.model, 0, num_ranks, placement, device=comm_device(self.backend, 0))
+            experts = CheckpointExperts(files.checkpoint_dir, c.num_hidden_layers, c.n_routed_experts)
+            self.moe = ExpertParallelMoE(
+                runner.model, 0, num_ranks, placement, experts, device=comm_device(self.backend, 0)
+            )
             runner.model.routed_experts = self.moe
-            self._await_all("ready", start_timeout_s)
+            runner.model.drop_routed_experts()  # rank 0 keeps its slots' experts only, as every rank
+            ready = self._await_all("ready", start_timeout_s)
+            self.expert_nbytes = [self.moe.expert_nbytes(), *(int(ready[w]) for w in range(num_ranks - 1))]
+            """Bytes of routed-expert weights each rank held when it started (its slots' only)."""
         except BaseException:
             self.close()
             raise
-        logger.info("expert-parallel decode: %d ranks over %s", num_ranks, self.backend)
+        logger.info(
+            "expert-parallel decode: %d ranks over %s, routed experts held per rank: %s MB",
+            num_ranks,
+            self.backend,
+            [round(b / 1e6, 1) for b in self.expert_nbytes],
+        )
 
     # -- the world --------------------------------------------------------------------------
-    def _await_all(self, what: str, timeout_s: float) -> None:
-        """Wait until every worker has sent (`what`, rank); EPWorldError naming a worker that
-        died or failed, or the first still missing after timeout_s."""
+    def _await_all(self, what: str, timeout_s: float) -> dict[int, Any]:
+        """Wait until every worker has sent (`what`, payload); return the payloads by worker
+        index. EPWorldError naming a worker that died or failed, or the first still missing after
+        timeout_s."""
         deadline = time.monotonic() + timeout_s
         waiting = set(range(len(self._conns)))
+        payloads: dict[int, Any] = {}
         while waiting:
             for w in list(waiting):
                 if self._conns[w].poll(0.05):
@@ -150,10 +164,12 @@ class ExpertParallelRunner:
                         raise EPWorldError(f"EP rank {w + 1} failed while starting:\n{payload}")
                     if kind == what:
                         waiting.discard(w)
+                        payloads[w] = payload
                 elif not self._procs[w].is_alive():
                     raise EPWorldError(f"EP rank {w + 1} exited with code {self._procs[w].exitcode} while starting")
             if waiting and time.monotonic() > deadline:
                 raise EPWorldError(f"EP ranks {sorted(w + 1 for w in waiting)} not {what} after {timeout_s:.0f} s")
+        return payloads
 
     def _why_down(self) -> str:
         """What went wrong with the workers: their errors and exit codes."""

@@ -110,7 +110,8 @@ def gather_logits(logits: torch.Tensor | None, max_rows: int, vocab: int, backen
 
 def worker_main(spec: WorldSpec, rank: int, conn) -> None:
     """Entry point of rank `rank` (a spawned process): say hello, join the world, load the
-    model, map the pages, say ready, then run steps until rank 0 sends None or goes away."""
+    model, map the pages, say ready (with the bytes of routed experts it holds), then run steps
+    until rank 0 sends None or goes away."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ep-rank-{rank} %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     try:
@@ -121,7 +122,7 @@ def worker_main(spec: WorldSpec, rank: int, conn) -> None:
         conn.send(("hello", rank))
         init_world(spec, rank)
         model, moe, pages, slots = _build(spec, rank)
-        conn.send(("ready", rank))
+        conn.send(("ready", moe.expert_nbytes()))
         while True:
             while not conn.poll(1.0):
                 if os.getppid() != parent:
@@ -164,6 +165,7 @@ def _build(spec: WorldSpec, rank: int):
 
     from engine.checkpoint import load_checkpoint_tensors
     from engine.expert_parallel import ExpertParallelMoE
+    from engine.expert_weights import CheckpointExperts, rank_keeps
     from engine.models.deepseek_v4 import DeepseekV4Model
     from engine.models.deepseek_v4_state import V4StateLayout
     from engine.models.deepseek_v4_weights import has_mtp
@@ -171,19 +173,28 @@ def _build(spec: WorldSpec, rank: int):
     from kernels.backend import create_kernel_backend
 
     hf_config = load_v4_config(spec.files.checkpoint_dir, spec.files.name)
-    tensors = load_checkpoint_tensors(spec.files.checkpoint_dir)
+    # every tensor but the main layers' routed experts: the rank reads only its slots' experts
+    tensors = load_checkpoint_tensors(spec.files.checkpoint_dir, keep=rank_keeps)
     # the layout rank 0's runner built (an MTP checkpoint's slots hold the last hidden streams
     # too), or this rank would read rank 0's shared pages and slots at the wrong offsets
     layout = V4StateLayout.from_config(hf_config, spec.page_size, mtp=has_mtp(tensors))
     if spec.slot_floats and layout.slot_floats != spec.slot_floats:
         raise RuntimeError(f"rank {rank}: state slots of {layout.slot_floats} floats, rank 0's hold {spec.slot_floats}")
-    model = DeepseekV4Model(hf_config, tensors, layout, spec.files.name, create_kernel_backend(spec.kernel_backend))
+    model = DeepseekV4Model(
+        hf_config,
+        tensors,
+        layout,
+        spec.files.name,
+        create_kernel_backend(spec.kernel_backend),
+        routed_experts_here=False,
+    )
     del tensors
     moe = ExpertParallelMoE(
         model,
         rank,
         spec.num_ranks,
         _placement((spec.phy2log, spec.replicas), spec.num_ranks),
+        CheckpointExperts(spec.files.checkpoint_dir, hf_config.num_hidden_layers, hf_config.n_routed_experts),
         device=comm_device(spec.backend, rank),
     )
     model.routed_experts = moe

@@ -98,17 +98,26 @@ class EPLoads:
 
 class ExpertParallelMoE:
     """One rank's side of the dispatch / combine, installed as a DeepseekV4Model's
-    `routed_experts`. Holds the rank's expert weights (its slots under the placement) and what
-    its exchanges measured.
+    `routed_experts`. Holds the rank's expert weights (its slots under the placement, and no
+    other expert's) and what its exchanges measured.
 
-    model: the rank's `DeepseekV4Model` (full expert weights are read from `model.w` when a
-    placement is loaded); group: the EP process group (None: the default one); device: where the
-    collectives' buffers live (cpu for gloo, the rank's GPU for NCCL).
+    model: the rank's `DeepseekV4Model` (its own routed experts may be dropped: this object
+    holds what the rank computes); experts: where slot weights are read from when a placement is
+    loaded, `take(layer, expert_ids) -> (gate_up [n, 2I, H], down [n, H, I])`
+    (`engine.expert_weights.CheckpointExperts`); group: the EP process group (None: the
+    default one); device: where the collectives' buffers live (cpu for gloo, the rank's GPU for
+    NCCL).
     """
 
-    def __init__(self, model, rank: int, num_ranks: int, placement: Placement, group=None, device="cpu") -> None:
+    def __init__(
+        self, model, rank: int, num_ranks: int, placement: Placement, experts, group=None, device="cpu"
+    ) -> None:
         c = model.config
         self.model, self.rank, self.num_ranks, self.group = model, rank, num_ranks, group
+        self.experts = experts
+        self.gate_up: list[torch.Tensor] = []  # per layer [S, 2I, H]
+        self.down: list[torch.Tensor] = []  # per layer [S, H, I]
+        self.mine = torch.zeros(0, dtype=torch.int64)  # [L, S] logical expert of each local slot
         self.device = torch.device(device)
         self.num_layers, self.num_experts = c.num_hidden_layers, c.n_routed_experts
         self.token_offset = 0
@@ -119,10 +128,10 @@ class ExpertParallelMoE:
         self.load_placement(placement)
 
     def load_placement(self, placement: Placement) -> None:
-        """Take `placement` from the next MoE layer on: gather this rank's slot weights
-        [S, 2I, H] / [S, H, I] per layer and the replica tables. Call it between steps only,
-        on every rank with the same placement. Raises ValueError for a placement of the wrong
-        shape (check_placement)."""
+        """Take `placement` from the next MoE layer on: this rank's slot weights [S, 2I, H] /
+        [S, H, I] per layer (experts it already holds are kept, the others read from `experts`)
+        and the replica tables. Call it between steps only, on every rank with the same
+        placement. Raises ValueError for a placement of the wrong shape (check_placement)."""
         check_placement(placement, self.num_layers, self.num_experts, self.num_ranks)
         phy2log = torch.as_tensor(np.asarray(placement.phy2log), dtype=torch.int64)  # [L, P]
         replicas = torch.as_tensor(np.asarray(placement.replicas), dtype=torch.int64)  # [L, E]
@@ -137,13 +146,27 @@ class ExpertParallelMoE:
             for slot, e in enumerate(phy2log[i].tolist()):
                 self.replica_slots[i, e, seen[e]] = slot
                 seen[e] += 1
-        self.gate_up: list[torch.Tensor] = []  # per layer [S, 2I, H]
-        self.down: list[torch.Tensor] = []  # per layer [S, H, I]
+        gate_up, down = [], []
         for i in range(self.num_layers):
-            w = f"model.layers.{i}.mlp.experts."
-            self.gate_up.append(self.model.w[w + "gate_up_proj"][mine[i]].contiguous())
-            self.down.append(self.model.w[w + "down_proj"][mine[i]].contiguous())
+            # experts this rank already holds for layer i are kept; only the others are read
+            have = (
+                {e: (self.gate_up[i][s], self.down[i][s]) for s, e in enumerate(self.mine[i].tolist())}
+                if len(self.mine)
+                else {}
+            )
+            wanted = mine[i].tolist()
+            missing = sorted(set(wanted) - set(have))
+            if missing:
+                g, d = self.experts.take(i, missing)  # [n, 2I, H], [n, H, I]
+                have.update({e: (g[j], d[j]) for j, e in enumerate(missing)})
+            gate_up.append(torch.stack([have[e][0] for e in wanted]))
+            down.append(torch.stack([have[e][1] for e in wanted]))
+        self.gate_up, self.down, self.mine = gate_up, down, mine.clone()
         self.placement = placement
+
+    def expert_nbytes(self) -> int:
+        """Bytes of routed-expert weights this rank holds: its slots' and no others'."""
+        return sum(t.nbytes for t in (*self.gate_up, *self.down))
 
     def __call__(self, i: int, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Layer i's routed experts over the EP world: x [T, H], weights [T, K] fp32, expert_ids

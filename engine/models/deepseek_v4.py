@@ -113,16 +113,19 @@ class DeepseekV4Model:
         layout: V4StateLayout,
         name: str = "deepseek_v4",
         kernels: KernelBackend | None = None,
+        routed_experts_here: bool = True,
     ) -> None:
         """config: transformers `DeepseekV4Config`; tensors: the checkpoint's (either naming);
-        kernels: the MoE and indexer kernels (default: the torch backend).
+        kernels: the MoE and indexer kernels (default: the torch backend); routed_experts_here=
+        False: `tensors` lack the main layers' routed experts, which an expert-parallel
+        `routed_experts` hook holds instead (engine.expert_weights).
 
         Raises ValueError naming a missing, misshapen or unused tensor, or an unknown layer type.
         """
         self.config = c = config
         self.layout = layout
         self.kernels = kernels or create_kernel_backend("torch")
-        self.w = check_and_take(tensors, config, name)
+        self.w = check_and_take(tensors, config, name, routed_experts=routed_experts_here)
         self.eps, self.hc_eps = c.rms_norm_eps, c.hc_eps
         self.rope = {"main": _Rope(c, "main"), "compress": _Rope(c, "compress")}
         self.count_topk_ties = False
@@ -212,8 +215,17 @@ class DeepseekV4Model:
     def local_experts(self, i: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Layer i's routed experts, all in this process: `kernels.moe.moe_experts`' contract."""
         p = f"model.layers.{i}.mlp.experts."
+        if p + "gate_up_proj" not in self.w:
+            raise RuntimeError(f"layer {i}'s routed experts live on the expert-parallel ranks, not in this model")
         w_gate_up, w_down = self.w[p + "gate_up_proj"], self.w[p + "down_proj"]
         return self.kernels.moe_experts(x, w_gate_up, w_down, weights, experts, self.config.swiglu_limit)
+
+    def drop_routed_experts(self) -> None:
+        """Free the main layers' routed experts (an expert-parallel rank's hook holds its own);
+        `local_experts` raises RuntimeError from then on. The MTP block's stay."""
+        for i in range(self.config.num_hidden_layers):
+            for part in ("gate_up_proj", "down_proj"):
+                self.w.pop(f"model.layers.{i}.mlp.experts.{part}", None)
 
     # -- compressors ------------------------------------------------------------------------
     def _compress(

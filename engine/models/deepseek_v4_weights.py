@@ -56,6 +56,7 @@ _TOP_RENAMES = {
     "hc_head_scale": "model.hc_head.hc_scale",
 }
 _EXPERT = re.compile(r"^((?:model\.layers\.\d+|mtp\.0)\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
+_MAIN_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(?:(gate_up_proj|down_proj)|(\d+)\.(w[123])\.weight)$")
 MTP_PREFIX = "mtp.0."
 """Where the multi-token-prediction module's tensors live, in either naming."""
 MTP_OWN = (
@@ -79,6 +80,40 @@ def load_config(checkpoint_dir, name: str):
         raise ValueError(f"config.json of {name!r} is not a valid DeepSeek-V4 config: {cause}") from exc
 
 
+def normalize_key(key: str) -> str | None:
+    """One checkpoint key in transformers' naming (`normalize_names`' renaming, before the
+    per-expert weights are stacked: `model.layers.3.mlp.experts.5.w1.weight` stays per expert);
+    None for a deeper MTP module's key, which is dropped."""
+    mtp = re.match(r"^(?:model\.)?mtp\.(\d+)\.(.*)$", key)
+    if mtp:
+        if mtp.group(1) != "0":
+            return None
+        rest = mtp.group(2)
+        if rest not in MTP_OWN:
+            for pat, rep in _LAYER_RENAMES:
+                rest = re.sub(pat, rep, "." + rest)[1:]
+        key = MTP_PREFIX + rest
+    key = _TOP_RENAMES.get(key, key)
+    if key.startswith("layers."):
+        key = "model." + key
+    if key.startswith("model.layers."):
+        for pat, rep in _LAYER_RENAMES:
+            key = re.sub(pat, rep, key)
+    return key
+
+
+def routed_expert_key(name: str) -> tuple[int, int | None, str] | None:
+    """(layer, expert or None when fused, part) of a main-model layer's routed-expert tensor
+    under its normalized name: part is `gate_up_proj` / `down_proj` for transformers' fused
+    [E, ...] tensors, `w1` / `w2` / `w3` for one expert's; None for any other tensor."""
+    m = _MAIN_EXPERT.match(name)
+    if m is None:
+        return None
+    if m.group(2) is not None:
+        return int(m.group(1)), None, m.group(2)
+    return int(m.group(1)), int(m.group(3)), m.group(4)
+
+
 def normalize_names(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
     """Rename upstream DeepSeek keys to transformers' and stack per-expert weights.
 
@@ -92,26 +127,14 @@ def normalize_names(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
-        mtp = re.match(r"^(?:model\.)?mtp\.(\d+)\.(.*)$", key)
-        if mtp:
-            if mtp.group(1) != "0":
-                continue
-            rest = mtp.group(2)
-            if rest not in MTP_OWN:
-                for pat, rep in _LAYER_RENAMES:
-                    rest = re.sub(pat, rep, "." + rest)[1:]
-            key = MTP_PREFIX + rest
-        key = _TOP_RENAMES.get(key, key)
-        if key.startswith("layers."):
-            key = "model." + key
-        if key.startswith("model.layers."):
-            for pat, rep in _LAYER_RENAMES:
-                key = re.sub(pat, rep, key)
-        m = _EXPERT.match(key)
+        name = normalize_key(key)
+        if name is None:
+            continue
+        m = _EXPERT.match(name)
         if m:
             experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
             continue
-        out[key] = t
+        out[name] = t
     for prefix, per_expert in experts.items():
         ids = sorted(per_expert)
         if ids != list(range(num_experts)) or any(len(per_expert[e]) != 3 for e in ids):
@@ -245,9 +268,13 @@ def has_mtp(tensors) -> bool:
     return any(re.match(r"^(?:model\.)?mtp\.0\.", k) for k in tensors)
 
 
-def check_and_take(tensors: dict[str, torch.Tensor], config, name: str) -> dict[str, torch.Tensor]:
+def check_and_take(
+    tensors: dict[str, torch.Tensor], config, name: str, routed_experts: bool = True
+) -> dict[str, torch.Tensor]:
     """Normalize names and check every tensor against the config; fp32 copies of float tensors.
     A checkpoint with any `mtp.0.*` tensor must carry the whole MTP module (`mtp_shapes`).
+    routed_experts=False: the main layers' routed experts are not expected (an expert-parallel
+    rank reads only its own, `engine.expert_weights`); `tensors` must not hold them either.
 
     Raises ValueError naming the first missing tensor, the first with a wrong shape, or the
     first the config does not use.
@@ -261,6 +288,8 @@ def check_and_take(tensors: dict[str, torch.Tensor], config, name: str) -> dict[
     if mtp:
         expected.update(mtp_shapes(config))
     for key, shape in expected.items():
+        if not routed_experts and routed_expert_key(key) is not None:
+            continue
         t = tensors.pop(key, None)
         if t is None:
             what = "multi-token-prediction tensor" if key.startswith(MTP_PREFIX) else "tensor"

@@ -20,6 +20,7 @@ from engine.checkpoint import ModelFiles
 from engine.ep_runner import EPWorldError, ExpertParallelRunner
 from engine.eplb import balancedness, default_placement, plan
 from engine.forward import ForwardItem
+from engine.models.deepseek_v4_weights import routed_expert_key
 from engine.tiny_models import make_tiny_model
 from engine.v4_runner import DeepseekV4Runner
 
@@ -86,6 +87,12 @@ def single(files):
 
 def _exact_and_balanced(ep: ExpertParallelRunner, single, num_ranks: int) -> None:
     ref_logits, ref_tokens, ref_counts = single
+    # each rank holds its own slots' experts and no others (workers never loaded the rest;
+    # rank 0 dropped its model's copy), E / R of them per layer with one replica each
+    c = ep.runner.model.config
+    per_expert = ep.moe.gate_up[0][0].nbytes + ep.moe.down[0][0].nbytes
+    assert ep.expert_nbytes == [c.num_hidden_layers * c.n_routed_experts // num_ranks * per_expert] * num_ranks
+    assert not [k for k in ep.runner.model.w if routed_expert_key(k)]
     # experts in order, one replica each: the hot experts 0 and 1 share rank 0
     logits, tokens = _greedy(ep)
     for step, (a, b) in enumerate(zip(logits, ref_logits)):
@@ -93,7 +100,6 @@ def _exact_and_balanced(ep: ExpertParallelRunner, single, num_ranks: int) -> Non
     assert tokens == ref_tokens
     loads = ep.loads
     np.testing.assert_array_equal(loads.expert_tokens, ref_counts)  # every rank's routings, added up
-    c = ep.runner.model.config
     before = balancedness(loads.expert_tokens, default_placement(c.num_hidden_layers, c.n_routed_experts, num_ranks))
     np.testing.assert_allclose(loads.balancedness(), before, atol=1e-9)  # one replica each: exact
     assert before.max() < 0.7, before  # the skew shows

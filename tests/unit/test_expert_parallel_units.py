@@ -80,6 +80,18 @@ def _fake_model(E: int, H: int, I: int, K: int):
     return types.SimpleNamespace(config=config, w=w, kernels=create_kernel_backend("torch"))
 
 
+class _Experts:
+    """The fake model's experts as `CheckpointExperts` hands them out, counting what is read."""
+
+    def __init__(self, model) -> None:
+        self.w, self.reads = model.w, []
+
+    def take(self, layer: int, experts):
+        p = f"model.layers.{layer}.mlp.experts."
+        self.reads.append((layer, list(experts)))
+        return self.w[p + "gate_up_proj"][list(experts)], self.w[p + "down_proj"][list(experts)]
+
+
 def test_dispatch_and_combine_in_a_world_of_one_equal_moe_experts_and_count_every_replica():
     E, H, I, K, T = 8, 16, 8, 2, 40
     model = _fake_model(E, H, I, K)
@@ -91,7 +103,10 @@ def test_dispatch_and_combine_in_a_world_of_one_equal_moe_experts_and_count_ever
         load = np.array([[50, 30, 1, 1, 1, 1, 1, 1]])
         placement = plan(load, 1, 3)  # 11 slots: expert 0 gets two spare replicas, expert 1 one
         assert placement.replicas[0].tolist() == [3, 2, 1, 1, 1, 1, 1, 1]
-        moe = ExpertParallelMoE(model, 0, 1, placement)
+        experts = _Experts(model)
+        moe = ExpertParallelMoE(model, 0, 1, placement, experts)
+        assert experts.reads == [(0, list(range(E)))]  # each expert read once, replicas share it
+        assert [t.shape[0] for t in (*moe.gate_up, *moe.down)] == [11, 11]
         g = torch.Generator().manual_seed(1)
         x = torch.randn(T, H, generator=g)
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
@@ -105,5 +120,28 @@ def test_dispatch_and_combine_in_a_world_of_one_equal_moe_experts_and_count_ever
         assert moe.loads.expert_tokens[0].tolist() == torch.bincount(ids.reshape(-1), minlength=E).tolist()
         moe.idle_forward()  # no tokens: still one exchange a layer, nothing counted
         assert moe.loads.rank_tokens.tolist() == [[T * K]]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_new_placement_reads_only_the_experts_a_rank_did_not_hold():
+    # two ranks' view from rank 0: 8 experts over 2 ranks, 4 slots each, no replicas
+    E, H, I, K = 8, 16, 8, 2
+    model = _fake_model(E, H, I, K)
+    experts = _Experts(model)
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        first = default_placement(1, E, 2)  # rank 0 holds experts 0..3
+        moe = ExpertParallelMoE(model, 0, 2, first, experts)
+        assert experts.reads == [(0, [0, 1, 2, 3])]
+        assert moe.expert_nbytes() == 4 * (2 * I * H + H * I) * 4  # its 4 slots, fp32, no others
+        # experts 2 and 5 change ranks: rank 0 reads expert 5 only, keeps 0, 1, 3
+        moved = Placement(np.array([[0, 1, 5, 3, 4, 2, 6, 7]]), np.ones((1, E), np.int64), 2)
+        moe.load_placement(moved)
+        assert experts.reads[1:] == [(0, [5])]
+        p = "model.layers.0.mlp.experts."
+        assert torch.equal(moe.gate_up[0], model.w[p + "gate_up_proj"][[0, 1, 5, 3]])
+        assert torch.equal(moe.down[0], model.w[p + "down_proj"][[0, 1, 5, 3]])
     finally:
         torch.distributed.destroy_process_group()
