@@ -99,10 +99,6 @@ class DecodeConfig(ModelServiceConfig):
             raise ValueError(f"ep must be >= 1, got {self.ep}")
         if self.eplb_placement and self.ep == 1:
             raise ValueError("eplb_placement needs --ep >= 2")
-        if self.ep > 1 and self.speculative != "off":
-            # verification rows need the state-slot copies and (mtp) the last hidden streams of
-            # every rank's requests on rank 0; the expert-parallel runner does not gather them yet
-            raise ValueError("--speculative with --ep >= 2 is not supported yet: use one of them")
         if not self.ep_timeout_s > 0:
             raise ValueError(f"ep_timeout_s must be > 0, got {self.ep_timeout_s}")
         if self.max_verify_rows < 1:

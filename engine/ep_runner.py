@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.ep_worker import StepPlan, WorldSpec, comm_device, gather_logits, init_world, worker_main
+from engine.ep_worker import StepPlan, WorldSpec, comm_device, gather_rows, init_world, stream_width, worker_main
 from engine.eplb import Placement, default_placement
 from engine.expert_parallel import EPLoads, ExpertParallelMoE, check_placement, split_by_requests
 from engine.expert_weights import CheckpointExperts
-from engine.forward import ForwardItem
+from engine.forward import DraftItem, ForwardItem
 from engine.v4_runner import warm_up
 from kvstore.shared_memory import locate
 
@@ -87,6 +87,7 @@ class ExpertParallelRunner:
         self.backend = pick_backend(num_ranks) if backend == "auto" else backend
         self._pending: Placement | None = None
         self._broken = ""
+        self._last_hidden = torch.zeros(0, c.hc_mult, c.hidden_size)  # [B, N, H] (MTP checkpoints)
         found = locate([runner.pages.data_ptr()], [runner.pages.numel() * 4])
         if found is None:
             raise ValueError("the runner's pages are not in a shared region; EP ranks could not reach them")
@@ -228,22 +229,30 @@ class ExpertParallelRunner:
 
     # -- the Runner interface ---------------------------------------------------------------
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """One lockstep step over every rank; fp32 logits [B, V] in items' order. Raises
-        ValueError as DeepseekV4Runner.forward does (nothing is sent then), EPWorldError when a
-        rank is gone or a collective times out (the world stays down)."""
+        """One lockstep step over every rank; fp32 logits [B, V] in items' order. Sequences are
+        split over the ranks by count; a sequence's speculative verification rows (an item with
+        `state_from` continues the one before it) stay on one rank, which writes their K/V before
+        any of them attends, as one process does. Raises ValueError as DeepseekV4Runner.forward
+        does (nothing is sent then), EPWorldError when a rank is gone or a collective times out
+        (the world stays down)."""
         self._check(items)
         if self._broken:
             raise EPWorldError(f"the EP world is down: {self._broken}")
-        shares = split_by_requests(len(items), self.num_ranks)
+        starts = [b for b, it in enumerate(items) if it.state_from is None] + [len(items)]
+        shares = [
+            range(starts[g.start], starts[g.stop]) for g in split_by_requests(len(starts) - 1, self.num_ranks)
+        ]  # each rank's rows: whole sequences
         tokens = [sum(len(items[b].token_ids) for b in s) for s in shares]
         offsets = np.concatenate([[0], np.cumsum(tokens)[:-1]]).tolist()
         max_rows = max(len(s) for s in shares)
         pending, self._pending = self._pending, None
         arrays = None if pending is None else (np.asarray(pending.phy2log), np.asarray(pending.replicas))
+        streams = self.runner.has_mtp  # the MTP drafter continues from every row's last streams
+        hidden = None
         try:
             for w, conn in enumerate(self._conns):
                 s = shares[w + 1]
-                conn.send(StepPlan([items[b] for b in s], int(offsets[w + 1]), max_rows, arrays))
+                conn.send(StepPlan([items[b] for b in s], int(offsets[w + 1]), max_rows, arrays, streams))
             if pending is not None:
                 self.moe.load_placement(pending)
             self.moe.token_offset = 0
@@ -253,11 +262,20 @@ class ExpertParallelRunner:
                 logits = self.runner.model.forward(own, self.runner.pages, self.runner.slots)
             else:
                 self.moe.idle_forward()
-            parts = gather_logits(logits, max_rows, self.config.vocab_size, self.backend, 0)
+            parts = gather_rows(logits, max_rows, self.config.vocab_size, self.backend, 0)
+            if streams:
+                mine = self.runner.model.last_streams.reshape(len(own), -1) if own else None
+                hidden = gather_rows(mine, max_rows, stream_width(self.runner.model.config), self.backend, 0)
         except (RuntimeError, OSError, ValueError) as exc:
             self._broken = self._why_down()
             raise EPWorldError(f"expert-parallel step failed ({exc}); {self._broken}") from exc
         assert parts is not None
+        if streams:
+            assert hidden is not None
+            c = self.runner.model.config
+            self._last_hidden = torch.cat([hidden[r][: len(shares[r])] for r in range(self.num_ranks)]).view(
+                len(items), c.hc_mult, c.hidden_size
+            )
         return torch.cat([parts[r][: len(shares[r])] for r in range(self.num_ranks)])  # [B, V]
 
     def _check(self, items: Sequence[ForwardItem]) -> None:
@@ -285,6 +303,33 @@ class ExpertParallelRunner:
 
     def page_buffer(self, page_id: int) -> np.ndarray:
         return self.runner.page_buffer(page_id)
+
+    # -- speculative decoding: the slots live in shared memory, the MTP module on rank 0 --------
+    @property
+    def has_mtp(self) -> bool:
+        return self.runner.has_mtp
+
+    @property
+    def draft_window(self) -> int:
+        return self.runner.draft_window
+
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        self.runner.copy_state_slot(src, dst)
+
+    def slot_hidden(self, slot: int) -> torch.Tensor:
+        return self.runner.slot_hidden(slot)
+
+    def last_hidden(self) -> torch.Tensor:
+        """[B, N, H] fp32 every row's last hidden streams in the last forward, gathered from the
+        ranks that ran them (MTP checkpoints only; ValueError otherwise)."""
+        if not self.has_mtp:
+            raise ValueError(f"{self.config.name!r} has no multi-token-prediction module: no streams are gathered")
+        return self._last_hidden
+
+    def propose_drafts(self, items: Sequence[DraftItem]) -> list[list[int]]:
+        """Drafts from rank 0's MTP module: its block's experts are its own, not spread over
+        the ranks, so drafting needs no collective."""
+        return self.runner.propose_drafts(items)
 
     def state_buffers(self, slot: int | None) -> list[np.ndarray]:
         return self.runner.state_buffers(slot)

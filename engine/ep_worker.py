@@ -65,13 +65,21 @@ class WorldSpec:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step, as rank 0 tells a worker: its sequences (maybe none), the global index of its
-    first token, the rows every rank pads its logits to, and a placement to load first."""
+    """One step, as rank 0 tells a worker: its rows (maybe none; a sequence's speculative
+    verification rows are never split between ranks), the global index of its first token, the
+    rows every rank pads its logits to, a placement to load first, and whether to gather the
+    rows' last hidden streams too (speculative decoding's MTP drafter, on rank 0, reads them)."""
 
     items: list[ForwardItem]
     token_offset: int
     max_rows: int
     placement: tuple[np.ndarray, np.ndarray] | None = field(default=None)
+    streams: bool = False
+
+
+def stream_width(config) -> int:
+    """Floats of one row's last hidden streams (hc_mult streams of hidden_size)."""
+    return config.hc_mult * config.hidden_size
 
 
 def comm_device(backend: str, rank: int) -> str:
@@ -90,16 +98,17 @@ def init_world(spec: WorldSpec, rank: int, store=None) -> None:
     dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.num_ranks, timeout=timeout)
 
 
-def gather_logits(logits: torch.Tensor | None, max_rows: int, vocab: int, backend: str, rank: int) -> list | None:
-    """Every rank's logits [B_r, V] fp32 padded to [max_rows, V] and gathered to rank 0: the
-    list of R tensors on rank 0, None elsewhere. A collective."""
+def gather_rows(rows: torch.Tensor | None, max_rows: int, width: int, backend: str, rank: int) -> list | None:
+    """Every rank's rows [B_r, width] fp32 (its logits, or its last hidden streams flattened)
+    padded to [max_rows, width] and gathered to rank 0: the list of R tensors on rank 0, None
+    elsewhere. A collective."""
     import torch
     import torch.distributed as dist
 
     device = comm_device(backend, rank)
-    padded = torch.zeros(max_rows, vocab, dtype=torch.float32, device=device)
-    if logits is not None:
-        padded[: logits.shape[0]] = logits.to(device)
+    padded = torch.zeros(max_rows, width, dtype=torch.float32, device=device)
+    if rows is not None:
+        padded[: rows.shape[0]] = rows.to(device)
     if rank:
         dist.gather(padded, None, dst=0)
         return None
@@ -140,7 +149,10 @@ def worker_main(spec: WorldSpec, rank: int, conn) -> None:
                 logits = model.forward(plan.items, pages, slots)
             else:
                 moe.idle_forward()
-            gather_logits(logits, plan.max_rows, model.config.vocab_size, spec.backend, rank)
+            gather_rows(logits, plan.max_rows, model.config.vocab_size, spec.backend, rank)
+            if plan.streams:
+                streams = model.last_streams.reshape(len(plan.items), -1) if plan.items else None
+                gather_rows(streams, plan.max_rows, stream_width(model.config), spec.backend, rank)
     except EOFError:
         logger.info("rank 0 closed the control pipe; exiting")
     except BaseException:

@@ -43,12 +43,14 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh(tiny):
-    # decode speculates with the checkpoint's MTP module (random weights: drafts are mostly
+    # decode runs 2 expert-parallel ranks (attention data-parallel, routed experts split over
+    # the ranks, dispatch and combine over gloo) and speculates with the checkpoint's MTP module,
+    # on rank 0 (random weights: drafts are mostly
     # rejected, which exercises the state rollback on every step that drafts): every test here
     # compares its output with transformers' or with plain decoding, token for token. Up to 4
     # drafts a step, as the governor picks: 3 at first, fewer as they are rejected, then one
     # every 8 steps (a fixed row cost, so the machine's load cannot change that)
-    decode_args = ["--speculative", "mtp", "--num-draft-tokens", "4", "--draft-row-cost", "0.35"]
+    decode_args = ["--speculative", "mtp", "--num-draft-tokens", "4", "--draft-row-cost", "0.35", "--ep", "2"]
     with running_mesh(1, 1, model=str(tiny), decode_args=decode_args) as m:
         yield m
 
@@ -151,3 +153,15 @@ def test_expert_token_counts_follow_the_traffic_and_kvmesh_eplb_stats_records_th
     assert "balancedness at 4 ranks" in capsys.readouterr().out
     assert main(["eplb", "plan", "--ranks", "4", "--redundant", "4", str(stats_file)]) == 0
     wait_idle(mesh)
+
+
+def test_decode_ran_expert_parallel_with_mtp_drafts(mesh):
+    # every comparison above went through 2 expert-parallel ranks with MTP speculation: the
+    # decode service said so at start, each rank holding half of the routed experts
+    with open(mesh.log_path, encoding="utf-8") as f:
+        log = f.read()
+    started = [line for line in log.splitlines() if "expert-parallel decode: 2 ranks over gloo" in line]
+    assert len(started) == 1, log[-3000:]
+    held = started[0].split("routed experts held per rank: ")[1]
+    a, b = (float(x) for x in held.strip(" MB[]").split(","))
+    assert a == b > 0

@@ -129,10 +129,42 @@ def _exact_and_balanced(ep: ExpertParallelRunner, single, num_ranks: int) -> Non
     assert (predicted > before).all()
 
 
+def _speculative_rows(runner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prefill three prompts, then a speculative verification step (sequence 0 with two drafts
+    as three rows chaining scratch slots 6 and 7; the others one row each), keep both drafts
+    (slot 7 becomes sequence 0's) and take a plain step: (verify logits, their last hidden
+    streams, the plain step's logits)."""
+    tables = [list(range(1 + PAGES_PER_SEQ * b, 1 + PAGES_PER_SEQ * (b + 1))) for b in range(3)]
+    runner.forward([ForwardItem(PROMPTS[b], 0, tables[b], b) for b in range(3)])
+    n = [len(PROMPTS[b]) for b in range(3)]
+    # sequence 0 last: split by sequence count over 2 ranks, its three rows run on rank 1
+    rows = [
+        ForwardItem([7], n[1], tables[1], 1),
+        ForwardItem([8], n[2], tables[2], 2),
+        ForwardItem([9], n[0], tables[0], 0),
+        ForwardItem([10], n[0] + 1, tables[0], 6, state_from=0),
+        ForwardItem([11], n[0] + 2, tables[0], 7, state_from=6),
+    ]
+    verify = runner.forward(rows)
+    hidden = runner.last_hidden().clone()
+    runner.copy_state_slot(7, 0)
+    plain = runner.forward(
+        [ForwardItem([12], n[0] + 3, tables[0], 0), ForwardItem([13], n[1] + 1, tables[1], 1)]
+        + [ForwardItem([14], n[2] + 1, tables[2], 2)]
+    )
+    return verify, hidden, plain
+
+
 def test_ep2_equals_single_process_then_a_killed_rank_is_an_error_within_seconds(files, single):
     ep = ExpertParallelRunner(_runner(files), files, 2, timeout_s=20, torch_threads=1)
     try:
         _exact_and_balanced(ep, single, 2)
+        # speculative verification rows: a sequence's rows stay on one rank (here rank 1), the
+        # state slots roll forward in shared memory, and the MTP drafter's streams come back
+        assert ep.has_mtp
+        want = _speculative_rows(_runner(files))
+        for got, ref in zip(_speculative_rows(ep), want):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         os.kill(ep._procs[0].pid, signal.SIGKILL)
         ep._procs[0].join(5)
         start = time.monotonic()
