@@ -23,6 +23,10 @@ each tile's accumulators are its own arrays, which is what lets LLVM vectorize t
 into a 8 KB buffer that stays in L1, and every row multiplies from it; one row unpacks in
 registers. Both do the same operations in the same order, so a row's bits do not depend on the
 rows beside it (batched decode gives each sequence what it gets alone).
+
+After editing this file, delete `engine/models/__pycache__/llama_step.*.nb*`: the fused decode
+step compiles these tiles into its own numba cache, whose index checks only llama_step.py's
+timestamp, so it would keep running the old tiles (a fresh clone has no cache).
 """
 
 from __future__ import annotations
