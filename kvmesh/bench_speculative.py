@@ -1,9 +1,11 @@
-"""`kvmesh bench --speculative`: single-stream decode with and without n-gram speculation, in one
-run, on prompts that quote their input and on prompts that do not.
+"""`kvmesh bench --speculative`: single-stream decode with and without speculation, in one run, on
+prompts that quote their input and on prompts that do not.
 
-Two meshes in turn (1 prefill, 1 decode; the second decode with `--speculative ngram
---num-draft-tokens K`), the same greedy requests on each (so the same tokens: speculation does
-not change greedy output), EOS ignored so each decodes --new-tokens tokens. Per prompt kind:
+Meshes in turn (1 prefill, 1 decode): without speculation, with `--speculative ngram
+--num-draft-tokens K`, and, for a DeepSeek-V4 checkpoint that carries an MTP module
+(`--model PATH`, e.g. one `kvmesh make-tiny-model` wrote), with `--speculative mtp`; the same
+greedy requests on each (so the same tokens: speculation does not change greedy output), EOS
+ignored so each decodes --new-tokens tokens. Per prompt kind:
 decode tokens/s ((generated - 1) / (e2e - TTFT), median over the prompts and --rounds), the
 ratio, and the acceptance the traffic gave (kept drafts / drafted, and tokens per step:
 generated tokens over decode steps, from decode's GetStats). Every prompt is new each round
@@ -59,13 +61,34 @@ async def _single(address: str, decode: str, prompts: list[str], tag: int, n: in
     }
 
 
-def _measure(speculative: bool, args, say) -> dict:
+def _has_mtp(model: str | None) -> bool:
+    """Whether the model is a DeepSeek-V4 checkpoint with a multi-token-prediction module."""
+    from engine.checkpoint import architecture
+    from engine.loader import resolve_model
+
+    files = resolve_model(model)
+    if architecture(files) != "DeepseekV4ForCausalLM":
+        return False
+    import safetensors
+
+    from engine.models.deepseek_v4_weights import has_mtp
+
+    names = []
+    for path in files.checkpoint_dir.glob("*.safetensors"):
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return has_mtp(names)
+
+
+def _measure(method: str, args, say) -> dict:
     from kvmesh.client import GatewayClient, make_request
     from kvmesh.launcher import start_mesh
     from kvmesh.redis_server import free_port
 
-    decode_args = ["--speculative", "ngram", "--num-draft-tokens", str(args.num_draft_tokens)] if speculative else None
-    say(f"starting a mesh ({'ngram speculation' if speculative else 'no speculation'}) ...")
+    decode_args = (
+        None if method == "off" else ["--speculative", method, "--num-draft-tokens", str(args.num_draft_tokens)]
+    )
+    say(f"starting a mesh ({'no speculation' if method == 'off' else method + ' speculation'}) ...")
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-spec-", suffix=".log") as log:
         mesh = start_mesh(
             1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""}, extra_decode_args=decode_args
@@ -96,21 +119,30 @@ def _measure(speculative: bool, args, say) -> dict:
 
 def run_speculative_bench(args) -> int:
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
-    off = _measure(False, args, say)
-    on = _measure(True, args, say)
-    result = {"num_draft_tokens": args.num_draft_tokens, "off": off, "ngram": on}
+    methods = ["ngram", "mtp"] if _has_mtp(args.model) else ["ngram"]
+    off = _measure("off", args, say)
+    result: dict = {"num_draft_tokens": args.num_draft_tokens, "off": off, "ngram": None, "mtp": None}
+    for method in methods:
+        result[method] = _measure(method, args, say)
     if args.json:
         print(json.dumps(result))
         return 0
     print(
-        f"\nsingle-stream decode, {args.new_tokens} tokens a request, greedy, n-gram drafts of up to {args.num_draft_tokens}"
+        f"\nsingle-stream decode, {args.new_tokens} tokens a request, greedy, drafts of up to {args.num_draft_tokens}"
     )
-    print(f"{'prompts':<10}{'off tok/s':>11}{'ngram tok/s':>13}{'ratio':>8}{'kept/drafted':>15}{'tokens/step':>13}")
+    print(
+        f"{'prompts':<10}{'drafts':<8}{'off tok/s':>11}{'on tok/s':>10}{'ratio':>8}{'kept/drafted':>15}{'tokens/step':>13}"
+    )
     for kind in ("quoting", "plain"):
-        a, b = off[kind], on[kind]
-        kept = f"{b['accepted']}/{b['drafted']}" if b["drafted"] else "0/0"
+        for method in methods:
+            a, b = off[kind], result[method][kind]
+            kept = f"{b['accepted']}/{b['drafted']}" if b["drafted"] else "0/0"
+            print(
+                f"{kind:<10}{method:<8}{a['tokens_per_s']:>11.1f}{b['tokens_per_s']:>10.1f}"
+                f"{b['tokens_per_s'] / a['tokens_per_s']:>7.2f}x{kept:>15}{b['tokens_per_step']:>13.2f}"
+            )
+    if "mtp" not in methods:
         print(
-            f"{kind:<10}{a['tokens_per_s']:>11.1f}{b['tokens_per_s']:>13.1f}{b['tokens_per_s'] / a['tokens_per_s']:>7.2f}x"
-            f"{kept:>15}{b['tokens_per_step']:>13.2f}"
+            "(no mtp row: the model carries no multi-token-prediction module; --model a DeepSeek-V4 checkpoint with one)"
         )
     return 0
