@@ -22,12 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
 from decode_svc.speculative import DraftCounts, SpeculationGovernor, propose_ngram
-from engine.eplb import expert_stats
+from engine.eplb import ep_stats, expert_stats
 from engine.forward import DraftingRunner, DraftItem, ForwardItem, Runner, StateSlots
 from engine.outcomes import FinishReason
 from engine.sampler import sample, verify_drafts
@@ -325,7 +326,15 @@ class DecodeEngine:
                 "step_seconds": self.step_seconds,
                 "integrity_error": error,
                 **expert_stats(self.runner.expert_token_counts()),
+                **self._ep_stats(),
             }
+
+    def _ep_stats(self) -> dict[str, int | list[int]]:
+        """An expert-parallel runner's measured rank loads and placement in use; {} otherwise."""
+        loads, placement = getattr(self.runner, "loads", None), getattr(self.runner, "placement", None)
+        if loads is None or placement is None:
+            return {}
+        return ep_stats(loads.rank_tokens.copy(), np.asarray(placement.phy2log))
 
     # --- the engine thread -----------------------------------------------------------
 

@@ -59,6 +59,17 @@ def expert_stats(counts: np.ndarray | None) -> dict[str, int | list[int]]:
     return {"num_experts": int(counts.shape[1]), "expert_tokens": [int(x) for x in counts.reshape(-1)]}
 
 
+def ep_stats(rank_tokens: np.ndarray, phy2log: np.ndarray) -> dict[str, int | list[int]]:
+    """InstanceStats fields of an expert-parallel decode: rank_tokens [L, R] rows each rank's
+    experts computed, phy2log [L, P] the placement in use (flattened layer-major)."""
+    return {
+        "ep_ranks": int(rank_tokens.shape[1]),
+        "ep_rank_tokens": [int(x) for x in rank_tokens.reshape(-1)],
+        "ep_slots_per_layer": int(phy2log.shape[1]),
+        "ep_phy2log": [int(x) for x in phy2log.reshape(-1)],
+    }
+
+
 def counts_from_stats(num_experts: int, expert_tokens) -> np.ndarray:
     """[L, E] counts back from InstanceStats' flat fields. Raises ValueError when they disagree."""
     flat = np.asarray(list(expert_tokens), np.int64)

@@ -3,8 +3,10 @@ turn it into an EPLB placement (engine.eplb).
 
 `stats` asks each instance's GetStats for its per-expert token counts (every MoE layer, top-k
 and hash-routed alike, since it started; with --window S, the traffic of the next S seconds),
-adds them up, prints each layer's balancedness at --ranks for the placement in use (experts in
-order, one replica each: no EP placement is loaded yet) and writes the stats file.
+adds them up, prints each layer's balancedness at --ranks with experts in order, one replica
+each, and writes the stats file; for an expert-parallel decode (`--ep N`) it also prints, per
+layer, the balancedness of the placement in use measured on its live ranks next to what
+`engine.eplb.balancedness` predicts for that placement from the same counts.
 `plan` reads such a file and prints each layer's balancedness before and after EPLB.
 
 The stats file is JSON: {"layers": [[tokens routed to expert 0, 1, ...], ...]}, one row per MoE
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,8 +30,24 @@ def add_stats_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="", help="write the stats file here")
 
 
-async def _instance_counts(address: str) -> np.ndarray:
-    """[L, E] counts from one instance's GetStats (Decode or Prefill service)."""
+@dataclass(frozen=True)
+class InstanceLoad:
+    """What one instance's GetStats says of its MoE load."""
+
+    expert_tokens: np.ndarray
+    """[L, E] tokens routed to each expert."""
+    ep_rank_tokens: np.ndarray | None = None
+    """[L, R] rows each expert-parallel rank's experts computed (decode --ep only)."""
+    ep_phy2log: np.ndarray | None = None
+    """[L, P] the placement in use (decode --ep only)."""
+
+    def __sub__(self, earlier: InstanceLoad) -> InstanceLoad:
+        ranks = None if self.ep_rank_tokens is None else self.ep_rank_tokens - earlier.ep_rank_tokens
+        return InstanceLoad(self.expert_tokens - earlier.expert_tokens, ranks, self.ep_phy2log)
+
+
+async def _instance_load(address: str) -> InstanceLoad:
+    """One instance's expert load from its GetStats (Decode or Prefill service)."""
     import grpc
 
     from engine.eplb import counts_from_stats
@@ -45,34 +64,46 @@ async def _instance_counts(address: str) -> np.ndarray:
                     raise ValueError(f"{address}: GetStats failed: {exc.code().name} {exc.details()}") from None
     if stats is None or not stats.num_experts:
         raise ValueError(f"{address} serves no MoE model (no expert counts in its stats)")
-    return counts_from_stats(stats.num_experts, stats.expert_tokens)
+    counts = counts_from_stats(stats.num_experts, stats.expert_tokens)
+    if not stats.ep_ranks:
+        return InstanceLoad(counts)
+    ranks = np.asarray(list(stats.ep_rank_tokens), np.int64).reshape(-1, stats.ep_ranks)
+    phy2log = np.asarray(list(stats.ep_phy2log), np.int64).reshape(-1, stats.ep_slots_per_layer)
+    return InstanceLoad(counts, ranks, phy2log)
+
+
+async def record_loads(addresses: list[str], window_s: float = 0.0) -> list[InstanceLoad]:
+    """Each instance's expert load: since start, or over the next window_s seconds. Raises
+    ValueError for an instance without expert counts, or instances of different layouts."""
+    import asyncio
+
+    async def snapshot() -> list[InstanceLoad]:
+        loads = await asyncio.gather(*(_instance_load(a) for a in addresses))
+        if len({x.expert_tokens.shape for x in loads}) != 1:
+            raise ValueError(f"instances report different expert layouts: {[x.expert_tokens.shape for x in loads]}")
+        return list(loads)
+
+    start = await snapshot()
+    if window_s <= 0:
+        return start
+    await asyncio.sleep(window_s)
+    return [b - a for a, b in zip(start, await snapshot())]
 
 
 async def record(addresses: list[str], window_s: float = 0.0) -> np.ndarray:
     """[L, E] tokens routed to each expert summed over `addresses`: since start, or over the next
     window_s seconds. Raises ValueError for an instance without expert counts or of another shape."""
-    import asyncio
-
-    async def total() -> np.ndarray:
-        rows = await asyncio.gather(*(_instance_counts(a) for a in addresses))
-        if len({r.shape for r in rows}) != 1:
-            raise ValueError(f"instances report different expert layouts: {[r.shape for r in rows]}")
-        return np.sum(rows, axis=0)
-
-    start = await total()
-    if window_s <= 0:
-        return start
-    await asyncio.sleep(window_s)
-    return await total() - start
+    return np.sum([x.expert_tokens for x in await record_loads(addresses, window_s)], axis=0)
 
 
 def run_stats(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine.eplb import balancedness, default_placement
+    from engine.eplb import Placement, balancedness, default_placement
 
     try:
-        load = asyncio.run(record(args.instance, args.window))
+        loads = asyncio.run(record_loads(args.instance, args.window))
+        load = np.sum([x.expert_tokens for x in loads], axis=0)
         current = balancedness(load, default_placement(load.shape[0], load.shape[1], args.ranks))
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -81,6 +112,20 @@ def run_stats(args: argparse.Namespace) -> int:
     print(f"{'layer':>5}  {'balancedness at ' + str(args.ranks) + ' ranks':>26}  tokens per expert")
     for i, row in enumerate(load):
         print(f"{i:>5}  {current[i]:>26.3f}  {row.astype(int).tolist()}")
+    for address, x in zip(args.instance, loads):
+        if x.ep_rank_tokens is None or x.ep_phy2log is None:
+            continue
+        # an expert-parallel decode: its placement in use, measured on its live ranks, next to
+        # what the planner predicts for that placement from the same traffic's counts
+        R = x.ep_rank_tokens.shape[1]
+        replicas = np.stack([np.bincount(row, minlength=load.shape[1]) for row in x.ep_phy2log])
+        predicted = balancedness(x.expert_tokens, Placement(x.ep_phy2log, replicas, R))
+        top = x.ep_rank_tokens.max(axis=1)
+        measured = np.where(top > 0, x.ep_rank_tokens.mean(axis=1) / np.maximum(top, 1), 1.0)
+        print(f"{address}: expert-parallel over {R} ranks, the placement in use")
+        print(f"{'layer':>5}  {'measured':>9}  {'predicted':>9}  rows per rank")
+        for i in range(len(measured)):
+            print(f"{i:>5}  {measured[i]:>9.3f}  {predicted[i]:>9.3f}  {x.ep_rank_tokens[i].tolist()}")
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump({"layers": load.astype(int).tolist()}, f)

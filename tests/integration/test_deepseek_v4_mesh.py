@@ -150,7 +150,22 @@ def test_expert_token_counts_follow_the_traffic_and_kvmesh_eplb_stats_records_th
     stats_file = tmp_path / "stats.json"
     assert main(["eplb", "stats", "--instance", p, "--instance", d, "--ranks", "4", "-o", str(stats_file)]) == 0
     assert json.loads(stats_file.read_text())["layers"] == (after_p + after_d).tolist()
-    assert "balancedness at 4 ranks" in capsys.readouterr().out
+    out_text = capsys.readouterr().out
+    assert "balancedness at 4 ranks" in out_text
+    # decode runs 2 EP ranks: its stats carry each rank's rows and the placement in use (experts
+    # in order, one replica each), and every routed row went to exactly one rank
+    s = instance_stats(d, "decode")
+    ranks = np.asarray(list(s.ep_rank_tokens)).reshape(-1, s.ep_ranks)
+    phy2log = np.asarray(list(s.ep_phy2log)).reshape(-1, s.ep_slots_per_layer)
+    assert s.ep_ranks == 2 and phy2log.tolist() == [list(range(8))] * 4
+    assert ranks.sum(axis=1).tolist() == counts(d, "decode").sum(axis=1).tolist()
+    # the command prints each layer's balancedness measured on the ranks next to the planner's
+    # prediction for that placement; with one replica each they are the same numbers
+    assert f"{d}: expert-parallel over 2 ranks" in out_text
+    table = out_text.split("expert-parallel over 2 ranks")[1].splitlines()[2:6]
+    for row in table:
+        _, measured, predicted = row.split()[:3]
+        assert measured == predicted, row
     assert main(["eplb", "plan", "--ranks", "4", "--redundant", "4", str(stats_file)]) == 0
     wait_idle(mesh)
 
