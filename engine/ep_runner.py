@@ -238,7 +238,7 @@ class ExpertParallelRunner:
         self._check(items)
         if self._broken:
             raise EPWorldError(f"the EP world is down: {self._broken}")
-        starts = [b for b, it in enumerate(items) if it.state_from is None] + [len(items)]
+        starts = [0] + [b for b in range(1, len(items)) if items[b].state_from is None] + [len(items)]
         shares = [
             range(starts[g.start], starts[g.stop]) for g in split_by_requests(len(starts) - 1, self.num_ranks)
         ]  # each rank's rows: whole sequences
@@ -289,6 +289,8 @@ class ExpertParallelRunner:
                 raise ValueError(
                     f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), got {it.state_slot}"
                 )
+            if it.state_from is not None and not 0 <= it.state_from < self.num_state_slots:
+                raise ValueError(f"item {b}: state_from must be in [0, {self.num_state_slots}), got {it.state_from}")
             if nc + n > cfg.max_position_embeddings:
                 raise ValueError(
                     f"item {b}: {nc + n} tokens exceed max_position_embeddings ({cfg.max_position_embeddings})"
