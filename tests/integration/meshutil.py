@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from kvmesh.client import Completion, GatewayClient, make_request
 from kvmesh.launcher import Mesh, start_mesh
 from kvmesh.redis_server import free_port
+from runtime.service import wait_for_health
 from tests.conftest import instance_stats
 
 SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -202,3 +204,102 @@ def observed_mesh(collector: Collector):
     ) as m:
         m.metrics = {k: f"http://127.0.0.1:{p}/metrics" for k, p in ports.items()}
         yield m
+
+
+FAULT_MESH_DECODE_SLOTS = 8
+"""Requests each decode of `fault_mesh` batches (--max-batch-size)."""
+
+
+def serving(services: list[tuple[subprocess.Popen, str]]) -> None:
+    """Wait until every service is SERVING (they start in parallel)."""
+
+    async def wait_all():
+        await asyncio.gather(*(wait_for_health(address, 300) for _, address in services))
+
+    asyncio.run(wait_all())
+
+
+def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each process still running (once: `reap` waits for them)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+
+def reap(procs: list[subprocess.Popen]) -> None:
+    """Wait for terminated processes; SIGKILL one still running after 20 s."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def gateway_args(mesh: Mesh, *extra: str) -> list[str]:
+    """A gateway's flags for every instance of `mesh` and its Redis, then `extra`."""
+    return [
+        *(f"--prefill={a}" for a in mesh.prefill_addresses),
+        *(f"--decode={a}" for a in mesh.decode_addresses),
+        "--redis-url",
+        mesh.redis_url,
+        *extra,
+    ]
+
+
+@contextmanager
+def fault_mesh(log_path: str):
+    """2 prefill and 2 decode of FAULT_MESH_DECODE_SLOTS slots each, and beside them (`mesh.extra`,
+    name -> address): a decode advertising a KV address nobody can push to, a gateway routing to
+    it, a gateway whose queue holds 4 requests and one with page size 32 (their output appended
+    to log_path). Prefill leases last 1.5 s (a heartbeat every 0.5 s), and the gateway serves
+    /metrics (`mesh.metrics_url`). test_compose and test_faults share it (tests/conftest.py)."""
+    extra: list[tuple[subprocess.Popen, str]] = []
+    signalled = False
+    try:
+        # the extra decode loads its model while the mesh's instances load theirs
+        extra.append(
+            spawn_service(
+                "decode",
+                ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()), "--instance-id", "decode-unreachable"],
+                log_path,
+            )
+        )
+        metrics_port = free_port()
+        with running_mesh(
+            2,
+            2,
+            prefill_args=["--lease-ttl", "1.5"],
+            decode_args=["--max-batch-size", str(FAULT_MESH_DECODE_SLOTS)],
+            gateway_args=["--metrics-port", str(metrics_port)],
+        ) as m:
+            m.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            try:
+                bad_address = extra[0][1]
+                gateway_flags = {
+                    "queue-of-4": gateway_args(m, "--max-queued-requests", "4"),
+                    "page-size-32": gateway_args(m, "--page-size", "32"),
+                    "with-unreachable-decode": [
+                        f"--prefill={m.prefill_addresses[0]}",
+                        f"--decode={m.decode_addresses[0]}",
+                        f"--decode={bad_address}",
+                        "--redis-url",
+                        m.redis_url,
+                        "--no-discover",  # exactly these instances, not the mesh's others
+                        "--wait-for-instances",  # the extra decode may still be loading
+                        "300",
+                    ],
+                }
+                gateways = {name: spawn_service("gateway", flags, log_path) for name, flags in gateway_flags.items()}
+                extra.extend(gateways.values())
+                serving(extra)
+                m.extra = {"unreachable-decode": bad_address, **{n: a for n, (_, a) in gateways.items()}}
+                m.extra_procs = [p for p, _ in extra]
+                yield m
+            finally:
+                terminate([p for p, _ in extra])  # they stop while the mesh stops
+                signalled = True
+    finally:
+        if not signalled:  # the mesh did not start
+            terminate([p for p, _ in extra])
+        reap([p for p, _ in extra])
