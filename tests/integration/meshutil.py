@@ -29,6 +29,26 @@ other services' threads; waiting passively, a 2+2 mesh on 2 cores ran its decode
 faster, and prefill as fast as with spinning."""
 
 
+_block_kernels_compiled = False
+
+
+def compile_block_kernels() -> None:
+    """Compile the default model's GGUF block kernels in this process, once a session, before a
+    test starts services of that model. numba keeps them on disk (`cache=True`, beside the
+    source), but services that start together on a cold cache (a fresh clone, or the first run
+    after an edit to the kernels) each compile them, ~40 s of CPU apiece: the two `kvmesh up` of
+    test_cli_and_failures took 207 s instead of 35 s. Compiled here they load in well under a
+    second; on a warm cache this costs a model load and a warm-up step (~2 s)."""
+    global _block_kernels_compiled
+    if _block_kernels_compiled:
+        return
+    from engine.llama_runner import LlamaRunner
+    from engine.loader import resolve_model
+
+    LlamaRunner(resolve_model(), num_pages=2, page_size=16).warmup()
+    _block_kernels_compiled = True
+
+
 @contextmanager
 def running_mesh(
     num_prefill: int = 1,
@@ -42,6 +62,8 @@ def running_mesh(
 ):
     """A mesh with its own Redis, KV digests on, cores shared (`SHARED_CORES_ENV`); prints
     the services' log if start-up fails."""
+    if model is None:
+        compile_block_kernels()
     log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-test-", suffix=".log", delete=False)
     try:
         mesh = start_mesh(
@@ -86,6 +108,8 @@ def spawn_service(
     """An extra `kvmesh serve KIND --port P ARGS` beside a module's mesh, its output appended
     to log_path, cores shared (`SHARED_CORES_ENV`); (process, its address). Wait for it with
     runtime.service's wait_for_health."""
+    if kind != "gateway" and "--model" not in args:
+        compile_block_kernels()
     port = free_port()
     with open(log_path, "a") as log:
         proc = subprocess.Popen(
