@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from filelock import FileLock
@@ -133,13 +135,50 @@ def _from_gguf(gguf: Path, name: str) -> ModelFiles:
     if (final / "config.json").is_file() and (final / BLOCKS_FILE).is_file():
         return ModelFiles(name=name, checkpoint_dir=final)
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final) + ".lock"):
+    with FileLock(str(final) + ".lock"), _gguf_parsed_once():
         # another process may have finished the conversion while we waited for the lock
         if not (final / "config.json").is_file():
             _convert_gguf(gguf, final)
         if not (final / BLOCKS_FILE).is_file():  # also for folders converted before blocks were kept
             write_blocks(final, gguf)
     return ModelFiles(name=name, checkpoint_dir=final)
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, gguf-py parses each GGUF file once and builds each tensor name map once.
+
+    A conversion opens the file four times (transformers' config, weights and tokenizer, then
+    `write_blocks`), and each `GGUFReader` parses every metadata field anew, SmolLM2's
+    49,152-token vocabulary included: ~2.5 s a time on a 2-core machine. transformers also
+    builds gguf-py's tensor name map once per module of the model (~400 times, ~15 ms each).
+    Both are read-only once built, so later calls get the first one.
+    """
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+    name_maps: dict[tuple[object, int], object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = real_name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    # transformers and engine.gguf_blocks import both from gguf when they are called
+    setattr(gguf, "GGUFReader", reader)  # noqa: B010 (mypy: a class replaced by a function)
+    setattr(gguf, "get_tensor_name_map", name_map)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(gguf, "GGUFReader", real_reader)  # noqa: B010
+        setattr(gguf, "get_tensor_name_map", real_name_map)  # noqa: B010
 
 
 def _convert_gguf(gguf: Path, final: Path) -> None:

@@ -135,6 +135,12 @@ class GatewayConfig:
         "prompt tokens one API key may have waiting for prefill (more: RESOURCE_EXHAUSTED / 429; 0: no bound)",
     )
     stats_interval_s: float = setting(0.5, "--stats-interval", "seconds between polls of instances' load and health")
+    wait_for_instances_s: float = setting(
+        0.0,
+        "--wait-for-instances",
+        "seconds to wait at start-up for every --prefill and --decode instance to report SERVING before this "
+        "gateway does (0: do not wait); `kvmesh up` starts its gateway beside its instances with this set",
+    )
     metrics_port: int = metrics_port_setting()
     drain_grace_s: float = drain_grace_setting()
 
@@ -189,6 +195,8 @@ class GatewayConfig:
                 f"must be >= 0, got {self.max_queued_requests}, {self.max_queued_tokens}, "
                 f"{self.max_requests_per_key}, {self.max_queued_tokens_per_key}"
             )
+        if not (math.isfinite(self.wait_for_instances_s) and self.wait_for_instances_s >= 0):
+            raise ValueError(f"wait_for_instances_s must be a finite number >= 0, got {self.wait_for_instances_s}")
         if not 0 <= self.http_port < 65536 or self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port must be in [0, 65535] and differ from the gRPC port, got {self.http_port}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -89,6 +89,11 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         from gateway.http_api import HttpFront  # starlette and uvicorn load only when HTTP is on
 
         http = HttpFront(path, config.host, config.http_port, config.tls_cert, config.tls_key, config.drain_grace_s)
+    if config.wait_for_instances_s:
+        # started beside its instances (`kvmesh up`): the tokenizer loaded while they loaded
+        # their models; SERVING only once every listed instance is, so the first poll finds them
+        addresses = [*config.prefill_addresses, *config.decode_addresses]
+        await asyncio.gather(*(service.wait_for_health(a, config.wait_for_instances_s) for a in addresses))
     await pool.poll_once()
     discovery = registry = None
     if config.discovers:

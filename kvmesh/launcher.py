@@ -161,7 +161,8 @@ def start_mesh(
                     ),
                 )
             )
-        _wait_ready(mesh, mesh.prefill_addresses + mesh.decode_addresses, ready_timeout_s)
+        # the gateway starts beside the instances (its imports and tokenizer overlap their model
+        # loads) and reports SERVING only once they all do (--wait-for-instances)
         gw_args = [
             "--host",
             host,
@@ -171,11 +172,13 @@ def start_mesh(
             redis_url,
             *[a for d in mesh.prefill_addresses for a in ("--prefill", d)],
             *[a for d in mesh.decode_addresses for a in ("--decode", d)],
+            "--wait-for-instances",
+            str(ready_timeout_s),
             *(["--http-port", str(http_port)] if http_port else []),
             *(extra_gateway_args or []),
         ]
         mesh.procs.append(("gateway", _serve("gateway", gw_args, env, log)))
-        _wait_ready(mesh, [mesh.gateway_address], 120.0)
+        _wait_ready(mesh, [*mesh.prefill_addresses, *mesh.decode_addresses, mesh.gateway_address], ready_timeout_s)
     except BaseException:
         mesh.stop()
         raise

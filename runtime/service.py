@@ -41,6 +41,15 @@ GRPC_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 """Options of every client channel (gateway -> services, kvmesh clients)."""
+_HEALTH_WAIT_OPTIONS = [
+    *GRPC_OPTIONS,
+    # a service opens its port only after imports and the model load (seconds): with grpc's
+    # default reconnect backoff (1 s, growing 1.6x a try) the wait noticed an open port up to
+    # ~2 s late; retrying as often as it polls, it notices within one poll
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
 SERVER_OPTIONS = [
     *_MESSAGE_OPTIONS,
     # accept the clients' 2 s pings (the default policy answers them with GOAWAY
@@ -235,9 +244,9 @@ async def wait_for_health(
     deadline = loop.time() + timeout_s
     if root_certificates is not None:
         creds = grpc.ssl_channel_credentials(root_certificates)
-        channel = grpc.aio.secure_channel(address, creds, options=GRPC_OPTIONS)
+        channel = grpc.aio.secure_channel(address, creds, options=_HEALTH_WAIT_OPTIONS)
     else:
-        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        channel = grpc.aio.insecure_channel(address, options=_HEALTH_WAIT_OPTIONS)
     async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:

@@ -1,8 +1,9 @@
 """Shared fixtures: a Redis URL (the machine's, or a private redis-server) and meshes.
 
-A mesh takes 10-30 s to start on a 2-core machine (two model loads, then the gateway), so
-modules whose tests can share one do: `observed_mesh` serves test_mesh and
-test_observability. Every test using it ends with the mesh idle (`wait_idle`).
+A mesh takes 10-30 s to start on a 2-core machine (model loads, then the gateway), so
+modules whose tests can share one do: `observed_mesh` serves test_mesh, test_observability
+and test_http_api, `fault_mesh` test_compose and test_faults. Every test using one ends with
+the mesh idle (`wait_idle`), but for test_faults' last ones, which kill its instances.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def observed_mesh(otlp_collector):
     from tests.integration.meshutil import observed_mesh
 
     with observed_mesh(otlp_collector) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="session")
+def fault_mesh(tmp_path_factory):
+    """2 prefill and 2 decode with a decode nobody can push to and three more gateways beside
+    them (tests.integration.meshutil.fault_mesh). test_compose uses it first and leaves it idle;
+    test_faults kills its instances and then calls `close()`, which stops everything at once."""
+    from contextlib import ExitStack
+
+    from tests.integration.meshutil import fault_mesh
+
+    with ExitStack() as stack:
+        mesh = stack.enter_context(fault_mesh(str(tmp_path_factory.mktemp("faults") / "extra-services.log")))
+        mesh.close = stack.close
         yield mesh
 
 

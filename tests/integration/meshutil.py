@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from kvmesh.client import Completion, GatewayClient, make_request
 from kvmesh.launcher import Mesh, start_mesh
 from kvmesh.redis_server import free_port
+from runtime.service import wait_for_health
 from tests.conftest import instance_stats
 
 SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -25,6 +27,26 @@ SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 OpenMP threads that spin while they wait for work (libgomp's default) take the cores from the
 other services' threads; waiting passively, a 2+2 mesh on 2 cores ran its decode bursts ~4x
 faster, and prefill as fast as with spinning."""
+
+
+_block_kernels_compiled = False
+
+
+def compile_block_kernels() -> None:
+    """Compile the default model's GGUF block kernels in this process, once a session, before a
+    test starts services of that model. numba keeps them on disk (`cache=True`, beside the
+    source), but services that start together on a cold cache (a fresh clone, or the first run
+    after an edit to the kernels) each compile them, ~40 s of CPU apiece: the two `kvmesh up` of
+    test_cli_and_failures took 207 s instead of 35 s. Compiled here they load in well under a
+    second; on a warm cache this costs a model load and a warm-up step (~2 s)."""
+    global _block_kernels_compiled
+    if _block_kernels_compiled:
+        return
+    from engine.llama_runner import LlamaRunner
+    from engine.loader import resolve_model
+
+    LlamaRunner(resolve_model(), num_pages=2, page_size=16).warmup()
+    _block_kernels_compiled = True
 
 
 @contextmanager
@@ -40,6 +62,8 @@ def running_mesh(
 ):
     """A mesh with its own Redis, KV digests on, cores shared (`SHARED_CORES_ENV`); prints
     the services' log if start-up fails."""
+    if model is None:
+        compile_block_kernels()
     log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-test-", suffix=".log", delete=False)
     try:
         mesh = start_mesh(
@@ -84,6 +108,8 @@ def spawn_service(
     """An extra `kvmesh serve KIND --port P ARGS` beside a module's mesh, its output appended
     to log_path, cores shared (`SHARED_CORES_ENV`); (process, its address). Wait for it with
     runtime.service's wait_for_health."""
+    if kind != "gateway" and "--model" not in args:
+        compile_block_kernels()
     port = free_port()
     with open(log_path, "a") as log:
         proc = subprocess.Popen(
@@ -202,3 +228,102 @@ def observed_mesh(collector: Collector):
     ) as m:
         m.metrics = {k: f"http://127.0.0.1:{p}/metrics" for k, p in ports.items()}
         yield m
+
+
+FAULT_MESH_DECODE_SLOTS = 8
+"""Requests each decode of `fault_mesh` batches (--max-batch-size)."""
+
+
+def serving(services: list[tuple[subprocess.Popen, str]]) -> None:
+    """Wait until every service is SERVING (they start in parallel)."""
+
+    async def wait_all():
+        await asyncio.gather(*(wait_for_health(address, 300) for _, address in services))
+
+    asyncio.run(wait_all())
+
+
+def terminate(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each process still running (once: `reap` waits for them)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+
+def reap(procs: list[subprocess.Popen]) -> None:
+    """Wait for terminated processes; SIGKILL one still running after 20 s."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def gateway_args(mesh: Mesh, *extra: str) -> list[str]:
+    """A gateway's flags for every instance of `mesh` and its Redis, then `extra`."""
+    return [
+        *(f"--prefill={a}" for a in mesh.prefill_addresses),
+        *(f"--decode={a}" for a in mesh.decode_addresses),
+        "--redis-url",
+        mesh.redis_url,
+        *extra,
+    ]
+
+
+@contextmanager
+def fault_mesh(log_path: str):
+    """2 prefill and 2 decode of FAULT_MESH_DECODE_SLOTS slots each, and beside them (`mesh.extra`,
+    name -> address): a decode advertising a KV address nobody can push to, a gateway routing to
+    it, a gateway whose queue holds 4 requests and one with page size 32 (their output appended
+    to log_path). Prefill leases last 1.5 s (a heartbeat every 0.5 s), and the gateway serves
+    /metrics (`mesh.metrics_url`). test_compose and test_faults share it (tests/conftest.py)."""
+    extra: list[tuple[subprocess.Popen, str]] = []
+    signalled = False
+    try:
+        # the extra decode loads its model while the mesh's instances load theirs
+        extra.append(
+            spawn_service(
+                "decode",
+                ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()), "--instance-id", "decode-unreachable"],
+                log_path,
+            )
+        )
+        metrics_port = free_port()
+        with running_mesh(
+            2,
+            2,
+            prefill_args=["--lease-ttl", "1.5"],
+            decode_args=["--max-batch-size", str(FAULT_MESH_DECODE_SLOTS)],
+            gateway_args=["--metrics-port", str(metrics_port)],
+        ) as m:
+            m.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            try:
+                bad_address = extra[0][1]
+                gateway_flags = {
+                    "queue-of-4": gateway_args(m, "--max-queued-requests", "4"),
+                    "page-size-32": gateway_args(m, "--page-size", "32"),
+                    "with-unreachable-decode": [
+                        f"--prefill={m.prefill_addresses[0]}",
+                        f"--decode={m.decode_addresses[0]}",
+                        f"--decode={bad_address}",
+                        "--redis-url",
+                        m.redis_url,
+                        "--no-discover",  # exactly these instances, not the mesh's others
+                        "--wait-for-instances",  # the extra decode may still be loading
+                        "300",
+                    ],
+                }
+                gateways = {name: spawn_service("gateway", flags, log_path) for name, flags in gateway_flags.items()}
+                extra.extend(gateways.values())
+                serving(extra)
+                m.extra = {"unreachable-decode": bad_address, **{n: a for n, (_, a) in gateways.items()}}
+                m.extra_procs = [p for p, _ in extra]
+                yield m
+            finally:
+                terminate([p for p, _ in extra])  # they stop while the mesh stops
+                signalled = True
+    finally:
+        if not signalled:  # the mesh did not start
+            terminate([p for p, _ in extra])
+        reap([p for p, _ in extra])

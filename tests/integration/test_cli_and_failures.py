@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvmesh.redis_server import free_port
-from tests.integration.meshutil import SHARED_CORES_ENV
+from tests.integration.meshutil import SHARED_CORES_ENV, compile_block_kernels
 
 
 def _children(pid: int) -> list[int]:
@@ -81,8 +81,9 @@ class Launcher:
 
 @pytest.fixture(scope="module")
 def launchers(tmp_path_factory):
-    """Two `kvmesh up`, started together: a start-up is two model loads and then a gateway
-    alone, so two overlap well on a 2-core machine."""
+    """Two `kvmesh up`, started together so that their start-ups (model loads, with each
+    gateway loading its tokenizer beside them) overlap."""
+    compile_block_kernels()
     out = tmp_path_factory.mktemp("up")
     ups = {name: Launcher(str(out / f"{name}.log")) for name in ("generate", "killed")}
     yield ups

@@ -3,9 +3,10 @@ at every stage, bursts past the decode pools, instances that disagree or cannot 
 
 One mesh (2 prefill, 2 decode of 8 slots each, real Redis, UCX and gRPC on loopback) serves
 the whole module; a few tests use a gateway or a decode of their own next to it, all started
-with the mesh (a start-up is the slow part of a test here). Every test ends with the mesh
-idle: every page back, `check_integrity` clean on every instance. The last tests kill
-instances: first one prefill and one decode, then the rest.
+with the mesh (a start-up is the slow part of a test here), which test_compose uses first
+(`fault_mesh` in tests/conftest.py). Every test ends with the mesh idle: every page back,
+`check_integrity` clean on every instance. The last tests kill instances: first one prefill
+and one decode, then the rest.
 """
 
 from __future__ import annotations
@@ -24,81 +25,31 @@ import pytest
 from engine.checkpoint import load_tokenizer
 from engine.loader import resolve_model
 from kvmesh.client import GatewayClient, make_request
-from kvmesh.redis_server import RedisProcess, free_port
+from kvmesh.redis_server import RedisProcess
 from kvstore.block_hash import hash_blocks
 from kvstore.redis_index import RedisKVIndex
 from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc
-from runtime.service import wait_for_health
 from runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
 from tests.conftest import instance_stats
 from tests.integration.meshutil import (
+    FAULT_MESH_DECODE_SLOTS,
     complete,
     complete_many,
     log_size,
     read_log,
-    running_mesh,
-    spawn_service,
     wait_for_log,
     wait_idle,
 )
 
-DECODE_SLOTS = 8
+DECODE_SLOTS = FAULT_MESH_DECODE_SLOTS
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    """The module's mesh, and beside it (`mesh.extra`, name -> address): a decode advertising a
-    KV address nobody can push to, a gateway routing to it, a gateway whose queue holds 4
-    requests and one with page size 32. Prefill leases last 1.5 s (a heartbeat every 0.5 s),
-    and the gateway serves /metrics (`mesh.metrics_url`)."""
-    log = str(tmp_path_factory.mktemp("faults") / "extra-services.log")
-    extra: list[tuple[subprocess.Popen, str]] = []
-    signalled = False
-    try:
-        # the extra decode loads its model while the mesh's instances load theirs
-        extra.append(
-            spawn_service(
-                "decode",
-                ["--advertise-host", "127.0.0.2", "--kv-port", str(free_port()), "--instance-id", "decode-unreachable"],
-                log,
-            )
-        )
-        metrics_port = free_port()
-        with running_mesh(
-            2,
-            2,
-            prefill_args=["--lease-ttl", "1.5"],
-            decode_args=["--max-batch-size", str(DECODE_SLOTS)],
-            gateway_args=["--metrics-port", str(metrics_port)],
-        ) as m:
-            m.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-            try:
-                bad_address = extra[0][1]
-                serving(extra)  # before the gateway that routes to it starts
-                gateway_flags = {
-                    "queue-of-4": gateway_args(m, "--max-queued-requests", "4"),
-                    "page-size-32": gateway_args(m, "--page-size", "32"),
-                    "with-unreachable-decode": [
-                        f"--prefill={m.prefill_addresses[0]}",
-                        f"--decode={m.decode_addresses[0]}",
-                        f"--decode={bad_address}",
-                        "--redis-url",
-                        m.redis_url,
-                        "--no-discover",  # exactly these instances, not the mesh's others
-                    ],
-                }
-                gateways = {name: spawn_service("gateway", flags, log) for name, flags in gateway_flags.items()}
-                extra.extend(gateways.values())
-                serving(list(gateways.values()))
-                m.extra = {"unreachable-decode": bad_address, **{n: a for n, (_, a) in gateways.items()}}
-                yield m
-            finally:
-                terminate([p for p, _ in extra])  # they stop while the mesh stops
-                signalled = True
-    finally:
-        if not signalled:  # the mesh did not start
-            terminate([p for p, _ in extra])
-        reap([p for p, _ in extra])
+def mesh(fault_mesh):
+    """Shared with test_compose, which runs first and leaves it idle (tests/conftest.py); this
+    module's last tests kill its instances, so everything stops with the module."""
+    yield fault_mesh
+    fault_mesh.close()
 
 
 def proc_of(mesh, address: str) -> subprocess.Popen:
@@ -124,42 +75,6 @@ async def outcome(client: GatewayClient, request, timeout_s: float = 120):
         return ("OK", out.final), time.monotonic() - started
     except grpc.aio.AioRpcError as exc:
         return (exc.code().name, exc.details(), dict(exc.trailing_metadata() or ())), time.monotonic() - started
-
-
-def serving(services: list[tuple[subprocess.Popen, str]]) -> None:
-    """Wait until every service is SERVING (they start in parallel)."""
-
-    async def wait_all():
-        await asyncio.gather(*(wait_for_health(address, 300) for _, address in services))
-
-    asyncio.run(wait_all())
-
-
-def terminate(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each process still running (once: `reap` waits for them)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-
-
-def reap(procs: list[subprocess.Popen]) -> None:
-    """Wait for terminated processes; SIGKILL one still running after 20 s."""
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def gateway_args(mesh, *extra: str) -> list[str]:
-    return [
-        *(f"--prefill={a}" for a in mesh.prefill_addresses),
-        *(f"--decode={a}" for a in mesh.decode_addresses),
-        "--redis-url",
-        mesh.redis_url,
-        *extra,
-    ]
 
 
 def test_cancels_at_every_stage_free_every_page_and_leave_routing_even(mesh):

@@ -197,6 +197,10 @@ def test_gateway_config_needs_lists_only_without_discovery():
         GatewayConfig(redis_url="redis://redis:6379/0", discovery_interval_s=0)
     static = GatewayConfig(prefill_addresses=("a:1",), decode_addresses=("b:2",))
     assert not static.discovers
+    # `kvmesh up` starts its gateway beside its instances: SERVING only once they are
+    assert static.wait_for_instances_s == 0  # by default a gateway does not wait
+    with pytest.raises(ValueError, match="wait_for_instances_s must be a finite number >= 0"):
+        GatewayConfig(prefill_addresses=("a:1",), decode_addresses=("b:2",), wait_for_instances_s=-1)
 
 
 def test_an_instance_registers_the_address_others_dial():
