@@ -64,6 +64,18 @@ def mesh(tmp_path_factory):
             await asyncio.gather(
                 *(wait_for_health(a, 300) for a in (mesh.gateway, mesh.prefill_0_address, decode_address))
             )
+            # SERVING instances register in Redis; the gateway sees them at its next discovery
+            # refresh, and until then answers UNAVAILABLE ("none registered yet"): wait for that
+            deadline = time.monotonic() + 60
+            async with GatewayClient(mesh.gateway) as client:
+                while True:
+                    try:
+                        await client.complete(make_request(prompt_token_ids=[1, 2, 3], max_tokens=1), timeout_s=30)
+                        return
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(DISCOVERY_INTERVAL_S)
 
         try:
             asyncio.run(serving())
