@@ -43,15 +43,16 @@ def test_q8_0_matmul_matches_dequantized_reference(rows):
 
 
 def test_each_row_is_computed_the_same_alone_or_in_a_batch():
-    # batched decode must give each sequence the logits it gets alone, bit for bit: one row takes
-    # the kernels' one-row path, several rows the unpacked-block one
+    # batched decode must give each sequence the logits it gets alone, bit for bit: Q4_1 takes 7
+    # rows as groups of 4, 2 and 1 (alone: a group of 1), Q8_0 several rows from an unpacked block
     rng = np.random.default_rng(7)
     w = pack_q4_1(*_q4_1(rng, 192, 64))
     w8 = pack_q8_0(rng.integers(-128, 128, (192, 64), dtype=np.int8), (rng.random((192, 2)) * 0.01).astype(np.float16))
-    x = torch.randn(4, 64)
+    x = torch.randn(7, 64)
     for weight in (w, w8):
-        alone = torch.cat([quantized_matmul(x[i : i + 1], weight) for i in range(4)])
+        alone = torch.cat([quantized_matmul(x[i : i + 1], weight) for i in range(7)])
         assert torch.equal(quantized_matmul(x, weight), alone)
+        assert torch.equal(quantized_matmul(x[1:3], weight), alone[1:3])  # a group of 2 at rows 1, 2
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])  # one row: the registers path; several: unpacked once
