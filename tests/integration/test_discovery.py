@@ -20,22 +20,10 @@ import pytest
 from kvmesh.client import Completion, GatewayClient, make_request
 from kvmesh.redis_server import RedisProcess
 from runtime.service import wait_for_health
-from tests.integration.meshutil import spawn_service
+from tests.integration.meshutil import reap, spawn_service, terminate
 
 DISCOVERY_INTERVAL_S = 0.2
 FAST_LEASE = ["--lease-ttl", "1.5"]  # renewed every 0.5 s: a frozen instance drops out quickly
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +72,9 @@ def mesh(tmp_path_factory):
             raise
         yield mesh
     finally:
-        _stop(list(mesh.procs.values()))
+        procs = list(mesh.procs.values())
+        terminate(procs)
+        reap(procs)
         redis_proc.stop()
 
 
