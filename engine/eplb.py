@@ -96,11 +96,25 @@ def rank_loads(load: np.ndarray, placement: Placement) -> np.ndarray:
     return slot_load.reshape(load.shape[0], placement.num_ranks, -1).sum(axis=2)
 
 
+def mean_over_max(rank_loads: np.ndarray) -> np.ndarray:
+    """[L] balancedness of per-rank loads [L, R], measured or predicted: each layer's mean rank
+    load over its max (1.0 for a layer with no tokens)."""
+    top = rank_loads.max(axis=1).astype(np.float64)
+    return np.where(top > 0, rank_loads.mean(axis=1) / np.where(top > 0, top, 1.0), 1.0)
+
+
 def balancedness(load: np.ndarray, placement: Placement) -> np.ndarray:
-    """[L] mean rank load over max rank load per layer (1.0 for a layer with no tokens)."""
-    ranks = rank_loads(load, placement)
-    top = ranks.max(axis=1)
-    return np.where(top > 0, ranks.mean(axis=1) / np.where(top > 0, top, 1.0), 1.0)
+    """[L] mean rank load over max rank load per layer under `placement`, predicted from load
+    [L, E] (1.0 for a layer with no tokens)."""
+    return mean_over_max(rank_loads(load, placement))
+
+
+def placement_of(phy2log: np.ndarray, num_experts: int, num_ranks: int) -> Placement:
+    """The placement whose slots hold phy2log [L, P] (logical expert of each physical slot),
+    its replica counts [L, E] counted from it."""
+    phy2log = np.asarray(phy2log, np.int64)
+    replicas = np.stack([np.bincount(row, minlength=num_experts) for row in phy2log]).astype(np.int64)
+    return Placement(phy2log, replicas, num_ranks)
 
 
 def replicate(weights: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
@@ -179,5 +193,4 @@ def plan(load: np.ndarray, num_ranks: int, num_redundant: int, num_groups: int =
     if num_groups % num_nodes or num_nodes == 1:
         num_groups = num_nodes = 1  # the global policy
     phy2log = np.stack([_plan_layer(load[i], P, num_ranks, num_groups, num_nodes) for i in range(L)])
-    replicas = np.stack([np.bincount(row, minlength=E) for row in phy2log]).astype(np.int64)
-    return Placement(phy2log, replicas, num_ranks)
+    return placement_of(phy2log, E, num_ranks)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.eplb import Placement
+from engine.eplb import Placement, mean_over_max
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,7 @@ class EPLoads:
 
     def balancedness(self) -> np.ndarray:
         """[L] measured mean over max rank load (1.0 for a layer with no tokens)."""
-        top = self.rank_tokens.max(axis=1).astype(np.float64)
-        mean = self.rank_tokens.mean(axis=1)
-        return np.where(top > 0, mean / np.where(top > 0, top, 1.0), 1.0)
+        return mean_over_max(self.rank_tokens)
 
 
 class ExpertParallelMoE:

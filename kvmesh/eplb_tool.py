@@ -99,7 +99,7 @@ async def record(addresses: list[str], window_s: float = 0.0) -> np.ndarray:
 def run_stats(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine.eplb import Placement, balancedness, default_placement
+    from engine.eplb import balancedness, default_placement, mean_over_max, placement_of
 
     try:
         loads = asyncio.run(record_loads(args.instance, args.window))
@@ -118,10 +118,8 @@ def run_stats(args: argparse.Namespace) -> int:
         # an expert-parallel decode: its placement in use, measured on its live ranks, next to
         # what the planner predicts for that placement from the same traffic's counts
         R = x.ep_rank_tokens.shape[1]
-        replicas = np.stack([np.bincount(row, minlength=load.shape[1]) for row in x.ep_phy2log])
-        predicted = balancedness(x.expert_tokens, Placement(x.ep_phy2log, replicas, R))
-        top = x.ep_rank_tokens.max(axis=1)
-        measured = np.where(top > 0, x.ep_rank_tokens.mean(axis=1) / np.maximum(top, 1), 1.0)
+        predicted = balancedness(x.expert_tokens, placement_of(x.ep_phy2log, load.shape[1], R))
+        measured = mean_over_max(x.ep_rank_tokens)
         print(f"{address}: expert-parallel over {R} ranks, the placement in use")
         print(f"{'layer':>5}  {'measured':>9}  {'predicted':>9}  rows per rank")
         for i in range(len(measured)):
