@@ -48,6 +48,18 @@ def model_fingerprint(files: ModelFiles) -> str:
     return digest.hexdigest()
 
 
+def checkpoint_tensor_names(checkpoint_dir: Path) -> list[tuple[Path, str]]:
+    """(file, name) of every tensor in the folder's *.safetensors files, in file order, read
+    from their headers only (no tensor data)."""
+    import safetensors
+
+    names = []
+    for path in sorted(checkpoint_dir.glob("*.safetensors")):
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            names += [(path, k) for k in f.keys()]
+    return names
+
+
 def load_checkpoint_tensors(checkpoint_dir: Path, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's *.safetensors files (shards merged), by name; with `keep`,
     only those whose name it accepts (the others are never read from disk)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint import checkpoint_tensor_names
 from engine.models.deepseek_v4_weights import normalize_key, routed_expert_key
 
 
@@ -38,18 +39,14 @@ class CheckpointExperts:
     experts are missing or incomplete."""
 
     def __init__(self, checkpoint_dir: Path, num_layers: int, num_experts: int) -> None:
-        import safetensors
-
         self.num_layers, self.num_experts = num_layers, num_experts
         self._where: dict[tuple[int, int | None, str], tuple[Path, str]] = {}
         """(layer, expert or None when fused, part) -> (file, key in it)"""
-        for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-            with safetensors.safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    name = normalize_key(key)
-                    found = routed_expert_key(name) if name is not None else None
-                    if found is not None:
-                        self._where[found] = (path, key)
+        for path, key in checkpoint_tensor_names(Path(checkpoint_dir)):
+            name = normalize_key(key)
+            found = routed_expert_key(name) if name is not None else None
+            if found is not None:
+                self._where[found] = (path, key)
         for i in range(num_layers):
             fused = all((i, None, part) in self._where for part in ("gate_up_proj", "down_proj"))
             split = all((i, e, w) in self._where for e in range(num_experts) for w in ("w1", "w2", "w3"))

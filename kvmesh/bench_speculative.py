@@ -63,21 +63,15 @@ async def _single(address: str, decode: str, prompts: list[str], tag: int, n: in
 
 def _has_mtp(model: str | None) -> bool:
     """Whether the model is a DeepSeek-V4 checkpoint with a multi-token-prediction module."""
-    from engine.checkpoint import architecture
+    from engine.checkpoint import architecture, checkpoint_tensor_names
     from engine.loader import resolve_model
 
     files = resolve_model(model)
     if architecture(files) != "DeepseekV4ForCausalLM":
         return False
-    import safetensors
-
     from engine.models.deepseek_v4_weights import has_mtp
 
-    names = []
-    for path in files.checkpoint_dir.glob("*.safetensors"):
-        with safetensors.safe_open(str(path), framework="pt") as f:
-            names += list(f.keys())
-    return has_mtp(names)
+    return has_mtp([name for _, name in checkpoint_tensor_names(files.checkpoint_dir)])
 
 
 def _measure(method: str, args, say) -> dict:
