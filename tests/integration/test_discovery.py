@@ -20,7 +20,7 @@ import pytest
 from kvmesh.client import Completion, GatewayClient, make_request
 from kvmesh.redis_server import RedisProcess
 from runtime.service import wait_for_health
-from tests.integration.meshutil import reap, spawn_service, terminate
+from tests.integration.meshutil import reap, serving, spawn_service, terminate
 
 DISCOVERY_INTERVAL_S = 0.2
 FAST_LEASE = ["--lease-ttl", "1.5"]  # renewed every 0.5 s: a frozen instance drops out quickly
@@ -44,14 +44,13 @@ def mesh(tmp_path_factory):
 
     mesh.spawn = spawn
     try:
-        _, mesh.gateway = spawn("gateway", ["--discovery-interval", str(DISCOVERY_INTERVAL_S)])
-        mesh.prefill_0, mesh.prefill_0_address = spawn("prefill", ["--instance-id", "prefill-0"])
-        _, decode_address = spawn("decode", ["--instance-id", "decode-0"])
+        gateway = spawn("gateway", ["--discovery-interval", str(DISCOVERY_INTERVAL_S)])
+        prefill = spawn("prefill", ["--instance-id", "prefill-0"])
+        services = [gateway, prefill, spawn("decode", ["--instance-id", "decode-0"])]
+        mesh.gateway = gateway[1]
+        mesh.prefill_0, mesh.prefill_0_address = prefill
 
-        async def serving() -> None:
-            await asyncio.gather(
-                *(wait_for_health(a, 300) for a in (mesh.gateway, mesh.prefill_0_address, decode_address))
-            )
+        async def routing() -> None:
             # SERVING instances register in Redis; the gateway sees them at its next discovery
             # refresh, and until then answers UNAVAILABLE ("none registered yet"): wait for that
             deadline = time.monotonic() + 60
@@ -66,7 +65,8 @@ def mesh(tmp_path_factory):
                         await asyncio.sleep(DISCOVERY_INTERVAL_S)
 
         try:
-            asyncio.run(serving())
+            serving(services)
+            asyncio.run(routing())
         except BaseException:
             print(open(mesh.log_path).read()[-6000:])
             raise
