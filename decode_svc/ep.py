@@ -106,6 +106,7 @@ def create_ep_runner(runner, files: ModelFiles, config):
         timeout_s=config.ep_timeout_s,
         torch_threads=config.torch_threads,
         placement_file=config.eplb_placement,
+        gather_streams=config.speculative == "mtp",
     )
 
 

@@ -60,8 +60,10 @@ class ExpertParallelRunner:
     runner: rank 0's `DeepseekV4Runner` (built by engine.runners); files: its checkpoint (the
     workers load it themselves); placement: an EPLB placement for num_ranks ranks (None:
     `default_placement`); timeout_s bounds every collective, start_timeout_s the workers' start
-    (model load included). Raises ValueError for fewer than 2 ranks or a placement that does not
-    fit the model, EPWorldError when a worker fails to start.
+    (model load included); gather_streams: bring every row's last hidden streams to rank 0 each
+    step, for the MTP drafter (`last_hidden`; one more collective a step, so only when drafting
+    with MTP). Raises ValueError for fewer than 2 ranks, a placement that does not fit the model,
+    or gather_streams without an MTP module; EPWorldError when a worker fails to start.
     """
 
     def __init__(
@@ -75,9 +77,13 @@ class ExpertParallelRunner:
         start_timeout_s: float = 600.0,
         torch_threads: int = 0,
         backend: str = "auto",
+        gather_streams: bool = False,
     ) -> None:
         if num_ranks < 2:
             raise ValueError(f"expert-parallel decode needs >= 2 ranks, got {num_ranks}")
+        if gather_streams and not runner.has_mtp:
+            raise ValueError(f"{runner.config.name!r} has no multi-token-prediction module: no streams to gather")
+        self.gather_streams = gather_streams
         c = runner.model.config
         placement = placement or default_placement(c.num_hidden_layers, c.n_routed_experts, num_ranks)
         check_placement(placement, c.num_hidden_layers, c.n_routed_experts, num_ranks)
@@ -247,7 +253,7 @@ class ExpertParallelRunner:
         max_rows = max(len(s) for s in shares)
         pending, self._pending = self._pending, None
         arrays = None if pending is None else (np.asarray(pending.phy2log), np.asarray(pending.replicas))
-        streams = self.runner.has_mtp  # the MTP drafter continues from every row's last streams
+        streams = self.gather_streams  # the MTP drafter continues from every row's last streams
         hidden = None
         try:
             for w, conn in enumerate(self._conns):
@@ -323,9 +329,9 @@ class ExpertParallelRunner:
 
     def last_hidden(self) -> torch.Tensor:
         """[B, N, H] fp32 every row's last hidden streams in the last forward, gathered from the
-        ranks that ran them (MTP checkpoints only; ValueError otherwise)."""
-        if not self.has_mtp:
-            raise ValueError(f"{self.config.name!r} has no multi-token-prediction module: no streams are gathered")
+        ranks that ran them (with gather_streams only; ValueError otherwise)."""
+        if not self.gather_streams:
+            raise ValueError("this expert-parallel runner does not gather hidden streams (gather_streams=False)")
         return self._last_hidden
 
     def propose_drafts(self, items: Sequence[DraftItem]) -> list[list[int]]:

@@ -156,7 +156,7 @@ def _speculative_rows(runner) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def test_ep2_equals_single_process_then_a_killed_rank_is_an_error_within_seconds(files, single):
-    ep = ExpertParallelRunner(_runner(files), files, 2, timeout_s=20, torch_threads=1)
+    ep = ExpertParallelRunner(_runner(files), files, 2, timeout_s=20, torch_threads=1, gather_streams=True)
     try:
         _exact_and_balanced(ep, single, 2)
         # speculative verification rows: a sequence's rows stay on one rank (here rank 1), the
@@ -181,5 +181,8 @@ def test_ep4_equals_single_process(files, single):
     ep = ExpertParallelRunner(_runner(files), files, 4, timeout_s=20, torch_threads=1)
     try:
         _exact_and_balanced(ep, single, 4)
+        # without an MTP drafter the streams stay on their ranks: no collective for them
+        with pytest.raises(ValueError, match="does not gather hidden streams"):
+            ep.last_hidden()
     finally:
         ep.close()
