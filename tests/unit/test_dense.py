@@ -1,11 +1,21 @@
-"""kernels.dense: prefill's fp32 GEMMs through oneDNN give x @ w's numbers (to fp32 rounding)."""
+"""kernels.dense: prefill's fp32 GEMMs through oneDNN give x @ w's numbers (to fp32 rounding),
+and go through oneDNN only where it is the faster library (or where KVMESH_PREFILL_GEMM says)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.dense import MIN_ROWS, dense_matmul, onednn_weight
+from kernels.dense import MIN_ROWS, dense_matmul, onednn_is_faster, onednn_weight
+
+
+@pytest.fixture(autouse=True)
+def gemm_choice(monkeypatch):
+    """oneDNN chosen, whatever this CPU's vendor; the cached choice forgotten before and after."""
+    monkeypatch.setenv("KVMESH_PREFILL_GEMM", "onednn")
+    onednn_is_faster.cache_clear()
+    yield monkeypatch
+    onednn_is_faster.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [MIN_ROWS, 100, 513])
@@ -36,3 +46,24 @@ def test_strided_rows_and_few_rows():
 
 def test_no_onednn_copy_for_other_dtypes():
     assert onednn_weight(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
+
+
+def test_mkl_chosen_means_no_onednn_copy(gemm_choice):
+    gemm_choice.setenv("KVMESH_PREFILL_GEMM", "MKL")
+    onednn_is_faster.cache_clear()
+    w = torch.randn(64, 32)
+    assert onednn_weight(w) is None
+    x = torch.randn(40, 64)
+    assert torch.equal(dense_matmul(x, w, onednn_weight(w)), x @ w)
+
+
+def test_choice_by_vendor_and_a_bad_setting(gemm_choice):
+    gemm_choice.delenv("KVMESH_PREFILL_GEMM")
+    onednn_is_faster.cache_clear()
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert onednn_is_faster() is (not intel)  # MKL's own fast path on Intel's CPUs
+    gemm_choice.setenv("KVMESH_PREFILL_GEMM", "openblas")
+    onednn_is_faster.cache_clear()
+    with pytest.raises(ValueError, match="KVMESH_PREFILL_GEMM"):
+        onednn_is_faster()
