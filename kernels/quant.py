@@ -18,8 +18,9 @@ the reference the tests hold it to).
 The loops are compiled by numba (LLVM, vectorized for the host CPU, 512 bits wide on AVX-512:
 `_prefer_512_bit_vectors`), split tiles across numba's threads and release the GIL. Each tile
 asks for its bytes ~2 KB before it reads them (`_prefetch`): without that, the 1-row loop waited
-on memory for two thirds of its time once the weights were past L2 (Intel Xeon, 2 cores). Each weight is laid out tile-major, `[NT, K(/2), TN]`,
-so a tile's bytes stream in order and the innermost loop runs over TN independent outputs;
+on memory for two thirds of its time once the weights were past L2 (Intel Xeon, 2 cores). Every
+multiply-add is one explicit FMA (`_fma`), rounded once. Each weight is laid out tile-major,
+`[NT, K(/2), TN]`, so a tile's bytes stream in order and the innermost loop runs over TN independent outputs;
 each tile's accumulators are its own arrays, which is what lets LLVM vectorize the row loop
 (shared ones cost 2.5x at 16 rows). Q4_1 rows go through a tile in groups of up to 4 that
 unpack each byte once, in registers; Q8_0 with several rows converts each block to fp32 once,
@@ -163,6 +164,20 @@ def _prefetch(typingctx, arr, index):
     return nbtypes.none(arr, index), codegen
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c in fp32, rounded once (`llvm.fma`: one FMA instruction, vectorized with its
+    loop). Explicit, not left to LLVM's contraction: that fuses a mul into an add or not depending
+    on the code around it, and every path here must round the same way."""
+    f32 = ir.FloatType()
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        return builder.call(fn, list(args))
+
+    return nbtypes.float32(nbtypes.float32, nbtypes.float32, nbtypes.float32), codegen
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def block_sums(x):  # x [M, K] -> [M, G]
     """Sums of each block of 32 inputs of each row, as `q4_1_tile` wants them."""
@@ -214,11 +229,11 @@ def _q4_1_rows(R: int):
                 for n in range(TN):
                     lo, hi16 = _nibbles(qs[t, j, n])
                     for i in range(R):
-                        blk[i, n] += xv[i, 0] * lo + xv[i, 1] * hi16
+                        blk[i, n] = _fma(xv[i, 1], hi16, _fma(xv[i, 0], lo, blk[i, n]))
             for i in range(R):
                 s = xsum[r0 + i, b]
                 for n in range(TN):
-                    acc[r0 + i, n] += d[t, b, n] * blk[i, n] + m[t, b, n] * s
+                    acc[r0 + i, n] = _fma(m[t, b, n], s, _fma(d[t, b, n], blk[i, n], acc[r0 + i, n]))
 
     return rows
 
@@ -234,8 +249,9 @@ def q4_1_tile(x, xsum, qs, d, m, t, out):  # x [M, K] f32, xsum [M, G], qs [NT, 
     Rows go through in groups of 4, then 2, then 1, each group unpacking the tile's bytes once
     (2 rows cost 1.5x one row, 16 rows 10.5x, 576x3072 on one thread, against 2.0x and 10.7x
     with the bytes unpacked to an L1 buffer once for all rows). Every row gets the same bits alone or
-    among others, in any group: each output is
-    sum over blocks of (d * sum_j (x_2j q_2j + (x_2j+1 / 16)(16 q_2j+1)) + m * xsum), in that order.
+    among others, in any group: each block's partial sum runs over j in order as
+    s = fma(x_2j+1 / 16, 16 q_2j+1, fma(x_2j, q_2j, s)), then acc = fma(m, xsum, fma(d, s, acc)),
+    blocks in order.
     """
     rows = x.shape[0]
     acc = np.zeros((rows, TN), np.float32)
@@ -254,7 +270,8 @@ def q4_1_tile(x, xsum, qs, d, m, t, out):  # x [M, K] f32, xsum [M, G], qs [NT, 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def q8_0_tile(x, q, d, t, out):  # x [M, K] f32, q [NT, K, TN] i8, d [NT, G, TN], out [M, NT*TN]
     """out[:, t*TN : (t+1)*TN] = tile t of x @ w.T, for callers' own numba loops. Each output is
-    sum over blocks of d * sum_k x_k q_k, in that order, so a row's bits do not depend on the others."""
+    sum over blocks of d * sum_k x_k q_k, as s = fma(x_k, q_k, s) over k in order, then
+    acc = fma(d, s, acc) over blocks in order, so a row's bits do not depend on the others."""
     rows, g = x.shape[0], x.shape[1] // QK
     acc = np.zeros((rows, TN), np.float32)
     blk = np.empty(TN, np.float32)
@@ -271,9 +288,9 @@ def q8_0_tile(x, q, d, t, out):  # x [M, K] f32, q [NT, K, TN] i8, d [NT, G, TN]
                 k = b * QK + i
                 xk = x[0, k]
                 for n in range(TN):
-                    blk[n] += xk * np.float32(q[t, k, n])
+                    blk[n] = _fma(xk, np.float32(q[t, k, n]), blk[n])
             for n in range(TN):
-                acc[0, n] += d[t, b, n] * blk[n]
+                acc[0, n] = _fma(d[t, b, n], blk[n], acc[0, n])
             continue
         # convert the block's int8 once for all rows (1.5x at 16 rows, 576x49152, one thread)
         for i in range(QK):
@@ -284,10 +301,10 @@ def q8_0_tile(x, q, d, t, out):  # x [M, K] f32, q [NT, K, TN] i8, d [NT, G, TN]
             for n in range(TN):
                 p = np.float32(0)
                 for i in range(QK):
-                    p += xr[i] * w[i, n]
+                    p = _fma(xr[i], w[i, n], p)
                 blk[n] = p
             for n in range(TN):
-                acc[r, n] += d[t, b, n] * blk[n]
+                acc[r, n] = _fma(d[t, b, n], blk[n], acc[r, n])
     out[:, t * TN : (t + 1) * TN] = acc
 
 
