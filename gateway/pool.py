@@ -211,7 +211,8 @@ class InstancePool:
             return {}
         cached_blocks: dict[str, int] = {}
         try:
-            cached_blocks = await asyncio.wait_for(self._leading_blocks(block_hashes, ids), timeout=1.0)
+            async with asyncio.timeout(1.0):  # a scope, not wait_for: no task per request
+                cached_blocks = await self._leading_blocks(block_hashes, ids)
             if not self.index_ok:
                 logger.info("prefix index reachable again; routing by cached prefix")
             self.index_ok = True

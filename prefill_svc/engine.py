@@ -307,6 +307,10 @@ class PrefillEngine:
                     compute_s=done - started,
                 )
             )
+        # let the event loop thread, woken by set_result, take the GIL now: otherwise it waits
+        # for the caching and logging below to end (computed -> the servicer resuming, 32-token
+        # prompts, p50: 0.54 ms without, 0.19 ms with)
+        time.sleep(0)
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
         for (job, hashes, block_ids, cached, _), chunks in zip(ready, num_chunks):
             self.pool.cache_blocks(block_ids[: len(hashes)], hashes)
