@@ -10,8 +10,9 @@
   2.6e-5 to 4.3e-5, still inside the 1e-4 parity bound the tests hold it to (the tied
   lm_head keeps the embedding's [V, H] layout: a transposed copy would cost 113 MB);
 - every sequence's tokens go through each matmul as one [T, H] batch;
-- prefill's fp32 matmuls run through oneDNN (`kernels.dense`): PyTorch's MKL takes a generic
-  path on AMD CPUs, oneDNN's AVX-512 code ran 1.6-2x faster on prefill's shapes here;
+- prefill's fp32 matmuls run through oneDNN (`kernels.dense`) on CPUs not made by Intel:
+  PyTorch's MKL takes a generic path there (oneDNN's AVX-512 code ran 1.6-2x faster on prefill's
+  shapes on an AMD EPYC); on Intel's they stay on MKL, the faster of the two there;
 - logits only for the rows asked for (the last new token of each sequence);
 - a decode step (one new token a sequence) of up to `QUANTIZED_MAX_BATCH` sequences
   multiplies straight from the GGUF file's Q4_1 / Q8_0 blocks when the checkpoint has them
