@@ -32,8 +32,10 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def decode():
-    """One receiver process shared by the tests that do not kill it."""
-    peer = Peer(receiver_main, NUM_PAGES, PAGE)
+    """One receiver process shared by the tests that do not kill it. Their pushes follow their
+    `expect`, but for unknown ids, which wait out a 0.5 s reservation bound before their NACK
+    (patient_decode's tests show a push that beats its reservation waiting for it)."""
+    peer = Peer(receiver_main, NUM_PAGES, PAGE, 0.5)
     yield peer
     peer.close()
 
