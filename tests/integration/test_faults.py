@@ -230,8 +230,12 @@ def test_decode_whose_kv_listener_cannot_be_reached_leaves_rotation(mesh):
     assert all(r[0][1].decode_instance != "decode-unreachable" for r in results)
     # three failed pushes open the circuit; on a slow machine its 5 s cool-down may end within
     # the run, and one half-open probe fails too (and doubles the cool-down)
-    assert sum(retries) in (3, 4), retries
-    assert sum(retries[-6:]) <= 1, retries
+    failed = [k for k, r in enumerate(retries) if r]
+    assert len(failed) in (3, 4) and sum(retries) == len(failed), retries
+    # from the third failure on, requests skip that decode (but for at most that one probe);
+    # counted from where the circuit opened, not from a fixed request: the load-based choice
+    # of decode may take the good one a few times in a row before the third failure
+    assert failed[2] <= len(retries) - 4 and sum(retries[failed[2] + 1 :]) <= 1, retries
     wait_idle(mesh)
     # the unreachable decode got its reservations back too
     _survivors_idle([(mesh.extra["unreachable-decode"], "decode")])
