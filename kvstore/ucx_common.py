@@ -95,11 +95,13 @@ class _UcxRuntime:
             return
         self._owned, self._loop = False, None
         try:
-            ctx = ucxx.core._ctx  # the context this runtime made (ucxx keeps it module-private)
-            if ctx is not None and ctx.worker is not None:
-                # wake ucxx's notifier thread now: it waits on the worker with a 1 s timeout, and
-                # reset() joins it, so every close took ~1 s (0.01 s with this)
-                ctx.worker.stop_request_notifier_thread()
+            # wake ucxx's notifier thread now: it waits on the worker with a 1 s timeout, and
+            # reset() joins it, so every close took ~1 s (0.01 s with this). The context is
+            # module-private in ucxx: without it (another ucxx version) the close just waits
+            ctx = getattr(getattr(ucxx, "core", None), "_ctx", None)
+            wake = getattr(getattr(ctx, "worker", None), "stop_request_notifier_thread", None)
+            if wake is not None:
+                wake()
             ucxx.reset()  # stops the notifier and progress threads
         except UCXError as exc:  # an object still references the context; it lingers
             logger.warning("UCX context not fully released: %s", exc)
