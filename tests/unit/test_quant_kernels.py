@@ -43,8 +43,9 @@ def test_q8_0_matmul_matches_dequantized_reference(rows):
 
 
 def test_each_row_is_computed_the_same_alone_or_in_a_batch():
-    # batched decode must give each sequence the logits it gets alone, bit for bit: Q4_1 takes 7
-    # rows as groups of 4, 2 and 1 (alone: a group of 1), Q8_0 several rows from an unpacked block
+    # batched decode must give each sequence the logits it gets alone, bit for bit: 7 rows go
+    # through an unpacked block in groups of 6 and 1 (2 rows: one group of 2); alone, a row
+    # streams the bytes
     rng = np.random.default_rng(7)
     w = pack_q4_1(*_q4_1(rng, 192, 64))
     w8 = pack_q8_0(rng.integers(-128, 128, (192, 64), dtype=np.int8), (rng.random((192, 2)) * 0.01).astype(np.float16))
@@ -55,7 +56,7 @@ def test_each_row_is_computed_the_same_alone_or_in_a_batch():
         assert torch.equal(quantized_matmul(x[1:3], weight), alone[1:3])  # a group of 2 at rows 1, 2
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])  # one row: the registers path; several: unpacked once
+@pytest.mark.parametrize("rows", [1, 2, 5, 13])  # one row streams; several: unpacked once, groups of <= 6
 def test_tiles_give_the_batched_kernels_bits(rows):
     # the fused decode step (engine.models.llama_step) multiplies tile by tile with
     # q4_1_tile / q8_0_tile: its rows must come out exactly as quantized_matmul computes them
