@@ -34,6 +34,7 @@ from engine.outcomes import FinishReason
 from engine.sampler import sample, verify_drafts
 from engine.sampling_params import SamplingParams
 from kvstore.block_pool import BlockPool
+from runtime.cpu_share import open_cpu_share
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class DecodeEngine:
         rows' scratch slots), or `--speculative mtp` of a runner without an MTP module."""
         self.config = config
         self.runner = runner
+        self._cpu_share = open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s)
         self.pool = BlockPool(config.num_pages, config.page_size, enable_prefix_caching=False)
         self.slots = StateSlots(runner.num_state_slots)
         self._scratch: list[int] = []
@@ -386,6 +388,8 @@ class DecodeEngine:
                 batch = self._schedule()
             if not batch:
                 continue
+            if self._cpu_share is not None:  # prefill first on shared cores (runtime/cpu_share.py)
+                metrics.CPU_SHARE_WAIT.inc(self._cpu_share.wait_for_prefill())
             try:
                 self._step(batch)
             except Exception as exc:  # a failed step ends these streams, never the service

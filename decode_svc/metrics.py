@@ -24,6 +24,12 @@ STEP_CPU = Histogram(
     registry=REGISTRY,
 )
 
+CPU_SHARE_WAIT = Counter(
+    "kvmesh_decode_cpu_share_wait_seconds",
+    "Seconds decode steps waited for a prefill forward on the same cores (--cpu-share)",
+    registry=REGISTRY,
+)
+
 ACCEPTED = Histogram(
     "kvmesh_decode_accepted_draft_tokens",
     "Draft tokens the model kept per sequence per speculative step (0 .. --num-draft-tokens)",

@@ -11,12 +11,14 @@ admitting), then prefill and decode, then Redis.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +27,9 @@ from kvmesh.redis_server import RedisProcess, free_port, ping
 
 _PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "KVMESH_PARENT_PID"
+CPU_SHARE_ENV = "KVMESH_CPU_SHARE"
+"""`--cpu-share` of every instance a mesh starts (`runtime.cpu_share`): a file of the mesh's own
+unless the caller's environment sets it ("" turns the sharing off)."""
 
 
 def die_with_parent() -> None:
@@ -58,6 +63,9 @@ class Mesh:
     """The gateway's OpenAI-compatible HTTP API ("http://host:port"), "" when off."""
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     redis: RedisProcess | None = None
+    cpu_share: str = ""
+    """The file its prefill and decode instances share their cores through (`runtime.cpu_share`),
+    unlinked once they all run (they keep it mapped); "" when the caller set KVMESH_CPU_SHARE."""
 
     def stop(self) -> None:
         """Stop every child: SIGTERM in order (gateway first), SIGKILL after 15 s."""
@@ -73,6 +81,13 @@ class Mesh:
                 proc.wait()
         if self.redis is not None:
             self.redis.stop()
+        self.remove_cpu_share()
+
+    def remove_cpu_share(self) -> None:
+        """Unlink the CPU-share file; the instances that mapped it keep sharing through it."""
+        if self.cpu_share:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.cpu_share)
 
 
 def _serve(kind: str, args: list[str], env: dict[str, str], log) -> subprocess.Popen:
@@ -124,12 +139,21 @@ def start_mesh(
     else:
         redis_proc = RedisProcess(die_with_parent=True)
         redis_url = redis_proc.url
+    cpu_share = ""
+    if CPU_SHARE_ENV not in env:  # the instances share this machine's cores: prefill goes first
+        fd, cpu_share = tempfile.mkstemp(
+            prefix="kvmesh-cpu-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+        os.write(fd, bytes(8))  # no forward running
+        os.close(fd)
+        env[CPU_SHARE_ENV] = cpu_share
     mesh = Mesh(
         gateway_address=f"{host}:{port}",
         redis_url=redis_url,
         prefill_addresses=[],
         decode_addresses=[],
         redis=redis_proc,
+        cpu_share=cpu_share,
         http_address=f"http://{host}:{http_port}" if http_port else "",
     )
     try:
@@ -179,6 +203,7 @@ def start_mesh(
         ]
         mesh.procs.append(("gateway", _serve("gateway", gw_args, env, log)))
         _wait_ready(mesh, [*mesh.prefill_addresses, *mesh.decode_addresses, mesh.gateway_address], ready_timeout_s)
+        mesh.remove_cpu_share()  # every instance maps it now; nothing is left behind, even after a SIGKILL
     except BaseException:
         mesh.stop()
         raise

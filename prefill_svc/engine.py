@@ -17,6 +17,7 @@ pool emits them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import threading
@@ -35,6 +36,7 @@ from kvstore.block_hash import BlockHash, hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.kv_events import KVEvent
 from prefill_svc import metrics
+from runtime.cpu_share import CpuShare
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class PrefillEngine:
         executor: concurrent.futures.Executor | None = None,
         max_batch_tokens: int = 4096,
         chunked_prefill_size: int = 0,
+        cpu_share: CpuShare | None = None,
     ) -> None:
         """`publish(events)` is called on the worker thread with each batch of KV events.
 
@@ -111,7 +114,8 @@ class PrefillEngine:
         `max_batch_tokens` bounds the prompt tokens of the jobs taken together (a longer
         prompt still runs, alone). `chunked_prefill_size` (tokens, 0 = off) splits each
         job's computed range into chunks (`chunk_ends`), one forward per chunk of every job
-        taken together.
+        taken together. `cpu_share`: marks each forward for a decode instance on the same cores
+        (`runtime.cpu_share`), None when this instance has cores of its own.
         """
         self.runner = runner
         self.page_size = page_size
@@ -124,6 +128,7 @@ class PrefillEngine:
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill_size = chunked_prefill_size
+        self._forward_mark = cpu_share.prefill_forward if cpu_share is not None else contextlib.nullcontext
         self._pending: deque[PrefillJob] = deque()
         self._count_lock = threading.Lock()
         self.num_queued_tokens = 0
@@ -273,7 +278,8 @@ class PrefillEngine:
                             job.token_ids[done_at[k] : end], done_at[k], block_ids[: math.ceil(end / size)], slot
                         )
                     )
-                logits = self.runner.forward(items)  # [rows, V]
+                with self._forward_mark():
+                    logits = self.runner.forward(items)  # [rows, V]
                 for row, k in enumerate(rows):
                     job, _, block_ids, _, _ = ready[k]
                     done_at[k] = plans[k].pop(0)

@@ -19,6 +19,7 @@ from prefill_svc.kv_publisher import KVEventPublisher
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
 from runtime import service, settings, tracing
+from runtime.cpu_share import open_cpu_share
 from runtime.registration import Registration
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         executor=executor,
         max_batch_tokens=config.max_batch_tokens,
         chunked_prefill_size=config.chunked_prefill_size,
+        cpu_share=open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s),
     )
     sender = create_sender(config.kv_transport)
     servicer = PrefillServicer(

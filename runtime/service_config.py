@@ -60,6 +60,15 @@ class ModelServiceConfig:
         "last renewal; renewed every third of it, so a dead or frozen instance drops out this long after it stops",
         env="KVMESH_LEASE_TTL_S",
     )
+    cpu_share: str = setting(
+        "",
+        "--cpu-share",
+        "a file the prefill and decode instances on the same CPU cores share: decode waits between its steps "
+        "while a prefill forward runs, so the two do not fight over the cores (`kvmesh up` makes one); empty: off",
+    )
+    cpu_share_max_wait_s: float = setting(
+        2.0, "--cpu-share-max-wait", "seconds decode waits for one prefill forward at most (with --cpu-share)"
+    )
     kv_digest: bool = setting(
         False,
         "--kv-digest",
@@ -72,6 +81,8 @@ class ModelServiceConfig:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.cpu_share_max_wait_s < 0:
+            raise ValueError(f"cpu_share_max_wait_s must be >= 0, got {self.cpu_share_max_wait_s}")
         # imported here: the kernels package loads torch, and the gateway's command line
         # (which never builds this config) parses these flags too
         from kernels.backend import check_backend

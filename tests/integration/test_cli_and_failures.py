@@ -21,6 +21,13 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def _mapped_cpu_share(pid: int) -> str:
+    """The kvmesh CPU-share file process pid maps ("" for none), as /proc/PID/maps names it."""
+    with open(f"/proc/{pid}/maps") as f:
+        names = {line.split(maxsplit=5)[-1].strip() for line in f if "kvmesh-cpu-share-" in line}
+    return names.pop() if len(names) == 1 else ""
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -100,6 +107,10 @@ def test_kvmesh_up_then_generate_names_paris(launchers):
         assert "kvmesh is up" in text, text[-3000:]
         children = _children(up.proc.pid)
         assert len(children) >= 4  # redis, prefill, decode, gateway
+        # prefill and decode map one file of this mesh's to share the cores (runtime/cpu_share.py),
+        # which the launcher removed once they were up: nothing is left behind, even after a SIGKILL
+        mapped = [name for name in map(_mapped_cpu_share, children) if name]
+        assert len(mapped) == 2 and mapped[0] == mapped[1] and mapped[0].endswith("(deleted)"), mapped
         gen = subprocess.run(
             [
                 sys.executable,
