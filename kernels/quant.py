@@ -190,9 +190,9 @@ def _block_rows(R: int, halve_odd: bool):
     x[r0 + i, k0 + k] * w[k, :TN], as s = fma(x_k, w_k, s) from s = 0, k in order (x_k / 16 on odd
     k when halve_odd: the Q4_1 blocks' 16 q_hi). x [M, K], w [32, TN], blk [>= R, TN], fp32.
 
-    Written as LLVM vector IR, fully unrolled: the R x TN sums stay in registers for the whole
-    block and every weight vector loaded serves all R rows, which LLVM's loop vectorizer does not
-    find from numba loops (it keeps the sums in memory, a load and a store every two FMAs). The
+    Written as LLVM vector IR: the R x TN sums stay in registers for the whole block and every
+    weight vector loaded serves all R rows, which LLVM's loop vectorizer does not find from numba
+    loops (it keeps the sums in memory, a load and a store every two FMAs). The
     register blocking of a GEMM micro-kernel (Goto & van de Geijn, "Anatomy of High-Performance
     Matrix Multiplication", 2008), on one 32-input block at a time so the scales apply per block.
     """
@@ -214,24 +214,31 @@ def _block_rows(R: int, halve_odd: bool):
             def at(ty, ary, i, j):  # a pointer to ary[i, j]
                 return cgutils.get_item_pointer(context, builder, ty, ary, [i, j])
 
-            def vec_at(ty, ary, i, j):
-                return builder.bitcast(at(ty, ary, ir.Constant(i64, i), ir.Constant(i64, j)), vec.as_pointer())
+            def vec_at(ty, ary, i, j):  # ary[i, j : j + _LANES] as one vector
+                return builder.bitcast(at(ty, ary, i, ir.Constant(i64, j)), vec.as_pointer())
 
             lanes = range(0, TN, _LANES)
-            sums = [[ir.Constant(vec, [0.0] * _LANES) for _ in lanes] for _ in range(R)]
-            for k in range(QK):
-                wk = [builder.load(vec_at(w_ty, wa, k, j), align=4) for j in lanes]
-                col = builder.add(args[2], ir.Constant(i64, k))
-                for i in range(R):
-                    xk = builder.load(at(x_ty, xa, builder.add(args[1], ir.Constant(i64, i)), col))
-                    if halve_odd and k % 2:
-                        xk = builder.fmul(xk, ir.Constant(f32, 0.0625))
-                    one = builder.insert_element(ir.Constant(vec, ir.Undefined), xk, ir.Constant(i32, 0))
-                    xv = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat)
-                    sums[i] = [builder.call(fma, [xv, wv, acc]) for wv, acc in zip(wk, sums[i])]
+            # the sums live in allocas, which LLVM promotes to registers (SROA): a loop of 16
+            # steps of two inputs each, not 32 unrolled, so 12 variants compile in seconds
+            sums = [
+                [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES)) for _ in lanes] for _ in range(R)
+            ]
+            with cgutils.for_range(builder, ir.Constant(i64, QK // 2)) as loop:
+                for odd in (0, 1):
+                    k = builder.add(builder.mul(loop.index, ir.Constant(i64, 2)), ir.Constant(i64, odd))
+                    wk = [builder.load(vec_at(w_ty, wa, k, j), align=4) for j in lanes]
+                    col = builder.add(args[2], k)
+                    for i in range(R):
+                        xk = builder.load(at(x_ty, xa, builder.add(args[1], ir.Constant(i64, i)), col))
+                        if halve_odd and odd:
+                            xk = builder.fmul(xk, ir.Constant(f32, 0.0625))
+                        one = builder.insert_element(ir.Constant(vec, ir.Undefined), xk, ir.Constant(i32, 0))
+                        xv = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat)
+                        for wv, acc in zip(wk, sums[i]):
+                            builder.store(builder.call(fma, [xv, wv, builder.load(acc)]), acc)
             for i in range(R):
                 for acc, j in zip(sums[i], lanes):
-                    builder.store(acc, vec_at(blk_ty, ba, i, j), align=4)
+                    builder.store(builder.load(acc), vec_at(blk_ty, ba, ir.Constant(i64, i), j), align=4)
             return context.get_dummy_value()
 
         return nbtypes.none(x, r0, k0, w, blk), codegen
