@@ -14,7 +14,9 @@ when the next chunk of a chunked prefill starts, decode takes a step), and never
 `max_wait_s`, so a prefill that died, hangs (SIGSTOP) or runs one very long forward slows decode
 only by that bound. The file holds one int64: the CLOCK_MONOTONIC nanoseconds at which the
 current forward began, 0 when none runs (CLOCK_MONOTONIC is one clock for every process of a
-host). Several prefill instances on one file mark it in turn; decode waits for whichever is marked.
+host). Several prefill instances may share one file: the last to start a forward marks it and
+the first to end one clears it, so decode may step beside the other's forward, as it would with
+no sharing at all; it never waits longer than the bounds above.
 """
 
 from __future__ import annotations
