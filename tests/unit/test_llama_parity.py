@@ -215,8 +215,9 @@ def test_fused_batched_decode_equals_the_torch_path_and_each_sequence_alone(runn
     import engine.models.llama as llama
 
     # ragged contexts: the new token of the 16-token one opens page 2, the 15-token one's fills
-    # page 1's last slot, the 40-token one reads three pages; pages are scattered and interleaved
-    lengths = [5, 15, 16, 40, 1]
+    # page 1's last slot, the 40-token one reads three pages, the 1030-token one's keys are three
+    # attention jobs (SPLIT_TOKENS: 512, 512 and 7) merged; pages are scattered and interleaved
+    lengths = [5, 15, 16, 40, 1, 1030]
     free = list(range(1, 256))
     random.Random(0).shuffle(free)
     tables = [[free.pop() for _ in range((n + 1 + PAGE - 1) // PAGE)] for n in lengths]
@@ -249,7 +250,7 @@ def test_fused_batched_decode_equals_the_torch_path_and_each_sequence_alone(runn
     assert torch.equal(alone, fused)
     # in another order too: a sequence's numbers depend on its own row only
     runner.kv_cache.copy_(kv_before)
-    order = [3, 0, 4, 2, 1]
+    order = [3, 0, 5, 4, 2, 1]
     shuffled = runner.forward([items[i] for i in order])
     assert torch.equal(shuffled, fused[order])
 
