@@ -248,6 +248,7 @@ def decode_step(
                 job_seq[job], job_kv_head[job], job_part[job] = b, kh, k
     part_top, part_total = np.empty((jobs, group), np.float32), np.empty((jobs, group), np.float32)
     part_acc = np.empty((jobs, group, D), np.float32)
+    split = jobs > B * nk
     scale = np.float32(1 / np.sqrt(D))
     t = _rdtsc() if cycles.shape[0] else 0
     for li in range(L):
@@ -286,15 +287,21 @@ def decode_step(
                 part_total[job],
                 part_acc[job],
             )
-        for bk in numba.prange(B * nk):
-            b, kh = bk // nk, bk % nk
-            first = job_first[b] + kh * parts_of[b]
-            _merge_parts(
-                part_top[first : first + parts_of[b]],
-                part_total[first : first + parts_of[b]],
-                part_acc[first : first + parts_of[b]],
-                heads_out[b, kh * group : (kh + 1) * group],
-            )
+            if parts_of[b] == 1:  # the whole context in one part: no merge (the same bits)
+                for r in range(group):
+                    for i in range(D):
+                        heads_out[b, kh * group + r, i] = part_acc[job, r, i] / part_total[job, r]
+        if split:  # a second parallel region (a barrier) only where some context has parts to merge
+            for bk in numba.prange(B * nk):
+                b, kh = bk // nk, bk % nk
+                if parts_of[b] > 1:
+                    first = job_first[b] + kh * parts_of[b]
+                    _merge_parts(
+                        part_top[first : first + parts_of[b]],
+                        part_total[first : first + parts_of[b]],
+                        part_acc[first : first + parts_of[b]],
+                        heads_out[b, kh * group : (kh + 1) * group],
+                    )
         t = _lap(cycles, 3, t)
         xs = block_sums(attn)
         for tile in numba.prange(o[0].shape[1]):
