@@ -17,7 +17,7 @@ the reference the tests hold it to).
 
 The loops are compiled by numba (LLVM, vectorized for the host CPU, 512 bits wide on AVX-512:
 `_prefer_512_bit_vectors`), split tiles across numba's threads and release the GIL. Each tile
-asks for its bytes ~2 KB before it reads them (`_prefetch`): without that, the 1-row loop waited
+asks for its bytes ~2 KB before it reads them (`prefetch`): without that, the 1-row loop waited
 on memory for two thirds of its time once the weights were past L2 (Intel Xeon, 2 cores). Every
 multiply-add is one explicit FMA (`_fma`), rounded once. Each weight is laid out tile-major,
 `[NT, K(/2), TN]`, so a tile's bytes stream in order and the innermost loop runs over TN independent outputs;
@@ -146,9 +146,10 @@ the same matrix from L2 runs 105 us with or without."""
 
 
 @intrinsic
-def _prefetch(typingctx, arr, index):
+def prefetch(typingctx, arr, index):
     """Ask the CPU to bring element `index` of C-contiguous `arr` (counted flat) into cache
-    (`llvm.prefetch`: read, keep in all levels). A hint: never faults, even past the end."""
+    (`llvm.prefetch`: read, keep in all levels). A hint: never faults, even past the end. For
+    numba code (the tiles here, decode attention in `engine.models.llama_step`)."""
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
@@ -305,11 +306,11 @@ def _q4_1_row(x, xsum, qs, d, m, t, r, acc):  # adds tile t of row r of x @ w.T 
     for b in range(x.shape[1] // QK):
         blk[:] = 0
         for line in range(0, TN, 16):  # the scales and mins two blocks on
-            _prefetch(d, s_at + (b + 2) * TN + line)
-            _prefetch(m, s_at + (b + 2) * TN + line)
+            prefetch(d, s_at + (b + 2) * TN + line)
+            prefetch(m, s_at + (b + 2) * TN + line)
         for jj in range(QK // 2):
             j = b * (QK // 2) + jj
-            _prefetch(qs, q_at + (j + PREFETCH_LINES) * TN)  # a row of the tile is one line
+            prefetch(qs, q_at + (j + PREFETCH_LINES) * TN)  # a row of the tile is one line
             # x1 * q_hi as (x1 / 16) * (16 q_hi): the same product (the division is exact)
             x0, x1 = x[r, 2 * j], x[r, 2 * j + 1] * np.float32(0.0625)
             for n in range(TN):
@@ -344,11 +345,11 @@ def q4_1_tile(x, xsum, qs, d, m, t, out):  # x [M, K] f32, xsum [M, G], qs [NT, 
     q_at, s_at = t * qs.shape[1] * TN, t * d.shape[1] * TN
     for b in range(x.shape[1] // QK):
         for line in range(0, TN, 16):
-            _prefetch(d, s_at + (b + 2) * TN + line)
-            _prefetch(m, s_at + (b + 2) * TN + line)
+            prefetch(d, s_at + (b + 2) * TN + line)
+            prefetch(m, s_at + (b + 2) * TN + line)
         for jj in range(QK // 2):
             j = b * (QK // 2) + jj
-            _prefetch(qs, q_at + (j + PREFETCH_LINES) * TN)
+            prefetch(qs, q_at + (j + PREFETCH_LINES) * TN)
             for n in range(TN):
                 lo, hi16 = _nibbles(qs[t, j, n])
                 w[2 * jj, n] = lo
@@ -377,9 +378,9 @@ def q8_0_tile(x, q, d, t, out):  # x [M, K] f32, q [NT, K, TN] i8, d [NT, G, TN]
     q_at, s_at = t * q.shape[1] * TN, t * g * TN  # the tile's first byte / scale, flat
     for b in range(g):
         for line in range(0, TN, 16):  # the scales two blocks on
-            _prefetch(d, s_at + (b + 2) * TN + line)
+            prefetch(d, s_at + (b + 2) * TN + line)
         for i in range(QK):  # the block after next (2 KB on): a row of the tile is one line
-            _prefetch(q, q_at + ((b + 2) * QK + i) * TN)
+            prefetch(q, q_at + ((b + 2) * QK + i) * TN)
         if rows == 1:
             blk[0, :] = 0
             for i in range(QK):

@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
-from kernels.quant import TN, _prefetch, block_sums, q4_1_tile, q8_0_tile
+from kernels.quant import TN, block_sums, prefetch, q4_1_tile, q8_0_tile
 
 STEP_PARTS = (
     "RMSNorm",
@@ -128,7 +128,7 @@ def _prefetch_head(kv, blk, kh):  # ask for kv head kh's rows of page block blk 
     for slot in range(S):
         at = ((blk * S + slot) * K + kh) * D
         for line in range(0, D, 16):  # 16 fp32 a 64-byte line
-            _prefetch(kv, at + line)
+            prefetch(kv, at + line)
 
 
 # reassociation lets LLVM vectorize the dot products (a sequential sum is add-latency bound:
