@@ -144,8 +144,7 @@ def start_mesh(
         fd, cpu_share = tempfile.mkstemp(
             prefix="kvmesh-cpu-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
         )
-        os.write(fd, bytes(8))  # no forward running
-        os.close(fd)
+        os.close(fd)  # empty: the first instance to open it sizes it (`CpuShare`)
         env[CPU_SHARE_ENV] = cpu_share
     mesh = Mesh(
         gateway_address=f"{host}:{port}",

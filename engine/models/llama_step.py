@@ -287,10 +287,13 @@ def decode_step(
                 part_total[job],
                 part_acc[job],
             )
-            if parts_of[b] == 1:  # the whole context in one part: no merge (the same bits)
-                for r in range(group):
-                    for i in range(D):
-                        heads_out[b, kh * group + r, i] = part_acc[job, r, i] / part_total[job, r]
+            if parts_of[b] == 1:  # the whole context in one part: its own "merge", in this job
+                _merge_parts(
+                    part_top[job : job + 1],
+                    part_total[job : job + 1],
+                    part_acc[job : job + 1],
+                    heads_out[b, kh * group : (kh + 1) * group],
+                )
         if split:  # a second parallel region (a barrier) only where some context has parts to merge
             for bk in numba.prange(B * nk):
                 b, kh = bk // nk, bk % nk
