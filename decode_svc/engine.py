@@ -31,6 +31,7 @@ from decode_svc.speculative import DraftCounts, SpeculationGovernor, propose_ngr
 from engine.eplb import ep_stats, expert_stats
 from engine.forward import DraftingRunner, DraftItem, ForwardItem, Runner, StateSlots
 from engine.outcomes import FinishReason
+from engine.request import finish_reason
 from engine.sampler import sample, verify_drafts
 from engine.sampling_params import SamplingParams
 from kvstore.block_pool import BlockPool
@@ -347,11 +348,7 @@ class DecodeEngine:
     @staticmethod
     def _finish_reason_after(seq: DecodeSequence, token: int, n: int) -> FinishReason | None:
         """Why the answer ends at `token`, the n-th of this step's tokens not yet appended."""
-        if token in seq.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_generated + n >= seq.max_tokens:
-            return FinishReason.LENGTH
-        return None
+        return finish_reason(token, seq.num_generated + n, seq.max_tokens, seq.stop_token_ids)
 
     def _free(self, seq: DecodeSequence) -> None:
         seq.state = SeqState.FINISHED

@@ -40,6 +40,7 @@ import grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine.outcomes import FailureCause, FinishReason
+from engine.request import finish_reason
 from gateway import metrics
 from gateway.admission import AdmissionQueue, OverloadedError
 from gateway.auth import ApiKeys
@@ -612,8 +613,4 @@ class RequestPath:
         )
 
     def _finish(self, inp: GenerateInput, token: int, num_generated: int) -> FinishReason | None:
-        if token in self.eos_token_ids and not inp.ignore_eos:
-            return FinishReason.STOP
-        if num_generated >= inp.max_tokens:
-            return FinishReason.LENGTH
-        return None
+        return finish_reason(token, num_generated, inp.max_tokens, () if inp.ignore_eos else self.eos_token_ids)
