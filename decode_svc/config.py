@@ -23,15 +23,19 @@ class DecodeConfig(ModelServiceConfig):
         env="REDIS_URL",
     )
     max_batch_size: int = setting(
-        64, "--max-batch-size", "most requests reserved or running at once (more: RESOURCE_EXHAUSTED)"
+        64, "--max-batch-size", "most requests reserved or running at once (more: RESOURCE_EXHAUSTED)", ge=1
     )
     max_admit_per_step: int = setting(
-        4, "--max-admit-per-step", "new KV loads (requests whose pushed KV landed) admitted into the batch per step"
+        4,
+        "--max-admit-per-step",
+        "new KV loads (requests whose pushed KV landed) admitted into the batch per step",
+        ge=1,
     )
     reservation_timeout_s: float = setting(
         60.0,
         "--reservation-timeout",
         "seconds a reservation no Generate claims is kept, unless its Reserve set kv_deadline_s (the gateway does)",
+        gt=0,
     )
     speculative: str = setting(
         "off",
@@ -40,23 +44,28 @@ class DecodeConfig(ModelServiceConfig):
         "multi-token-prediction module), verified by the model in the same batched step; the output is the same "
         "as without it",
     )
-    num_draft_tokens: int = setting(4, "--num-draft-tokens", "most draft tokens a sequence carries into a step")
+    num_draft_tokens: int = setting(
+        4, "--num-draft-tokens", "most draft tokens a sequence carries into a step", ge=1, le=16
+    )
     draft_row_cost: float = setting(
         0.0,
         "--draft-row-cost",
         "what a speculative verification row costs relative to a plain one-row step (0: measure it at start); "
         "drafting is turned down where the acceptance does not pay for it",
+        ge=0,
     )
     max_verify_rows: int = setting(
         32,
         "--max-verify-rows",
         "most rows (tokens) a speculative step runs; drafts are left out past it, so large batches decode plainly",
+        ge=1,
     )
     ep: int = setting(
         1,
         "--ep",
         "expert-parallel ranks (processes under torch.distributed: attention data-parallel, routed experts spread "
         "over the ranks, all-to-all dispatch and combine); MoE models only, 1: single-process decode",
+        ge=1,
     )
     eplb_placement: str = setting(
         "",
@@ -65,7 +74,7 @@ class DecodeConfig(ModelServiceConfig):
         "replica each); read again when the file changes",
     )
     ep_timeout_s: float = setting(
-        30.0, "--ep-timeout", "seconds any expert-parallel collective may wait for a rank before the step fails"
+        30.0, "--ep-timeout", "seconds any expert-parallel collective may wait for a rank before the step fails", gt=0
     )
 
     @property
@@ -82,24 +91,8 @@ class DecodeConfig(ModelServiceConfig):
         return self.max_batch_size + self.num_scratch_slots
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_admit_per_step < 1:
-            raise ValueError(f"max_admit_per_step must be >= 1, got {self.max_admit_per_step}")
-        if not self.reservation_timeout_s > 0:
-            raise ValueError(f"reservation_timeout_s must be > 0, got {self.reservation_timeout_s}")
+        super().__post_init__()  # the bounds of every field (runtime.settings.check_bounds)
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {self.speculative!r}")
-        if not 1 <= self.num_draft_tokens <= 16:
-            raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
-        if not self.draft_row_cost >= 0:
-            raise ValueError(f"draft_row_cost must be >= 0, got {self.draft_row_cost}")
-        if self.ep < 1:
-            raise ValueError(f"ep must be >= 1, got {self.ep}")
         if self.eplb_placement and self.ep == 1:
             raise ValueError("eplb_placement needs --ep >= 2")
-        if not self.ep_timeout_s > 0:
-            raise ValueError(f"ep_timeout_s must be > 0, got {self.ep_timeout_s}")
-        if self.max_verify_rows < 1:
-            raise ValueError(f"max_verify_rows must be >= 1, got {self.max_verify_rows}")

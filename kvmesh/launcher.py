@@ -156,34 +156,16 @@ def start_mesh(
         http_address=f"http://{host}:{http_port}" if http_port else "",
     )
     try:
-        for i in range(num_decode):
-            p = free_port(host)
-            mesh.decode_addresses.append(f"{host}:{p}")
-            mesh.procs.append(
-                (
-                    f"decode-{i}",
-                    _serve(
-                        "decode",
-                        ["--host", host, "--port", str(p), "--redis-url", redis_url, *(extra_decode_args or [])],
-                        env,
-                        log,
-                    ),
-                )
-            )
-        for i in range(num_prefill):
-            p = free_port(host)
-            mesh.prefill_addresses.append(f"{host}:{p}")
-            mesh.procs.append(
-                (
-                    f"prefill-{i}",
-                    _serve(
-                        "prefill",
-                        ["--host", host, "--port", str(p), "--redis-url", redis_url, *(extra_prefill_args or [])],
-                        env,
-                        log,
-                    ),
-                )
-            )
+        roles = (
+            ("decode", num_decode, mesh.decode_addresses, extra_decode_args),
+            ("prefill", num_prefill, mesh.prefill_addresses, extra_prefill_args),
+        )
+        for kind, count, addresses, extra in roles:
+            for i in range(count):
+                p = free_port(host)
+                addresses.append(f"{host}:{p}")
+                args = ["--host", host, "--port", str(p), "--redis-url", redis_url, *(extra or [])]
+                mesh.procs.append((f"{kind}-{i}", _serve(kind, args, env, log)))
         # the gateway starts beside the instances (its imports and tokenizer overlap their model
         # loads) and reports SERVING only once they all do (--wait-for-instances)
         gw_args = [

@@ -66,27 +66,8 @@ from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
 import kvstore.shared_memory as shared_memory
+from kvstore import ucx_common as common
 from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address
-from kvstore.ucx_common import (
-    _ACK_MEANING,
-    _TAG_ACK,
-    _TAG_GO,
-    _TAG_HEADER,
-    _TAG_HELLO,
-    _TAG_SIZES,
-    _TAG_SOURCE,
-    ACK_OK,
-    ACK_SIZE_MISMATCH,
-    ACK_UNKNOWN,
-    GO_PULLED,
-    MAGIC,
-    MAX_BUFFERS,
-    VERSION,
-    _as_buffer,
-    _check_transfer_id,
-    _post_all,
-    _runtime,
-)
 from kvstore.ucx_receiver import KVReceiver
 
 __all__ = ["KVReceiver", "KVSender", "TransferError", "TransferResult", "pages_digest", "parse_address"]
@@ -128,7 +109,7 @@ class KVSender:
             raise RuntimeError("KVSender is closed")
         host, port = parse_address(address)
         if not self._acquired:
-            _runtime.acquire()
+            common._runtime.acquire()
             self._acquired = True
         async with self._locks.setdefault(address, asyncio.Lock()):
             await self._connect(address, host, port)
@@ -157,14 +138,14 @@ class KVSender:
         if self._closed:
             raise RuntimeError("KVSender is closed")
         host, port = parse_address(address)
-        tid = _check_transfer_id(transfer_id)
-        arrays = [_as_buffer(b, i, writable=False) for i, b in enumerate(buffers)]
-        if len(arrays) > MAX_BUFFERS:
-            raise ValueError(f"at most {MAX_BUFFERS} pages per push, got {len(arrays)}")
+        tid = common._check_transfer_id(transfer_id)
+        arrays = [common._as_buffer(b, i, writable=False) for i, b in enumerate(buffers)]
+        if len(arrays) > common.MAX_BUFFERS:
+            raise ValueError(f"at most {common.MAX_BUFFERS} pages per push, got {len(arrays)}")
         sizes = np.array([a.nbytes for a in arrays], dtype="<u8")
-        if not isinstance(first, (int, np.integer)) or not 0 <= first < MAX_BUFFERS:
-            raise ValueError(f"first must be an int in [0, {MAX_BUFFERS}), got {first!r}")
-        header = np.array([MAGIC, VERSION, tid, len(arrays), first], dtype="<u8")
+        if not isinstance(first, (int, np.integer)) or not 0 <= first < common.MAX_BUFFERS:
+            raise ValueError(f"first must be an int in [0, {common.MAX_BUFFERS}), got {first!r}")
+        header = np.array([common.MAGIC, common.VERSION, tid, len(arrays), first], dtype="<u8")
         source = np.zeros(5 + len(arrays), dtype="<u8")
         located = shared_memory.locate([a.ptr for a in arrays], [a.nbytes for a in arrays])
         if located is not None:
@@ -172,7 +153,7 @@ class KVSender:
             source[:5] = [desc.pid, desc.fd, desc.nonce[0], desc.nonce[1], desc.nbytes]
             source[5:] = offsets
         if not self._acquired:
-            _runtime.acquire()
+            common._runtime.acquire()
             self._acquired = True
         async with self._locks.setdefault(address, asyncio.Lock()):
             started = time.perf_counter()
@@ -191,11 +172,11 @@ class KVSender:
                     raise TransferError(f"[transfer {tid}] push to {address} failed: {exc!r}") from exc
                 raise
             seconds = time.perf_counter() - started
-        if code != ACK_OK:
-            if code not in (ACK_UNKNOWN, ACK_SIZE_MISMATCH):
+        if code != common.ACK_OK:
+            if code not in (common.ACK_UNKNOWN, common.ACK_SIZE_MISMATCH):
                 self._drop(address)
             raise TransferError(
-                f"[transfer {tid}] receiver at {address} refused the push: {_ACK_MEANING.get(code, f'ack code {code}')}"
+                f"[transfer {tid}] receiver at {address} refused the push: {common._ACK_MEANING.get(code, f'ack code {code}')}"
             )
         return TransferResult(tid, len(arrays), int(sizes.sum()), seconds)
 
@@ -208,7 +189,7 @@ class KVSender:
             self._drop(address)
         if self._acquired:
             self._acquired = False
-            _runtime.release()
+            common._runtime.release()
 
     async def _connect(self, address: str, host: str, port: int) -> tuple[Any, Any]:
         """The (control, data) endpoints to `address`, connected now unless cached and open."""
@@ -236,11 +217,11 @@ class KVSender:
     async def _data_endpoint(ctrl) -> Any:
         """An endpoint made from the worker address the receiver sends first (HELLO)."""
         length = np.empty(1, dtype="<u8")
-        await ctrl.recv(length, tag=_TAG_HELLO)
+        await ctrl.recv(length, tag=common._TAG_HELLO)
         if not 0 < int(length[0]) <= 1 << 16:
             raise RuntimeError(f"receiver sent a worker address of {int(length[0])} bytes")
         raw = np.empty(int(length[0]), dtype=np.uint8)
-        await ctrl.recv(raw, tag=_TAG_HELLO)
+        await ctrl.recv(raw, tag=common._TAG_HELLO)
         return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(raw.tobytes()))
 
     async def _exchange(
@@ -248,28 +229,28 @@ class KVSender:
     ) -> int:
         ack = np.empty(1, dtype=np.uint8)
         go = np.empty(2, dtype="<u8")
-        ack_recv = asyncio.ensure_future(ctrl.recv(ack, tag=_TAG_ACK))
-        go_recv = asyncio.ensure_future(ctrl.recv(go, tag=_TAG_GO))
+        ack_recv = asyncio.ensure_future(ctrl.recv(ack, tag=common._TAG_ACK))
+        go_recv = asyncio.ensure_future(ctrl.recv(go, tag=common._TAG_GO))
         for f in (ack_recv, go_recv):
             f.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
         sends: asyncio.Future | None = None
         try:
-            await ctrl.send(header, tag=_TAG_HEADER)
+            await ctrl.send(header, tag=common._TAG_HEADER)
             if arrays:
-                await ctrl.send(sizes, tag=_TAG_SIZES)
-                await ctrl.send(source, tag=_TAG_SOURCE)
+                await ctrl.send(sizes, tag=common._TAG_SIZES)
+                await ctrl.send(source, tag=common._TAG_SOURCE)
             await asyncio.wait({go_recv, ack_recv}, return_when=asyncio.FIRST_COMPLETED)
             if not go_recv.done():  # the receiver refused the header (protocol mismatch)
                 await ack_recv
                 return int(ack[0])
             await go_recv
             code, tag_base = int(go[0]), int(go[1])
-            if code == GO_PULLED:  # the receiver copied the pages from our pool itself
+            if code == common.GO_PULLED:  # the receiver copied the pages from our pool itself
                 await ack_recv
                 return int(ack[0])
-            if code != ACK_OK:
+            if code != common.ACK_OK:
                 return code
-            sends = asyncio.gather(*_post_all(data, data.send, arrays, tag_base))
+            sends = asyncio.gather(*common._post_all(data, data.send, arrays, tag_base))
             # a receiver that hangs up mid-push fails the ACK at once, while the data sends
             # could wait for receives that will never match: whichever ends first decides
             await asyncio.wait({sends, ack_recv}, return_when=asyncio.FIRST_EXCEPTION)

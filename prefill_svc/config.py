@@ -26,21 +26,15 @@ class PrefillConfig(ModelServiceConfig):
         "Redis of the prefix index (fed by KV events) and the instance registry (empty: neither)",
         env="REDIS_URL",
     )
-    max_batch_tokens: int = setting(4096, "--max-batch-tokens", "most prompt tokens prefilled together in one forward")
+    max_batch_tokens: int = setting(
+        4096, "--max-batch-tokens", "most prompt tokens prefilled together in one forward", ge=1
+    )
     chunked_prefill_size: int = setting(
         512,
         "--chunked-prefill-size",
         "prompt tokens computed per chunk; each chunk's KV is pushed to decode while the next computes (0: one chunk)",
+        ge=0,
     )
     push_timeout_s: float = setting(
-        30.0, "--push-timeout", "seconds one KV push may take before it fails with UNAVAILABLE"
+        30.0, "--push-timeout", "seconds one KV push may take before it fails with UNAVAILABLE", gt=0
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1, got {self.max_batch_tokens}")
-        if self.chunked_prefill_size < 0:
-            raise ValueError(f"chunked_prefill_size must be >= 0 tokens, got {self.chunked_prefill_size}")
-        if not self.push_timeout_s > 0:
-            raise ValueError(f"push_timeout_s must be > 0, got {self.push_timeout_s}")

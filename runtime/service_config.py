@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.transports import check_transport
-from runtime.settings import setting
+from runtime.settings import check_bounds, setting
 
 
 def metrics_port_setting() -> Any:
@@ -23,6 +23,7 @@ def drain_grace_setting() -> Any:
         "--drain-grace",
         "seconds in-flight requests may run on after SIGTERM before they are cut off "
         "(keep it under Kubernetes' terminationGracePeriodSeconds)",
+        ge=0,
     )
 
 
@@ -40,9 +41,9 @@ class ModelServiceConfig:
         "prefill pushes KV (empty: --host, or this machine's hostname when --host is 0.0.0.0 or ::)",
     )
     num_pages: int = setting(
-        1024, "--num-pages", "KV pages in the pool (on prefill, pages left over hold the prefix cache)"
+        1024, "--num-pages", "KV pages in the pool (on prefill, pages left over hold the prefix cache)", ge=1
     )
-    page_size: int = setting(16, "--page-size", "token slots per page; the same on every service of a mesh")
+    page_size: int = setting(16, "--page-size", "token slots per page; the same on every service of a mesh", ge=1)
     torch_threads: int = setting(0, "--torch-threads", "intra-op threads of the model (0: torch's default, every core)")
     kernel_backend: str = setting(
         "torch", "--kernel-backend", "MoE and indexer kernels: torch, or triton (a CUDA GPU, or TRITON_INTERPRET=1)"
@@ -59,6 +60,7 @@ class ModelServiceConfig:
         "seconds this instance stays in the instance registry (and its prefix-index entries count) after its "
         "last renewal; renewed every third of it, so a dead or frozen instance drops out this long after it stops",
         env="KVMESH_LEASE_TTL_S",
+        gt=0,
     )
     cpu_share: str = setting(
         "",
@@ -67,7 +69,7 @@ class ModelServiceConfig:
         "while a prefill forward runs, so the two do not fight over the cores (`kvmesh up` makes one); empty: off",
     )
     cpu_share_max_wait_s: float = setting(
-        2.0, "--cpu-share-max-wait", "seconds decode waits for one prefill forward at most (with --cpu-share)"
+        2.0, "--cpu-share-max-wait", "seconds decode waits for one prefill forward at most (with --cpu-share)", ge=0
     )
     kv_digest: bool = setting(
         False,
@@ -77,22 +79,13 @@ class ModelServiceConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.cpu_share_max_wait_s < 0:
-            raise ValueError(f"cpu_share_max_wait_s must be >= 0, got {self.cpu_share_max_wait_s}")
+        check_bounds(self)  # this class's fields and the subclass's
         # imported here: the kernels package loads torch, and the gateway's command line
         # (which never builds this config) parses these flags too
         from kernels.backend import check_backend
 
         check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
-        if not self.drain_grace_s >= 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        if not self.lease_ttl_s > 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
 
     @property
     def reachable_host(self) -> str:

@@ -43,6 +43,12 @@ class Setting:
     type: Callable[[str], Any] | None = None
     """Converter of the flag's text; None takes the field's default's type (int, float, str)."""
     metavar: str | None = None
+    ge: float | None = None
+    """Smallest value allowed (checked by `check_bounds`); None: no lower bound of this kind."""
+    gt: float | None = None
+    """The value must be above this (checked by `check_bounds`)."""
+    le: float | None = None
+    """Largest value allowed (checked by `check_bounds`)."""
 
 
 def setting(
@@ -54,16 +60,19 @@ def setting(
     kind: str = "value",
     type: Callable[[str], Any] | None = None,
     metavar: str | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
 ) -> Any:
     """A dataclass field with its `Setting`; env defaults to KVMESH_ + the flag in capitals
-    (--num-pages -> KVMESH_NUM_PAGES). Raises ValueError for an unknown kind or a flag
-    without a leading "--"."""
+    (--num-pages -> KVMESH_NUM_PAGES). `ge`, `gt`, `le` bound a number (see `check_bounds`).
+    Raises ValueError for an unknown kind or a flag without a leading "--"."""
     if kind not in ("value", "flag", "list"):
         raise ValueError(f"kind must be value, flag or list, got {kind!r}")
     if not flag.startswith("--"):
         raise ValueError(f"flag must start with '--', got {flag!r}")
     env = env or "KVMESH_" + flag[2:].upper().replace("-", "_")
-    meta = {_KEY: Setting(flag, env, help, kind, type, metavar)}
+    meta = {_KEY: Setting(flag, env, help, kind, type, metavar, ge, gt, le)}
     if kind == "list":
         return dataclasses.field(default=tuple(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -72,6 +81,25 @@ def setting(
 def settings_of(config_cls: type) -> list[tuple[dataclasses.Field, Setting]]:
     """The fields of `config_cls` that carry a Setting, in declaration order."""
     return [(f, f.metadata[_KEY]) for f in dataclasses.fields(config_cls) if _KEY in f.metadata]
+
+
+def check_bounds(config: Any) -> None:
+    """Check every bounded Setting field of the dataclass instance `config`, in declaration order.
+
+    Raises ValueError naming the first field out of bounds and its value ("num_pages must be
+    >= 1, got 0"; "num_draft_tokens must be in [1, 16], got 17"); NaN fails every bound.
+    """
+    for field, s in settings_of(type(config)):
+        value = getattr(config, field.name)
+        if s.ge is not None and s.le is not None:
+            if not s.ge <= value <= s.le:
+                raise ValueError(f"{field.name} must be in [{s.ge}, {s.le}], got {value}")
+        elif s.ge is not None and not value >= s.ge:
+            raise ValueError(f"{field.name} must be >= {s.ge}, got {value}")
+        elif s.le is not None and not value <= s.le:
+            raise ValueError(f"{field.name} must be <= {s.le}, got {value}")
+        if s.gt is not None and not value > s.gt:
+            raise ValueError(f"{field.name} must be > {s.gt}, got {value}")
 
 
 def parse_bool(text: str) -> bool:

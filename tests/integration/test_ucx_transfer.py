@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import uvloop
 
-from kvstore.ucx_common import _TAG_SOURCE
-from kvstore.ucx_transfer import _TAG_HEADER, _TAG_SIZES, MAGIC, VERSION, KVReceiver, KVSender, TransferError
+from kvstore.ucx_common import _TAG_HEADER, _TAG_SIZES, _TAG_SOURCE, MAGIC, VERSION
+from kvstore.ucx_transfer import KVReceiver, KVSender, TransferError
 from tests.integration.ucx_peer import Peer, page_data, receiver_main, sender_main
 
 NUM_PAGES = 16
