@@ -19,13 +19,12 @@ The reference is `kernels.indexer.ref.indexer_scores_ref`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.indexer.ops import check_score_args
+from kernels.triton_jit import jit
 
 
 def _indexer_scores_kernel(
@@ -89,12 +88,6 @@ def _indexer_scores_kernel(
     tl.store(out_ptr + t64[:, None] * stride_ot + n64[None, :] * stride_on, score, mask=t_ok[:, None] & n_ok[None, :])
 
 
-@functools.cache
-def _jit(fn, interpret: bool):
-    # triton.jit picks interpreter or compiler when applied: apply it per mode, at first launch
-    return triton.jit(fn)
-
-
 def indexer_scores_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,7 +124,7 @@ def indexer_scores_triton(
     # the interpreter multiplies bf16 bit patterns as integers in tl.dot
     # (triton-lang/triton#11584); 16-bit products are exact in fp32, so upcasting is lossless
     dot_fp32 = q.dtype == torch.float32 or interpret
-    _jit(_indexer_scores_kernel, interpret)[(triton.cdiv(T, block_t), triton.cdiv(N, block_n))](
+    jit(_indexer_scores_kernel, interpret)[(triton.cdiv(T, block_t), triton.cdiv(N, block_n))](
         q,
         k,
         head_weights,

@@ -22,7 +22,6 @@ The reference is `kernels.moe.ref.moe_experts_ref`.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -30,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe.experts import check_moe_args
+from kernels.triton_jit import jit
 
 
 class BlockSizes(NamedTuple):
@@ -215,13 +215,6 @@ def _dot_fp32(dtype: torch.dtype, interpret: bool) -> bool:
     return dtype == torch.float32 or interpret
 
 
-@functools.cache
-def _jit(fn, interpret: bool):
-    # triton.jit decides interpreter or compiler when it is applied; keyed on the mode so a
-    # process can hold both
-    return triton.jit(fn)
-
-
 def moe_experts_triton(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -256,7 +249,7 @@ def moe_experts_triton(
     interpret = triton.knobs.runtime.interpret
     dot_fp32 = _dot_fp32(x.dtype, interpret)
     act = torch.empty(A, I, dtype=x.dtype, device=x.device)  # [A, I] by assignment
-    _jit(_gate_up_kernel, interpret)[(num_blocks, triton.cdiv(I, bs.n))](
+    jit(_gate_up_kernel, interpret)[(num_blocks, triton.cdiv(I, bs.n))](
         x,
         w_gate_up,
         act,
@@ -279,7 +272,7 @@ def moe_experts_triton(
         BK=bs.k,
     )
     routed = torch.empty(A, H, dtype=torch.float32, device=x.device)  # [A, H] weighted outputs
-    _jit(_down_kernel, interpret)[(num_blocks, triton.cdiv(H, bs.n))](
+    jit(_down_kernel, interpret)[(num_blocks, triton.cdiv(H, bs.n))](
         act,
         w_down,
         routed,
