@@ -238,8 +238,9 @@ def run_up(
 
     prefill_threads / decode_threads: each instance's model threads (`--torch-threads`; 0:
     every core). The default split on a small machine: both use every core, decode's threads
-    spin between steps and prefill's wait passively (see README, Measured), so a prefill burst
-    slows decode only while it computes. speculative / num_draft_tokens go to every decode
+    spin between steps, prefill's spin briefly, then sleep, and the two take turns through one
+    --cpu-share file (docs/operations.md, Threads), so a prefill burst slows decode only while
+    it computes. speculative / num_draft_tokens go to every decode
     (`kvmesh serve decode --speculative ... --num-draft-tokens ...`), decode_ep too (`--ep N`:
     each decode runs N expert-parallel ranks; MoE models only). http_port: the gateway's
     OpenAI-compatible HTTP API (0: none).

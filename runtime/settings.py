@@ -1,6 +1,6 @@
 """One source per setting: each field of a service's config dataclass declares its flag, its
 environment variable, its default and its help once, and the command line, the config and the
-README's settings table are all made from that declaration.
+settings tables of docs/settings.md are all made from that declaration.
 
     @dataclass(frozen=True)
     class DecodeConfig:
@@ -8,7 +8,7 @@ README's settings table are all made from that declaration.
 
     add_arguments(parser, DecodeConfig)      # --num-pages N (env KVMESH_NUM_PAGES; default 1024)
     config = from_args(DecodeConfig, args)   # DecodeConfig(num_pages=N, ...), validated
-    markdown_table(DecodeConfig)             # the README's rows for it
+    markdown_table(DecodeConfig)             # docs/settings.md's rows for it
 
 A flag falls back to its environment variable, then to the default. The variable is read when
 the parser is built but converted only when that parser runs, so a bad variable
@@ -29,7 +29,7 @@ _KEY = "kvmesh.setting"
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """How one config field is set from outside: `flag` on the command line, `env` in the
-    environment, `help` in both and in the README."""
+    environment, `help` in both and in docs/settings.md."""
 
     flag: str
     """e.g. "--num-pages"."""
@@ -191,7 +191,7 @@ def from_args(config_cls: type, args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def markdown_table(config_cls: type) -> str:
-    """The README's table of `config_cls`'s settings: flag, variable, default, meaning."""
+    """docs/settings.md's table of `config_cls`'s settings: flag, variable, default, meaning."""
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
     for field, s in settings_of(config_cls):
         if s.kind == "flag":

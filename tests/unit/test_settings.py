@@ -1,5 +1,5 @@
-"""One source per setting: flags, variables, defaults, --help and the README come from the
-config dataclasses' `setting(...)` declarations (runtime/settings.py)."""
+"""One source per setting: flags, variables, defaults, --help and docs/settings.md come
+from the config dataclasses' `setting(...)` declarations (runtime/settings.py)."""
 
 from __future__ import annotations
 
@@ -101,8 +101,8 @@ def test_serve_help_lists_every_setting_with_its_variable():
             assert s.flag in text and s.env in text, (name, s.flag)
 
 
-def test_readme_settings_tables_are_the_generated_ones():
-    text = settings_doc.README.read_text()
+def test_docs_settings_tables_are_the_generated_ones():
+    text = settings_doc.SETTINGS_DOC.read_text()
     assert settings_doc.replace_block(text, settings_doc.render()) == text, (
-        "README.md's settings tables are stale: run `python -m kvmesh.settings_doc --write`"
+        "docs/settings.md's tables are stale: run `python -m kvmesh.settings_doc --write`"
     )
