@@ -6,7 +6,7 @@ architecture, and the `StateSlots` free list. Runners live in `engine.llama_runn
 The protocol follows vLLM's model-runner split (the scheduler describes each sequence of a step;
 the runner owns weights and KV memory): a step may mix prefill items (many new tokens, maybe
 after a cached prefix) and decode items (one new token). `chunk_ends` is how chunked prefill
-splits a prompt's computed range into forwards (the prefill service and `engine.bench_prefill`).
+splits a prompt's computed range into forwards (the prefill service and `bench.prefill`).
 """
 
 from __future__ import annotations

@@ -424,7 +424,7 @@ def kernel_threads() -> tuple[str, int]:
 
     "omp" (GNU OpenMP, Debian's libgomp1) or "tbb" wake their threads in microseconds;
     "workqueue", numba's fallback when neither library loads, made the 30 Q4_1 layers of a
-    batch-1 step 3.3x slower here (16.6 ms against omp's 5.0 ms, `bench_quant` under
+    batch-1 step 3.3x slower here (16.6 ms against omp's 5.0 ms, `bench.quant` under
     NUMBA_THREADING_LAYER=workqueue).
     """
     return numba.threading_layer(), numba.get_num_threads()
@@ -434,7 +434,7 @@ def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight) -> torch.Tenso
     """x @ w.T for x [M, K] fp32 and a packed GGUF weight [N, K]; returns [M, N] fp32.
 
     Meant for decode batches: each tile's bytes are read and unpacked once and reused for all M
-    rows; past ~128 rows an fp32 GEMM wins (`bench_quant`). Row r of the result does not depend
+    rows; past ~128 rows an fp32 GEMM wins (`bench.quant`). Row r of the result does not depend
     on the other rows' values, bit for bit.
     Runs on numba's threads (`numba.set_num_threads`), each on whole tiles.
     Raises ValueError when x is not [M, w.in_features] fp32.

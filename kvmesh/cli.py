@@ -1,4 +1,5 @@
-"""The `kvmesh` command: up, generate, serve, bench."""
+"""The `kvmesh` command: up, generate, serve, eplb, make-tiny-model, and the subcommands other
+packages register (kvmesh/commands.py; the lab's `kvmesh bench`, `routesim`, `fuzz`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 import grpc
 
+from kvmesh.commands import add_plugin_commands
 from runtime import settings
 from runtime.settings import env_flag
 
@@ -127,48 +129,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.speculative:
-        from kvmesh.bench_speculative import run_speculative_bench
-
-        return run_speculative_bench(args)
-    if args.trace:
-        from kvmesh.bench_trace import run_trace_bench
-
-        return run_trace_bench(args)
-    from kvmesh.bench import run_bench
-
-    return run_bench(args)
-
-
-def _cmd_bench_v4(args: argparse.Namespace) -> int:
-    from kvmesh.bench_v4 import run_bench_v4
-
-    return run_bench_v4(args)
-
-
-def _cmd_bench_transfer(args: argparse.Namespace) -> int:
-    from kvmesh.bench_transfer import run
-
-    return run(args)
-
-
-def _cmd_fuzz(args: argparse.Namespace) -> int:
-    from kvmesh.fuzz import run
-
-    return run(args)
-
-
-def _cmd_routesim(args: argparse.Namespace) -> int:
-    from kvmesh.routesim import run
-
-    try:
-        return run(args)
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
 def _cmd_eplb_plan(args: argparse.Namespace) -> int:
     from kvmesh.eplb_tool import run
 
@@ -279,57 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
         env_flag(p, "--log-format", "KVMESH_LOG_FORMAT", "text", "text for people, json for machines")
         p.set_defaults(func=_cmd_serve, service_module=module.__package__, config_cls=config_cls)
 
-    bench = sub.add_parser("bench", help="decode speed vs transformers, TTFT, at 1/4/16 concurrent requests")
-    bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--new-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
-    bench.add_argument("--rounds", type=int, default=3, help="rounds per concurrency level; the median counts")
-    bench.add_argument("--model", default=None)
-    bench.add_argument(
-        "--speculative",
-        action="store_true",
-        help="single-stream decode with and without n-gram speculation, quoting and plain prompts",
-    )
-    bench.add_argument("--num-draft-tokens", type=int, default=4, help="with --speculative: drafts a step (default 4)")
-    from kvmesh.bench_trace import add_arguments as add_trace_arguments
-
-    add_trace_arguments(bench)
-    bench.set_defaults(func=_cmd_bench)
-    from kvmesh.bench_v4 import add_arguments as add_bench_v4_arguments
-
-    bench_v4 = sub.add_parser(
-        "bench-v4", help="DeepSeek-V4 tiny config: 8-concurrent decode and 2K prefill vs transformers"
-    )
-    add_bench_v4_arguments(bench_v4)
-    bench_v4.set_defaults(func=_cmd_bench_v4)
-
-    from kvmesh.bench_transfer import add_arguments as add_bench_transfer_arguments
-
-    bench_transfer = sub.add_parser(
-        "bench-transfer", help="KV push between two processes next to memcpy and Mooncake TE (GB/s)"
-    )
-    add_bench_transfer_arguments(bench_transfer)
-    bench_transfer.set_defaults(func=_cmd_bench_transfer)
-
-    from kvmesh.routesim import add_arguments as add_routesim_arguments
-
-    routesim = sub.add_parser(
-        "routesim",
-        help="replay a Mooncake trace against the routing policies (simulated "
-        "instances): hit rate vs oracle, balancedness, queueing",
-    )
-    add_routesim_arguments(routesim)
-    routesim.set_defaults(func=_cmd_routesim)
-
-    from kvmesh.fuzz import add_arguments as add_fuzz_arguments
-
-    fuzz = sub.add_parser(
-        "fuzz",
-        help="random and hostile requests against a gateway: counts by status, "
-        "fails on UNKNOWN/INTERNAL or a mesh that stops answering",
-    )
-    add_fuzz_arguments(fuzz)
-    fuzz.set_defaults(func=_cmd_fuzz)
-
     from kvmesh.eplb_tool import add_arguments as add_eplb_arguments
     from kvmesh.eplb_tool import add_stats_arguments as add_eplb_stats_arguments
 
@@ -360,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer into")
     tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    # the lab's commands (`kvmesh bench`, `routesim`, `fuzz`, ...), which live in bench/ and
+    # register themselves as entry points: the product never imports them
+    add_plugin_commands(sub)
     return parser
 
 

@@ -22,7 +22,7 @@
 - a decode step of up to `QUANTIZED_MAX_BATCH` sequences runs as one numba call,
   `engine.models.llama_step.decode_step`: every layer and the lm_head from the blocks, with
   RMSNorm, RoPE, the K/V write, attention over each sequence's own pages and SiLU*up in the same
-  call, so no torch op runs per layer. Measured on 2 busy-shared cores (`engine.profile_decode`):
+  call, so no torch op runs per layer. Measured on 2 busy-shared cores (`bench.profile_decode`):
   as torch ops around the block kernels a batch-1 step spent 6.3 ms a token outside the matmuls
   (RMSNorm alone 2.0 ms, ~16 us a torch op on a [1, H] tensor), fused 1.5 ms; a 16-sequence step
   spent ~40 ms outside them. Its matmuls are the block kernels' tiles (`kernels.quant.q4_1_tile`),
@@ -69,7 +69,7 @@ class _Layer:
 
 QUANTIZED_MAX_BATCH = 64
 """Decode steps of up to this many sequences use the block kernels. Measured on 2 cores of an Intel
-Xeon (`python -m kernels.bench_quant --rows 16 32 64 128 256`): Q4_1 layers 2.3x the speed of
+Xeon (`python -m bench.quant --rows 16 32 64 128 256`): Q4_1 layers 2.3x the speed of
 torch's fp32 GEMM (MKL) at 16 rows, 1.4x at 32, 1.0x at 64, 0.73x at 128; the Q8_0 lm_head 1.7-2.1x
 at 16, 1.1x at 64. (AMD EPYC, before the register-blocked rows: 2.8x at 16, 1.6x at 64.)"""
 

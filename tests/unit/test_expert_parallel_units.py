@@ -95,7 +95,7 @@ class _Experts:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dispatch_and_combine_in_a_world_of_one_equal_moe_experts_and_count_every_replica(backend, request):
     # --kernel-backend triton on the EP ranks: a rank's experts run as the Triton MoE kernel
-    # (here under Triton's interpreter on the CPU; `kernels.bench_gpu` on a GPU)
+    # (here under Triton's interpreter on the CPU; `bench.kernels_gpu` on a GPU)
     if backend == "triton":
         request.getfixturevalue("triton_device")
     E, H, I, K, T = 8, 16, 8, 2, 40

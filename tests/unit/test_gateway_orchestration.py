@@ -11,6 +11,7 @@ import asyncio
 
 import grpc
 
+from bench.mesh import orchestration_s
 from engine.outcomes import FailureCause
 from engine.sampling_params import SamplingParams
 from gateway.admission import AdmissionQueue
@@ -19,7 +20,6 @@ from gateway.request_life import RequestFailed, RequestLife, Stage
 from gateway.request_path import INLINE_PROMPT_BYTES, RequestPath, _tokenize_inline
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
-from kvmesh.bench import orchestration_s
 from kvmesh.client import make_request
 from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
 

@@ -2,14 +2,19 @@
 
 Layers, top to bottom (DESIGN.md, "Layers and a request's life"):
 
-    kvmesh/ (the app)  >  gateway/, prefill_svc/, decode_svc/  >  runtime/  >  engine/
-    >  kvstore/, kernels/, protos/
+    bench/ (the lab)  >  kvmesh/ (the app)  >  gateway/, prefill_svc/, decode_svc/  >  runtime/
+    >  engine/  >  kvstore/, kernels/, protos/
 
 The walk reads every ``import`` and ``from ... import`` statement of every source file with
 ``ast``, function-local and ``TYPE_CHECKING`` imports included, so a cycle cannot hide behind
 an import written inside a function. A module may import its own folder or any folder of a
 lower layer. The three services are one layer and never import each other; the bottom
 folders may not import each other either (kvstore, kernels and protos are independent).
+Inside a folder, a sub-package (``engine.models``, ``kernels.moe``) counts as one module: it
+may import its folder's modules, but none that imports it back, directly or through others.
+
+bench/, the lab (benchmarks, simulators, the fuzzer, profilers), may import anything and
+nothing imports it; the product folders hold no module of the lab's kinds.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # folder -> layer (higher imports lower)
 LAYERS = {
+    "bench": 6,
     "kvmesh": 5,
     "gateway": 4,
     "prefill_svc": 4,
@@ -136,6 +142,44 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def contract(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """``graph`` with the modules of ``package`` (``engine.models`` and those below it) as one node."""
+
+    def node(module: str) -> str:
+        return package if module == package or module.startswith(package + ".") else module
+
+    out: dict[str, set[str]] = {}
+    for src, targets in graph.items():
+        out.setdefault(node(src), set()).update(node(dst) for dst in targets if node(dst) != node(src))
+    return out
+
+
+def sub_packages(graph: dict[str, set[str]]) -> list[str]:
+    """The packages below the top folders (``engine.models``, ``kernels.moe``, ...)."""
+    modules = _sources()
+    return sorted(m for m in graph if "." in m and m in modules and modules[m].name == "__init__.py")
+
+
+def sub_package_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Circles through a sub-package taken whole: ``engine.models.a -> engine.x -> engine.models.b``."""
+    return [c for package in sub_packages(graph) for c in cycles(contract(graph, package))]
+
+
+# the lab's module names, which no product folder may hold (scripts/ included)
+LAB_PREFIXES = ("bench_", "profile_", "fuzz", "routesim", "sglang_router")
+LAB_SUFFIXES = ("_report", "_plots")
+
+
+def lab_modules_in_the_product() -> list[str]:
+    found = []
+    for folder in [*(f for f in LAYERS if f != "bench"), "scripts"]:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            stem = path.stem
+            if stem == "bench" or stem.startswith(LAB_PREFIXES) or stem.endswith(LAB_SUFFIXES):
+                found.append(str(path.relative_to(ROOT)))
+    return found
+
+
 def test_every_layer_folder_exists():
     for folder in LAYERS:
         assert (ROOT / folder / "__init__.py").exists(), f"{folder}/ is not a package"
@@ -151,6 +195,22 @@ def test_no_import_cycle():
     assert not found, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
 
 
+def test_no_cycle_through_a_sub_package():
+    found = sub_package_cycles(import_graph())
+    assert not found, "import cycles through a sub-package:\n" + "\n".join("  " + " -> ".join(c) for c in found)
+
+
+def test_nothing_imports_the_lab():
+    bad = sorted((src, dst) for src, targets in import_graph().items() for dst in targets if _folder(dst) == "bench")
+    bad = [(src, dst) for src, dst in bad if _folder(src) != "bench"]
+    assert not bad, "product modules that import bench/:\n" + "\n".join(f"  {a} -> {b}" for a, b in bad)
+
+
+def test_the_product_folders_hold_no_lab_module():
+    found = lab_modules_in_the_product()
+    assert not found, f"benchmarks, simulators, fuzzers or profilers outside bench/: {found}"
+
+
 @pytest.mark.parametrize(
     "graph, expect_up, expect_cycles",
     [
@@ -158,11 +218,49 @@ def test_no_import_cycle():
         ({"gateway.a": {"decode_svc.b"}, "decode_svc.b": set()}, [("gateway.a", "decode_svc.b")], []),
         ({"engine.a": {"engine.b"}, "engine.b": {"engine.a"}}, [], [["engine.a", "engine.b"]]),
         ({"kvmesh.a": {"engine.b"}, "engine.b": set()}, [], []),
+        ({"kvmesh.a": {"bench.b"}, "bench.b": set()}, [("kvmesh.a", "bench.b")], []),
+        ({"bench.a": {"kvmesh.b", "engine.c"}, "kvmesh.b": set(), "engine.c": set()}, [], []),
     ],
 )
 def test_the_checker_catches_what_it_claims(graph, expect_up, expect_cycles):
     assert upward_arrows(graph) == expect_up
     assert cycles(graph) == expect_cycles
+
+
+def test_a_sub_package_importing_back_up_is_a_cycle(tmp_path, monkeypatch):
+    # engine.models.report -> engine.tiny -> engine.models.weights: no module-level circle,
+    # but engine.models, taken whole, imports a module that imports it back
+    (tmp_path / "engine" / "models").mkdir(parents=True)
+    for name, text in {
+        "engine/__init__.py": "",
+        "engine/tiny.py": "from engine.models import weights\n",
+        "engine/forward.py": "",
+        "engine/models/__init__.py": "",
+        "engine/models/weights.py": "from engine import forward\n",  # a leaf below: fine
+        "engine/models/report.py": "from engine import tiny\n",
+    }.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__, fromlist=["LAYERS"]), "LAYERS", {"engine": 2})
+    graph = import_graph()
+    assert cycles(graph) == []
+    assert sub_package_cycles(graph) == [["engine.models", "engine.tiny"]]
+    (tmp_path / "engine/models/report.py").unlink()
+    assert sub_package_cycles(import_graph()) == []
+
+
+def test_lab_module_names_are_caught(tmp_path, monkeypatch):
+    for name in ("kernels/bench_x.py", "engine/models/v4_state_report.py", "kvmesh/routesim.py", "kvmesh/cli.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "profile_decode.py").write_text("")  # where it belongs
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    assert lab_modules_in_the_product() == [
+        "kvmesh/routesim.py",
+        "engine/models/v4_state_report.py",
+        "kernels/bench_x.py",
+    ]
 
 
 def test_function_local_imports_are_walked(tmp_path, monkeypatch):

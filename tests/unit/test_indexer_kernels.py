@@ -2,7 +2,7 @@
 
 Scores (PyTorch path) against `DeepseekV4IndexerScorer`, top-k selection with its fixed
 tie-break against a per-query sort, and the Triton scores under the interpreter on CPU
-(KVMESH_TEST_DEVICE=cuda, as `python -m kernels.bench_gpu` sets it, runs them on a GPU).
+(KVMESH_TEST_DEVICE=cuda, as `python -m bench.kernels_gpu` sets it, runs them on a GPU).
 """
 
 import pytest

@@ -1,13 +1,13 @@
-"""engine.profile_decode on a tiny random Llama: every part is timed, the hook comes off after,
+"""bench.profile_decode on a tiny random Llama: every part is timed, the hook comes off after,
 and the weight bytes are counted from the weights themselves. No timing is asserted."""
 
 import pytest
 import torch
 
 import engine.models.llama as llama
+from bench.profile_decode import MATMULS, PARTS, REST, format_profile, profile, weight_bytes_per_token
 from engine.llama_runner import LlamaRunner
 from engine.loader import resolve_model
-from engine.profile_decode import MATMULS, PARTS, REST, format_profile, profile, weight_bytes_per_token
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_weight_bytes_count_each_fp32_weight_once(runner):
 
 
 def test_profile_of_a_batch_decodes_every_sequence_together(runner):
-    from engine.profile_decode import pages_needed
+    from bench.profile_decode import pages_needed
 
     # two sequences of 3 + 2 tokens in pages of 4: two pages each, inside the runner's 8
     assert pages_needed([1, 5, 9], 2, runner.page_size, batch=2) == 4

@@ -1,7 +1,7 @@
 # V=vocab, H=hidden, B=sequences in a decode step
 """Where the time of one decode step of B sequences goes: in milliseconds a step and % of it.
 
-    python -m engine.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3] [--batch 1]
+    python -m bench.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3] [--batch 1]
 
 Runs LlamaRunner greedy decode (forward + `engine.sampler.sample`) of --batch sequences (the chat
 prompt each, in pages of its own) after their prefills and times each part of the step with `time.perf_counter` around the model's

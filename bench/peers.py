@@ -1,7 +1,7 @@
 """The peers `kvmesh bench` compares the mesh with, each measured in a process of its own while
 no mesh runs (an idle mesh's OpenMP threads must not slow a peer, nor a peer the mesh):
 
-    python -m kvmesh.bench_peers transformers|llama_cpp|engine --new-tokens N --rounds R
+    python -m bench.peers transformers|llama_cpp|engine --new-tokens N --rounds R
         [--prompt-tokens P] [--batch 4 16] [--model M]
 
 prints one JSON object of medians over R rounds:
@@ -113,7 +113,7 @@ def _llama_cpp(args) -> dict:
 
 
 def _engine(args) -> dict:
-    from engine.bench_engine import _prompts, bench_runner
+    from bench.engine import _prompts, bench_runner
     from engine.checkpoint import load_tokenizer
     from engine.llama_runner import LlamaRunner
     from engine.loader import resolve_model
@@ -134,7 +134,7 @@ def measure(peer: str, new_tokens: int, rounds: int, prompt_tokens: int, batch: 
 
     Raises subprocess.CalledProcessError (with the peer's stderr) when it fails.
     """
-    cmd = [sys.executable, "-m", "kvmesh.bench_peers", peer, "--new-tokens", str(new_tokens), "--rounds", str(rounds)]
+    cmd = [sys.executable, "-m", "bench.peers", peer, "--new-tokens", str(new_tokens), "--rounds", str(rounds)]
     cmd += ["--prompt-tokens", str(prompt_tokens), "--batch", *map(str, batch)]
     if model:
         cmd += ["--model", model]

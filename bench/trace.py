@@ -8,7 +8,7 @@ their trace arrival times divided by --speedup, each decoding --max-tokens token
 of --prefill prefill instances (the gateway's default cache-aware routing over a real Redis
 index). Printed: prefix-cache hits as the prefill services count them, per instance, next to
 what `kvmesh routesim`'s simulation of the same scaled requests predicts. `--plot DIR` also
-writes PNGs of both (see kvmesh/trace_plots.py).
+writes PNGs of both (see bench/trace_plots.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.routesim import TraceRequest, load_trace, router_chooser, simulate
+from bench.trace_plots import MeasuredRequest, write_plots
 from kvmesh.progress import progress_bar
-from kvmesh.routesim import TraceRequest, load_trace, router_chooser, simulate
-from kvmesh.trace_plots import MeasuredRequest, write_plots
 
 
 def block_tokens_of(block_id: int, n: int, vocab_lo: int = 1000, vocab_hi: int = 40000) -> list[int]:
@@ -183,9 +183,7 @@ def measured_prefill_rate(measured: Sequence[MeasuredRequest]) -> float:
 
 
 def add_arguments(p) -> None:
-    p.add_argument(
-        "--trace", default=None, help="replay this Mooncake-format trace instead (see kvmesh/bench_trace.py)"
-    )
+    p.add_argument("--trace", default=None, help="replay this Mooncake-format trace instead (see bench/trace.py)")
     p.add_argument("--limit", type=int, default=100, help="with --trace: the first N requests")
     p.add_argument("--prefill", type=int, default=2, help="with --trace: prefill instances")
     p.add_argument("--block-tokens", type=int, default=16, help="with --trace: tokens per trace block (512 scaled)")

@@ -14,9 +14,9 @@ than max_tokens), when a local service died or logged a servicer method that rai
 UNKNOWN on an internal hop, which the gateway may pass on as UNAVAILABLE), or when at the end
 a plain greedy request does not succeed within 60 s (the mesh stopped answering).
 
-    .venv/bin/python -m kvmesh.fuzz                    # its own mesh: 1 prefill, 1 decode
-    .venv/bin/python -m kvmesh.fuzz --requests 300 --json
-    .venv/bin/python -m kvmesh.fuzz --gateway 127.0.0.1:50051 --seed 3 --index 117
+    .venv/bin/python -m bench.fuzz                    # its own mesh: 1 prefill, 1 decode
+    .venv/bin/python -m bench.fuzz --requests 300 --json
+    .venv/bin/python -m bench.fuzz --gateway 127.0.0.1:50051 --seed 3 --index 117
 
 Request i is built from (--seed, i) alone, so a failure's seed and index replay it (--index).
 Without --gateway the services' log goes to a temp file whose path is printed and kept.

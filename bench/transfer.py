@@ -144,9 +144,9 @@ def _mooncake_gbps(rounds: int) -> dict[str, float] | None:
         import mooncake.engine  # noqa: F401
     except ImportError:
         return None
-    from kvmesh import bench_mooncake
+    from bench.mooncake import run as run_mooncake
 
-    return bench_mooncake.run(SHAPES, rounds)
+    return run_mooncake(SHAPES, rounds)
 
 
 def run(args: argparse.Namespace) -> int:

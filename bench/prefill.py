@@ -1,13 +1,13 @@
 # T=tokens
 """Prefill speed of LlamaRunner against transformers' forward on the same prompt, in one run.
 
-    python -m engine.bench_prefill [--model NAME_OR_PATH] [--prompt-tokens 2048] [--chunk 512]
+    python -m bench.prefill [--model NAME_OR_PATH] [--prompt-tokens 2048] [--chunk 512]
         [--repeats 5]
 
 Prints tokens/s of three contenders over the same T-token prompt (`long_prompt_ids`, the text
-`kvmesh.bench_peers` uses), each as a ratio to transformers:
+`bench.peers` uses), each as a ratio to transformers:
 - transformers: one fp32 `model(input_ids=...)` forward computing every position's logits, as
-  `kvmesh.bench_peers` measures its `prefill_tokens_per_s`;
+  `bench.peers` measures its `prefill_tokens_per_s`;
 - LlamaRunner, the whole prompt in one forward (logits of the last token only);
 - LlamaRunner in chunks the way the prefill service schedules them with
   `--chunked-prefill-size` (`chunk_ends`: whole-page chunks, the last at most a quarter of

@@ -2,7 +2,7 @@
 # token, Hi=indexer heads, Di=indexer head_dim, N=compressed indexer entries
 """Check and time the Triton MoE and Lightning Indexer kernels on a GPU, next to the PyTorch path.
 
-    python -m kernels.bench_gpu [--no-tests] [--no-bench]
+    python -m bench.kernels_gpu [--no-tests] [--no-bench]
 
 Without a CUDA GPU it prints "no CUDA GPU: nothing to benchmark" and exits 0. With one:
 1. runs tests/unit/test_moe_kernels.py and tests/unit/test_indexer_kernels.py with

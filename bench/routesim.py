@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     if args.sglang:
-        from kvmesh.sglang_router import sglang_assignments
+        from bench.sglang_router import sglang_assignments
 
         with open(args.trace) as f:  # the raw rows: the replay also holds requests for their output length
             raw = [{"output_length": 0, **json.loads(line)} for line in f if line.strip()][: len(trace)]

@@ -1,4 +1,4 @@
-"""`python -m engine.models.deepseek_v4_state_report`: DeepSeek-V4 state bytes per token, computed
+"""`python -m bench.v4_state_report`: DeepSeek-V4 state bytes per token, computed
 from configs (the tiny test config and transformers' DeepSeek-V4-Flash defaults) through
 `V4StateLayout` (engine/models/deepseek_v4_state.py)."""
 

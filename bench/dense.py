@@ -1,7 +1,7 @@
 # T=rows (tokens), K=input features, N=output features
 """fp32 GEMM speed of prefill's shapes through each library PyTorch or numpy can reach, in one run.
 
-    python -m kernels.bench_dense [--rows 2048] [--threads 1] [--repeats 20]
+    python -m bench.dense [--rows 2048] [--threads 1] [--repeats 20]
 
 For SmolLM2-135M's four matmuls of a layer ([T, 576] @ [576, 960] q/k/v, [576, 576] o,
 [576, 3072] gate/up, [1536, 576] down) prints GFLOP/s of `x @ w` (PyTorch's BLAS, MKL in the

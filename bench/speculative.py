@@ -36,7 +36,7 @@ PLAIN = [
 
 
 async def _single(address: str, decode: str, prompts: list[str], tag: int, n: int) -> dict:
-    from kvmesh.bench import _decode_steps
+    from bench.mesh import _decode_steps
     from kvmesh.client import GatewayClient, make_request
 
     speeds, drafted, accepted, generated = [], 0, 0, 0

@@ -3,7 +3,7 @@ engine alone, in one run.
 
 Measures on the default model (or --model), greedy, EOS ignored so every request decodes
 exactly --new-tokens tokens. First the peers, each in a process of its own while no mesh runs
-(`kvmesh.bench_peers`: an idle mesh's threads must not slow a peer, nor a peer the mesh):
+(`bench.peers`: an idle mesh's threads must not slow a peer, nor a peer the mesh):
 - transformers `generate` (fp32 weights): single-stream decode tokens/s, and batched decode
   of 4 and 16 prompts at once (the like-for-like baseline of the mesh's concurrent rounds),
   prefill excluded (time of N new tokens minus the time of 1); its forward over a 2K-token
@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from kvmesh import bench_peers
+from bench import peers
 from kvmesh.progress import progress_bar
 
 PROMPTS = [
@@ -134,7 +134,7 @@ def _peers(args, say) -> dict:
     """Each peer in its own process, before the mesh starts."""
     n, rounds = args.new_tokens, args.rounds
     say("transformers, in its own process ...")
-    hf = bench_peers.measure("transformers", n, rounds, LONG_PROMPT_TOKENS, list(BATCHES), args.model)
+    hf = peers.measure("transformers", n, rounds, LONG_PROMPT_TOKENS, list(BATCHES), args.model)
     out = {
         "hf_tokens_per_s": hf["tokens_per_s"],
         "hf_batch_tokens_per_s": hf["batch_tokens_per_s"],
@@ -146,13 +146,11 @@ def _peers(args, say) -> dict:
     if args.model is None:  # llama.cpp reads the default model's GGUF file; the engine peer runs Llama
         if importlib.util.find_spec("llama_cpp") is not None:
             say("llama.cpp, in its own process ...")
-            cpp = bench_peers.measure("llama_cpp", n, rounds, LONG_PROMPT_TOKENS, [], None)
+            cpp = peers.measure("llama_cpp", n, rounds, LONG_PROMPT_TOKENS, [], None)
             out["llama_cpp_tokens_per_s"] = cpp["tokens_per_s"]
             out["llama_cpp_prefill_tokens_per_s"] = cpp["prefill_tokens_per_s"]
         say("the engine alone, in its own process ...")
-        out["engine_tokens_per_s"] = bench_peers.measure("engine", n, rounds, LONG_PROMPT_TOKENS, [], None)[
-            "tokens_per_s"
-        ]
+        out["engine_tokens_per_s"] = peers.measure("engine", n, rounds, LONG_PROMPT_TOKENS, [], None)["tokens_per_s"]
     return out
 
 
@@ -167,7 +165,7 @@ def run_bench(args) -> int:
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     say(f"{n} new tokens a request, {args.rounds} rounds a level")
     result: dict = _peers(args, say)
-    long_ids = bench_peers.long_prompt_ids(load_tokenizer(resolve_model(args.model)), LONG_PROMPT_TOKENS)
+    long_ids = peers.long_prompt_ids(load_tokenizer(resolve_model(args.model)), LONG_PROMPT_TOKENS)
     say("starting the mesh (1 prefill, 1 decode) ...")
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-", suffix=".log") as log:
         mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""})

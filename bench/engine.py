@@ -1,6 +1,6 @@
 """Decode speed of LlamaRunner against transformers' generate and llama.cpp, side by side in one run.
 
-    python -m engine.bench_engine [--model NAME_OR_PATH] [--new-tokens 64] [--batch 4 16]
+    python -m bench.engine [--model NAME_OR_PATH] [--new-tokens 64] [--batch 4 16]
 
 Prints greedy single-stream decode tokens/s of transformers `generate`, of llama.cpp
 (llama-cpp-python on the same GGUF file and prompt tokens, as many threads as torch, in a

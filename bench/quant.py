@@ -1,7 +1,7 @@
 # M=rows (tokens in a step), K=input features, N=output features
 """Speed of the GGUF block kernels (`kernels.quant`) against torch's fp32 GEMM, side by side.
 
-    python -m kernels.bench_quant [--rows 1 2 4 6 8] [--layers 30]
+    python -m bench.quant [--rows 1 2 4 6 8] [--layers 30]
 
 For SmolLM2-135M's decoder shapes (qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576, over --layers distinct weights so they stream from memory as in a real step) and
