@@ -66,7 +66,7 @@ from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
 import kvstore.shared_memory as shared_memory
-from kvstore import ucx_common as common
+import kvstore.ucx_common as common
 from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address
 from kvstore.ucx_receiver import KVReceiver
 
