@@ -16,12 +16,6 @@ class DecodeConfig(ModelServiceConfig):
     """Settings of a decode instance, built once in main() from flags and KVMESH_* variables."""
 
     kv_port: int = setting(0, "--kv-port", "port of the KV listener prefill pushes to (0: any free port)")
-    redis_url: str = setting(
-        "",
-        "--redis-url",
-        "Redis of the instance registry, where gateways find this instance (empty: not registered)",
-        env="REDIS_URL",
-    )
     max_batch_size: int = setting(
         64, "--max-batch-size", "most requests reserved or running at once (more: RESOURCE_EXHAUSTED)", ge=1
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.router import check_policy
 from runtime.service_config import drain_grace_setting, metrics_port_setting
@@ -16,26 +17,24 @@ def port_or_off(text: str) -> int:
     return 0 if text.strip().lower() in ("off", "none") else int(text)
 
 
+def _instance_addresses_setting(role: str) -> Any:
+    """The `--prefill` / `--decode` field: instances named on the command line (a list)."""
+    return setting(
+        (),
+        f"--{role}",
+        f"a {role} instance's gRPC address, routed to beside those the registry lists "
+        "(required unless --redis-url is given with --discover)",
+        env=f"KVMESH_{role.upper()}",
+        kind="list",
+    )
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Settings of a gateway, built once in main() from flags and KVMESH_* variables."""
 
-    prefill_addresses: tuple[str, ...] = setting(
-        (),
-        "--prefill",
-        "a prefill instance's gRPC address, routed to beside those the registry lists "
-        "(required unless --redis-url is given with --discover)",
-        env="KVMESH_PREFILL",
-        kind="list",
-    )
-    decode_addresses: tuple[str, ...] = setting(
-        (),
-        "--decode",
-        "a decode instance's gRPC address, routed to beside those the registry lists "
-        "(required unless --redis-url is given with --discover)",
-        env="KVMESH_DECODE",
-        kind="list",
-    )
+    prefill_addresses: tuple[str, ...] = _instance_addresses_setting("prefill")
+    decode_addresses: tuple[str, ...] = _instance_addresses_setting("decode")
     model: str | None = setting(
         None, "--model", "model name or path whose tokenizer the gateway uses (none: SmolLM2-135M-Instruct)"
     )

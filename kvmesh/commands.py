@@ -37,6 +37,12 @@ class Command:
     run: Callable[[argparse.Namespace], int]
     """Runs the command on the parsed flags; returns the process exit status."""
 
+    def main(self, prog: str, argv: list[str] | None = None) -> int:
+        """Parse `argv` (default: sys.argv[1:]) as `prog` and run: a module's `python -m` entry."""
+        parser = argparse.ArgumentParser(prog=prog, description=self.help)
+        self.add_arguments(parser)
+        return self.run(parser.parse_args(argv))
+
 
 def add_plugin_commands(sub: Any, found: Iterable[EntryPoint] | None = None) -> list[str]:
     """Add each entry point of `GROUP` (default: those of the installed distributions) as a

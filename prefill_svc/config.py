@@ -20,12 +20,6 @@ class PrefillConfig(ModelServiceConfig):
         "keep full prompt blocks after a request and reuse them for later prompts",
         kind="flag",
     )
-    redis_url: str = setting(
-        "",
-        "--redis-url",
-        "Redis of the prefix index (fed by KV events) and the instance registry (empty: neither)",
-        env="REDIS_URL",
-    )
     max_batch_tokens: int = setting(
         4096, "--max-batch-tokens", "most prompt tokens prefilled together in one forward", ge=1
     )

@@ -49,6 +49,13 @@ class ModelServiceConfig:
         "torch", "--kernel-backend", "MoE and indexer kernels: torch, or triton (a CUDA GPU, or TRITON_INTERPRET=1)"
     )
     kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
+    redis_url: str = setting(
+        "",
+        "--redis-url",
+        "Redis of the instance registry, where gateways find this instance, and on prefill of the prefix index "
+        "its KV events feed (empty: neither)",
+        env="REDIS_URL",
+    )
     metrics_port: int = metrics_port_setting()
     instance_id: str = setting(
         "", "--instance-id", "name in the prefix index, logs and stats (empty: from the gRPC address)"
