@@ -86,8 +86,6 @@ class Request:
     prompt_token_ids: Sequence[int] = ()
     """The prompt; decode learns it only when a Generate call begins the request (set
     num_prompt_tokens at the reservation instead)."""
-    num_prompt_tokens: int = 0
-    """len(prompt_token_ids), or the prompt's length before its tokens are known (decode)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """How to sample; `sampling.seed` seeds the request's generator (prefill draws the first
     token from seed, decode the rest from seed + 1; None: torch's global RNG)."""
@@ -97,6 +95,8 @@ class Request:
     """Ids that end the answer (the model's EOS ids; none with ignore_eos)."""
     transfer_id: int = 0
     """The KV push's id between prefill and decode (0: none yet)."""
+    num_prompt_tokens: int = 0
+    """len(prompt_token_ids), or the prompt's length before its tokens are known (decode)."""
     token_ids: list[int] = field(default_factory=list)
     """The prompt, then every token generated; set from prompt_token_ids."""
     num_computed_tokens: int = 0

@@ -13,10 +13,10 @@ import torch
 from engine.checkpoint import ModelFiles
 from engine.forward import chunk_ends
 from engine.loader import resolve_model
+from engine.request import Request
 from engine.runners import create_runner
 from engine.sampling_params import SamplingParams
 from engine.tiny_models import make_tiny_model
-from engine.request import Request
 from prefill_svc.engine import PrefillEngine
 
 

@@ -5,9 +5,9 @@ import concurrent.futures
 import pytest
 import torch
 
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kvstore.block_pool import NoFreeBlocksError
-from engine.request import Request
 from prefill_svc.engine import PrefillEngine
 
 

@@ -11,10 +11,10 @@ import torch
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import DecodeEngine
-from engine.speculative.governor import SpeculationGovernor
-from engine.speculative.ngram import propose_ngram
 from engine.sampler import _filtered_probs, verify_drafts
 from engine.sampling_params import SamplingParams
+from engine.speculative.governor import SpeculationGovernor
+from engine.speculative.ngram import propose_ngram
 
 
 def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
