@@ -1,7 +1,8 @@
 # T=tokens, B=sequences, V=vocab
 """What every runner offers and takes: the `Runner` protocol and one `ForwardItem` type for every
-architecture (the page layouts and the state-slot free list: engine/kv_cache.py). Runners live in `engine.llama_runner` and
-`engine.v4_runner`; `engine.runners` maps a checkpoint's architecture to one of them.
+architecture (the page layouts and the state-slot free list: engine/kv_cache.py). Runners live
+in `engine.llama_runner` and `engine.v4_runner`; `engine.runners` maps a checkpoint's
+architecture to one of them.
 
 The protocol follows vLLM's model-runner split (the scheduler describes each sequence of a step;
 the runner owns weights and KV memory): a step may mix prefill items (many new tokens, maybe
@@ -82,7 +83,8 @@ class Runner(Protocol):
         ...
 
     def page_buffer(self, page_id: int) -> np.ndarray:
-        """Zero-copy writable uint8 view of one page (page_nbytes bytes); ValueError out of range."""
+        """Zero-copy writable uint8 view of one page (page_nbytes bytes; engine.kv_cache.KVMemory
+        defines it); ValueError out of range."""
         ...
 
     def state_buffers(self, slot: int | None) -> list[np.ndarray]:
