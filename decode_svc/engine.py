@@ -12,60 +12,29 @@ guarded by one lock; the forward itself runs outside it.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
-from engine.eplb import ep_stats, expert_stats
+from decode_svc.delivery import CapacityError, Delivery, DispatchFn, RequestReleased, StepFailed, deliver_all
+from engine.eplb import expert_stats, runner_ep_stats
 from engine.forward import Runner
 from engine.kv_cache import KVCacheManager
-from engine.request import EmitFn, Ending, Request, RequestStatus
+from engine.request import EmitFn, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.speculative import create_drafter
 from engine.speculative.verify import Speculator
 from runtime.cpu_share import open_cpu_share
 
 logger = logging.getLogger(__name__)
-
-# One step's deliveries [(emit, token ids, ending)]; a DispatchFn runs them where the emit
-# functions may run (the service hands the whole list to its event loop in one call).
-Delivery = tuple[EmitFn, list[int], Ending]
-DispatchFn = Callable[[list[Delivery]], object]
-
-
-def deliver_all(deliveries: list[Delivery]) -> None:
-    """Run each (emit, token ids, ending) delivery in order, here."""
-    for emit, tokens, ending in deliveries:
-        emit(tokens, ending)
-
-
-def deliver_on(loop: asyncio.AbstractEventLoop) -> DispatchFn:
-    """A DispatchFn that runs each step's deliveries on `loop`, in one call_soon_threadsafe: each
-    wake-up of the loop's thread competes with the engine thread for the GIL between ops."""
-    return lambda deliveries: loop.call_soon_threadsafe(deliver_all, deliveries)
-
-
-class CapacityError(RuntimeError):
-    """No room for another request (batch slots or pages); maps to RESOURCE_EXHAUSTED."""
-
-
-class StepFailed(RuntimeError):
-    """The model step a request was in raised; the request ends with INTERNAL."""
-
-
-class RequestReleased(RuntimeError):
-    """The request was released (its caller left, or Release was called) while a Generate
-    call streamed it; that call ends with CANCELLED."""
 
 
 class DecodeEngine:
@@ -255,15 +224,8 @@ class DecodeEngine:
                 "num_steps": self.num_steps,
                 "step_seconds": self.step_seconds,
                 **expert_stats(self.runner.expert_token_counts()),
-                **self._ep_stats(),
+                **runner_ep_stats(self.runner),
             }
-
-    def _ep_stats(self) -> dict[str, int | list[int]]:
-        """An expert-parallel runner's measured rank loads and placement in use; {} otherwise."""
-        loads, placement = getattr(self.runner, "loads", None), getattr(self.runner, "placement", None)
-        if loads is None or placement is None:
-            return {}
-        return ep_stats(loads.rank_tokens.copy(), np.asarray(placement.phy2log))
 
     def calibrate(self) -> float:
         """Measure what a speculative verification row costs here (Speculator.calibrate); runs

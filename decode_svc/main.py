@@ -8,7 +8,8 @@ import logging
 
 from decode_svc import ep, metrics
 from decode_svc.config import DecodeConfig
-from decode_svc.engine import DecodeEngine, deliver_on
+from decode_svc.delivery import deliver_on
+from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
 from engine.checkpoint import model_fingerprint
 from engine.loader import load_config, resolve_model

@@ -13,7 +13,8 @@ import math
 
 import grpc
 
-from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased
+from decode_svc.delivery import CapacityError, RequestReleased
+from decode_svc.engine import DecodeEngine
 from decode_svc.transfers import Transfers
 from engine.outcomes import FailureCause, FinishReason
 from engine.sampling_params import SamplingParams
