@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decode_svc.speculative import SPECULATIVE_METHODS
+from engine.speculative import SPECULATIVE_METHODS
 from runtime.service_config import ModelServiceConfig
 from runtime.settings import setting
 

@@ -8,6 +8,7 @@ import logging
 
 from decode_svc import ep, metrics
 from decode_svc.config import DecodeConfig
+from decode_svc.delivery import deliver_on
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
 from engine.checkpoint import model_fingerprint
@@ -37,7 +38,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
         )
     )
     runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))
-    engine = DecodeEngine(config, runner)
+    engine = DecodeEngine(config, runner, dispatch=deliver_on(asyncio.get_running_loop()))
     # a wildcard bind address is no address to push to: advertise a name others can reach
     receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
     await receiver.start()

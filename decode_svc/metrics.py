@@ -43,5 +43,4 @@ def bind(engine) -> None:
     register_expert_load(REGISTRY, engine.runner.expert_token_counts)
     BATCH_SIZE.set_function(lambda: engine.num_running)
     ACTIVE.set_function(lambda: engine.num_active_requests)
-    PAGES_FREE.set_function(lambda: engine.pool.num_free_blocks)
-    PAGES_USED.set_function(lambda: engine.pool.num_blocks - engine.pool.num_free_blocks)
+    engine.kv_cache.bind_metrics(used=PAGES_USED, free=PAGES_FREE)

@@ -1,8 +1,8 @@
 """gRPC adapter for the decode engine: Reserve, Generate (stream), Release, GetStats.
 
-A transfer's life on this side (its pages, the future saying its KV landed, its expiry)
-belongs to decode_svc.transfers.TransferTable; this adapter validates, maps errors to
-statuses (runtime.wire.abort with a FailureCause) and streams tokens.
+A request's life on this side is one `engine.request.Request` in the engine's table (its pages,
+its stream) with its landing and expiry kept by decode_svc.transfers.Transfers; this adapter
+validates, maps errors to statuses (runtime.wire.abort with a FailureCause) and streams tokens.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import math
 
 import grpc
 
-from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deliver_all
-from decode_svc.speculative import DraftCounts
-from decode_svc.transfers import TransferTable
+from decode_svc.delivery import CapacityError, RequestReleased
+from decode_svc.engine import DecodeEngine
+from decode_svc.transfers import Transfers
 from engine.outcomes import FailureCause, FinishReason
+from engine.sampling_params import SamplingParams
 from kvstore.transport import KVPushReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime import tracing
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Reservations live in a TransferTable; pages are freed only once no push can still
-    land in them."""
+    """Reservations live in the engine's table (landing and expiry: Transfers); pages are freed
+    only once no push can still land in them."""
 
     def __init__(
         self,
@@ -46,10 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.model_fingerprint = model_fingerprint
-        self.transfers = TransferTable(engine, receiver)
-        loop = asyncio.get_running_loop()
-        # the engine thread hands each step's tokens to this loop in one call
-        engine.dispatch = lambda deliveries: loop.call_soon_threadsafe(deliver_all, deliveries)
+        self.transfers = Transfers(engine, receiver)
 
     async def Reserve(self, request, context):
         with tracing.server_span("decode.reserve", context, request.request_id, self.instance_id) as span:
@@ -88,7 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.ReserveResponse(
             kv_address=self.receiver.address,
             transfer_id=t.transfer_id,
-            num_pages=t.reservation.num_prompt_pages,
+            num_pages=t.num_prompt_pages,
             page_nbytes=self.engine.runner.page_nbytes,
             instance_id=self.instance_id,
         )
@@ -97,20 +95,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """A Reserve that named its transfer id was refused: a push for that id (the caller may
         have sent Prefill already) is refused at once instead of waiting for a reservation.
         An id already open here belongs to another request and is left alone."""
-        if transfer_id and transfer_id not in self.transfers:
+        if transfer_id and not self.transfers.is_open(transfer_id):
             self.receiver.refuse(transfer_id)
 
     async def Release(self, request, context):
         return decode_pb2.ReleaseResponse(released=self.transfers.release(request.transfer_id, "Release"))
 
-    def _check(self, request) -> tuple:
+    def _check(self, request) -> SamplingParams:
         """Sampling settings of a Generate call; ValueError says what is wrong."""
         if not 0 <= request.first_token < self.vocab_size:
             raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {request.first_token}")
         if not (math.isfinite(request.kv_timeout_s) and request.kv_timeout_s >= 0):
             raise ValueError(f"kv_timeout_s must be a finite number >= 0, got {request.kv_timeout_s}")
-        sampling = sampling_from_pb(request.sampling)  # checks the seed's range too
-        return sampling, request.sampling.seed if request.sampling.HasField("seed") else 0
+        return sampling_from_pb(request.sampling)  # checks the seed's range too
 
     async def Generate(self, request, context):
         """The request's decode span continues the caller's trace (prefill's KV push)."""
@@ -132,7 +129,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         queue: asyncio.Queue = asyncio.Queue()
         try:
             try:
-                sampling, seed = self._check(request)
+                sampling = self._check(request)
             except ValueError as exc:  # the reservation is released below: a bad call holds no page
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
             loop = asyncio.get_running_loop()
@@ -159,17 +156,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             )
             digest = pages_digest(self.engine.transfer_buffers(tid)) if self.engine.config.kv_digest else ""
             stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
-            drafts = DraftCounts()
             try:
                 self.engine.begin(
                     tid,
                     list(request.prompt_token_ids),
                     request.first_token,
                     sampling,
-                    seed,
                     stop_ids,
                     lambda toks, end: queue.put_nowait((toks, end)),
-                    drafts,
                 )  # runs on this loop
             except ValueError as exc:
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
@@ -195,7 +189,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 msg = decode_pb2.DecodeResponse(token_ids=tokens)
                 if end is not None:
                     msg.finish_reason = FINISH_TO_PB[FinishReason(end)]
-                    msg.num_drafted, msg.num_accepted = drafts.drafted, drafts.accepted
+                    msg.num_drafted, msg.num_accepted = t.num_drafted, t.num_accepted
                 if first:
                     msg.kv_digest = digest
                     first = False
@@ -208,8 +202,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                             "kvmesh.decode.generated_tokens": generated,
                             "kvmesh.prompt_tokens": len(request.prompt_token_ids),
                             "kvmesh.decode.seconds": (tracing.now_ns() - landed_ns) / 1e9,
-                            "kvmesh.decode.drafted_tokens": drafts.drafted,
-                            "kvmesh.decode.accepted_tokens": drafts.accepted,
+                            "kvmesh.decode.drafted_tokens": t.num_drafted,
+                            "kvmesh.decode.accepted_tokens": t.num_accepted,
                         }
                     )
                     logger.info("[%s] decode finished: %s after %d tokens", rid, end, generated)

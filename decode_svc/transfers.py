@@ -1,138 +1,110 @@
-"""The decode side of a request's life: one table owns each transfer's pages, the future
-that says its KV landed, and its expiry.
+"""The landing half of a decode request's life, on the event loop: the push expected into its
+pages, the future that says the KV landed, its expiry, and a release that happens exactly once.
 
-A transfer is RESERVED (pages held, the push may land) -> LANDED (every byte in, no
-Generate yet) -> DECODING (a Generate call owns it; the engine frees the pages when the
-answer ends) -> RELEASED. `release` ends a transfer from any state exactly once: an
-unfinished push is cut off first (kvstore.ucx_receiver cancels its posted receives), and
-the pages go back to the pool only once no byte can land in them any more. A transfer
-that no Generate call claims by its deadline (Reserve's kv_deadline_s) is released by its
-expiry timer, even while the sender is stopped mid-push.
+The request itself is the engine's (`DecodeEngine._requests`, one table by transfer id, one
+`RequestStatus`): this adds its `landed` future, `deadline` and `expiry` and moves it through
+RESERVED (pages held, the push may land) -> LANDED (every byte in, no Generate yet) -> CLAIMED (a
+Generate call owns it; the engine takes over at begin()) or ABORTED. `release` ends a request
+from any state once: an unfinished push is cut off first (kvstore.ucx_receiver cancels its
+posted receives), and the pages go back to the pool only once no byte can land in them any
+more. A request that no Generate call claims by its deadline (Reserve's kv_deadline_s) is
+released by its expiry timer, even while the sender is stopped mid-push.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
-from dataclasses import dataclass
 
-from decode_svc.engine import DecodeEngine, Reservation
+from decode_svc.engine import DecodeEngine
+from engine.request import Request, RequestStatus
 from kvstore.transport import KVPushReceiver
 
 logger = logging.getLogger(__name__)
 
-
-class TransferState(enum.Enum):
-    RESERVED = "reserved"
-    LANDED = "landed"
-    DECODING = "decoding"
-    RELEASED = "released"
+_UNCLAIMED = (RequestStatus.RESERVED, RequestStatus.LANDED)
 
 
-@dataclass(eq=False)
-class Transfer:
-    """One request's reservation on this decode instance."""
-
-    request_id: str
-    reservation: Reservation
-    landed: asyncio.Future
-    """The KV receiver's future: TransferResult once every byte landed, TransferError when
-    the push broke off, cancelled when the push was cut off or never came."""
-    deadline: float
-    """Loop time by which a Generate call must claim the transfer."""
-    expiry: asyncio.TimerHandle | None = None
-    state: TransferState = TransferState.RESERVED
-
-    @property
-    def transfer_id(self) -> int:
-        return self.reservation.transfer_id
-
-
-class TransferTable:
-    """Every open transfer of one decode instance (call from its event loop only)."""
+class Transfers:
+    """Reservations and their pushes for one decode instance (call from its event loop only)."""
 
     def __init__(self, engine: DecodeEngine, receiver: KVPushReceiver) -> None:
         self.engine = engine
         self.receiver = receiver
-        self._transfers: dict[int, Transfer] = {}
 
-    def __len__(self) -> int:
-        return len(self._transfers)
-
-    def __contains__(self, transfer_id: int) -> bool:
-        return transfer_id in self._transfers
+    def is_open(self, transfer_id: int) -> bool:
+        """A request holds `transfer_id` and was not released."""
+        r = self.engine.get(transfer_id)
+        return r is not None and not r.is_done
 
     def reserve(
         self, request_id: str, num_prompt_tokens: int, max_tokens: int, kv_deadline_s: float, transfer_id: int = 0
-    ) -> Transfer:
+    ) -> Request:
         """Reserve pages (DecodeEngine.reserve), expect the push into them, arm the expiry.
 
         transfer_id: the caller's id for the push (0: one is picked). Raises ValueError /
         CapacityError as DecodeEngine.reserve does.
         """
         loop = asyncio.get_running_loop()
-        res = self.engine.reserve(request_id, num_prompt_tokens, max_tokens, transfer_id)
+        r = self.engine.reserve(request_id, num_prompt_tokens, max_tokens, transfer_id)
         try:
-            landed = self.receiver.expect(res.transfer_id, self.engine.transfer_buffers(res.transfer_id))
+            r.landed = self.receiver.expect(r.transfer_id, self.engine.transfer_buffers(r.transfer_id))
         except BaseException:
-            self.engine.release(res.transfer_id)
+            self.engine.release(r.transfer_id)
             raise
-        t = Transfer(request_id, res, landed, deadline=loop.time() + kv_deadline_s)
-        self._transfers[res.transfer_id] = t
-        t.expiry = loop.call_at(t.deadline, self._expire, t)
-        landed.add_done_callback(lambda f: self._on_landed(t, f))
-        return t
+        r.deadline = loop.time() + kv_deadline_s
+        r.expiry = loop.call_at(r.deadline, self._expire, r)
+        r.landed.add_done_callback(lambda f: self._on_landed(r, f))
+        return r
 
-    def claim(self, transfer_id: int) -> Transfer:
-        """Attach a Generate call: the transfer is DECODING from now on and no longer expires.
+    def claim(self, transfer_id: int) -> Request:
+        """Attach a Generate call: the request is CLAIMED from now on and no longer expires.
 
         Raises LookupError for an unknown, released or already claimed transfer.
         """
-        t = self._transfers.get(transfer_id)
-        if t is None or t.state in (TransferState.DECODING, TransferState.RELEASED):
+        r = self.engine.get(transfer_id)
+        if r is None or r.status not in _UNCLAIMED:
             raise LookupError(f"no open reservation for transfer {transfer_id:x}")
-        t.state = TransferState.DECODING
-        if t.expiry is not None:
-            t.expiry.cancel()
-        return t
+        r.status = RequestStatus.CLAIMED
+        if r.expiry is not None:
+            r.expiry.cancel()
+        return r
 
     def release(self, transfer_id: int, reason: str) -> bool:
-        """End a transfer from any state, once; False when it is unknown (finished or released).
+        """End a request from any state, once; False when it is unknown (finished) or released.
 
-        A push still landing is cut off and the pages are freed once UCX let go of them;
-        a decoding request leaves the batch at the next step.
+        A push still landing is cut off and the pages are freed once UCX let go of them; a
+        decoding request leaves the batch at the next step.
         """
-        t = self._transfers.pop(transfer_id, None)
-        if t is None:
+        r = self.engine.get(transfer_id)
+        if r is None or r.is_done:
             return False
-        was = t.state
-        t.state = TransferState.RELEASED
-        if t.expiry is not None:
-            t.expiry.cancel()
-        if was != TransferState.DECODING:
-            logger.info("[%s] reservation released (%s)", t.request_id, reason)
-        if t.landed.done():
-            self.engine.release(transfer_id)
-        else:
-            self.receiver.cancel(transfer_id)  # cuts a push in progress off
-            t.landed.add_done_callback(lambda _f: self.engine.release(transfer_id))
-        return True
+        if r.expiry is not None:
+            r.expiry.cancel()
+        if r.status in _UNCLAIMED:
+            logger.info("[%s] reservation released (%s)", r.request_id, reason)
+        if r.landed is None or r.landed.done():
+            return self.engine.release(transfer_id)
+        self.receiver.cancel(transfer_id)  # cuts a push in progress off
+        released = self.engine.release(transfer_id, keep_pages=True)
+        r.landed.add_done_callback(lambda _f: self.engine.release(transfer_id))
+        return released
 
-    def _expire(self, t: Transfer) -> None:
-        if self._transfers.get(t.transfer_id) is t and t.state in (TransferState.RESERVED, TransferState.LANDED):
+    def _expire(self, r: Request) -> None:
+        if self.engine.get(r.transfer_id) is r and r.status in _UNCLAIMED:
             logger.warning(
                 "[%s] reservation expired: %s",
-                t.request_id,
+                r.request_id,
                 "KV landed but no Generate came"
-                if t.state == TransferState.LANDED
+                if r.status is RequestStatus.LANDED
                 else "the KV push did not land in time",
             )
-            self.release(t.transfer_id, "expired")
+            self.release(r.transfer_id, "expired")
 
-    def _on_landed(self, t: Transfer, future: asyncio.Future) -> None:
-        if t.state == TransferState.RESERVED and not future.cancelled() and future.exception() is None:
-            t.state = TransferState.LANDED
-        elif t.state == TransferState.RESERVED and not future.cancelled():
-            # the push broke off (the sender died): no byte can land any more
-            self.release(t.transfer_id, f"push failed: {future.exception()}")
+    def _on_landed(self, r: Request, future: asyncio.Future) -> None:
+        if r.status is not RequestStatus.RESERVED or future.cancelled():
+            return
+        if future.exception() is None:
+            r.status = RequestStatus.LANDED
+        else:  # the push broke off (the sender died): no byte can land any more
+            self.release(r.transfer_id, f"push failed: {future.exception()}")

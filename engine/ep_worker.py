@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.forward import ForwardItem
+from engine.kv_cache import flat_layout
 from kvstore.shared_memory import HEADER_NBYTES, RegionDescriptor, map_region
 
 if TYPE_CHECKING:
@@ -215,8 +216,8 @@ def _build(spec: WorldSpec, rank: int):
     state = torch.frombuffer(
         region, dtype=torch.float32, count=page_numel + slot_numel, offset=HEADER_NBYTES + spec.state_offset
     )
-    pages = state[:page_numel].view(spec.num_pages, layout.page_floats)
-    slots = state[page_numel:].view(spec.num_state_slots, layout.slot_floats)
+    memory = flat_layout(layout.page_floats, layout.slot_floats).split(state, spec.num_pages, spec.num_state_slots)
+    pages, slots = memory.pages, memory.slots
     logger.info(
         "rank %d ready: %d pages, %d slots mapped from pid %d",
         rank,

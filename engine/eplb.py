@@ -70,6 +70,15 @@ def ep_stats(rank_tokens: np.ndarray, phy2log: np.ndarray) -> dict[str, int | li
     }
 
 
+def runner_ep_stats(runner) -> dict[str, int | list[int]]:
+    """ep_stats of an expert-parallel runner's measured rank loads and placement in use; {} for
+    a runner that is not expert-parallel."""
+    loads, placement = getattr(runner, "loads", None), getattr(runner, "placement", None)
+    if loads is None or placement is None:
+        return {}
+    return ep_stats(loads.rank_tokens.copy(), np.asarray(placement.phy2log))
+
+
 def counts_from_stats(num_experts: int, expert_tokens) -> np.ndarray:
     """[L, E] counts back from InstanceStats' flat fields. Raises ValueError when they disagree."""
     flat = np.asarray(list(expert_tokens), np.int64)

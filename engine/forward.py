@@ -1,7 +1,8 @@
 # T=tokens, B=sequences, V=vocab
-"""What every runner offers and takes: the `Runner` protocol, one `ForwardItem` type for every
-architecture, and the `StateSlots` free list. Runners live in `engine.llama_runner` and
-`engine.v4_runner`; `engine.runners` maps a checkpoint's architecture to one of them.
+"""What every runner offers and takes: the `Runner` protocol and one `ForwardItem` type for every
+architecture (the page layouts and the state-slot free list: engine/kv_cache.py). Runners live
+in `engine.llama_runner` and `engine.v4_runner`; `engine.runners` maps a checkpoint's
+architecture to one of them.
 
 The protocol follows vLLM's model-runner split (the scheduler describes each sequence of a step;
 the runner owns weights and KV memory): a step may mix prefill items (many new tokens, maybe
@@ -82,7 +83,8 @@ class Runner(Protocol):
         ...
 
     def page_buffer(self, page_id: int) -> np.ndarray:
-        """Zero-copy writable uint8 view of one page (page_nbytes bytes); ValueError out of range."""
+        """Zero-copy writable uint8 view of one page (page_nbytes bytes; engine.kv_cache.KVMemory
+        defines it); ValueError out of range."""
         ...
 
     def state_buffers(self, slot: int | None) -> list[np.ndarray]:
@@ -126,40 +128,6 @@ class DraftingRunner(Runner, Protocol):
     def propose_drafts(self, items: Sequence[DraftItem]) -> list[list[int]]:
         """items[b].k draft tokens for each item."""
         ...
-
-
-class StateSlots:
-    """Free list of a runner's state slots; `allocate()` gives None for runners without slots.
-
-    Not thread-safe: each engine calls it under its own lock or on its one worker thread.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    def allocate(self) -> int | None:
-        """A free slot id (None when the runner has none); RuntimeError when all are taken."""
-        if not self.num_slots:
-            return None
-        if not self._free:
-            raise RuntimeError(f"all {self.num_slots} state slots are in use; retry later")
-        return self._free.pop()
-
-    def require_free(self, error: type[Exception]) -> None:
-        """Raise `error` (the caller's capacity error) when the runner has slots and none is free."""
-        if self.num_slots and not self._free:
-            raise error(f"all {self.num_slots} state slots are in use; retry later")
-
-    def free(self, slot: int | None) -> None:
-        """Return `slot` to the free list (None, from a runner without slots, is ignored)."""
-        if slot is not None:
-            assert slot not in self._free, f"state slot {slot} freed twice"
-            self._free.append(slot)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
 
 
 def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int) -> list[int]:

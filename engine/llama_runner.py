@@ -22,21 +22,19 @@ from engine.checkpoint import ModelFiles, load_checkpoint_tensors
 from engine.config import ModelConfig
 from engine.forward import ForwardItem
 from engine.gguf_blocks import load_blocks
+from engine.kv_cache import llama_layout
 from engine.loader import load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
 from kernels.quant import kernel_threads
-from kvstore.shared_memory import shared_zeros
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaRunner:
-    """Weights plus a paged KV cache `[P, L, 2, S, K, D]`, and the batched forward step.
-
-    The cache is page-major so one page (all layers, K and V, S token slots) is one contiguous
-    buffer of `page_nbytes` bytes: the KV transfer sends and receives whole pages through
-    `page_buffer`. Pages hold garbage until a forward writes them.
+    """Weights plus a paged KV cache laid out as `engine.kv_cache.LLAMA_PAGE` ([P, L, 2, S, K, D],
+    page-major: the KV transfer sends and receives whole pages through `page_buffer`), and the
+    batched forward step. Pages hold garbage until a forward writes them.
     """
 
     def __init__(
@@ -70,11 +68,10 @@ class LlamaRunner:
         self.model = LlamaModel(self.config, weights, dtype, blocks)
         del weights
         c = self.config
-        # in shared memory, so a decode process on this host can pull pages with one copy
-        self.kv_cache, _ = shared_zeros(
-            (num_pages, c.num_layers, 2, page_size, c.num_kv_heads, c.head_dim), dtype
-        )  # [P, L, 2, S, K, D]
-        self.page_nbytes = self.kv_cache[0].numel() * self.kv_cache.element_size()
+        self.page_layout = llama_layout(c.num_layers, page_size, c.num_kv_heads, c.head_dim, dtype)
+        self.memory = self.page_layout.allocate(num_pages)
+        self.kv_cache = self.memory.pages  # [P, L, 2, S, K, D]: engine.kv_cache.LLAMA_PAGE
+        self.page_nbytes = self.page_layout.page_nbytes
         self._cos, self._sin_rot = rope_table(
             c.max_position_embeddings, c.head_dim, c.rope_theta, dtype
         )  # [max_pos, D] each
@@ -113,9 +110,7 @@ class LlamaRunner:
         size and dtype: attention reads unused slots too (then masks them), so they must stay
         finite. Raises ValueError when page_id is not in [0, num_pages).
         """
-        if not 0 <= page_id < self.num_pages:
-            raise ValueError(f"page_id must be in [0, {self.num_pages}), got {page_id}")
-        return self.kv_cache[page_id].view(-1).view(torch.uint8).numpy()
+        return self.memory.page_buffer(page_id)
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:

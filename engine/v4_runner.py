@@ -18,6 +18,7 @@ import torch
 
 from engine.checkpoint import ModelFiles, load_checkpoint_tensors
 from engine.forward import DraftItem, ForwardItem
+from engine.kv_cache import flat_layout
 from engine.loader import load_config
 from engine.models.deepseek_v4 import DeepseekV4Model
 from engine.models.deepseek_v4_mtp import DeepseekV4MTP
@@ -25,7 +26,6 @@ from engine.models.deepseek_v4_state import V4StateLayout
 from engine.models.deepseek_v4_weights import has_mtp
 from engine.models.deepseek_v4_weights import load_config as load_v4_config
 from kernels.backend import KernelBackend
-from kvstore.shared_memory import shared_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +61,11 @@ class DeepseekV4Runner:
         self.draft_window = self.hf_config.sliding_window
         """Positions the MTP module's sliding-window attention looks back over."""
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
-        # pages, then slots, in one shared-memory region, so a decode process on this host can
-        # pull a request's pages and slot with one copy each
-        page_numel, slot_numel = num_pages * self.layout.page_floats, num_state_slots * self.layout.slot_floats
-        state, _ = shared_zeros((page_numel + slot_numel,), torch.float32)
-        self.pages = state[:page_numel].view(num_pages, self.layout.page_floats)  # [P, page_floats]
-        self.slots = state[page_numel:].view(num_state_slots, self.layout.slot_floats)  # [R, slot_floats]
-        self.page_nbytes = self.layout.page_floats * 4
-        self.state_nbytes = self.layout.slot_floats * 4
+        # pages, then slots, in one shared-memory region (engine.kv_cache.DEEPSEEK_V4_PAGE)
+        self.page_layout = flat_layout(self.layout.page_floats, self.layout.slot_floats)
+        self.memory = self.page_layout.allocate(num_pages, num_state_slots)
+        self.pages, self.slots = self.memory.pages, self.memory.slots  # [P, page_floats], [R, slot_floats]
+        self.page_nbytes, self.state_nbytes = self.page_layout.page_nbytes, self.page_layout.slot_nbytes
         logger.info(
             "loaded %s (DeepSeek-V4) in %.1f s: %d pages x %d tokens, %d bytes a page, %d slots of %d bytes",
             files.name,
@@ -86,15 +83,11 @@ class DeepseekV4Runner:
 
     def page_buffer(self, page_id: int) -> np.ndarray:
         """Zero-copy writable uint8 view of page `page_id` (ValueError when out of range)."""
-        if not 0 <= page_id < self.num_pages:
-            raise ValueError(f"page_id must be in [0, {self.num_pages}), got {page_id}")
-        return self.pages[page_id].view(torch.uint8).numpy()
+        return self.memory.page_buffer(page_id)
 
     def state_buffers(self, slot: int | None) -> list[np.ndarray]:
         """The buffers a push sends after the pages: the slot's row (ValueError when out of range)."""
-        if slot is None or not 0 <= slot < self.num_state_slots:
-            raise ValueError(f"state slot must be in [0, {self.num_state_slots}), got {slot}")
-        return [self.slots[slot].view(torch.uint8).numpy()]
+        return self.memory.state_buffers(slot)
 
     def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
         """A prefix-cache hit: start `slot` from the end of the last cached page."""

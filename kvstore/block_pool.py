@@ -230,14 +230,6 @@ class BlockPool:
                 else:
                     self._free.append(block_id)
 
-    def integrity_error(self) -> str:
-        """'' when check_integrity() passes, else its message (for stats endpoints)."""
-        try:
-            self.check_integrity()
-        except AssertionError as exc:
-            return str(exc) or "check_integrity failed"
-        return ""
-
     def check_integrity(self) -> None:
         """Assert the pool's invariants (tests call it after every scenario).
 

@@ -15,9 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from engine.forward import Runner
+from engine.kv_cache import KVCacheManager
 from kvstore.transport import KVPushSender, TransferError, pages_digest
 
 logger = logging.getLogger(__name__)
@@ -50,17 +48,19 @@ class KVPush:
         sender: the process's KV push sender.
         address: decode's KV receiver "host:port".
         transfer_id: the id decode reserved the pages under.
-        runner: the model runner owning the pages (page_buffer, state_buffers).
+        kv_cache: the KV cache owning the pages (its push_buffers).
         timeout_s: bound on each part (seconds); a part past it fails the push.
 
     Create it on the event loop; `pages_ready` may be called from any thread.
     """
 
-    def __init__(self, sender: KVPushSender, address: str, transfer_id: int, runner: Runner, timeout_s: float) -> None:
+    def __init__(
+        self, sender: KVPushSender, address: str, transfer_id: int, kv_cache: KVCacheManager, timeout_s: float
+    ) -> None:
         self.sender = sender
         self.address = address
         self.transfer_id = transfer_id
-        self.runner = runner
+        self.kv_cache = kv_cache
         self.timeout_s = timeout_s
         self._loop = asyncio.get_running_loop()
         self._block_ids: tuple[int, ...] = ()
@@ -91,9 +91,7 @@ class KVPush:
 
     async def _push_part(self, upto: int, with_state: bool) -> None:
         first = self._num_sent
-        buffers = [self.runner.page_buffer(b) for b in self._block_ids[first:upto]]
-        if with_state:
-            buffers += self.runner.state_buffers(self._state_slot)
+        buffers = self.kv_cache.push_buffers(self._block_ids[first:upto], self._state_slot, with_state)
         try:
             sent = await asyncio.wait_for(
                 self.sender.push(self.address, self.transfer_id, buffers, first=first), self.timeout_s
@@ -145,6 +143,5 @@ class KVPush:
         exposed = time.perf_counter() - compute_end
         text = ""
         if digest:
-            buffers: list[np.ndarray] = [self.runner.page_buffer(b) for b in block_ids]
-            text = pages_digest(buffers + self.runner.state_buffers(state_slot))
+            text = pages_digest(self.kv_cache.push_buffers(block_ids, state_slot))
         return PushReport(self.nbytes, self.seconds, exposed, self.num_parts, text)

@@ -45,9 +45,7 @@ def bind(engine) -> None:
     register_expert_load(REGISTRY, engine.runner.expert_token_counts)
     QUEUE_DEPTH.set_function(lambda: engine.num_active)
     QUEUED_TOKENS.set_function(lambda: engine.num_queued_tokens)
-    PAGES_FREE.set_function(lambda: engine.pool.num_free_blocks)
-    PAGES_USED.set_function(lambda: engine.pool.num_referenced_blocks)
-    PAGES_CACHED.set_function(lambda: engine.pool.num_cached_blocks)
+    engine.kv_cache.bind_metrics(used=PAGES_USED, free=PAGES_FREE, cached=PAGES_CACHED)
 
 
 def observe_prefill(result) -> None:

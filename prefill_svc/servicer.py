@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 
 from opentelemetry.trace import Status, StatusCode
 
 from engine.outcomes import FailureCause
+from engine.request import Request
 from kvstore.block_hash import HASH_NBYTES
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.transport import KVPushSender, TransferError, parse_address
 from prefill_svc import metrics
-from prefill_svc.engine import Cancelled, PrefillEngine, PrefillJob, PrefillResult
+from prefill_svc.engine import Cancelled, PrefillEngine, PrefillResult
 from prefill_svc.kv_push import KVPush, PushReport
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from runtime import tracing
@@ -102,15 +104,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if request.decode_kv_address:
             self._connect_ahead(request.decode_kv_address)
             kv_push = KVPush(
-                self.sender, request.decode_kv_address, request.transfer_id, self.engine.runner, self.push_timeout_s
+                self.sender, request.decode_kv_address, request.transfer_id, self.engine.kv_cache, self.push_timeout_s
             )
-        seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
-        job = PrefillJob(
+        if sampling.seed is None:  # decode continues from the same seed: pick it here
+            sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        job = Request(
             rid,
             request.token_ids,
             sampling,
-            seed,
-            list(request.block_hashes) or None,
+            transfer_id=request.transfer_id,
+            block_hashes=list(request.block_hashes) or None,
             on_pages_ready=kv_push.pages_ready if kv_push else None,
         )
         submitted_ns = tracing.now_ns()
@@ -123,7 +126,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             # flag stops it instead, and a finished compute still releases its pages)
             result: PrefillResult = await asyncio.shield(outcome)
         except asyncio.CancelledError:
-            job.cancel()
+            self.engine.cancel(job)
             if kv_push is not None:
                 kv_push.stop()
             self._release_when_computed(cfut, kv_push)
@@ -162,7 +165,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 "kvmesh.decode.kv_address": request.decode_kv_address,
             },
         )
-        compute_end = job.submitted_at + result.queue_s + result.compute_s
+        compute_end = job.arrival_time + result.queue_s + result.compute_s
         push = asyncio.ensure_future(self._push_and_release(kv_push, result, compute_end))
         # a push that outlives its caller (cancelled, or the caller's connection died while
         # this process was stopped) fails on its own: retrieve its error so it is logged once
@@ -211,7 +214,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             num_cached_tokens=result.num_cached_tokens,
             num_computed_tokens=result.num_computed_tokens,
             num_pages=len(result.block_ids),
-            page_nbytes=self.engine.runner.page_nbytes,
+            page_nbytes=self.engine.kv_cache.page_nbytes,
             nbytes_sent=report.nbytes,
             transfer_s=report.seconds,
             exposed_transfer_s=report.exposed_s,

@@ -484,7 +484,8 @@ class DeepseekV4Model:
     def forward(self, items: Sequence[ForwardItem], pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One step over a batch of sequences; returns fp32 logits [B, V] after each one's last token.
 
-        pages [P, layout.page_floats] and slots [R, layout.slot_floats] fp32 are updated in place.
+        pages [P, layout.page_floats] and slots [R, layout.slot_floats] fp32 (the layout
+        `engine.kv_cache.DEEPSEEK_V4_PAGE`) are updated in place.
         Raises ValueError for an empty batch or an item without new tokens or with too few pages.
         """
         if not items:

@@ -13,10 +13,11 @@ import torch
 from engine.checkpoint import ModelFiles
 from engine.forward import chunk_ends
 from engine.loader import resolve_model
+from engine.request import Request
 from engine.runners import create_runner
 from engine.sampling_params import SamplingParams
 from engine.tiny_models import make_tiny_model
-from prefill_svc.engine import PrefillEngine, PrefillJob
+from prefill_svc.engine import PrefillEngine
 
 
 def test_chunk_ends_by_hand():
@@ -91,7 +92,7 @@ def _prefill(files: ModelFiles, page_size: int, tokens: list[int], chunk: int):
         snapshots.append([runner.page_buffer(b).copy() for b in block_ids[:n]])
 
     try:
-        job = PrefillJob("r", tokens, SamplingParams(), 0, on_pages_ready=on_pages_ready)
+        job = Request("r", tokens, SamplingParams(seed=0), on_pages_ready=on_pages_ready)
         result = engine.submit(job).result(timeout=120)
         pages = [runner.page_buffer(b).copy() for b in result.block_ids]
         state = [b.copy() for b in runner.state_buffers(result.state_slot)]

@@ -54,13 +54,13 @@ def _engine(**kw) -> tuple[DecodeEngine, CountingRunner]:
 def _start(engine, rid, prompt, first, max_tokens, stop=frozenset()):
     res = engine.reserve(rid, len(prompt), max_tokens)
     out: queue.Queue = queue.Queue()
-    engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, stop, lambda t, f: out.put((t, f)))
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), stop, lambda t, f: out.put((t, f)))
     return res, out
 
 
 def _start_reserved(engine, res, prompt, first):
     out: queue.Queue = queue.Queue()
-    engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, frozenset(), lambda t, f: out.put((t, f)))
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), frozenset(), lambda t, f: out.put((t, f)))
     return out
 
 

@@ -5,9 +5,10 @@ import concurrent.futures
 import pytest
 import torch
 
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kvstore.block_pool import NoFreeBlocksError
-from prefill_svc.engine import PrefillEngine, PrefillJob
+from prefill_svc.engine import PrefillEngine
 
 
 class ArgmaxRunner:
@@ -29,7 +30,7 @@ class ArgmaxRunner:
 
 
 def _job(rid, tokens):
-    return PrefillJob(rid, tokens, SamplingParams(), 0)
+    return Request(rid, tokens, SamplingParams(seed=0))
 
 
 def test_a_job_short_of_pages_waits_for_a_release_instead_of_failing():
@@ -57,7 +58,7 @@ def test_a_job_short_of_pages_waits_for_a_release_instead_of_failing():
 def test_hashes_from_the_caller_are_used_instead_of_hashing_again(monkeypatch):
     # the gateway hashed the prompt for routing; prefill caches its blocks under those hashes
     # and never hashes the prompt itself
-    import prefill_svc.engine as prefill_engine
+    import engine.kv_cache as prefill_engine  # where prefill hashes a prompt
     from kvstore.block_hash import hash_blocks
 
     tokens = list(range(10, 22))  # 3 full pages of 4
@@ -66,7 +67,7 @@ def test_hashes_from_the_caller_are_used_instead_of_hashing_again(monkeypatch):
     monkeypatch.setattr(prefill_engine, "hash_blocks", lambda *a: calls.append(a) or hash_blocks(*a))
     engine = PrefillEngine(ArgmaxRunner(), 4, 8, enable_prefix_caching=True)
     try:
-        a = engine.submit(PrefillJob("a", tokens, SamplingParams(), 0, given)).result(timeout=10)
+        a = engine.submit(Request("a", tokens, SamplingParams(seed=0), block_hashes=given)).result(timeout=10)
         engine.release(a.block_ids, a.state_slot).result()
         assert calls == []
         assert engine.call(lambda: engine.pool.cached_hashes()).result() == set(given)

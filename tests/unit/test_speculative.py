@@ -4,15 +4,17 @@ with speculation equal to its output without it (the real default model, in proc
 from __future__ import annotations
 
 import queue
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import DecodeEngine
-from decode_svc.speculative import DraftCounts, SpeculationGovernor, propose_ngram
 from engine.sampler import _filtered_probs, verify_drafts
 from engine.sampling_params import SamplingParams
+from engine.speculative.governor import SpeculationGovernor
+from engine.speculative.ngram import propose_ngram
 
 
 def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -98,7 +100,7 @@ def runner():
     return r
 
 
-def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) -> tuple[list[int], DraftCounts]:
+def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) -> tuple[list[int], SimpleNamespace]:
     """Prefill `prompt` into decode's reserved pages in process, then decode with `config`."""
     from engine.forward import ForwardItem
 
@@ -106,8 +108,7 @@ def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) 
     res = engine.reserve("r", len(prompt), max_tokens)
     first = int(runner.forward([ForwardItem(prompt, 0, list(res.block_ids), res.state_slot)]).argmax())
     out: queue.Queue = queue.Queue()
-    counts = DraftCounts()
-    engine.begin(res.transfer_id, prompt, first, SamplingParams(), 0, frozenset(), lambda t, f: out.put((t, f)), counts)
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), frozenset(), lambda t, f: out.put((t, f)))
     engine.start()
     tokens = [first]
     try:
@@ -119,7 +120,7 @@ def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) 
     finally:
         engine.shutdown()
     engine.pool.check_integrity()
-    return tokens, counts
+    return tokens, SimpleNamespace(drafted=res.num_drafted, accepted=res.num_accepted)
 
 
 def test_greedy_output_with_ngram_drafts_equals_output_without(runner):

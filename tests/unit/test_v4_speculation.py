@@ -130,11 +130,11 @@ def _oracle(truth: list[int]):
 
 
 def test_greedy_output_with_drafts_equals_output_without_for_each_k(runner, monkeypatch):
-    import decode_svc.engine
+    import engine.speculative.ngram
 
     prompt = list(range(300, 317))
     plain, _ = _generate(runner, DecodeConfig(num_pages=64), prompt, 12)
-    monkeypatch.setattr(decode_svc.engine, "propose_ngram", _oracle(prompt + plain))
+    monkeypatch.setattr(engine.speculative.ngram, "propose_ngram", _oracle(prompt + plain))
     for method in ("ngram", "mtp"):
         for k in (1, 2, 3, 4):
             config = DecodeConfig(num_pages=64, speculative=method, num_draft_tokens=k, draft_row_cost=0.01)

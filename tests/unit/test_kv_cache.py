@@ -1,0 +1,171 @@
+"""The KV cache manager both engines use: prefix match and allocation, state slots, scratch
+slots, the buffers a push moves, its figures and its integrity check; and the page layouts.
+
+The runner is a stand-in holding real memory of a layout (the model is not under test)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.kv_cache import DEEPSEEK_V4_PAGE, LLAMA_PAGE, KVCacheManager, flat_layout, llama_layout
+from engine.request import Request
+from kvstore.block_hash import hash_blocks
+from kvstore.block_pool import NoFreeBlocksError
+from kvstore.kv_events import BlockStored
+
+
+class MemoryRunner:
+    """Pages (and slots) of a layout; resume_state_slot records what it was asked."""
+
+    def __init__(self, layout, num_pages: int, num_slots: int = 0) -> None:
+        self.memory = layout.allocate(num_pages, num_slots)
+        self.num_state_slots = num_slots
+        self.page_nbytes = layout.page_nbytes
+        self.resumed: list[tuple[int, int]] = []
+
+    def page_buffer(self, page_id):
+        return self.memory.page_buffer(page_id)
+
+    def state_buffers(self, slot):
+        return self.memory.state_buffers(slot)
+
+    def resume_state_slot(self, slot, page):
+        self.resumed.append((slot, page))
+
+
+def test_the_llama_layout_is_page_major_and_its_buffers_are_zero_copy():
+    layout = llama_layout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    assert layout.name == LLAMA_PAGE and layout.page_shape == (2, 2, 4, 2, 8)
+    assert layout.page_nbytes == 2 * 2 * 4 * 2 * 8 * 4 and layout.slot_nbytes == 0 and layout.device == "cpu"
+    memory = layout.allocate(3)
+    assert memory.pages.shape == (3, 2, 2, 4, 2, 8) and memory.pages.is_contiguous()
+    buf = memory.page_buffer(1)
+    assert buf.nbytes == layout.page_nbytes and buf.dtype == np.uint8
+    buf.view(np.float32)[:] = 2.0  # writes land in page 1 only
+    assert torch.all(memory.pages[1] == 2.0) and not memory.pages[0].any() and not memory.pages[2].any()
+    assert memory.state_buffers(None) == []
+    with pytest.raises(ValueError, match=r"page_id must be in \[0, 3\), got 3"):
+        memory.page_buffer(3)
+    with pytest.raises(ValueError, match="not 'cuda'"):
+        llama_layout(1, 4, 1, 8, torch.float32).__class__(LLAMA_PAGE, (1,), torch.float32, device="cuda").allocate(1)
+
+
+def test_the_flat_layout_keeps_pages_then_slots_in_one_region():
+    layout = flat_layout(page_floats=6, slot_floats=3)
+    assert layout.name == DEEPSEEK_V4_PAGE and (layout.page_nbytes, layout.slot_nbytes) == (24, 12)
+    memory = layout.allocate(2, 4)
+    assert memory.pages.shape == (2, 6) and memory.slots.shape == (4, 3)
+    # the slots follow the pages in the same storage: expert-parallel ranks map it as split() does
+    assert memory.slots.data_ptr() == memory.pages.data_ptr() + 2 * 24
+    (state,) = memory.state_buffers(1)
+    state.view(np.float32)[:] = 7.0
+    assert torch.all(memory.slots[1] == 7.0) and memory.slots.sum() == 21.0
+    flat = torch.zeros(2 * 6 + 4 * 3)  # a region mapped elsewhere: split() finds the same places
+    again = layout.split(flat, 2, 4)
+    assert again.pages.data_ptr() == flat.data_ptr() and again.slots.data_ptr() == flat.data_ptr() + 2 * 24
+    with pytest.raises(ValueError, match=r"state slot must be in \[0, 4\), got None"):
+        memory.state_buffers(None)
+
+
+def _prefill_cache(num_pages=6, num_slots=0, caching=True):
+    events: list = []
+    runner = MemoryRunner(llama_layout(1, 4, 1, 2, torch.float32), num_pages, num_slots)
+    return KVCacheManager(runner, num_pages, 4, caching, events.extend), runner, events
+
+
+def test_prefill_reuses_the_cached_prefix_and_recomputes_the_last_prompt_token():
+    cache, _, events = _prefill_cache()
+    tokens = list(range(100, 112))  # 3 full pages of 4
+    a = Request("a", tokens)
+    cache.allocate_prompt(a)
+    assert a.block_ids == [0, 1, 2] and a.num_cached_tokens == 0 and a.num_prompt_pages == 3
+    assert a.block_hashes == hash_blocks(tokens, 4)
+    cache.cache_prompt(a)
+    assert events == [BlockStored(tuple(hash_blocks(tokens, 4)))]
+    cache.check_integrity()
+    cache.free(a.block_ids, a.state_slot)
+    cache.check_integrity()
+    # the same prompt: 2 pages cached, the third recomputed so the last token's logits exist
+    b = Request("b", tokens)
+    cache.allocate_prompt(b)
+    assert b.block_ids == [0, 1, 3] and b.num_cached_tokens == b.num_computed_tokens == 8
+    stats = cache.stats()
+    assert stats == {
+        "num_pages": 6,
+        "num_free_pages": 3,  # pages 4, 5 free and page 2 cached, evictable
+        "num_cached_pages": 3,
+        "num_referenced_pages": 3,
+        "integrity_error": "",
+    }
+    cache.free(b.block_ids, b.state_slot)
+    cache.check_integrity()
+    assert cache.num_holders == 0 and cache.pool.num_referenced_blocks == 0
+
+
+def test_a_prompt_short_of_pages_holds_nothing_and_says_when_it_would_fit():
+    cache, _, _ = _prefill_cache(num_pages=4)
+    a = Request("a", list(range(12)))
+    cache.allocate_prompt(a)
+    cache.cache_prompt(a)
+    b = Request("b", [*range(8), 99, 98, 97, 96, 95])  # shares 2 cached pages, needs 2 more: 1 is free
+    with pytest.raises(NoFreeBlocksError):
+        cache.allocate_prompt(b)
+    assert cache.pool.num_referenced_blocks == 3 and cache.num_holders == 1  # the match was given back
+    assert cache.fits_later() and cache.fits_ever(16) and not cache.fits_ever(17)
+    cache.check_integrity()
+    cache.free(a.block_ids, a.state_slot)
+    assert not cache.fits_later()
+    cache.check_integrity()
+
+
+def test_state_slots_resume_from_a_cached_prefix_and_run_out_as_capacity():
+    cache, runner, _ = _prefill_cache(num_slots=1)
+    tokens = list(range(9))  # 2 full pages and one token
+    a = Request("a", tokens)
+    cache.allocate_prompt(a)
+    assert a.state_slot == 0 and runner.resumed == []  # nothing cached: a fresh slot
+    with pytest.raises(NoFreeBlocksError, match="all 1 state slots are in use"):
+        cache.allocate_prompt(Request("b", tokens))
+    cache.check_integrity()
+    cache.cache_prompt(a)
+    cache.free(a.block_ids, a.state_slot)
+    b = Request("b", tokens)
+    cache.allocate_prompt(b)
+    assert b.num_cached_tokens == 8 and runner.resumed == [(0, b.block_ids[1])]  # the last cached page's end
+    cache.check_integrity()
+    cache.free(b.block_ids, b.state_slot)
+    cache.check_integrity()
+
+
+def test_decode_allocates_for_the_whole_answer_and_sets_scratch_slots_apart():
+    runner = MemoryRunner(flat_layout(4, 2), 8, num_slots=4)
+    cache = KVCacheManager(runner, 8, 4)
+    assert cache.hold_scratch_slots(2) == [0, 1]
+    r = Request("r", num_prompt_tokens=10, max_tokens=7)
+    cache.allocate(r, 16, RuntimeError)
+    assert r.block_ids == [0, 1, 2, 3] and r.num_prompt_pages == 3 and r.state_slot == 2
+    cache.check_integrity()  # the scratch slots count as held by no request, on purpose
+    bufs = cache.push_buffers(r.block_ids[: r.num_prompt_pages], r.state_slot)
+    assert [b.nbytes for b in bufs] == [16, 16, 16, 8]  # three pages, then the slot
+    assert len(cache.push_buffers(r.block_ids[:1], r.state_slot, with_state=False)) == 1
+    with pytest.raises(RuntimeError, match="needs 5 KV pages, 4 of 8 are free"):
+        cache.allocate(Request("big", num_prompt_tokens=16, max_tokens=5), 20, RuntimeError)
+    cache.allocate(Request("s", [1]), 1, RuntimeError)  # the last slot
+    with pytest.raises(RuntimeError, match="all 4 state slots are in use"):
+        cache.allocate(Request("t", [1]), 1, RuntimeError)
+    cache.check_integrity()
+    cache.free(r.block_ids, r.state_slot)
+    cache.check_integrity()
+
+
+def test_the_integrity_check_names_what_nobody_holds():
+    cache, _, _ = _prefill_cache(num_slots=2)
+    a = Request("a", [1, 2, 3])
+    cache.allocate_prompt(a)
+    cache.slots.free(a.state_slot)  # a slot lost track of: the check says so
+    assert cache.integrity_error() == "0 state slots held, 1 requests hold pages"
+    assert cache.stats(check=False)["integrity_error"] == ""  # unchecked
+    cache.num_holders = 0
+    assert cache.integrity_error() == "1 pages referenced by no request"
