@@ -560,6 +560,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    from bench.cli import FUZZ
+    from kvmesh.commands import Command
 
-    sys.exit(FUZZ.main("kvmesh fuzz"))
+    sys.exit(Command(__doc__.splitlines()[0], add_arguments, run).main("kvmesh fuzz"))

@@ -298,6 +298,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    from bench.cli import ROUTESIM
+    from kvmesh.commands import Command
 
-    sys.exit(ROUTESIM.main("kvmesh routesim"))
+    sys.exit(Command(__doc__.splitlines()[0], add_arguments, run).main("kvmesh routesim"))
