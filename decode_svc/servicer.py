@@ -17,6 +17,7 @@ from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased, deli
 from decode_svc.speculative import DraftCounts
 from decode_svc.transfers import TransferTable
 from engine.outcomes import FailureCause, FinishReason
+from engine.sampling_params import SamplingParams
 from kvstore.transport import KVPushReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime import tracing
@@ -103,14 +104,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Release(self, request, context):
         return decode_pb2.ReleaseResponse(released=self.transfers.release(request.transfer_id, "Release"))
 
-    def _check(self, request) -> tuple:
-        """Sampling settings of a Generate call; ValueError says what is wrong."""
+    def _check(self, request) -> SamplingParams:
+        """Sampling settings of a Generate call (an unset seed is 0); ValueError says what is wrong."""
         if not 0 <= request.first_token < self.vocab_size:
             raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {request.first_token}")
         if not (math.isfinite(request.kv_timeout_s) and request.kv_timeout_s >= 0):
             raise ValueError(f"kv_timeout_s must be a finite number >= 0, got {request.kv_timeout_s}")
-        sampling = sampling_from_pb(request.sampling)  # checks the seed's range too
-        return sampling, request.sampling.seed if request.sampling.HasField("seed") else 0
+        return sampling_from_pb(request.sampling, default_seed=0)  # checks the seed's range too
 
     async def Generate(self, request, context):
         """The request's decode span continues the caller's trace (prefill's KV push)."""
@@ -132,7 +132,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         queue: asyncio.Queue = asyncio.Queue()
         try:
             try:
-                sampling, seed = self._check(request)
+                sampling = self._check(request)
             except ValueError as exc:  # the reservation is released below: a bad call holds no page
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
             loop = asyncio.get_running_loop()
@@ -158,7 +158,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes},
             )
             digest = pages_digest(self.engine.transfer_buffers(tid)) if self.engine.config.kv_digest else ""
-            stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
+            stop_ids = frozenset() if request.ignore_eos else self.stop_token_ids
             drafts = DraftCounts()
             try:
                 self.engine.begin(
@@ -166,7 +166,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     list(request.prompt_token_ids),
                     request.first_token,
                     sampling,
-                    seed,
+                    sampling.seed or 0,  # always set (default_seed in _check)
                     stop_ids,
                     lambda toks, end: queue.put_nowait((toks, end)),
                     drafts,

@@ -95,7 +95,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await abort(context, FailureCause.MISMATCH, f"[{rid}] {mismatch}")
         try:
             self._validate(request)
-            sampling = sampling_from_pb(request.sampling)
+            sampling = sampling_from_pb(request.sampling, default_seed=random.getrandbits(63))
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
         kv_push = None
@@ -104,12 +104,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kv_push = KVPush(
                 self.sender, request.decode_kv_address, request.transfer_id, self.engine.runner, self.push_timeout_s
             )
-        seed = request.sampling.seed if request.sampling.HasField("seed") else random.getrandbits(63)
         job = PrefillJob(
             rid,
             request.token_ids,
             sampling,
-            seed,
+            sampling.seed or 0,  # always set (default_seed above)
             list(request.block_hashes) or None,
             on_pages_ready=kv_push.pages_ready if kv_push else None,
         )
