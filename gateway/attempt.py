@@ -3,24 +3,17 @@
     routed -> reserved -> prefilled -> decoding -> finished
        \\________\\___________\\___________\\-------> aborted
 
-An `Attempt` holds the decode instance (with its reservation) and the prefill instance of
-one try, the gateway's accounting on each, and the calls to them. It is counted on decode
-when made and on prefill once routed there (`route_prefill`: the prefill instance is chosen
-after the prefix index answers, while Reserve may be in flight).
-
-The order of the legs is decided once, in `open`: while decode's KV address is unknown
-(no stats poll has said it), Prefill needs Reserve's answer (where to push), so Reserve goes
-first and its round trip covers hashing the prompt, the index lookup and the prefill choice.
-Once it is known, Prefill (TTFT's path) leaves first under a transfer id the gateway picks,
-with Reserve right behind it, and neither waits for the other (decode's receiver holds a
-push that beats its Reserve, briefly). Should Reserve answer another address or transfer id
-(decode restarted its KV listener, or an older decode picks its own ids), Prefill is sent
-again where decode says.
-
-`finish()` and `abort(failure)` end an attempt exactly once: the routed-token accounting
-of an aborted attempt is undone (so cancels do not skew routing), a decode stream still
-open is cancelled, a reservation no stream claimed is released (one that answers after
-the end too), and the instance a failure is blamed on counts it in its circuit breaker.
+An `Attempt` holds one try's decode instance (and its reservation) and prefill instance
+(joined by `route_prefill` once the prefix index answered), the gateway's accounting on
+each, and the calls to them. The order of the legs is decided once, in `open`: while
+decode's KV address is unknown (no stats poll said it), Reserve goes first (Prefill needs
+its answer) and its round trip covers the prompt's hashing, the index lookup and the
+prefill choice; once known, Prefill (TTFT's path) leaves first under a transfer id the
+gateway picks and Reserve right behind it, neither waiting for the other. A Reserve that
+answers another address or id (a restarted KV listener, an older decode) gets Prefill again.
+`finish()` and `abort(failure)` end it exactly once: an aborted attempt's routed tokens are
+undone, an open decode stream is cancelled, a reservation no stream claimed is released
+(one answered after the end too), and the instance a failure is blamed on counts it.
 """
 
 from __future__ import annotations
@@ -36,18 +29,20 @@ from typing import Any
 import grpc
 
 from engine.outcomes import FailureCause
+from gateway import wire
 from gateway.answer import Answer
 from gateway.failure import RequestFailed, failure_from_rpc
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
 from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
 from runtime import tracing
-from runtime.wire import sampling_to_pb
 
 logger = logging.getLogger(__name__)
 
 
 class Stage(enum.Enum):
+    """Where an attempt is (module docstring); FINISHED and ABORTED are its ends."""
+
     ROUTED = "routed"
     RESERVED = "reserved"
     PREFILLED = "prefilled"
@@ -79,6 +74,8 @@ class Prefilled:
 
 class Attempt:
     """One try of one request: its two legs, their calls and the gateway's accounting on them.
+    `open` starts its calls (`route_prefill`, `send`, `stream` follow); the stages alone need
+    none of them (tests drive them by hand).
 
     Args:
         pool: the instances' stubs and background tasks (gateway.pool.InstancePool).
@@ -102,18 +99,16 @@ class Attempt:
         """The transfer id decode reserved under (None until Reserve answered)."""
         self.decode_call = None
         self._prefill_open = False
-        self._hops: Hops | None = None
-        self._prefill_by = 0.0
+        self._prefill_by = 0.0  # and _hops: set by open()
         self._reserve_call: asyncio.Future | None = None
         self._prefill_call: grpc.aio.UnaryUnaryCall | None = None
         self._push_to: tuple[str, int] = ("", 0)  # (decode's KV address, transfer id) Prefill pushes to
+        self._reserve_first = False
         self._block_hashes: Sequence[bytes] = ()
         decode.in_flight_requests += 1
         decode.breaker.on_routed()
         if prefill is not None:
             self.route_prefill(prefill, queued_tokens)
-
-    # -- the calls -------------------------------------------------------------------------
 
     async def open(self, hops: Hops, prefill_by: float) -> None:
         """Decide the order of the legs (module docstring) and send Reserve now if it goes first.
@@ -123,7 +118,8 @@ class Attempt:
         self._hops, self._prefill_by = hops, prefill_by
         # as decode's stats last said; its Reserve confirms it
         self._push_to = (self.decode.kv_address, random.getrandbits(63) or 1)
-        if not self.decode.kv_address:
+        self._reserve_first = not self.decode.kv_address
+        if self._reserve_first:
             self._send_reserve()
             await asyncio.sleep(0)  # let the call go out before the caller's CPU work
 
@@ -131,7 +127,7 @@ class Attempt:
         """Once routed to prefill: send the calls not yet sent (Prefill, then Reserve behind it).
         block_hashes: the prompt's chained block hashes, which prefill reuses."""
         self._block_hashes = block_hashes
-        if self._reserve_call is None:
+        if not self._reserve_first:
             self._send_prefill()
             self._send_reserve()
 
@@ -141,7 +137,7 @@ class Attempt:
 
         Raises RequestFailed (the caller aborts the attempt): a leg refused or failed, or decode
         sent nothing for rpc_timeout_s + token_timeout_s (the first message) or token_timeout_s."""
-        hops = self._require_hops()
+        hops = self._hops
         legs = await self._both_legs()
         # the first token comes with prefill's answer and goes out now: it never waits for decode
         yield answer.first(legs.prefill.first_token)
@@ -158,51 +154,27 @@ class Attempt:
         self.finish()
         yield answer.final(legs.prefill, legs.reserve)
 
-    def _require_hops(self) -> Hops:
-        assert self._hops is not None, f"[{self.request_id}] attempt used before open()"
-        return self._hops
-
     def _send_reserve(self) -> None:
         """Reserve on decode for the gateway's transfer id, in the background (an answer that
         comes after the attempt ended is released); decode frees the pages itself when no
         Generate claims them by the KV deadline (Prefill's deadline + rpc_timeout_s)."""
-        hops = self._require_hops()
-        loop = asyncio.get_running_loop()
-        call = self.pool.spawn(
-            self.pool.decode_stub(self.decode).Reserve(
-                decode_pb2.ReserveRequest(
-                    request_id=self.request_id,
-                    num_prompt_tokens=len(hops.request.prompt_token_ids),
-                    max_tokens=hops.request.max_tokens,
-                    page_size=self.pool.page_size,
-                    kv_deadline_s=self._prefill_by - loop.time() + hops.rpc_timeout_s,
-                    transfer_id=self._push_to[1],
-                ),
-                timeout=hops.rpc_timeout_s,
-                metadata=tracing.inject(hops.span),
-            )
-        )
-        self.reserving(call)
+        hops = self._hops
+        kv_deadline_s = self._prefill_by - asyncio.get_running_loop().time() + hops.rpc_timeout_s
+        request = wire.reserve_request(hops.request, self._push_to[1], kv_deadline_s, self.pool.page_size)
+        stub = self.pool.decode_stub(self.decode)
+        metadata = tracing.inject(hops.span)
+        self.reserving(self.pool.spawn(stub.Reserve(request, timeout=hops.rpc_timeout_s, metadata=metadata)))
 
     def _send_prefill(self) -> None:
         """Start the Prefill call (a grpc.aio call is on its way once made) that pushes the KV
         to `_push_to`; its deadline is the attempt's prefill_by."""
-        hops = self._require_hops()
+        hops = self._hops
         assert self.prefill is not None, self.request_id
         address, transfer_id = self._push_to
-        self._prefill_call = self.pool.prefill_stub(self.prefill).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=self.request_id,
-                token_ids=hops.request.prompt_token_ids,
-                sampling=sampling_to_pb(hops.request.sampling),
-                decode_kv_address=address,
-                transfer_id=transfer_id,
-                page_size=self.pool.page_size,
-                block_hashes=self._block_hashes,  # hashed once, at the gateway: prefill reuses them
-            ),
-            timeout=self._prefill_by - asyncio.get_running_loop().time(),
-            metadata=tracing.inject(hops.span),
-        )
+        request = wire.prefill_request(hops.request, self._block_hashes, address, transfer_id, self.pool.page_size)
+        timeout = self._prefill_by - asyncio.get_running_loop().time()
+        stub = self.pool.prefill_stub(self.prefill)
+        self._prefill_call = stub.Prefill(request, timeout=timeout, metadata=tracing.inject(hops.span))
 
     async def _both_legs(self) -> Prefilled:
         """Reserve's answer (sending Prefill now, or again where decode says), then Prefill's."""
@@ -249,22 +221,14 @@ class Attempt:
 
     def _generate(self, legs: Prefilled):
         """Open decode's stream of the tokens after the first."""
-        hops = self._require_hops()
-        call = self.pool.decode_stub(self.decode).Generate(
-            decode_pb2.DecodeRequest(
-                request_id=self.request_id,
-                transfer_id=legs.reserve.transfer_id,
-                prompt_token_ids=hops.request.prompt_token_ids,
-                first_token=legs.prefill.first_token,
-                sampling=sampling_to_pb(hops.request.sampling),
-                kv_timeout_s=hops.rpc_timeout_s,
-                ignore_eos=hops.request.ignore_eos,
-            ),
-            # decode's work continues the KV push, so its spans hang under prefill's
-            metadata=[("traceparent", legs.prefill.traceparent)]
-            if legs.prefill.traceparent
-            else tracing.inject(hops.span),
+        hops = self._hops
+        request = wire.decode_request(
+            hops.request, legs.reserve.transfer_id, legs.prefill.first_token, hops.rpc_timeout_s
         )
+        # decode's work continues the KV push, so its spans hang under prefill's
+        traceparent = legs.prefill.traceparent
+        metadata = [("traceparent", traceparent)] if traceparent else tracing.inject(hops.span)
+        call = self.pool.decode_stub(self.decode).Generate(request, metadata=metadata)
         self.decoding(call)
         return call
 
@@ -286,8 +250,6 @@ class Attempt:
             ) from None
         except grpc.aio.AioRpcError as exc:
             raise failure_from_rpc(exc, "decode", self.decode, self.decode, self.request_id) from None
-
-    # -- the stages and the accounting ------------------------------------------------------
 
     def route_prefill(self, prefill: InstanceLoad, queued_tokens: int) -> None:
         """The prefill leg: count `queued_tokens` (the prefill tokens this request adds to its

@@ -28,13 +28,12 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, Sequence
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine.outcomes import FailureCause
-from gateway import metrics
+from gateway import metrics, wire
 from gateway.admission import AdmissionQueue, OverloadedError
 from gateway.answer import Answer, record_final
 from gateway.attempt import Attempt, Hops
@@ -46,7 +45,7 @@ from kvstore.block_hash import hash_blocks
 from protos.kvmesh.v1 import gateway_pb2
 from runtime import tracing
 from runtime.logs import request_context
-from runtime.wire import check_request_id, status_of
+from runtime.wire import status_of
 
 logger = logging.getLogger(__name__)
 
@@ -122,32 +121,7 @@ class RequestPath:
     def models(self, authorization: str | None) -> gateway_pb2.ListModelsResponse:
         """What this gateway serves; raises RequestFailed(UNAUTHENTICATED) as `authenticate`."""
         self.authenticate(authorization)
-        return gateway_pb2.ListModelsResponse(
-            models=[self.builder.model_name],
-            max_context_tokens=self.builder.max_context,
-            max_tokens_limit=self.builder.max_tokens_limit,
-            has_chat_template=bool(self.builder.tokenizer.chat_template),
-        )
-
-    def _to_internal(self, request: gateway_pb2.GenerateRequest) -> GenerateInput:
-        b = self.builder
-        check_request_id(request.request_id)
-        b.check_model(request.model)
-        s = request.sampling
-        ids = b.tokenize(
-            request.prompt, [(m.role, m.content) for m in request.messages], request.chat, request.prompt_token_ids
-        )
-        return b.build(
-            request.request_id or uuid.uuid4().hex,
-            ids,
-            s.temperature,
-            s.top_p if s.HasField("top_p") else None,
-            s.top_k,
-            s.max_tokens if s.HasField("max_tokens") else None,
-            s.seed if s.HasField("seed") else None,
-            list(s.stop),
-            s.ignore_eos,
-        )
+        return wire.models_response(self.builder)
 
     async def generate(
         self,
@@ -197,9 +171,9 @@ class RequestPath:
         t0 = tracing.now_ns()
         try:
             if _tokenize_inline(request):
-                inp = self._to_internal(request)
+                inp = wire.generate_input(self.builder, request)
             else:
-                inp = await asyncio.to_thread(self._to_internal, request)
+                inp = await asyncio.to_thread(wire.generate_input, self.builder, request)
         except UnknownModelError as exc:
             raise RequestFailed(FailureCause.UNKNOWN_MODEL, str(exc)) from None
         except ValueError as exc:
