@@ -14,6 +14,7 @@ answers another address or id (a restarted KV listener, an older decode) gets Pr
 `finish()` and `abort(failure)` end it exactly once: an aborted attempt's routed tokens are
 undone, an open decode stream is cancelled, a reservation no stream claimed is released
 (one answered after the end too), and the instance a failure is blamed on counts it.
+(Over 300 lines on purpose: the calls and the accounting they drive are one object.)
 """
 
 from __future__ import annotations
