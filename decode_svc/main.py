@@ -17,7 +17,8 @@ from engine.runners import create_runner
 from kvstore.registry import InstanceRecord, InstanceRegistry
 from kvstore.transports import create_receiver
 from protos.kvmesh.v1 import decode_pb2_grpc
-from runtime import service, settings, tracing
+from runtime import lifecycle, service
+from runtime.lifecycle import Lifecycle
 from runtime.registration import Registration
 
 logger = logging.getLogger(__name__)
@@ -56,33 +57,25 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     metrics.bind(engine)
     ep.bind_metrics(metrics.REGISTRY, runner)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
-    await svc.start()
+    life = Lifecycle(svc, config.drain_grace_s)
+    await life.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
     await asyncio.wrap_future(executor.submit(engine.calibrate))  # what a speculative row costs here
     engine.start(executor)  # the batch loop occupies the main thread
     registration = None
+    release: list = []
     if config.redis_url:
         record = InstanceRecord(instance_id, "decode", address, model_fingerprint(files), config.page_size)
         registry = InstanceRegistry.from_url(config.redis_url, model=files.name)
         registration = Registration(registry, record, config.lease_ttl_s)
-        registration.start()
-    await svc.mark_serving()
-    print(f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})", flush=True)
-    await stop.wait()
-    logger.info("shutting down")
-    if registration is not None:
-        await registration.leave()  # gateways stop routing here while in-flight streams finish
-        registration.registry.close()
-    await svc.stop(grace_s=config.drain_grace_s)
-    engine.shutdown()
+        release.append(registry.close)
+    release.append(engine.shutdown)
     if hasattr(runner, "close"):  # expert-parallel ranks
-        await asyncio.wrap_future(executor.submit(runner.close))
-    await receiver.close()
-    tracing.shutdown_tracing()
+        release.append(lambda: asyncio.wrap_future(executor.submit(runner.close)))
+    release.append(receiver.close)
+    banner = f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})"
+    await life.serve(stop, banner, registration, release)
 
 
 def main(args: argparse.Namespace) -> None:
-    service.setup_logging("decode")
-    tracing.setup_tracing("kvmesh-decode")
-    config = settings.from_args(DecodeConfig, args)
-    service.run(lambda stop, executor: serve(config, stop, executor))
+    lifecycle.main("decode", DecodeConfig, args, serve)

@@ -102,12 +102,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.ReleaseResponse(released=self.transfers.release(request.transfer_id, "Release"))
 
     def _check(self, request) -> SamplingParams:
-        """Sampling settings of a Generate call; ValueError says what is wrong."""
+        """Sampling settings of a Generate call (an unset seed is 0); ValueError says what is wrong."""
         if not 0 <= request.first_token < self.vocab_size:
             raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {request.first_token}")
         if not (math.isfinite(request.kv_timeout_s) and request.kv_timeout_s >= 0):
             raise ValueError(f"kv_timeout_s must be a finite number >= 0, got {request.kv_timeout_s}")
-        return sampling_from_pb(request.sampling)  # checks the seed's range too
+        return sampling_from_pb(request.sampling, default_seed=0)  # checks the seed's range too
 
     async def Generate(self, request, context):
         """The request's decode span continues the caller's trace (prefill's KV push)."""
@@ -155,7 +155,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes},
             )
             digest = pages_digest(self.engine.transfer_buffers(tid)) if self.engine.config.kv_digest else ""
-            stop_ids = frozenset() if request.sampling.ignore_eos else self.stop_token_ids
+            stop_ids = frozenset() if request.ignore_eos else self.stop_token_ids
             try:
                 self.engine.begin(
                     tid,

@@ -35,8 +35,8 @@ from starlette.types import Receive, Scope, Send
 
 from engine.outcomes import FailureCause
 from gateway import openai_api
+from gateway.failure import RequestFailed
 from gateway.openai_api import BadField, OpenAIRequest
-from gateway.request_life import RequestFailed
 from gateway.request_path import RequestPath
 from protos.kvmesh.v1 import gateway_pb2
 from runtime.service import MAX_MESSAGE_BYTES

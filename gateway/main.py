@@ -22,7 +22,8 @@ from gateway.servicer import GatewayServicer
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from kvstore.registry import AsyncRegistryReader
 from protos.kvmesh.v1 import gateway_pb2_grpc
-from runtime import service, settings, tracing
+from runtime import lifecycle, service
+from runtime.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -95,35 +96,23 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         addresses = [*config.prefill_addresses, *config.decode_addresses]
         await asyncio.gather(*(service.wait_for_health(a, config.wait_for_instances_s) for a in addresses))
     await pool.poll_once()
-    discovery = registry = None
+    release: list = []
     if config.discovers:
         registry = AsyncRegistryReader(config.redis_url, model=files.name)
         discovery = Discovery(registry.live, pool, config.discovery_interval_s)
         await discovery.refresh()  # after the static instances' first poll: their ids dedupe the registry's
         discovery.start()
+        release += [discovery.close, registry.close]
     pool.start_polling(config.stats_interval_s)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
-    await svc.start()
-    if http is not None:
-        await http.start()
-    await svc.mark_serving()
+    life = Lifecycle(svc, config.drain_grace_s, [http] if http is not None else [])
+    await life.start()
     http_note = f", OpenAI HTTP API on {http.address}/v1" if http is not None else ""
     keys_note = f", {len(keys)} API keys" if len(keys) else ""
     found = ", finding instances in the Redis registry" if config.discovers else ""
-    print(f"gateway serving {files.name} on {svc.address}{http_note}{keys_note}{found}", flush=True)
-    await stop.wait()
-    logger.info("shutting down")
-    # both fronts stop admitting at once, then in-flight answers get the same grace period
-    await asyncio.gather(svc.stop(grace_s=config.drain_grace_s), *([http.stop()] if http is not None else []))
-    if discovery is not None and registry is not None:
-        await discovery.close()
-        await registry.close()
-    await pool.close()
-    tracing.shutdown_tracing()
+    banner = f"gateway serving {files.name} on {svc.address}{http_note}{keys_note}{found}"
+    await life.serve(stop, banner, release=[*release, pool.close])
 
 
 def main(args: argparse.Namespace) -> None:
-    service.setup_logging("gateway")
-    tracing.setup_tracing("kvmesh-gateway")
-    config = settings.from_args(GatewayConfig, args)
-    service.run(lambda stop, _executor: serve(config, stop))
+    lifecycle.main("gateway", GatewayConfig, args, lambda config, stop, _executor: serve(config, stop))

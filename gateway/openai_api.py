@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from engine.outcomes import FailureCause
-from protos.kvmesh.v1 import common_pb2, gateway_pb2
+from protos.kvmesh.v1 import gateway_pb2
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI's message roles -> the chat template's ("developer" is OpenAI's newer name for system)."""
@@ -142,7 +142,7 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
     include_usage = _get(options, "include_usage", (bool,), "a boolean") or False
     ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean") or False
     _get(body, "user", (str,), "a string")  # accepted and unused, as OpenAI's abuse-tracking field
-    sampling = common_pb2.SamplingParams(
+    sampling = gateway_pb2.GenerateOptions(
         temperature=float(temperature) if temperature is not None else 1.0,  # OpenAI's default
         top_k=top_k or 0,
         stop=[stop] if isinstance(stop, str) else (stop or []),

@@ -41,7 +41,7 @@ class GenerateInput:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    seed: int
+    """With its seed always set (a random one when the client left it unset)."""
     max_tokens: int
     stop: tuple[str, ...]
     ignore_eos: bool
@@ -247,13 +247,15 @@ class PromptBuilder:
                 f"{self.max_context} tokens; lower max_tokens to {self.max_context - n} or less"
             )
         sampling = SamplingParams(
-            temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k, seed=seed
+            temperature=temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k,
+            seed=seed if seed is not None else random.getrandbits(63),
         )
         return GenerateInput(
             request_id=request_id,
             prompt_token_ids=tuple(prompt_token_ids),
             sampling=sampling,
-            seed=seed if seed is not None else random.getrandbits(63),
             max_tokens=max_tokens,
             stop=tuple(s for s in stop if s),
             ignore_eos=ignore_eos,

@@ -8,7 +8,7 @@ request was over a bound.
 
 from __future__ import annotations
 
-from gateway.request_life import RequestFailed
+from gateway.failure import RequestFailed
 from gateway.request_path import RequestPath
 from protos.kvmesh.v1 import gateway_pb2_grpc
 from runtime.wire import abort

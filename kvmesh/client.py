@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos.kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from protos.kvmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from runtime.service import GRPC_OPTIONS
 
 
@@ -37,7 +37,7 @@ def make_request(
     prompt_token_ids: list[int] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids."""
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
+    sampling = gateway_pb2.GenerateOptions(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
     if top_p is not None:
         sampling.top_p = top_p
     if max_tokens is not None:

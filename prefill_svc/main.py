@@ -18,8 +18,9 @@ from prefill_svc.engine import PrefillEngine
 from prefill_svc.kv_publisher import KVEventPublisher
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
-from runtime import service, settings, tracing
+from runtime import lifecycle, service
 from runtime.cpu_share import open_cpu_share
+from runtime.lifecycle import Lifecycle
 from runtime.registration import Registration
 
 logger = logging.getLogger(__name__)
@@ -78,32 +79,28 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
-    await svc.start()
+    life = Lifecycle(svc, config.drain_grace_s)
+    await life.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
     registration = None
+    release = [engine.shutdown, sender.close]
     if index is not None and publisher is not None:
         record = InstanceRecord(instance_id, "prefill", address, model_fingerprint(files), config.page_size)
         registration = Registration(
             index.registry, record, config.lease_ttl_s, after_beat=_resync_after(publisher, engine)
         )
-        registration.start()
-    await svc.mark_serving()
-    print(f"prefill {instance_id} serving on {svc.address}", flush=True)
-    await stop.wait()
-    logger.info("shutting down")
-    if registration is not None:
-        await registration.leave()  # gateways stop routing here while in-flight prefills finish
-    await svc.stop(grace_s=config.drain_grace_s)
-    engine.shutdown()
-    await sender.close()
-    if index is not None and publisher is not None:
-        await asyncio.to_thread(publisher.close)
-        try:
-            await asyncio.to_thread(index.leave, instance_id)
-        except Exception as exc:
-            logger.warning("could not clear index entries at shutdown: %s", exc)
-        index.close()
-    tracing.shutdown_tracing()
+        release.append(lambda: _leave_index(index, publisher, instance_id))
+    await life.serve(stop, f"prefill {instance_id} serving on {svc.address}", registration, release)
+
+
+async def _leave_index(index: RedisKVIndex, publisher: KVEventPublisher, instance_id: str) -> None:
+    """At shutdown: send the KV events still queued, clear this instance's index entries, close."""
+    await asyncio.to_thread(publisher.close)
+    try:
+        await asyncio.to_thread(index.leave, instance_id)
+    except Exception as exc:
+        logger.warning("could not clear index entries at shutdown: %s", exc)
+    index.close()
 
 
 def _resync_after(publisher: KVEventPublisher, engine: PrefillEngine):
@@ -122,7 +119,4 @@ def _resync_after(publisher: KVEventPublisher, engine: PrefillEngine):
 
 
 def main(args: argparse.Namespace) -> None:
-    service.setup_logging("prefill")
-    tracing.setup_tracing("kvmesh-prefill")
-    config = settings.from_args(PrefillConfig, args)
-    service.run(lambda stop, executor: serve(config, stop, executor))
+    lifecycle.main("prefill", PrefillConfig, args, serve)

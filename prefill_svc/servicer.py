@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 
@@ -97,7 +96,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await abort(context, FailureCause.MISMATCH, f"[{rid}] {mismatch}")
         try:
             self._validate(request)
-            sampling = sampling_from_pb(request.sampling)
+            sampling = sampling_from_pb(request.sampling, default_seed=random.getrandbits(63))
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
         kv_push = None
@@ -106,8 +105,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kv_push = KVPush(
                 self.sender, request.decode_kv_address, request.transfer_id, self.engine.kv_cache, self.push_timeout_s
             )
-        if sampling.seed is None:  # decode continues from the same seed: pick it here
-            sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
         job = Request(
             rid,
             request.token_ids,

@@ -15,8 +15,9 @@ from engine.sampling_params import SamplingParams
 from protos.kvmesh.v1 import common_pb2
 
 
-def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """The engine's SamplingParams from the wire message (unset top_p means 1).
+def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams from the wire message (unset top_p means 1, an unset seed
+    `default_seed`).
 
     Raises ValueError (from SamplingParams) when a field is out of range.
     """
@@ -24,8 +25,16 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         temperature=pb.temperature,
         top_p=pb.top_p if pb.HasField("top_p") else 1.0,
         top_k=pb.top_k,
-        seed=pb.seed if pb.HasField("seed") else None,
+        seed=pb.seed if pb.HasField("seed") else default_seed,
     )
+
+
+def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
+    """The wire message of `sampling` (the inverse of sampling_from_pb; a None seed stays unset)."""
+    pb = common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    if sampling.seed is not None:
+        pb.seed = sampling.seed
+    return pb
 
 
 # The trailing-metadata key naming a failure's cause (kvmesh.v1.FailureCause without its prefix).

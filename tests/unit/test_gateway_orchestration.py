@@ -15,8 +15,9 @@ from bench.mesh import orchestration_s
 from engine.outcomes import FailureCause
 from engine.sampling_params import SamplingParams
 from gateway.admission import AdmissionQueue
+from gateway.attempt import Attempt, Stage
+from gateway.failure import RequestFailed
 from gateway.pool import InstancePool
-from gateway.request_life import RequestFailed, RequestLife, Stage
 from gateway.request_path import INLINE_PROMPT_BYTES, RequestPath, _tokenize_inline
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
@@ -133,8 +134,7 @@ def _input(num_tokens: int) -> GenerateInput:
     return GenerateInput(
         request_id="r1",
         prompt_token_ids=tuple(range(100, 100 + num_tokens)),
-        sampling=SamplingParams(),
-        seed=1,
+        sampling=SamplingParams(seed=1),
         max_tokens=1,
         stop=(),
         ignore_eos=False,
@@ -197,7 +197,7 @@ def test_an_attempt_aborted_before_its_prefill_leg_undoes_only_decode_and_releas
 
     async def scenario():
         pool, p, d = Pool(), InstanceLoad("p"), InstanceLoad("d")
-        life = RequestLife(pool, "r5", None, d)
+        life = Attempt(pool, "r5", None, d)
         assert d.in_flight_requests == 1 and life.prefill is None
         reserve_call = asyncio.get_running_loop().create_future()
         life.reserving(reserve_call)
@@ -208,7 +208,7 @@ def test_an_attempt_aborted_before_its_prefill_leg_undoes_only_decode_and_releas
         assert pool.released == [("d", "r5", 11)] and life.stage == Stage.ABORTED
         assert d.in_flight_requests == 0 and (p.in_flight_requests, p.total_routed_tokens) == (0, 0)
         # joined later, a prefill leg is counted, and undone by an abort
-        late = RequestLife(pool, "r6", None, d)
+        late = Attempt(pool, "r6", None, d)
         late.route_prefill(p, queued_tokens=30)
         assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens) == (1, 30, 30)
         late.abort(None)

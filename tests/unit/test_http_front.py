@@ -12,8 +12,8 @@ from starlette.testclient import TestClient
 
 from engine.outcomes import FailureCause
 from gateway import http_api
+from gateway.failure import RequestFailed
 from gateway.http_api import HttpFront
-from gateway.request_life import RequestFailed
 from protos.kvmesh.v1 import gateway_pb2
 
 

@@ -9,8 +9,9 @@ import pytest
 
 from engine.outcomes import FailureCause
 from gateway.admission import AdmissionQueue, OverloadedError
+from gateway.attempt import Attempt, Stage
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.request_life import RequestFailed, RequestLife, Stage
+from gateway.failure import RequestFailed
 from gateway.router import InstanceLoad, pick_decode
 
 
@@ -161,7 +162,7 @@ class FakeCall:
 def test_an_aborted_attempt_undoes_its_accounting_and_releases_the_reservation_once():
     async def scenario():
         pool, p, d = FakePool(), InstanceLoad("p"), InstanceLoad("d")
-        life = RequestLife(pool, "r1", p, d, queued_tokens=100)
+        life = Attempt(pool, "r1", p, d, queued_tokens=100)
         assert (p.in_flight_requests, p.in_flight_tokens, p.total_routed_tokens, d.in_flight_requests) == (
             1,
             100,
@@ -184,7 +185,7 @@ def test_an_aborted_attempt_undoes_its_accounting_and_releases_the_reservation_o
 def test_a_finished_attempt_keeps_its_routed_tokens_and_a_cancel_mid_stream_cancels_decode():
     async def scenario():
         pool, p, d = FakePool(), InstanceLoad("p"), InstanceLoad("d")
-        done = RequestLife(pool, "r1", p, d, queued_tokens=40)
+        done = Attempt(pool, "r1", p, d, queued_tokens=40)
         done.reserved(1)
         done.prefilled()
         assert p.in_flight_requests == 0 and d.in_flight_requests == 1
@@ -192,7 +193,7 @@ def test_a_finished_attempt_keeps_its_routed_tokens_and_a_cancel_mid_stream_canc
         done.finish()
         assert p.total_routed_tokens == 40 and d.in_flight_requests == 0
 
-        streaming = RequestLife(pool, "r2", p, d, queued_tokens=60)
+        streaming = Attempt(pool, "r2", p, d, queued_tokens=60)
         streaming.reserved(2)
         streaming.prefilled()
         call = FakeCall()
@@ -255,7 +256,7 @@ def test_an_attempt_ended_while_reserve_is_in_flight_releases_the_late_reservati
 
     async def scenario():
         pool, p, d = FakePool(), InstanceLoad("p"), InstanceLoad("d")
-        life = RequestLife(pool, "r3", p, d, queued_tokens=10)
+        life = Attempt(pool, "r3", p, d, queued_tokens=10)
         reserve_call = asyncio.get_running_loop().create_future()
         life.reserving(reserve_call)
         life.abort(None)  # the client left before decode answered
@@ -265,7 +266,7 @@ def test_an_attempt_ended_while_reserve_is_in_flight_releases_the_late_reservati
         await asyncio.sleep(0)
         assert pool.released == [("d", "r3", 99)]
         # the answer came as the client left, before the attempt read it: released all the same
-        late = RequestLife(pool, "r4", p, d, queued_tokens=10)
+        late = Attempt(pool, "r4", p, d, queued_tokens=10)
         answered = asyncio.get_running_loop().create_future()
         answered.set_result(Reserved())
         late.reserving(answered)

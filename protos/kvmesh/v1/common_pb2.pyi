@@ -44,22 +44,16 @@ FAILURE_CAUSE_UNKNOWN_MODEL: FailureCause
 FAILURE_CAUSE_UNAUTHENTICATED: FailureCause
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos")
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    STOP_FIELD_NUMBER: _ClassVar[int]
-    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
-    max_tokens: int
     seed: int
-    stop: _containers.RepeatedScalarFieldContainer[str]
-    ignore_eos: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
     __slots__ = ("instance_id", "num_pages", "num_free_pages", "num_cached_pages", "num_referenced_pages", "num_active_requests", "num_queued_tokens", "max_batch_size", "num_steps", "integrity_error", "num_prompt_tokens_computed", "num_prompt_tokens_cached", "page_size", "model_fingerprint", "max_requests", "kv_address", "num_experts", "expert_tokens", "step_seconds", "ep_ranks", "ep_rank_tokens", "ep_slots_per_layer", "ep_phy2log")

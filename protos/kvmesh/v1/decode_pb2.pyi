@@ -38,20 +38,22 @@ class ReserveResponse(_message.Message):
     def __init__(self, kv_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "first_token", "sampling", "kv_timeout_s")
+    __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "first_token", "sampling", "kv_timeout_s", "ignore_eos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token: int
     sampling: _common_pb2.SamplingParams
     kv_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "kv_digest", "finish_reason", "num_drafted", "num_accepted")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.kvmesh.v1 import common_pb2 as protos_dot_kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x1dprotos/kvmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\x0c\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"d\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.TextDeltaH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.FinalH\x00\x42\x06\n\x04kind\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x9d\x01\n\nKVTransfer\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x13\n\x0bpage_nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_digest\x18\x05 \x01(\t\x12\x15\n\rdecode_digest\x18\x06 \x01(\t\x12\x17\n\x0f\x65xposed_seconds\x18\x07 \x01(\x01\"\xab\x03\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12\r\n\x05itl_s\x18\x07 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x08 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12*\n\x0bkv_transfer\x18\x0b \x01(\x0b\x32\x15.kvmesh.v1.KVTransfer\x12\x0f\n\x07queue_s\x18\x0c \x01(\x01\x12\x11\n\tprefill_s\x18\r \x01(\x01\x12\'\n\x06\x66inish\x18\x0e \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x0f\n\x07retries\x18\x0f \x01(\x05\x12\x13\n\x0b\x61\x64mission_s\x18\x10 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x11 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x12 \x01(\x05\"\x13\n\x11ListModelsRequest\"u\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x32\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x1dprotos/kvmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\x0c\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateOptions\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\xb9\x01\n\x0fGenerateOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"d\n\x10GenerateResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.TextDeltaH\x00\x12!\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x10.kvmesh.v1.FinalH\x00\x42\x06\n\x04kind\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\x9d\x01\n\nKVTransfer\x12\x11\n\tnum_pages\x18\x01 \x01(\x05\x12\x13\n\x0bpage_nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_digest\x18\x05 \x01(\t\x12\x15\n\rdecode_digest\x18\x06 \x01(\t\x12\x17\n\x0f\x65xposed_seconds\x18\x07 \x01(\x01\"\xab\x03\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01\x12\r\n\x05itl_s\x18\x07 \x01(\x01\x12\x18\n\x10prefill_instance\x18\x08 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12*\n\x0bkv_transfer\x18\x0b \x01(\x0b\x32\x15.kvmesh.v1.KVTransfer\x12\x0f\n\x07queue_s\x18\x0c \x01(\x01\x12\x11\n\tprefill_s\x18\r \x01(\x01\x12\'\n\x06\x66inish\x18\x0e \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x0f\n\x07retries\x18\x0f \x01(\x05\x12\x13\n\x0b\x61\x64mission_s\x18\x10 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\x11 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x12 \x01(\x05\"\x13\n\x11ListModelsRequest\"u\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x32\x9b\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=76
   _globals['_CHATMESSAGE']._serialized_end=120
   _globals['_GENERATEREQUEST']._serialized_start=123
-  _globals['_GENERATEREQUEST']._serialized_end=318
-  _globals['_GENERATERESPONSE']._serialized_start=320
-  _globals['_GENERATERESPONSE']._serialized_end=420
-  _globals['_TEXTDELTA']._serialized_start=422
-  _globals['_TEXTDELTA']._serialized_end=466
-  _globals['_KVTRANSFER']._serialized_start=469
-  _globals['_KVTRANSFER']._serialized_end=626
-  _globals['_FINAL']._serialized_start=629
-  _globals['_FINAL']._serialized_end=1056
-  _globals['_LISTMODELSREQUEST']._serialized_start=1058
-  _globals['_LISTMODELSREQUEST']._serialized_end=1077
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1079
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1196
-  _globals['_GATEWAY']._serialized_start=1199
-  _globals['_GATEWAY']._serialized_end=1354
+  _globals['_GENERATEREQUEST']._serialized_end=319
+  _globals['_GENERATEOPTIONS']._serialized_start=322
+  _globals['_GENERATEOPTIONS']._serialized_end=507
+  _globals['_GENERATERESPONSE']._serialized_start=509
+  _globals['_GENERATERESPONSE']._serialized_end=609
+  _globals['_TEXTDELTA']._serialized_start=611
+  _globals['_TEXTDELTA']._serialized_end=655
+  _globals['_KVTRANSFER']._serialized_start=658
+  _globals['_KVTRANSFER']._serialized_end=815
+  _globals['_FINAL']._serialized_start=818
+  _globals['_FINAL']._serialized_end=1245
+  _globals['_LISTMODELSREQUEST']._serialized_start=1247
+  _globals['_LISTMODELSREQUEST']._serialized_end=1266
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1268
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1385
+  _globals['_GATEWAY']._serialized_start=1388
+  _globals['_GATEWAY']._serialized_end=1543
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,344 @@
+"""One attempt of one request at the gateway: both legs, as one object.
+
+    routed -> reserved -> prefilled -> decoding -> finished
+       \\________\\___________\\___________\\-------> aborted
+
+An `Attempt` holds one try's decode instance (and its reservation) and prefill instance
+(joined by `route_prefill` once the prefix index answered), the gateway's accounting on
+each, and the calls to them. The order of the legs is decided once, in `open`: while
+decode's KV address is unknown (no stats poll said it), Reserve goes first (Prefill needs
+its answer) and its round trip covers the prompt's hashing, the index lookup and the
+prefill choice; once known, Prefill (TTFT's path) leaves first under a transfer id the
+gateway picks and Reserve right behind it, neither waiting for the other. A Reserve that
+answers another address or id (a restarted KV listener, an older decode) gets Prefill again.
+`finish()` and `abort(failure)` end it exactly once: an aborted attempt's routed tokens are
+undone, an open decode stream is cancelled, a reservation no stream claimed is released
+(one answered after the end too), and the instance a failure is blamed on counts it.
+(Over 300 lines on purpose: the calls and the accounting they drive are one object.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engine.outcomes import FailureCause
+from gateway import wire
+from gateway.answer import Answer
+from gateway.failure import RequestFailed, failure_from_rpc
+from gateway.requests import GenerateInput
+from gateway.router import InstanceLoad
+from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
+from runtime import tracing
+
+logger = logging.getLogger(__name__)
+
+
+class Stage(enum.Enum):
+    """Where an attempt is (module docstring); FINISHED and ABORTED are its ends."""
+
+    ROUTED = "routed"
+    RESERVED = "reserved"
+    PREFILLED = "prefilled"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class Hops:
+    """What every attempt of one request sends, and the bounds on its hops."""
+
+    request: GenerateInput
+    span: Any
+    """The request's trace span (its context rides in each call's metadata); None: no tracing."""
+    rpc_timeout_s: float
+    """Deadline of Reserve (seconds); past the KV deadline, the bound on decode's first message."""
+    token_timeout_s: float
+    """Longest wait for the next message of the decode stream (seconds)."""
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """Both legs ready: decode reserved the pages and prefill pushed the KV into them."""
+
+    reserve: decode_pb2.ReserveResponse
+    prefill: prefill_pb2.PrefillResponse
+
+
+class Attempt:
+    """One try of one request: its two legs, their calls and the gateway's accounting on them.
+    `open` starts its calls (`route_prefill`, `send`, `stream` follow); the stages alone need
+    none of them (tests drive them by hand).
+
+    Args:
+        pool: the instances' stubs and background tasks (gateway.pool.InstancePool).
+        request_id: the request's id, for messages and Release.
+        prefill: the prefill instance, or None to route it later with `route_prefill`.
+        decode: the decode instance.
+        queued_tokens: prefill tokens this request adds to `prefill`'s queue.
+    """
+
+    def __init__(
+        self, pool, request_id: str, prefill: InstanceLoad | None, decode: InstanceLoad, queued_tokens: int = 0
+    ) -> None:
+        # counted on its instances at once: a burst sees it before any report does
+        self.pool = pool
+        self.request_id = request_id
+        self.prefill: InstanceLoad | None = None
+        self.decode = decode
+        self.queued_tokens = 0
+        self.stage = Stage.ROUTED
+        self.transfer_id: int | None = None
+        """The transfer id decode reserved under (None until Reserve answered)."""
+        self.decode_call = None
+        self._prefill_open = False
+        self._prefill_by = 0.0  # and _hops: set by open()
+        self._reserve_call: asyncio.Future | None = None
+        self._prefill_call: grpc.aio.UnaryUnaryCall | None = None
+        self._push_to: tuple[str, int] = ("", 0)  # (decode's KV address, transfer id) Prefill pushes to
+        self._reserve_first = False
+        self._block_hashes: Sequence[bytes] = ()
+        decode.in_flight_requests += 1
+        decode.breaker.on_routed()
+        if prefill is not None:
+            self.route_prefill(prefill, queued_tokens)
+
+    async def open(self, hops: Hops, prefill_by: float) -> None:
+        """Decide the order of the legs (module docstring) and send Reserve now if it goes first.
+
+        prefill_by: Prefill's deadline (event-loop time), set before the prefill instance is chosen.
+        """
+        self._hops, self._prefill_by = hops, prefill_by
+        # as decode's stats last said; its Reserve confirms it
+        self._push_to = (self.decode.kv_address, random.getrandbits(63) or 1)
+        self._reserve_first = not self.decode.kv_address
+        if self._reserve_first:
+            self._send_reserve()
+            await asyncio.sleep(0)  # let the call go out before the caller's CPU work
+
+    def send(self, block_hashes: Sequence[bytes]) -> None:
+        """Once routed to prefill: send the calls not yet sent (Prefill, then Reserve behind it).
+        block_hashes: the prompt's chained block hashes, which prefill reuses."""
+        self._block_hashes = block_hashes
+        if not self._reserve_first:
+            self._send_prefill()
+            self._send_reserve()
+
+    async def stream(self, answer: Answer) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Run the attempt to its end, yielding `answer`'s messages: the first token as soon as
+        prefill answers, decode's as they come, then the Final one.
+
+        Raises RequestFailed (the caller aborts the attempt): a leg refused or failed, or decode
+        sent nothing for rpc_timeout_s + token_timeout_s (the first message) or token_timeout_s."""
+        hops = self._hops
+        legs = await self._both_legs()
+        # the first token comes with prefill's answer and goes out now: it never waits for decode
+        yield answer.first(legs.prefill.first_token)
+        if answer.finish is None:
+            messages = self._generate(legs).__aiter__()
+            # the first message waits for admission into decode's batch; then one step each
+            bound = hops.rpc_timeout_s + hops.token_timeout_s
+            while answer.finish is None:
+                msg = await self._next_decode_message(messages, bound)
+                bound = hops.token_timeout_s
+                delta = answer.add(msg)
+                if delta is not None:
+                    yield delta
+        self.finish()
+        yield answer.final(legs.prefill, legs.reserve)
+
+    def _send_reserve(self) -> None:
+        """Reserve on decode for the gateway's transfer id, in the background (an answer that
+        comes after the attempt ended is released); decode frees the pages itself when no
+        Generate claims them by the KV deadline (Prefill's deadline + rpc_timeout_s)."""
+        hops = self._hops
+        kv_deadline_s = self._prefill_by - asyncio.get_running_loop().time() + hops.rpc_timeout_s
+        request = wire.reserve_request(hops.request, self._push_to[1], kv_deadline_s, self.pool.page_size)
+        stub = self.pool.decode_stub(self.decode)
+        metadata = tracing.inject(hops.span)
+        self.reserving(self.pool.spawn(stub.Reserve(request, timeout=hops.rpc_timeout_s, metadata=metadata)))
+
+    def _send_prefill(self) -> None:
+        """Start the Prefill call (a grpc.aio call is on its way once made) that pushes the KV
+        to `_push_to`; its deadline is the attempt's prefill_by."""
+        hops = self._hops
+        assert self.prefill is not None, self.request_id
+        address, transfer_id = self._push_to
+        request = wire.prefill_request(hops.request, self._block_hashes, address, transfer_id, self.pool.page_size)
+        timeout = self._prefill_by - asyncio.get_running_loop().time()
+        stub = self.pool.prefill_stub(self.prefill)
+        self._prefill_call = stub.Prefill(request, timeout=timeout, metadata=tracing.inject(hops.span))
+
+    async def _both_legs(self) -> Prefilled:
+        """Reserve's answer (sending Prefill now, or again where decode says), then Prefill's."""
+        assert self._reserve_call is not None and self.prefill is not None, self.request_id
+        try:
+            try:
+                # shielded: a client that leaves now must not cut the call off mid-way, or decode
+                # could reserve pages nobody releases; the abort releases the late answer instead
+                reserve = await asyncio.shield(self._reserve_call)
+            except grpc.aio.AioRpcError as exc:
+                failure = failure_from_rpc(exc, "decode", self.decode, self.decode, self.request_id)
+                # a full decode pool frees pages as answers end: wait for room (bounded)
+                failure.wait_for_room = failure.cause == FailureCause.OVERLOADED
+                raise failure from None
+            self.reserved(reserve.transfer_id)
+            self.decode.kv_address = reserve.kv_address
+            if self._prefill_call is not None and self._push_to != (reserve.kv_address, reserve.transfer_id):
+                # decode moved its KV listener (restarted on the same gRPC address), or picked its
+                # own transfer id (an older decode): push where and as it says
+                logger.info(
+                    "[%s] decode reserved transfer %x at %s; sending Prefill again",
+                    self.request_id,
+                    reserve.transfer_id,
+                    reserve.kv_address,
+                )
+                self._prefill_call.cancel()
+                self._prefill_call = None
+            if self._prefill_call is None:
+                self._push_to = (reserve.kv_address, reserve.transfer_id)
+                self._send_prefill()
+        except BaseException:
+            if self._prefill_call is not None:
+                self._prefill_call.cancel()  # prefill drops the job and its pages
+            raise
+        assert self._prefill_call is not None, self.request_id
+        try:
+            prefilled = await self._prefill_call
+        except grpc.aio.AioRpcError as exc:
+            raise failure_from_rpc(
+                exc, "prefill", self.prefill, self.decode, self.request_id, slow_is_lost=False
+            ) from None
+        self.prefilled()
+        return Prefilled(reserve, prefilled)
+
+    def _generate(self, legs: Prefilled):
+        """Open decode's stream of the tokens after the first."""
+        hops = self._hops
+        request = wire.decode_request(
+            hops.request, legs.reserve.transfer_id, legs.prefill.first_token, hops.rpc_timeout_s
+        )
+        # decode's work continues the KV push, so its spans hang under prefill's
+        traceparent = legs.prefill.traceparent
+        metadata = [("traceparent", traceparent)] if traceparent else tracing.inject(hops.span)
+        call = self.pool.decode_stub(self.decode).Generate(request, metadata=metadata)
+        self.decoding(call)
+        return call
+
+    async def _next_decode_message(self, messages, bound: float) -> decode_pb2.DecodeResponse:
+        try:
+            # a timeout scope, not wait_for: no task per token on the stream's hot path
+            async with asyncio.timeout(bound):
+                return await messages.__anext__()
+        except TimeoutError:
+            name = self.decode.instance_id or self.decode.address
+            raise RequestFailed(
+                FailureCause.INSTANCE_LOST,
+                f"[{self.request_id}] decode {name}: no token for {bound:.0f} s",
+                self.decode,
+            ) from None
+        except StopAsyncIteration:
+            raise RequestFailed(
+                FailureCause.INTERNAL, f"[{self.request_id}] decode stream ended without a finish reason"
+            ) from None
+        except grpc.aio.AioRpcError as exc:
+            raise failure_from_rpc(exc, "decode", self.decode, self.decode, self.request_id) from None
+
+    def route_prefill(self, prefill: InstanceLoad, queued_tokens: int) -> None:
+        """The prefill leg: count `queued_tokens` (the prefill tokens this request adds to its
+        queue) on `prefill`. Once, before the attempt ends."""
+        assert self.prefill is None and self.stage in (Stage.ROUTED, Stage.RESERVED), (self.request_id, self.stage)
+        self.prefill = prefill
+        self.queued_tokens = queued_tokens
+        self._prefill_open = True
+        prefill.in_flight_requests += 1
+        prefill.in_flight_tokens += queued_tokens
+        prefill.total_routed_tokens += queued_tokens
+        prefill.breaker.on_routed()
+
+    def reserving(self, call: asyncio.Future) -> None:
+        """The Reserve call is in flight: if the attempt ends before it answers, decode may
+        still reserve, so its answer is released when it comes."""
+        self._reserve_call = call
+
+    def reserved(self, transfer_id: int) -> None:
+        self._advance(Stage.ROUTED, Stage.RESERVED)
+        self.transfer_id = transfer_id
+
+    def prefilled(self) -> None:
+        assert self.prefill is not None, self.request_id
+        self._advance(Stage.RESERVED, Stage.PREFILLED)
+        self._end_prefill()
+        self.prefill.breaker.record_success()
+
+    def decoding(self, call) -> None:
+        self._advance(Stage.PREFILLED, Stage.DECODING)
+        self.decode_call = call
+
+    def finish(self) -> None:
+        """The answer ended normally (on decode, or with the first token)."""
+        if self.stage in (Stage.FINISHED, Stage.ABORTED):
+            return
+        self.decode.breaker.record_success()
+        self._close(Stage.FINISHED)
+
+    def abort(self, failure: RequestFailed | None) -> None:
+        """End the attempt after a failure (None: the client went away); once only."""
+        if self.stage in (Stage.FINISHED, Stage.ABORTED):
+            return
+        for inst in (self.prefill, self.decode):
+            if inst is None:
+                continue
+            if failure is not None and failure.instance is inst:
+                inst.breaker.record_failure()
+            else:
+                inst.breaker.record_neutral()
+        self._close(Stage.ABORTED)
+
+    def _close(self, stage: Stage) -> None:
+        self.stage = stage
+        self._end_prefill()
+        if stage == Stage.ABORTED and self.prefill is not None:
+            # a cancelled or failed attempt leaves no trace in the routing tie-break, whatever
+            # stage it reached: idle, equal instances share new work evenly again
+            self.prefill.total_routed_tokens -= self.queued_tokens
+        self.decode.in_flight_requests -= 1
+        if self.decode_call is not None and not self.decode_call.done():
+            self.decode_call.cancel()  # decode frees the pages when it sees the cancel
+            if stage == Stage.ABORTED and self.transfer_id is not None:
+                # and in case the cancel never reaches it (Generate not yet sent): Release is idempotent
+                self._release(self.transfer_id)
+        elif self.transfer_id is not None and self.decode_call is None:
+            # no stream ever claimed the reservation: give the pages back now (a frozen
+            # decode frees them itself when the reservation's deadline passes)
+            self._release(self.transfer_id)
+        elif self.transfer_id is None and self._reserve_call is not None:
+            # ended while Reserve was in flight (or as its answer arrived, before it was
+            # read): decode may have reserved all the same; release whatever it answers
+            self._reserve_call.add_done_callback(self._release_late_reservation)
+
+    def _release(self, transfer_id: int) -> None:
+        self.pool.spawn(self.pool.release(self.decode, self.request_id, transfer_id))
+
+    def _release_late_reservation(self, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self._release(call.result().transfer_id)
+
+    def _end_prefill(self) -> None:
+        if not self._prefill_open or self.prefill is None:
+            return
+        self._prefill_open = False
+        self.prefill.in_flight_requests -= 1
+        self.prefill.in_flight_tokens -= self.queued_tokens
+
+    def _advance(self, expected: Stage, to: Stage) -> None:
+        assert self.stage == expected, (self.request_id, self.stage, to)
+        self.stage = to

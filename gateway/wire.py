@@ -1,0 +1,94 @@
+"""The gateway's wire messages, each conversion written once: the client's request into a
+GenerateInput (checked), and a GenerateInput into the calls to prefill and decode (whose
+servicers read them back: prefill_svc/servicer.py, decode_svc/servicer.py). Sampling
+settings cross in runtime.wire (sampling_to_pb / sampling_from_pb); the answer's messages
+are built in gateway/answer.py.
+
+max_tokens travels once a hop: in the client's GenerateOptions, then in Reserve (decode
+sizes the reservation and ends the answer by it); prefill does not need it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from gateway.requests import GenerateInput, PromptBuilder
+from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
+from runtime.wire import check_request_id, sampling_to_pb
+
+
+def generate_input(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) -> GenerateInput:
+    """The client's request, tokenized and checked (a request id made when it has none).
+
+    Raises UnknownModelError (NOT_FOUND) or ValueError (INVALID_ARGUMENT) saying what to change."""
+    check_request_id(request.request_id)
+    builder.check_model(request.model)
+    s = request.sampling
+    ids = builder.tokenize(
+        request.prompt, [(m.role, m.content) for m in request.messages], request.chat, request.prompt_token_ids
+    )
+    return builder.build(
+        request.request_id or uuid.uuid4().hex,
+        ids,
+        s.temperature,
+        s.top_p if s.HasField("top_p") else None,
+        s.top_k,
+        s.max_tokens if s.HasField("max_tokens") else None,
+        s.seed if s.HasField("seed") else None,
+        list(s.stop),
+        s.ignore_eos,
+    )
+
+
+def models_response(builder: PromptBuilder) -> gateway_pb2.ListModelsResponse:
+    """What this gateway serves and its limits."""
+    return gateway_pb2.ListModelsResponse(
+        models=[builder.model_name],
+        max_context_tokens=builder.max_context,
+        max_tokens_limit=builder.max_tokens_limit,
+        has_chat_template=bool(builder.tokenizer.chat_template),
+    )
+
+
+def reserve_request(
+    inp: GenerateInput, transfer_id: int, kv_deadline_s: float, page_size: int
+) -> decode_pb2.ReserveRequest:
+    """Reserve pages on decode for the prompt and max_tokens, under the gateway's `transfer_id`;
+    the KV must land within kv_deadline_s seconds."""
+    return decode_pb2.ReserveRequest(
+        request_id=inp.request_id,
+        num_prompt_tokens=len(inp.prompt_token_ids),
+        max_tokens=inp.max_tokens,
+        page_size=page_size,
+        kv_deadline_s=kv_deadline_s,
+        transfer_id=transfer_id,
+    )
+
+
+def prefill_request(
+    inp: GenerateInput, block_hashes: Sequence[bytes], kv_address: str, transfer_id: int, page_size: int
+) -> prefill_pb2.PrefillRequest:
+    """Prefill the prompt and push its KV to decode's `kv_address` under `transfer_id`."""
+    return prefill_pb2.PrefillRequest(
+        request_id=inp.request_id,
+        token_ids=inp.prompt_token_ids,
+        sampling=sampling_to_pb(inp.sampling),
+        decode_kv_address=kv_address,
+        transfer_id=transfer_id,
+        page_size=page_size,
+        block_hashes=block_hashes,  # hashed once, at the gateway: prefill reuses them
+    )
+
+
+def decode_request(inp: GenerateInput, transfer_id: int, first_token: int, kv_timeout_s: float):
+    """Decode the tokens after `first_token` from the KV pushed under `transfer_id`."""
+    return decode_pb2.DecodeRequest(
+        request_id=inp.request_id,
+        transfer_id=transfer_id,
+        prompt_token_ids=inp.prompt_token_ids,
+        first_token=first_token,
+        sampling=sampling_to_pb(inp.sampling),
+        kv_timeout_s=kv_timeout_s,
+        ignore_eos=inp.ignore_eos,
+    )
