@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.routesim import TraceRequest, load_trace, router_chooser, simulate
+from bench.routing_sim import TraceRequest, load_trace, router_chooser, simulate
 from bench.trace_plots import MeasuredRequest, write_plots
 from kvmesh.progress import progress_bar
 

@@ -118,7 +118,7 @@ def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer
 def test_trace_replay_records_and_plots(mesh, tmp_path):
     # `kvmesh bench --trace`'s replay on this mesh: eight requests of four 16-token blocks,
     # pairs sharing their first three blocks (ids no other test uses), one at a time
-    from bench.routesim import TraceRequest
+    from bench.routing_sim import TraceRequest
     from bench.trace import measured_prefill_rate, replay, scale_trace
     from bench.trace_plots import PLOT_FILES, write_plots
 

@@ -3,7 +3,7 @@ load guard on a trace whose every request shares its first block."""
 
 import random
 
-from bench.routesim import LRUBlocks, TraceRequest, oracle_hit_rate, router_chooser, simulate
+from bench.routing_sim import LRUBlocks, TraceRequest, oracle_hit_rate, router_chooser, simulate
 
 # four requests, all at t=0, prefill at 1024 tokens/s, 512-token blocks
 TINY = [
@@ -98,7 +98,7 @@ def test_bad_arguments_and_traces_are_refused(tmp_path):
 def test_out_of_range_trace_values_are_refused(tmp_path):
     import pytest
 
-    from bench.routesim import load_trace
+    from bench.routing_sim import load_trace
 
     for row, what in (
         ('{"timestamp": 0, "input_length": 600, "hash_ids": [-1]}', "hash_ids"),

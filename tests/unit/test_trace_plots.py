@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bench.routesim import TraceRequest, router_chooser, simulate
+from bench.routing_sim import TraceRequest, router_chooser, simulate
 from bench.trace import measured_prefill_rate, scale_trace
 from bench.trace_plots import PLOT_FILES, MeasuredRequest, write_plots
 
