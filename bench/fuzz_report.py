@@ -66,7 +66,8 @@ def summarize(
     by_status = Counter(r.status for r in results)
     examples: dict[str, list[str]] = defaultdict(list)
     by_case: dict[str, Counter] = defaultdict(Counter)
-    failures, per_status = [], Counter()
+    failures: list[dict] = []
+    per_status: Counter[str] = Counter()
     for r in results:
         by_case[r.case.split(":")[0] if r.case.startswith("combo") else r.case][r.status] += 1
         d = r.details[:200]

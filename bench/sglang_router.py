@@ -32,6 +32,9 @@ two requests sharing their first k hash ids share exactly their first k blocks o
 Nothing leaves loopback: the router, its metrics listener and the stubs bind 127.0.0.1, the stubs
 report no model path (so the router does not fetch a tokenizer from the Hugging Face hub), and the
 router runs with HTTP(S)_PROXY pointing at a closed loopback port as a guard.
+
+The router's process is started and stopped in bench/sglang_router_process.py, the stub workers
+live in bench/sglang_stub_workers.py; this module replays the trace through them.
 """
 
 from __future__ import annotations
@@ -41,21 +44,12 @@ import heapq
 import http.client
 import importlib.util
 import json
-import logging
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-logger = logging.getLogger(__name__)
+from bench.sglang_router_process import log_tail, router_process
+from bench.sglang_stub_workers import Board, Pending, StubWorker
 
 POLICIES = ("cache_aware", "prefix_hash")
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces
@@ -64,19 +58,7 @@ INSTALL_HINT = "install it with: pip install 'sglang-router>=0.3.2'  (or: pip in
 # sglang-router policy that runs for each of our names; see the module docstring for prefix_hash.
 _ROUTER_POLICY = {"cache_aware": "cache_aware", "prefix_hash": "consistent_hashing"}
 
-# 0.3.2's --policy choices omit consistent_hashing although its Router accepts it, so parse the
-# router's own CLI and set the policy afterwards.
-_LAUNCHER = (
-    "import sys\n"
-    "from sglang_router.launch_router import launch_router, parse_router_args\n"
-    "args = parse_router_args(sys.argv[2:])\n"
-    "args.policy = sys.argv[1]\n"
-    "launch_router(args)\n"
-)
-
 _PUA_PLANE = 65534  # code points in each Supplementary Private Use Area (U+F0000, U+100000)
-_STARTUP_TIMEOUT_S = 60.0
-_LOG_TAIL_BYTES = 4000
 
 
 def sglang_available() -> bool:
@@ -163,11 +145,11 @@ def sglang_assignments(
         return []
 
     deadline = time.monotonic() + timeout_s
-    board = _Board(deadline)
-    stubs = [_StubWorker(i, board) for i in range(num_instances)]
+    board = Board(deadline)
+    stubs = [StubWorker(i, board) for i in range(num_instances)]
     try:
         urls = [s.url for s in stubs]
-        with _router(urls, _ROUTER_POLICY[policy], deadline) as (port, log_path):
+        with router_process(urls, _ROUTER_POLICY[policy], deadline) as (port, log_path):
             key_blocks = math.ceil(prefix_tokens / TRACE_BLOCK_TOKENS) if policy == "prefix_hash" else 0
             # the router keeps load counters only for cache_aware (and manual)
             replay = _Replay(port, urls, log_path, board, deadline, policy == "cache_aware", key_blocks)
@@ -181,45 +163,6 @@ def sglang_assignments(
             s.close()
 
 
-class _Pending:
-    """One request in flight: the stub fills `worker`, the replay sets `release`."""
-
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.worker = -1
-        self.error: str | None = None
-        self.arrived = threading.Event()  # a stub has it (or sending failed: see error)
-        self.release = threading.Event()  # the stub may answer it
-        self.thread: threading.Thread | None = None
-
-
-class _Board:
-    """Requests in flight by rid, shared by the replay and the stub workers."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self._lock = threading.Lock()
-        self._pending: dict[str, _Pending] = {}
-
-    def add(self, rid: str) -> _Pending:
-        with self._lock:
-            p = self._pending[rid] = _Pending(rid)
-        return p
-
-    def arrive(self, rid: str, worker: int) -> _Pending | None:
-        with self._lock:
-            p = self._pending.get(rid)
-        if p is not None:
-            p.worker = worker
-            p.arrived.set()
-        return p
-
-    def release_all(self) -> None:
-        with self._lock:
-            for p in self._pending.values():
-                p.release.set()
-
-
 class _Replay:
     """Sends trace requests through the router in virtual time (see sglang_assignments)."""
 
@@ -228,7 +171,7 @@ class _Replay:
         port: int,
         urls: list[str],
         log_path: str,
-        board: _Board,
+        board: Board,
         deadline: float,
         track_load: bool,
         key_blocks: int,
@@ -240,7 +183,7 @@ class _Replay:
 
     def run(self, requests: list[dict], block_words: int, prefill_tps: float, decode_tps: float) -> list[int]:
         texts: dict[int, str] = {}
-        finishing: list[tuple[float, int, _Pending]] = []  # heap of (finish time s, index, request)
+        finishing: list[tuple[float, int, Pending]] = []  # heap of (finish time s, index, request)
         inflight = [0] * len(self.urls)
         assignments = []
         now = 0.0
@@ -277,7 +220,7 @@ class _Replay:
         for t in self.threads:
             t.join(timeout=max(0.0, self.deadline - time.monotonic()) + 5)
 
-    def _send(self, rid: str, blocks: list[str]) -> _Pending:
+    def _send(self, rid: str, blocks: list[str]) -> Pending:
         """Post one request from its own thread; return once a stub holds it."""
         body = {"text": "".join(blocks), "sampling_params": {"max_new_tokens": 1}, "rid": rid}
         headers = {"Content-Type": "application/json"}
@@ -290,12 +233,12 @@ class _Replay:
         self.threads.append(p.thread)
         p.thread.start()
         if not p.arrived.wait(self._remaining()):
-            raise TimeoutError(f"request {rid} did not reach a worker in time\n{_log_tail(self.log_path)}")
+            raise TimeoutError(f"request {rid} did not reach a worker in time\n{log_tail(self.log_path)}")
         if p.error:
-            raise RuntimeError(f"request {rid}: {p.error}\n{_log_tail(self.log_path)}")
+            raise RuntimeError(f"request {rid}: {p.error}\n{log_tail(self.log_path)}")
         return p
 
-    def _post(self, p: _Pending, data: bytes, headers: dict[str, str]) -> None:
+    def _post(self, p: Pending, data: bytes, headers: dict[str, str]) -> None:
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self._remaining() + 5)
             conn.request("POST", "/generate", data, headers)
@@ -311,15 +254,15 @@ class _Replay:
         finally:
             p.arrived.set()  # wakes the replay if it failed before any stub saw it
 
-    def _finish(self, p: _Pending) -> None:
+    def _finish(self, p: Pending) -> None:
         """Let the stub answer `p` and wait until the router has passed the answer back."""
         p.release.set()
         assert p.thread is not None
         p.thread.join(self._remaining())
         if p.thread.is_alive():
-            raise TimeoutError(f"request {p.rid} was released but never completed\n{_log_tail(self.log_path)}")
+            raise TimeoutError(f"request {p.rid} was released but never completed\n{log_tail(self.log_path)}")
         if p.error:
-            raise RuntimeError(f"request {p.rid}: {p.error}\n{_log_tail(self.log_path)}")
+            raise RuntimeError(f"request {p.rid}: {p.error}\n{log_tail(self.log_path)}")
 
     def _wait_loads(self, inflight: list[int]) -> None:
         """Poll GET /workers until the router's load counters equal our in-flight counts."""
@@ -339,164 +282,3 @@ class _Replay:
 
     def _remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
-
-
-class _StubHandler(BaseHTTPRequestHandler):
-    """A fake SGLang worker: enough for the router to register it, and a held 1-token /generate."""
-
-    protocol_version = "HTTP/1.1"  # keep-alive: the router pools its worker connections
-    disable_nagle_algorithm = True  # headers and body go out in two writes; don't stall on ACKs
-    worker_index = -1
-    board: _Board
-
-    def do_GET(self) -> None:
-        # /health, /server_info, /model_info, /get_load: an empty object is accepted, and without
-        # a model_path the router does not try to fetch a tokenizer from the hub.
-        self._reply({})
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if self.path != "/generate":
-            self._reply({})
-            return
-        rid = json.loads(body).get("rid")
-        p = self.board.arrive(rid, self.worker_index)
-        if p is not None:
-            p.release.wait(max(0.0, self.board.deadline - time.monotonic()))
-        meta = {
-            "id": rid,
-            "finish_reason": {"type": "length", "length": 1},
-            "prompt_tokens": 0,
-            "completion_tokens": 1,
-            "cached_tokens": 0,
-        }
-        self._reply({"text": "", "meta_info": meta})
-
-    def _reply(self, obj: dict) -> None:
-        out = json.dumps(obj).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass  # one line per request would drown the test output
-
-
-class _StubWorker:
-    """One stub worker on a free loopback port, served from daemon threads."""
-
-    def __init__(self, index: int, board: _Board) -> None:
-        handler = type(f"_StubHandler{index}", (_StubHandler,), {"worker_index": index, "board": board})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name=f"sglang-stub-{index}", daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_port}"
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-@contextmanager
-def _router(worker_urls: list[str], policy: str, deadline: float) -> Iterator[tuple[int, str]]:
-    """Run sglang-router on loopback until the block exits; yield (port, log file path)."""
-    port, metrics_port = _free_port(), _free_port()
-    cmd = [
-        sys.executable,
-        "-c",
-        _LAUNCHER,
-        policy,
-        "--worker-urls",
-        *worker_urls,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        "--log-level",
-        "warn",
-    ]
-    # Anything the router tries to fetch from outside goes to a closed loopback port instead.
-    guard = "http://127.0.0.1:9"
-    env = dict(
-        os.environ,
-        HTTP_PROXY=guard,
-        HTTPS_PROXY=guard,
-        ALL_PROXY=guard,
-        http_proxy=guard,
-        https_proxy=guard,
-        all_proxy=guard,
-        NO_PROXY="127.0.0.1,localhost",
-        no_proxy="127.0.0.1,localhost",
-    )
-    fd, log_path = tempfile.mkstemp(prefix="sglang-router-", suffix=".log")
-    logger.debug("starting sglang-router (%s) on 127.0.0.1:%d for %s, log %s", policy, port, worker_urls, log_path)
-    try:
-        with os.fdopen(fd, "wb") as log:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        try:
-            _wait_ready(proc, port, len(worker_urls), min(deadline, time.monotonic() + _STARTUP_TIMEOUT_S), log_path)
-            yield port, log_path
-        finally:
-            _stop(proc)
-    finally:
-        os.unlink(log_path)
-
-
-def _wait_ready(proc: subprocess.Popen, port: int, num_workers: int, deadline: float, log_path: str) -> None:
-    """Block until the router lists all workers as healthy; RuntimeError if it exits or stalls."""
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"sglang-router exited with code {proc.returncode} before it was ready\n{_log_tail(log_path)}"
-            )
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/workers")
-            workers = json.loads(conn.getresponse().read()).get("workers", [])
-            conn.close()
-            if sum(bool(w.get("is_healthy")) for w in workers) == num_workers:
-                return
-        except (OSError, ValueError, http.client.HTTPException):
-            pass  # not listening yet, or workers still registering
-        if time.monotonic() > deadline:
-            raise RuntimeError(
-                f"sglang-router did not register {num_workers} healthy workers in time\n{_log_tail(log_path)}"
-            )
-        time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the router's process group, SIGKILL it if it has not exited within 5 s."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return
-        os.killpg(proc.pid, sig)  # its own group (start_new_session), so nothing else is hit
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _log_tail(log_path: str) -> str:
-    with open(log_path, "rb") as f:
-        f.seek(max(0, os.path.getsize(log_path) - _LOG_TAIL_BYTES))
-        return "sglang-router log tail:\n" + f.read().decode(errors="replace")
