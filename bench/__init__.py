@@ -8,7 +8,9 @@ holds both). What lives here:
   points, so the product's CLI never names them): `kvmesh bench` (mesh.py; `--speculative`:
   speculative.py; `--trace`: trace.py with trace_plots.py), `kvmesh bench-v4` (v4.py),
   `kvmesh bench-transfer` (transfer.py, next to Mooncake TE in mooncake.py), `kvmesh routesim`
-  (routesim.py, and SGLang's router in sglang_router.py), `kvmesh fuzz` (fuzz.py);
+  (routesim.py over the simulation in routing_sim.py, and SGLang's router in sglang_router.py
+  with sglang_router_process.py and sglang_stub_workers.py), `kvmesh fuzz` (fuzz.py, its
+  requests from fuzz_cases.py, its report in fuzz_report.py);
 - the peers the mesh is measured against, each in a process of its own (peers.py);
 - the engine and kernels alone, `python -m bench.NAME`: engine.py, prefill.py,
   profile_decode.py, v4_state_report.py, kernels_gpu.py, quant.py, dense.py;
