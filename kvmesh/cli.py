@@ -81,7 +81,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from kvmesh.launcher import run_up
+    from kvmesh.up import run_up
 
     try:
         return run_up(

@@ -69,6 +69,13 @@ def _lap(cycles, part, start):  # add the cycles since start to cycles[part] whe
     return now
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _add_rows(h, y):  # h [B, H] += y[:, :H]: a projection's output into the residual stream
+    for b in range(h.shape[0]):
+        for i in range(h.shape[1]):
+            h[b, i] = h[b, i] + y[b, i]
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _rms_norm_rows(h, w, eps, out):  # h, out [B, H], w [H]
     # transformers: fp32 squares, their mean (summed here in fp64), rsqrt, then w * (h * r)
@@ -309,9 +316,7 @@ def decode_step(
         xs = block_sums(attn)
         for tile in numba.prange(o[0].shape[1]):
             q4_1_tile(attn, xs, o[0][li], o[1][li], o[2][li], tile, y_o)
-        for b in range(B):
-            for i in range(H):
-                h[b, i] = h[b, i] + y_o[b, i]
+        _add_rows(h, y_o)
         t = _lap(cycles, 4, t)
         _rms_norm_rows(h, norms[li, 1], eps, x)
         t = _lap(cycles, 0, t)
@@ -327,9 +332,7 @@ def decode_step(
         xs = block_sums(act)
         for tile in numba.prange(down[0].shape[1]):
             q4_1_tile(act, xs, down[0][li], down[1][li], down[2][li], tile, y_down)
-        for b in range(B):
-            for i in range(H):
-                h[b, i] = h[b, i] + y_down[b, i]
+        _add_rows(h, y_down)
         t = _lap(cycles, 6, t)
     _rms_norm_rows(h, norms[L, 0], eps, x)
     t = _lap(cycles, 0, t)

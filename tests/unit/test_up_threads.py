@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from kvmesh import cli, launcher
+from kvmesh import cli, launcher, up
 
 
 @pytest.fixture(autouse=True)
@@ -44,4 +44,4 @@ def test_thread_flags_become_each_instances_torch_threads(monkeypatch):
 
 def test_negative_thread_counts_are_refused():
     with pytest.raises(ValueError, match="thread counts must be >= 0"):
-        launcher.run_up(1, 1, None, 50999, prefill_threads=-1)
+        up.run_up(1, 1, None, 50999, prefill_threads=-1)

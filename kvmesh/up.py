@@ -1,0 +1,99 @@
+"""`kvmesh up`: start a local mesh (kvmesh.launcher), say where it answers, and keep it up until
+Ctrl-C, SIGTERM or the death of one of its processes."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from kvmesh import launcher
+
+
+def run_up(
+    num_prefill: int,
+    num_decode: int,
+    model: str | None,
+    port: int,
+    prefill_threads: int = 0,
+    decode_threads: int = 0,
+    speculative: str = "off",
+    num_draft_tokens: int = 4,
+    http_port: int = 8000,
+    decode_ep: int = 1,
+) -> int:
+    """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
+
+    prefill_threads / decode_threads: each instance's model threads (`--torch-threads`; 0:
+    every core). The default split on a small machine: both use every core, decode's threads
+    spin between steps, prefill's spin briefly, then sleep, and the two take turns through one
+    --cpu-share file (docs/operations.md, Threads), so a prefill burst slows decode only while
+    it computes. speculative / num_draft_tokens go to every decode
+    (`kvmesh serve decode --speculative ... --num-draft-tokens ...`), decode_ep too (`--ep N`:
+    each decode runs N expert-parallel ranks; MoE models only). http_port: the gateway's
+    OpenAI-compatible HTTP API (0: none).
+    """
+    if decode_ep < 1:
+        raise ValueError(f"decode_ep must be >= 1, got {decode_ep}")
+    if prefill_threads < 0 or decode_threads < 0:
+        raise ValueError(f"thread counts must be >= 0 (0: every core), got {prefill_threads} and {decode_threads}")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt  # start_mesh stops what it started on the way out
+
+    # during start-up Ctrl-C and SIGTERM abort at once (even when the shell started us with
+    # SIGINT ignored, as it does for background jobs); afterwards they stop the loop below
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+    print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
+    try:
+        mesh = launcher.start_mesh(
+            num_prefill,
+            num_decode,
+            model,
+            port,
+            extra_prefill_args=["--torch-threads", str(prefill_threads)] if prefill_threads else None,
+            extra_decode_args=[
+                *(["--torch-threads", str(decode_threads)] if decode_threads else []),
+                *(
+                    ["--speculative", speculative, "--num-draft-tokens", str(num_draft_tokens)]
+                    if speculative != "off"
+                    else []
+                ),
+                *(["--ep", str(decode_ep)] if decode_ep > 1 else []),
+            ]
+            or None,
+            http_port=http_port,
+        )
+    except KeyboardInterrupt:
+        print("start-up interrupted; stopped everything it started", file=sys.stderr, flush=True)
+        return 130
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    http = f", OpenAI HTTP {mesh.http_address}/v1" if mesh.http_address else ""
+    print(
+        f"kvmesh is up: gateway {mesh.gateway_address}{http} (prefill {', '.join(mesh.prefill_addresses)}; "
+        f"decode {', '.join(mesh.decode_addresses)}; redis {mesh.redis_url})",
+        flush=True,
+    )
+    print(f'try: kvmesh generate --gateway {mesh.gateway_address} "What is the capital of France?"', flush=True)
+    if mesh.http_address:
+        print(
+            f"  or: curl {mesh.http_address}/v1/chat/completions -H 'Content-Type: application/json' "
+            """-d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}'""",
+            flush=True,
+        )
+    print(f"scale: kvmesh serve prefill|decode --redis-url {mesh.redis_url} joins this gateway", flush=True)
+    code = 0
+    try:
+        while not stop.wait(0.5):
+            dead = [n for n, p in mesh.procs if p.poll() is not None]
+            if dead:
+                print(f"{', '.join(dead)} exited; stopping the mesh", file=sys.stderr, flush=True)
+                code = 1
+                break
+    finally:
+        print("stopping kvmesh ...", flush=True)
+        mesh.stop()
+    return code
