@@ -12,6 +12,7 @@ import logging
 import math
 
 import grpc
+from opentelemetry.trace import Status, StatusCode
 
 from decode_svc.delivery import CapacityError, RequestReleased
 from decode_svc.engine import DecodeEngine
@@ -193,9 +194,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if first:
                     msg.kv_digest = digest
                     first = False
-                yield msg
                 if end is not None:
-                    # per-step work summarized on the request's span, not a span per token
+                    # per-step work summarized on the request's span, not a span per token; set
+                    # before the last message goes out: the gateway cancels the call once it has
+                    # it, and on a busy machine that cancel closes this generator at its yield
                     span.set_attributes(
                         {
                             "kvmesh.finish_reason": str(end),
@@ -206,7 +208,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                             "kvmesh.decode.accepted_tokens": t.num_accepted,
                         }
                     )
+                    # final (OK is never overwritten): that cancel is no error of this request
+                    span.set_status(Status(StatusCode.OK))
                     logger.info("[%s] decode finished: %s after %d tokens", rid, end, generated)
+                yield msg
+                if end is not None:
                     return
         finally:
             # finished: the engine freed the pages already and this only forgets the transfer;

@@ -158,8 +158,9 @@ def complete_many(mesh: Mesh, requests: list[dict]) -> list[Completion]:
     return asyncio.run(run())
 
 
-def wait_idle(mesh: Mesh, timeout_s: float = 20.0) -> None:
-    """Wait until every decode pool is fully free and no prefill page is referenced; check integrity."""
+def wait_idle(mesh: Mesh, timeout_s: float = 60.0) -> None:
+    """Wait until every decode pool is fully free and no prefill page is referenced (a bound for
+    a busy machine; no cost when idle); check integrity."""
     deadline = time.monotonic() + timeout_s
     while True:
         decs = [instance_stats(a, "decode") for a in mesh.decode_addresses]

@@ -56,7 +56,9 @@ def _attrs(span) -> dict:
 def test_one_trace_gateway_prefill_decode(mesh, collector):
     msgs = _generate_with_traceparent(mesh, "Tell me one fact about lighthouses.")
     assert msgs[-1].final.generated_tokens == 6
-    deadline = time.monotonic() + 20
+    # spans reach the collector as each service's exporter sends them (every 100 ms): wait for
+    # all of them, bounded generously for a busy machine (no cost when they come at once)
+    deadline = time.monotonic() + 60
     names: set[str] = set()
     want = {
         "gateway.generate",
@@ -103,6 +105,9 @@ def test_one_trace_gateway_prefill_decode(mesh, collector):
     assert fwd["kvmesh.prompt_tokens"] == final.prompt_tokens
     dec = spans["decode.generate"][1]
     assert _attrs(dec)["kvmesh.decode.generated_tokens"] == 5 and _attrs(dec)["kvmesh.finish_reason"] == "length"
+    # the summary and the status are set before decode's last message: the gateway's cancel of
+    # the finished call, which on a busy machine closes the stream at that message, is no error
+    assert dec.status.code == dec.status.STATUS_CODE_OK, dec.status
     assert [e.name for e in dec.events] == ["first_token"]
     gen = _attrs(spans["gateway.generate"][1])
     assert gen["kvmesh.generated_tokens"] == 6 and gen["kvmesh.request_id"] == "traced-1"

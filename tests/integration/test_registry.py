@@ -35,10 +35,16 @@ def test_live_lists_registered_records_until_they_leave_or_lapse(redis_url, ns):
         assert _live(redis_url, ns) == []
         assert registry.heartbeat(p.instance_id, 30.0, p) is True  # new: the caller re-publishes
         assert registry.heartbeat(p.instance_id, 30.0, p) is False  # renewed
-        assert registry.heartbeat(d.instance_id, 0.3, d) is True
+        # a lease long enough to read it back on a busy machine (a fresh reader connects first)
+        beat_at = time.monotonic()
+        assert registry.heartbeat(d.instance_id, 1.0, d) is True
         assert _live(redis_url, ns) == [d, p]  # by instance id
-        time.sleep(0.5)  # the decode stopped renewing (dead or frozen): its lease lapsed
-        assert _live(redis_url, ns) == [p]
+        # the decode stops renewing (dead or frozen): its lease lapses, and only p is listed
+        deadline = beat_at + 30
+        while (live := _live(redis_url, ns)) != [p] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # gone, and not before its TTL ran out (less a few ms: Redis keeps its own clock)
+        assert live == [p] and time.monotonic() - beat_at > 0.95, live
         registry.leave(p.instance_id)  # drained
         assert _live(redis_url, ns) == []
         with pytest.raises(ValueError, match="record of"):
@@ -80,11 +86,12 @@ def test_registration_renews_until_it_leaves(redis_url, ns):
         async def after_beat(lost: bool) -> None:
             lost_flags.append(lost)
 
-        registration = Registration(registry, record, ttl_s=0.6, after_beat=after_beat)
+        # renewed every 0.5 s, a 1.5 s lease survives a renewal delayed by a second on a busy machine
+        registration = Registration(registry, record, ttl_s=1.5, after_beat=after_beat)
         registration.start()
         try:
-            deadline = time.monotonic() + 10
-            while registration.renewals < 4:  # renewed every 0.2 s: outlives its 0.6 s TTL
+            deadline = time.monotonic() + 30
+            while registration.renewals < 4:  # renewed every 0.5 s: outlives its 1.5 s TTL
                 assert time.monotonic() < deadline, "the lease was not renewed"
                 await asyncio.sleep(0.05)
             reader = AsyncRegistryReader(redis_url, MODEL, namespace=ns)

@@ -129,6 +129,17 @@ def patient_decode():
     peer.close()
 
 
+async def _until_awaited(decode: Peer, tid: int, push: asyncio.Future, timeout_s: float = 60.0) -> None:
+    """Wait until the push of `tid` has reached `decode`, which holds it for a reservation that
+    has not come (a state, not a guess at how long the header takes on a busy machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not await call(decode, "awaited", tid):
+        assert not push.done(), push  # a push for an unknown id cannot end while it is held
+        assert time.monotonic() < deadline, f"the push of {tid} did not reach the receiver in {timeout_s:.0f} s"
+        await asyncio.sleep(0.01)
+    assert not push.done()
+
+
 def test_a_push_that_beats_its_reservation_waits_for_it_and_lands(patient_decode):
     """The gateway sends Prefill while Reserve is in flight: a push may arrive first."""
     pages = page_data(seed=61, num_pages=2, page_nbytes=PAGE)
@@ -137,8 +148,7 @@ def test_a_push_that_beats_its_reservation_waits_for_it_and_lands(patient_decode
         tx = KVSender()
         try:
             push = asyncio.ensure_future(tx.push(patient_decode.hello, 611, [pages[0], pages[1]]))
-            await asyncio.sleep(0.5)  # the header is at the receiver, which knows no transfer 611
-            assert not push.done()
+            await _until_awaited(patient_decode, 611, push)  # the header is there; no transfer 611 is
             await call(patient_decode, "expect", 611, [10, 11])
             return await asyncio.wait_for(push, HANG_S)
         finally:
@@ -157,7 +167,7 @@ def test_a_push_for_a_refused_reservation_is_nacked_without_waiting_out_the_boun
         tx = KVSender()
         try:
             push = asyncio.ensure_future(tx.push(patient_decode.hello, 612, list(page_data(62, 2, PAGE))))
-            await asyncio.sleep(0.5)
+            await _until_awaited(patient_decode, 612, push)
             await call(patient_decode, "refuse", 612)
             with pytest.raises(TransferError, match="unknown or cancelled"):
                 await asyncio.wait_for(push, HANG_S)  # the receiver alone would wait 120 s

@@ -106,6 +106,8 @@ def receiver_main(conn, num_pages: int, page_nbytes: int, reservation_wait_s: fl
             if op == "started":
                 entry = rx._expected.get(args[0])
                 return entry is not None and entry.landing
+            if op == "awaited":  # a push for this id came before its expect() and waits for it
+                return args[0] in rx._awaited
             if op == "pulled":  # pushes the receiver copied from the sender's shared pool itself
                 return rx.num_pulled
             if op == "cancel":

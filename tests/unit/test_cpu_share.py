@@ -8,6 +8,7 @@ import time
 import pytest
 
 from prefill_svc.engine import PrefillEngine
+from runtime import cpu_share
 from runtime.cpu_share import CpuShare, open_cpu_share
 from tests.unit.test_prefill_engine import ArgmaxRunner, _job
 
@@ -57,15 +58,37 @@ def test_decode_waits_through_one_forward_only(pair):
             assert not thread.is_alive()
 
 
-def test_a_forward_that_never_ends_holds_decode_back_only_max_wait_s(tmp_path):
+class _CountingClock:
+    """runtime.cpu_share's `time`, counting the polls a wait sleeps through."""
+
+    def __init__(self) -> None:
+        self.sleeps = 0
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        time.sleep(seconds)
+
+
+def test_a_forward_that_never_ends_holds_decode_back_only_max_wait_s(tmp_path, monkeypatch):
     # a prefill that hangs (SIGSTOP) or died with its mark set
     path = str(tmp_path / "cpu-share")
     prefill, decode = CpuShare(path), CpuShare(path, max_wait_s=0.3)
     with prefill.prefill_forward():
-        thread, waited = _waiter(decode)
-        thread.join(5)
-        assert not thread.is_alive() and waited[0] >= 0.25
-        assert decode.wait_for_prefill() == pytest.approx(0.0, abs=0.05)  # past its bound: no more waits
+        began_ns = decode._read()
+        ended_ns: list[int] = []
+        thread = threading.Thread(target=lambda: (decode.wait_for_prefill(), ended_ns.append(time.monotonic_ns())))
+        thread.start()
+        thread.join(30)
+        # it waited until max_wait_s after the forward began (measured from the mark, so a
+        # waiter that a busy machine starts late waits less, never past the bound)
+        assert not thread.is_alive() and ended_ns[0] - began_ns >= 0.3e9
+        clock = _CountingClock()
+        monkeypatch.setattr(cpu_share, "time", clock)
+        decode.wait_for_prefill()
+        assert clock.sleeps == 0  # past its bound: no more waits
 
 
 def test_the_prefill_engine_marks_each_forward(pair):
