@@ -251,10 +251,13 @@ async def wait_for_health(
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                # the call's own deadline did not always end it on a machine out of memory (a
+                # helper saw one hang for 30 min), so the loop bounds it too
+                async with asyncio.timeout(2.0):
+                    resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, TimeoutError):
                 pass
             if loop.time() > deadline:
                 raise TimeoutError(f"{address} not SERVING after {timeout_s:.0f} s")
