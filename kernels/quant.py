@@ -28,6 +28,10 @@ and multiply it into up to 6 rows at a time whose sums stay in registers (`_bloc
 as LLVM vector IR). Every path does the same operations in the same order, so a row's bits do not
 depend on the rows beside it (batched decode gives each sequence what it gets alone).
 
+It is one file over 300 lines on purpose: the Q4_1 and Q8_0 tiles, their row-blocked form and the
+LLVM intrinsics they share are one kernel family whose paths must stay bit-identical to each other;
+split across files, an edit to one path would too easily miss its twins.
+
 After editing this file, delete `engine/models/__pycache__/llama_step.*.nb*`: the fused decode
 step compiles these tiles into its own numba cache, whose index checks only llama_step.py's
 timestamp, so it would keep running the old tiles (a fresh clone has no cache).

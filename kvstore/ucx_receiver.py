@@ -1,5 +1,11 @@
 """Decode side of the UCX KV push: `KVReceiver` lands pushed pages in reserved buffers
-(protocol in kvstore/ucx_transfer.py)."""
+(protocol in kvstore/ucx_transfer.py).
+
+It is one file over 300 lines on purpose: it is one state machine per push (hello, header,
+sizes, the posted receives or the same-host pull, the ack, the cut-off on release or expiry),
+and every step of it guards the same invariant, that no byte lands in a page after the page
+was handed back; split, that invariant would have no single place to be read and checked.
+"""
 
 from __future__ import annotations
 
