@@ -26,6 +26,7 @@ from engine.outcomes import FailureCause
 from gateway import wire
 from gateway.accounting import AttemptAccounting
 from gateway.answer import Answer
+from gateway.config import Deadlines
 from gateway.failure import RequestFailed, failure_from_rpc
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
@@ -36,22 +37,11 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Deadlines:
-    """The bounds on a request's hops (seconds), the same for every request of a gateway."""
+class Prefilled:
+    """Both legs ready: decode reserved the pages and prefill pushed the KV into them."""
 
-    rpc_timeout_s: float
-    """Deadline of Reserve; past the KV deadline, the bound on decode's first message."""
-    token_timeout_s: float
-    """Longest wait for the next message of the decode stream."""
-    prefill_timeout_base_s: float
-    """A Prefill call's deadline is this plus the tokens queued before it at the floor rate."""
-    prefill_min_tokens_per_s: float
-    """The floor rate of prefill (tokens a second) the Prefill deadline allows for."""
-
-    def prefill_s(self, queued_tokens: int) -> float:
-        """A Prefill call's deadline: base + `queued_tokens` (on the instance, this prompt's
-        included) at the floor rate, seconds."""
-        return self.prefill_timeout_base_s + queued_tokens / self.prefill_min_tokens_per_s
+    reserve: decode_pb2.ReserveResponse
+    prefill: prefill_pb2.PrefillResponse
 
 
 @dataclass(frozen=True)
@@ -62,27 +52,13 @@ class Hops:
     span: Any
     """The request's trace span (its context rides in each call's metadata); None: no tracing."""
     deadlines: Deadlines
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """Both legs ready: decode reserved the pages and prefill pushed the KV into them."""
-
-    reserve: decode_pb2.ReserveResponse
-    prefill: prefill_pb2.PrefillResponse
+    """The gateway's bounds on each hop."""
 
 
 class Attempt(AttemptAccounting):
-    """One try of one request: its two legs and their calls (the accounting on them is
-    AttemptAccounting's). `open` starts its calls; `route_prefill`, `send`, `stream` follow.
-
-    Args:
-        pool: the instances' stubs and background tasks (gateway.pool.InstancePool).
-        request_id: the request's id, for messages and Release.
-        prefill: the prefill instance, or None to route it later with `route_prefill`.
-        decode: the decode instance.
-        queued_tokens: prefill tokens this request adds to `prefill`'s queue.
-    """
+    """One try of one request: its two legs and their calls. `open` starts its calls;
+    `route_prefill`, `send` and `stream` follow. The arguments are AttemptAccounting's (the
+    pool gives the instances' stubs too: gateway.pool.InstancePool)."""
 
     def __init__(
         self, pool, request_id: str, prefill: InstanceLoad | None, decode: InstanceLoad, queued_tokens: int = 0

@@ -36,8 +36,9 @@ from engine.outcomes import FailureCause
 from gateway import metrics, wire
 from gateway.admission import AdmissionQueue, OverloadedError
 from gateway.answer import Answer, record_final
-from gateway.attempt import Attempt, Deadlines, Hops
+from gateway.attempt import Attempt, Hops
 from gateway.auth import ApiKeys
+from gateway.config import Deadlines
 from gateway.failure import RequestFailed
 from gateway.pool import InstancePool, MismatchError
 from gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
