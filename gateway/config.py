@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.router import check_policy
-from runtime.service_config import drain_grace_setting, metrics_port_setting
+from runtime.service_config import drain_grace_setting, metrics_port_setting, redis_url_setting
 from runtime.settings import setting
 
 
@@ -55,12 +55,8 @@ class GatewayConfig:
     )
     tls_cert: str = setting("", "--tls-cert", "PEM certificate (chain) of the gRPC and HTTP ports; with --tls-key")
     tls_key: str = setting("", "--tls-key", "PEM private key of --tls-cert (empty: plain TCP)")
-    redis_url: str = setting(
-        "",
-        "--redis-url",
-        "Redis holding the prefix index and the instance registry (empty: route by load alone, to the listed "
-        "instances)",
-        env="REDIS_URL",
+    redis_url: str = redis_url_setting(
+        "Redis holding the prefix index and the instance registry (empty: route by load alone, to the listed instances)"
     )
     discover: bool = setting(
         True,
