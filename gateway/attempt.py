@@ -1,26 +1,19 @@
-"""One attempt of one request at the gateway: both legs, as one object.
-
-    routed -> reserved -> prefilled -> decoding -> finished
-       \\________\\___________\\___________\\-------> aborted
+"""One attempt of one request at the gateway: the calls of both legs, as one object.
 
 An `Attempt` holds one try's decode instance (and its reservation) and prefill instance
-(joined by `route_prefill` once the prefix index answered), the gateway's accounting on
-each, and the calls to them. The order of the legs is decided once, in `open`: while
-decode's KV address is unknown (no stats poll said it), Reserve goes first (Prefill needs
-its answer) and its round trip covers the prompt's hashing, the index lookup and the
-prefill choice; once known, Prefill (TTFT's path) leaves first under a transfer id the
-gateway picks and Reserve right behind it, neither waiting for the other. A Reserve that
+(joined by `route_prefill` once the prefix index answered) and makes the calls to them; the
+stages they move it through and the accounting on the instances are gateway/accounting.py's
+(`finish()` and `abort(failure)` end it exactly once). The order of the legs is decided once,
+in `open`: while decode's KV address is unknown (no stats poll said it), Reserve goes first
+(Prefill needs its answer) and its round trip covers the prompt's hashing, the index lookup
+and the prefill choice; once known, Prefill (TTFT's path) leaves first under a transfer id
+the gateway picks and Reserve right behind it, neither waiting for the other. A Reserve that
 answers another address or id (a restarted KV listener, an older decode) gets Prefill again.
-`finish()` and `abort(failure)` end it exactly once: an aborted attempt's routed tokens are
-undone, an open decode stream is cancelled, a reservation no stream claimed is released
-(one answered after the end too), and the instance a failure is blamed on counts it.
-(Over 300 lines on purpose: the calls and the accounting they drive are one object.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import random
 from collections.abc import AsyncIterator, Sequence
@@ -31,7 +24,9 @@ import grpc
 
 from engine.outcomes import FailureCause
 from gateway import wire
+from gateway.accounting import AttemptAccounting
 from gateway.answer import Answer
+from gateway.config import Deadlines
 from gateway.failure import RequestFailed, failure_from_rpc
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
@@ -39,30 +34,6 @@ from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
 from runtime import tracing
 
 logger = logging.getLogger(__name__)
-
-
-class Stage(enum.Enum):
-    """Where an attempt is (module docstring); FINISHED and ABORTED are its ends."""
-
-    ROUTED = "routed"
-    RESERVED = "reserved"
-    PREFILLED = "prefilled"
-    DECODING = "decoding"
-    FINISHED = "finished"
-    ABORTED = "aborted"
-
-
-@dataclass(frozen=True)
-class Hops:
-    """What every attempt of one request sends, and the bounds on its hops."""
-
-    request: GenerateInput
-    span: Any
-    """The request's trace span (its context rides in each call's metadata); None: no tracing."""
-    rpc_timeout_s: float
-    """Deadline of Reserve (seconds); past the KV deadline, the bound on decode's first message."""
-    token_timeout_s: float
-    """Longest wait for the next message of the decode stream (seconds)."""
 
 
 @dataclass(frozen=True)
@@ -73,43 +44,31 @@ class Prefilled:
     prefill: prefill_pb2.PrefillResponse
 
 
-class Attempt:
-    """One try of one request: its two legs, their calls and the gateway's accounting on them.
-    `open` starts its calls (`route_prefill`, `send`, `stream` follow); the stages alone need
-    none of them (tests drive them by hand).
+@dataclass(frozen=True)
+class Hops:
+    """What every attempt of one request sends, and the bounds on its hops."""
 
-    Args:
-        pool: the instances' stubs and background tasks (gateway.pool.InstancePool).
-        request_id: the request's id, for messages and Release.
-        prefill: the prefill instance, or None to route it later with `route_prefill`.
-        decode: the decode instance.
-        queued_tokens: prefill tokens this request adds to `prefill`'s queue.
-    """
+    request: GenerateInput
+    span: Any
+    """The request's trace span (its context rides in each call's metadata); None: no tracing."""
+    deadlines: Deadlines
+    """The gateway's bounds on each hop."""
+
+
+class Attempt(AttemptAccounting):
+    """One try of one request: its two legs and their calls. `open` starts its calls;
+    `route_prefill`, `send` and `stream` follow. The arguments are AttemptAccounting's (the
+    pool gives the instances' stubs too: gateway.pool.InstancePool)."""
 
     def __init__(
         self, pool, request_id: str, prefill: InstanceLoad | None, decode: InstanceLoad, queued_tokens: int = 0
     ) -> None:
-        # counted on its instances at once: a burst sees it before any report does
-        self.pool = pool
-        self.request_id = request_id
-        self.prefill: InstanceLoad | None = None
-        self.decode = decode
-        self.queued_tokens = 0
-        self.stage = Stage.ROUTED
-        self.transfer_id: int | None = None
-        """The transfer id decode reserved under (None until Reserve answered)."""
-        self.decode_call = None
-        self._prefill_open = False
+        super().__init__(pool, request_id, prefill, decode, queued_tokens)
         self._prefill_by = 0.0  # and _hops: set by open()
-        self._reserve_call: asyncio.Future | None = None
         self._prefill_call: grpc.aio.UnaryUnaryCall | None = None
         self._push_to: tuple[str, int] = ("", 0)  # (decode's KV address, transfer id) Prefill pushes to
         self._reserve_first = False
         self._block_hashes: Sequence[bytes] = ()
-        decode.in_flight_requests += 1
-        decode.breaker.on_routed()
-        if prefill is not None:
-            self.route_prefill(prefill, queued_tokens)
 
     async def open(self, hops: Hops, prefill_by: float) -> None:
         """Decide the order of the legs (module docstring) and send Reserve now if it goes first.
@@ -138,17 +97,17 @@ class Attempt:
 
         Raises RequestFailed (the caller aborts the attempt): a leg refused or failed, or decode
         sent nothing for rpc_timeout_s + token_timeout_s (the first message) or token_timeout_s."""
-        hops = self._hops
+        deadlines = self._hops.deadlines
         legs = await self._both_legs()
         # the first token comes with prefill's answer and goes out now: it never waits for decode
         yield answer.first(legs.prefill.first_token)
         if answer.finish is None:
             messages = self._generate(legs).__aiter__()
             # the first message waits for admission into decode's batch; then one step each
-            bound = hops.rpc_timeout_s + hops.token_timeout_s
+            bound = deadlines.rpc_timeout_s + deadlines.token_timeout_s
             while answer.finish is None:
                 msg = await self._next_decode_message(messages, bound)
-                bound = hops.token_timeout_s
+                bound = deadlines.token_timeout_s
                 delta = answer.add(msg)
                 if delta is not None:
                     yield delta
@@ -159,12 +118,12 @@ class Attempt:
         """Reserve on decode for the gateway's transfer id, in the background (an answer that
         comes after the attempt ended is released); decode frees the pages itself when no
         Generate claims them by the KV deadline (Prefill's deadline + rpc_timeout_s)."""
-        hops = self._hops
-        kv_deadline_s = self._prefill_by - asyncio.get_running_loop().time() + hops.rpc_timeout_s
+        hops, timeout_s = self._hops, self._hops.deadlines.rpc_timeout_s
+        kv_deadline_s = self._prefill_by - asyncio.get_running_loop().time() + timeout_s
         request = wire.reserve_request(hops.request, self._push_to[1], kv_deadline_s, self.pool.page_size)
         stub = self.pool.decode_stub(self.decode)
         metadata = tracing.inject(hops.span)
-        self.reserving(self.pool.spawn(stub.Reserve(request, timeout=hops.rpc_timeout_s, metadata=metadata)))
+        self.reserving(self.pool.spawn(stub.Reserve(request, timeout=timeout_s, metadata=metadata)))
 
     def _send_prefill(self) -> None:
         """Start the Prefill call (a grpc.aio call is on its way once made) that pushes the KV
@@ -224,7 +183,7 @@ class Attempt:
         """Open decode's stream of the tokens after the first."""
         hops = self._hops
         request = wire.decode_request(
-            hops.request, legs.reserve.transfer_id, legs.prefill.first_token, hops.rpc_timeout_s
+            hops.request, legs.reserve.transfer_id, legs.prefill.first_token, hops.deadlines.rpc_timeout_s
         )
         # decode's work continues the KV push, so its spans hang under prefill's
         traceparent = legs.prefill.traceparent
@@ -251,94 +210,3 @@ class Attempt:
             ) from None
         except grpc.aio.AioRpcError as exc:
             raise failure_from_rpc(exc, "decode", self.decode, self.decode, self.request_id) from None
-
-    def route_prefill(self, prefill: InstanceLoad, queued_tokens: int) -> None:
-        """The prefill leg: count `queued_tokens` (the prefill tokens this request adds to its
-        queue) on `prefill`. Once, before the attempt ends."""
-        assert self.prefill is None and self.stage in (Stage.ROUTED, Stage.RESERVED), (self.request_id, self.stage)
-        self.prefill = prefill
-        self.queued_tokens = queued_tokens
-        self._prefill_open = True
-        prefill.in_flight_requests += 1
-        prefill.in_flight_tokens += queued_tokens
-        prefill.total_routed_tokens += queued_tokens
-        prefill.breaker.on_routed()
-
-    def reserving(self, call: asyncio.Future) -> None:
-        """The Reserve call is in flight: if the attempt ends before it answers, decode may
-        still reserve, so its answer is released when it comes."""
-        self._reserve_call = call
-
-    def reserved(self, transfer_id: int) -> None:
-        self._advance(Stage.ROUTED, Stage.RESERVED)
-        self.transfer_id = transfer_id
-
-    def prefilled(self) -> None:
-        assert self.prefill is not None, self.request_id
-        self._advance(Stage.RESERVED, Stage.PREFILLED)
-        self._end_prefill()
-        self.prefill.breaker.record_success()
-
-    def decoding(self, call) -> None:
-        self._advance(Stage.PREFILLED, Stage.DECODING)
-        self.decode_call = call
-
-    def finish(self) -> None:
-        """The answer ended normally (on decode, or with the first token)."""
-        if self.stage in (Stage.FINISHED, Stage.ABORTED):
-            return
-        self.decode.breaker.record_success()
-        self._close(Stage.FINISHED)
-
-    def abort(self, failure: RequestFailed | None) -> None:
-        """End the attempt after a failure (None: the client went away); once only."""
-        if self.stage in (Stage.FINISHED, Stage.ABORTED):
-            return
-        for inst in (self.prefill, self.decode):
-            if inst is None:
-                continue
-            if failure is not None and failure.instance is inst:
-                inst.breaker.record_failure()
-            else:
-                inst.breaker.record_neutral()
-        self._close(Stage.ABORTED)
-
-    def _close(self, stage: Stage) -> None:
-        self.stage = stage
-        self._end_prefill()
-        if stage == Stage.ABORTED and self.prefill is not None:
-            # a cancelled or failed attempt leaves no trace in the routing tie-break, whatever
-            # stage it reached: idle, equal instances share new work evenly again
-            self.prefill.total_routed_tokens -= self.queued_tokens
-        self.decode.in_flight_requests -= 1
-        if self.decode_call is not None and not self.decode_call.done():
-            self.decode_call.cancel()  # decode frees the pages when it sees the cancel
-            if stage == Stage.ABORTED and self.transfer_id is not None:
-                # and in case the cancel never reaches it (Generate not yet sent): Release is idempotent
-                self._release(self.transfer_id)
-        elif self.transfer_id is not None and self.decode_call is None:
-            # no stream ever claimed the reservation: give the pages back now (a frozen
-            # decode frees them itself when the reservation's deadline passes)
-            self._release(self.transfer_id)
-        elif self.transfer_id is None and self._reserve_call is not None:
-            # ended while Reserve was in flight (or as its answer arrived, before it was
-            # read): decode may have reserved all the same; release whatever it answers
-            self._reserve_call.add_done_callback(self._release_late_reservation)
-
-    def _release(self, transfer_id: int) -> None:
-        self.pool.spawn(self.pool.release(self.decode, self.request_id, transfer_id))
-
-    def _release_late_reservation(self, call: asyncio.Future) -> None:
-        if not call.cancelled() and call.exception() is None:
-            self._release(call.result().transfer_id)
-
-    def _end_prefill(self) -> None:
-        if not self._prefill_open or self.prefill is None:
-            return
-        self._prefill_open = False
-        self.prefill.in_flight_requests -= 1
-        self.prefill.in_flight_tokens -= self.queued_tokens
-
-    def _advance(self, expected: Stage, to: Stage) -> None:
-        assert self.stage == expected, (self.request_id, self.stage, to)
-        self.stage = to

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.router import check_policy
-from runtime.service_config import drain_grace_setting, metrics_port_setting
+from runtime.service_config import drain_grace_setting, metrics_port_setting, redis_url_setting
 from runtime.settings import setting
 
 
@@ -55,12 +55,8 @@ class GatewayConfig:
     )
     tls_cert: str = setting("", "--tls-cert", "PEM certificate (chain) of the gRPC and HTTP ports; with --tls-key")
     tls_key: str = setting("", "--tls-key", "PEM private key of --tls-cert (empty: plain TCP)")
-    redis_url: str = setting(
-        "",
-        "--redis-url",
-        "Redis holding the prefix index and the instance registry (empty: route by load alone, to the listed "
-        "instances)",
-        env="REDIS_URL",
+    redis_url: str = redis_url_setting(
+        "Redis holding the prefix index and the instance registry (empty: route by load alone, to the listed instances)"
     )
     discover: bool = setting(
         True,
@@ -209,3 +205,22 @@ class GatewayConfig:
     def discovers(self) -> bool:
         """Whether instances come from the registry too (--discover with a --redis-url)."""
         return self.discover and bool(self.redis_url)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """The bounds on a request's hops (seconds), the same for every request of a gateway."""
+
+    rpc_timeout_s: float
+    """Deadline of Reserve; past the KV deadline, the bound on decode's first message."""
+    token_timeout_s: float
+    """Longest wait for the next message of the decode stream."""
+    prefill_timeout_base_s: float
+    """A Prefill call's deadline is this plus the tokens queued before it at the floor rate."""
+    prefill_min_tokens_per_s: float
+    """The floor rate of prefill (tokens a second) the Prefill deadline allows for."""
+
+    def prefill_s(self, queued_tokens: int) -> float:
+        """A Prefill call's deadline: base + `queued_tokens` (on the instance, this prompt's
+        included) at the floor rate, seconds."""
+        return self.prefill_timeout_base_s + queued_tokens / self.prefill_min_tokens_per_s

@@ -31,11 +31,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from engine.outcomes import FailureCause
 from gateway import openai_api
 from gateway.failure import RequestFailed
+from gateway.http_stream import ClientGone, EventStream, cancel_on_disconnect
 from gateway.openai_api import BadField, OpenAIRequest
 from gateway.request_path import RequestPath
 from protos.kvmesh.v1 import gateway_pb2
@@ -47,70 +47,6 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES
 """Largest request body read (bytes), the gRPC front's message limit: a longer one is a 413
 before it is parsed (no prompt that fits a context comes near it)."""
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was complete."""
-
-
-@contextlib.asynccontextmanager
-async def cancel_on_disconnect(receive: Receive):
-    """Within the block, a client disconnect (ASGI `http.disconnect`) cancels the current task
-    at the await it is in, and the block raises ClientGone: whatever it awaited (the request
-    path's generator) sees the cancel and cleans up. Use only after the body has been read."""
-    task = asyncio.current_task()
-    assert task is not None
-    state = {"inside": True, "gone": False}
-
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if state["inside"]:  # checked at the moment of cancelling: the cancel lands in the block
-            state["gone"] = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        yield
-    except asyncio.CancelledError:
-        if not state["gone"]:
-            raise
-        task.uncancel()
-        raise ClientGone() from None
-    finally:
-        state["inside"] = False
-        watcher.cancel()
-
-
-class EventStream:
-    """An ASGI response streaming server-sent events (bytes from `events`); a disconnect
-    stops it and closes `events`."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                    (b"x-accel-buffering", b"no"),  # proxies pass each event on at once
-                ],
-            }
-        )
-        try:
-            async with cancel_on_disconnect(receive):
-                async for event in self.events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-        except ClientGone:
-            logger.info("client disconnected mid-stream; request cancelled")
-            return
-        finally:
-            await self.events.aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def error_response(

@@ -1,8 +1,6 @@
 """The gateway's view of the mesh: channels to every instance, their health and load
-(polled GetStats plus the gateway's own in-flight accounting), and the prefix index.
-
-If Redis is unreachable the gateway keeps routing by load alone, logs it once, and goes
-back to prefix routing when Redis answers again; no request fails because of the index.
+(polled GetStats, gateway/stats_poll.py, plus the gateway's own in-flight accounting), the
+prefix index (gateway/prefix_lookup.py), and the routing calls over them.
 
 The instances are the static ones the gateway was started with plus those the instance
 registry lists (gateway/discovery.py calls `add_instance` and `retire_instance`). A retired
@@ -19,9 +17,11 @@ import time
 import grpc
 
 from gateway import metrics
+from gateway.prefix_lookup import PrefixLookup
 from gateway.router import InstanceLoad, PrefillRouter, pick_decode, queued_tokens
+from gateway.stats_poll import poll_instance
 from kvstore.redis_index import AsyncRedisKVIndexReader
-from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from runtime.service import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -29,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 # Requests a decode instance is assumed to take before its first stats report says.
 DEFAULT_DECODE_SLOTS = 64
-# Blocks of a prompt asked of the prefix index first (128 tokens at 16 a block); see _leading_blocks.
-FIRST_LOOKUP_BLOCKS = 8
 
 
 class InstancePool:
@@ -50,9 +48,7 @@ class InstancePool:
     ) -> None:
         self.page_size = page_size
         self.model_fingerprint = model_fingerprint
-        self.index = index
-        self.index_ok = True
-        metrics.PREFIX_INDEX_UP.set(1 if index is not None else 0)
+        self.prefix = PrefixLookup(index)
         self.rpc_timeout_s = rpc_timeout_s
         self.prefills = [InstanceLoad(a) for a in prefill_addresses]
         self.decodes = [InstanceLoad(a) for a in decode_addresses]
@@ -206,40 +202,9 @@ class InstancePool:
     async def lookup_prefix(self, block_hashes) -> dict[str, int]:
         """instance_id -> leading blocks of `block_hashes` it holds, from the prefix index, for the
         routable prefill instances; {} without an index or while it is unreachable (never raises)."""
-        ids = [i.instance_id for i in self.prefills if i.routable and i.instance_id]
-        if self.index is None or not ids:
-            return {}
-        cached_blocks: dict[str, int] = {}
-        try:
-            async with asyncio.timeout(1.0):  # a scope, not wait_for: no task per request
-                cached_blocks = await self._leading_blocks(block_hashes, ids)
-            if not self.index_ok:
-                logger.info("prefix index reachable again; routing by cached prefix")
-            self.index_ok = True
-        except Exception as exc:
-            if self.index_ok:
-                logger.warning("prefix index unreachable (%s); routing by load alone", exc)
-            self.index_ok = False
-        metrics.PREFIX_INDEX_UP.set(1 if self.index_ok else 0)
-        return cached_blocks
-
-    async def _leading_blocks(self, block_hashes, instance_ids: list[str]) -> dict[str, int]:
-        """The index's longest_prefix, asked in stages of 8, 32, 128, ... blocks, each stage only
-        of the instances that held every block before it. The index spends one Redis command per
-        block asked (~25 us of this loop's time each: 3.6 ms for a 2K-token prompt), so a prompt
-        no instance holds past its first blocks costs one short lookup; a prompt held whole costs
-        a round trip (~0.2 ms) per stage more than one lookup of every block."""
-        assert self.index is not None
-        counts = dict.fromkeys(instance_ids, 0)
-        start, size, asking = 0, FIRST_LOOKUP_BLOCKS, instance_ids
-        while asking and start < len(block_hashes):
-            end = min(len(block_hashes), start + size)
-            held = await self.index.longest_prefix(block_hashes[start:end], asking)
-            for instance_id in asking:
-                counts[instance_id] += held[instance_id]
-            asking = [i for i in asking if held[i] == end - start]
-            start, size = end, size * 4
-        return counts
+        return await self.prefix.leading_blocks(
+            block_hashes, [i.instance_id for i in self.prefills if i.routable and i.instance_id]
+        )
 
     def pick_prefill(
         self, num_prompt_tokens: int, cached_blocks, block_hashes, exclude: frozenset[str] = frozenset()
@@ -251,8 +216,7 @@ class InstancePool:
         concurrent requests see each other."""
         decision = self.router.choose(num_prompt_tokens, cached_blocks, self.page_size, block_hashes, exclude)
         prefill = next(i for i in self.prefills if i.address == decision.address)
-        informed = self.index is not None and self.index_ok
-        metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if informed else "load_only").inc()
+        metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if self.prefix.informed else "load_only").inc()
         metrics.INDEX_CACHED_TOKENS.inc(decision.cached_tokens)
         return prefill, decision.cached_tokens
 
@@ -279,51 +243,23 @@ class InstancePool:
             logger.warning("[%s] release on %s failed: %s", request_id, decode.address, exc.code().name)
 
     async def poll_once(self) -> None:
-        """GetStats on every instance: learn instance ids, reported load, capacity and health.
-
-        A poll that fails, or two in a row that time out, mark the instance unreachable (a
-        busy instance still answers: prefill reads its counters when its worker is busy);
-        the next answer brings it back.
-        """
+        """GetStats on every instance (gateway/stats_poll.py), then the capacity callbacks."""
         await self.poll([*self.prefills, *self.decodes])
 
     async def poll(self, insts: list[InstanceLoad]) -> None:
-        """poll_once for `insts` alone (instances of this pool), then the capacity callbacks."""
-
-        async def one(inst: InstanceLoad) -> None:
-            stub = self._prefill_stubs.get(inst.address) or self._decode_stubs.get(inst.address)
-            if stub is None:  # retired and closed while the poll was on its way
-                return
-            try:
-                stats = await stub.GetStats(common_pb2.StatsRequest(), timeout=min(self.rpc_timeout_s, 2.0))
-            except grpc.aio.AioRpcError as exc:
-                inst.failed_polls += 1
-                # refused or reset: down now; slow: down at the second poll in a row (a busy
-                # 2-core machine may miss one; a stopped instance misses every one)
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or inst.failed_polls >= 2:
-                    if inst.reachable:
-                        logger.warning("%s stopped answering (%s); not routing to it", inst.address, exc.code().name)
-                    inst.reachable = False
-                return
-            if not inst.reachable:
-                logger.info("%s answers again" if inst.failed_polls else "%s answers; routing to it", inst.address)
-            inst.failed_polls = 0
-            inst.reachable = True
-            inst.instance_id = stats.instance_id
-            inst.reported_queued_tokens = stats.num_queued_tokens
-            inst.reported_active_requests = stats.num_active_requests
-            inst.max_requests = stats.max_requests
-            inst.kv_address = stats.kv_address
-            mismatch = self._mismatch(inst, stats)
-            if mismatch and mismatch != inst.mismatch:
-                logger.error("%s; not routing to it", mismatch)
-            inst.mismatch = mismatch
-
-        await asyncio.gather(*[one(i) for i in insts])
+        """poll_once for `insts` alone (instances of this pool)."""
+        timeout_s = min(self.rpc_timeout_s, 2.0)
+        stubs = [self._prefill_stubs.get(i.address) or self._decode_stubs.get(i.address) for i in insts]
+        # an instance without a stub was retired and closed while the poll was on its way
+        await asyncio.gather(
+            *[poll_instance(s, i, timeout_s, self._mismatch) for s, i in zip(stubs, insts) if s is not None]
+        )
         for callback in self.on_capacity:
             callback()
 
     def _mismatch(self, inst: InstanceLoad, stats) -> str:
+        """Why `inst` cannot serve with this gateway, from its `stats`: its page size or model
+        differ ('' when it can)."""
         name = stats.instance_id or inst.address
         if stats.page_size and stats.page_size != self.page_size:
             return f"{name} has page_size {stats.page_size}, the gateway {self.page_size}"
@@ -334,25 +270,13 @@ class InstancePool:
             )
         return ""
 
-    async def reap_index(self) -> None:
-        """Drop the index entries of prefill instances whose lease lapsed (any gateway may)."""
-        if self.index is None:
-            return
-        try:
-            dead = await asyncio.wait_for(self.index.reap_expired(), timeout=2.0)
-        except Exception as exc:  # the index is down: route() already says so
-            logger.debug("index reap skipped: %s", exc)
-            return
-        for instance_id in dead:
-            logger.warning("%s stopped renewing its lease; its registry and index entries are removed", instance_id)
-
     def start_polling(self, interval_s: float, reap_every_s: float = 5.0) -> None:
         async def loop() -> None:
             since_reap = reap_every_s
             while True:
                 await self.poll_once()
                 if since_reap >= reap_every_s:
-                    await self.reap_index()
+                    await self.prefix.reap()
                     since_reap = 0.0
                 await asyncio.sleep(interval_s)
                 since_reap += interval_s
@@ -364,8 +288,7 @@ class InstancePool:
             self._poller.cancel()
         for ch in self._channels.values():
             await ch.close()
-        if self.index is not None:
-            await self.index.close()
+        await self.prefix.close()
 
 
 class MismatchError(Exception):

@@ -38,6 +38,7 @@ from gateway.admission import AdmissionQueue, OverloadedError
 from gateway.answer import Answer, record_final
 from gateway.attempt import Attempt, Hops
 from gateway.auth import ApiKeys
+from gateway.config import Deadlines
 from gateway.failure import RequestFailed
 from gateway.pool import InstancePool, MismatchError
 from gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
@@ -102,10 +103,7 @@ class RequestPath:
         self.pool = pool
         self.admission = admission
         self.eos_token_ids = eos_token_ids
-        self.rpc_timeout_s = rpc_timeout_s
-        self.prefill_timeout_base_s = prefill_timeout_base_s
-        self.prefill_min_tokens_per_s = prefill_min_tokens_per_s
-        self.token_timeout_s = token_timeout_s
+        self.deadlines = Deadlines(rpc_timeout_s, token_timeout_s, prefill_timeout_base_s, prefill_min_tokens_per_s)
         self.keys = keys or ApiKeys(())
 
     def authenticate(self, authorization: str | None) -> str:
@@ -216,7 +214,7 @@ class RequestPath:
     async def _attempts(self, inp: GenerateInput, span, arrived: float, waited: float):
         """Route and run the request; retry once on other instances while no token was sent."""
         rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
-        hops = Hops(inp, span, self.rpc_timeout_s, self.token_timeout_s)
+        hops = Hops(inp, span, self.deadlines)
         excluded: set[str] = set()
         retries = 0
         loop = asyncio.get_running_loop()
@@ -234,7 +232,7 @@ class RequestPath:
                     raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
                 attempt = Attempt(self.pool, rid, None, decode)
                 # bounds the prefill before it is chosen: the longest queue it can meet
-                prefill_by = loop.time() + self._prefill_deadline_s(
+                prefill_by = loop.time() + self.deadlines.prefill_s(
                     self.pool.max_queued_prefill_tokens(exclude) + n_prompt
                 )
                 await attempt.open(hops, prefill_by)
@@ -293,7 +291,3 @@ class RequestPath:
                 if attempt is not None:
                     attempt.abort(None)  # the client went away (or a bug): release both legs
                 raise
-
-    def _prefill_deadline_s(self, queued: int) -> float:
-        """Base + `queued` prefill tokens (this prompt's included) at the floor rate, seconds."""
-        return self.prefill_timeout_base_s + queued / self.prefill_min_tokens_per_s

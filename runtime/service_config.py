@@ -16,6 +16,12 @@ def metrics_port_setting() -> Any:
     return setting(0, "--metrics-port", "HTTP port of Prometheus /metrics (0: none)")
 
 
+def redis_url_setting(what: str) -> Any:
+    """The `--redis-url` field every service (the gateway too) declares; `what`, its help, says
+    what the service keeps in that Redis."""
+    return setting("", "--redis-url", what, env="REDIS_URL")
+
+
 def drain_grace_setting() -> Any:
     """The `--drain-grace` field every service (the gateway too) declares."""
     return setting(
@@ -49,12 +55,9 @@ class ModelServiceConfig:
         "torch", "--kernel-backend", "MoE and indexer kernels: torch, or triton (a CUDA GPU, or TRITON_INTERPRET=1)"
     )
     kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
-    redis_url: str = setting(
-        "",
-        "--redis-url",
+    redis_url: str = redis_url_setting(
         "Redis of the instance registry, where gateways find this instance, and on prefill of the prefix index "
-        "its KV events feed (empty: neither)",
-        env="REDIS_URL",
+        "its KV events feed (empty: neither)"
     )
     metrics_port: int = metrics_port_setting()
     instance_id: str = setting(

@@ -14,8 +14,9 @@ import grpc
 from bench.mesh import orchestration_s
 from engine.outcomes import FailureCause
 from engine.sampling_params import SamplingParams
+from gateway.accounting import Stage
 from gateway.admission import AdmissionQueue
-from gateway.attempt import Attempt, Stage
+from gateway.attempt import Attempt
 from gateway.failure import RequestFailed
 from gateway.pool import InstancePool
 from gateway.request_path import INLINE_PROMPT_BYTES, RequestPath, _tokenize_inline

@@ -8,8 +8,9 @@ import asyncio
 import pytest
 
 from engine.outcomes import FailureCause
+from gateway.accounting import Stage
 from gateway.admission import AdmissionQueue, OverloadedError
-from gateway.attempt import Attempt, Stage
+from gateway.attempt import Attempt
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.failure import RequestFailed
 from gateway.router import InstanceLoad, pick_decode
