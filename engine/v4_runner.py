@@ -18,7 +18,7 @@ import torch
 
 from engine.checkpoint import ModelFiles, load_checkpoint_tensors
 from engine.forward import DraftItem, ForwardItem
-from engine.kv_cache import flat_layout
+from engine.kv_layout import flat_layout
 from engine.loader import load_config
 from engine.models.deepseek_v4 import DeepseekV4Model
 from engine.models.deepseek_v4_mtp import DeepseekV4MTP
@@ -61,7 +61,7 @@ class DeepseekV4Runner:
         self.draft_window = self.hf_config.sliding_window
         """Positions the MTP module's sliding-window attention looks back over."""
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
-        # pages, then slots, in one shared-memory region (engine.kv_cache.DEEPSEEK_V4_PAGE)
+        # pages, then slots, in one shared-memory region (engine.kv_layout.DEEPSEEK_V4_PAGE)
         self.page_layout = flat_layout(self.layout.page_floats, self.layout.slot_floats)
         self.memory = self.page_layout.allocate(num_pages, num_state_slots)
         self.pages, self.slots = self.memory.pages, self.memory.slots  # [P, page_floats], [R, slot_floats]

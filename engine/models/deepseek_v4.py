@@ -485,7 +485,7 @@ class DeepseekV4Model:
         """One step over a batch of sequences; returns fp32 logits [B, V] after each one's last token.
 
         pages [P, layout.page_floats] and slots [R, layout.slot_floats] fp32 (the layout
-        `engine.kv_cache.DEEPSEEK_V4_PAGE`) are updated in place.
+        `engine.kv_layout.DEEPSEEK_V4_PAGE`) are updated in place.
         Raises ValueError for an empty batch or an item without new tokens or with too few pages.
         """
         if not items:

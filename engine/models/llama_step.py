@@ -215,7 +215,7 @@ def decode_step(
     h [B, H] fp32: the tokens' embedding rows (becomes the last residual); lens [B] int64: each
     sequence's context in tokens, the new one included (its position is lens - 1); cos, sin_rot
     [B, D] fp32: RoPE rows at those positions (`kernels.rope_table`); blocks [L, 2, B, M] int64:
-    each sequence's K and V page blocks in kv [P*L*2, S, K, D] (`engine.kv_cache.LLAMA_PAGE` seen
+    each sequence's K and V page blocks in kv [P*L*2, S, K, D] (`engine.kv_layout.LLAMA_PAGE` seen
     as `kernels.attention`'s read blocks; entries past a sequence's own pages are never read), written at each sequence's position;
     norms [L + 1, 2, H]: the input and post-attention norms, then the final norm twice; qkv, o,
     gate_up, down: (qs, d, m) of the layers' Q4_1 weights stacked [L, NT, ...] (gate_up's gate rows
