@@ -15,6 +15,9 @@ kernels' tiles (`q4_1_tile`, `q8_0_tile`), bit for bit what `quantized_matmul` c
 RoPE and SiLU*up do transformers' fp32 operations (RMSNorm's mean summed in fp64); attention
 sums in another order than SDPA (within an ulp or two). Each sequence's numbers depend on its
 own row only, so a sequence gets the same bits alone or in any batch.
+
+Over 300 lines on purpose: it is one fused numba step (its kernels must sit in one compiled
+call), so its pieces are read together and not split across files.
 """
 
 from __future__ import annotations
