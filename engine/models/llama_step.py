@@ -16,8 +16,8 @@ RoPE and SiLU*up do transformers' fp32 operations (RMSNorm's mean summed in fp64
 sums in another order than SDPA (within an ulp or two). Each sequence's numbers depend on its
 own row only, so a sequence gets the same bits alone or in any batch.
 
-Over 300 lines on purpose: it is one fused numba step (its kernels must sit in one compiled
-call), so its pieces are read together and not split across files.
+Over 300 lines on purpose: it is one fused numba step; the helpers above `decode_step` are
+pieces inlined into its one compiled call, read with it rather than in files of their own.
 """
 
 from __future__ import annotations
