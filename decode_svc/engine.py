@@ -30,8 +30,7 @@ from engine.forward import Runner
 from engine.kv_cache import KVCacheManager
 from engine.request import EmitFn, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.speculative import create_drafter
-from engine.speculative.verify import Speculator
+from engine.speculative import create_speculator
 from runtime.cpu_share import open_cpu_share
 
 logger = logging.getLogger(__name__)
@@ -41,9 +40,8 @@ class DecodeEngine:
     """Owns the decode KV cache, the request table and the batch loop over a Runner.
 
     dispatch: runs each step's deliveries (deliver_all: on the engine thread; the service
-    passes deliver_on(its loop)). Raises ValueError when speculation needs more state slots
-    than the runner has (a DeepSeek-V4 runner needs config.num_state_slots: one a request plus
-    the verification rows' scratch slots), or `--speculative mtp` of a runner without an MTP module.
+    passes deliver_on(its loop)). Raises ValueError as engine.speculative.create_speculator
+    does (too few state slots for config.num_state_slots, mtp without an MTP module).
     """
 
     def __init__(self, config: DecodeConfig, runner: Runner, dispatch: DispatchFn = deliver_all) -> None:
@@ -52,19 +50,12 @@ class DecodeEngine:
         self.dispatch = dispatch
         self._cpu_share = open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s)
         self.kv_cache = KVCacheManager(runner, config.num_pages, config.page_size)
-        scratch: list[int] = []
-        if config.speculative != "off" and runner.num_state_slots:
-            if runner.num_state_slots < config.num_state_slots:
-                raise ValueError(
-                    f"--speculative {config.speculative} needs {config.num_state_slots} state slots (one a "
-                    f"request and {config.num_scratch_slots} for verification rows), the runner has "
-                    f"{runner.num_state_slots}"
-                )
-            scratch = self.kv_cache.hold_scratch_slots(config.num_scratch_slots)
-        self.speculator = Speculator(
-            create_drafter(config.speculative, runner),
+        self.speculator = create_speculator(
+            config.speculative,
             runner,
-            scratch,
+            self.kv_cache,
+            config.max_batch_size,
+            config.num_scratch_slots,
             config.num_draft_tokens,
             config.max_verify_rows,
             config.draft_row_cost,
@@ -152,15 +143,9 @@ class DecodeEngine:
         prompt length differs from the reservation."""
         with self._cond:
             r = self._requests[transfer_id]
-            if len(prompt_token_ids) != r.num_prompt_tokens:
-                raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, reserved {r.num_prompt_tokens}")
-            r.prompt_token_ids = list(prompt_token_ids)
-            r.token_ids = [*prompt_token_ids, first_token]
-            r.num_computed_tokens = r.num_cached_tokens = r.num_prompt_tokens
-            r.sampling, r.stop_token_ids, r.emit = sampling, stop_token_ids, emit
+            r.start_decoding(prompt_token_ids, first_token, sampling, stop_token_ids, emit)
             if not sampling.greedy:  # prefill sampled the first token with the seed; go on with another stream
                 r.generator = torch.Generator().manual_seed(((sampling.seed or 0) + 1) % 2**63)
-            r.finish = r.finish_reason_after(first_token)
             if r.finish is not None:
                 emit([], r.finish)
                 self._free(r)
@@ -263,8 +248,7 @@ class DecodeEngine:
         """The batch loop; returns after shutdown()."""
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._running:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._stopping or self._waiting or self._running)
                 if self._stopping:
                     return
                 batch = self._schedule()
@@ -300,21 +284,11 @@ class DecodeEngine:
             self.num_steps += 1
             self.step_seconds += step_s
             self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))
-            first_row = 0
             for i, (r, tokens) in enumerate(zip(batch, kept)):
-                num_rows = len(rows.drafts[i]) + 1
-                first_row += num_rows
                 if r.status is RequestStatus.ABORTED:
                     continue  # freed by the next _schedule
-                for n, token in enumerate(tokens, 1):  # stop at EOS or max_tokens, mid-run too
-                    r.finish = r.finish_reason_after(token, n)
-                    if r.finish is not None:
-                        tokens = tokens[:n]
-                        break
-                r.token_ids.extend(tokens)
-                r.num_computed_tokens += len(tokens)
-                own = hidden[first_row - num_rows : first_row] if hidden is not None and r.finish is None else None
-                accepted = self.speculator.keep(r, i, rows, tokens, own)
+                tokens = r.append_tokens(tokens)
+                accepted = self.speculator.keep(r, i, rows, tokens, hidden if r.finish is None else None)
                 if rows.drafts[i]:
                     metrics.ACCEPTED.observe(accepted)
                 assert r.emit is not None, r.request_id

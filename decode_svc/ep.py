@@ -92,7 +92,7 @@ def create_ep_runner(runner, files: ModelFiles, config):
 
     Raises ValueError when --ep is set for a model without MoE layers (the dense default model
     decodes in one process), for a bad --eplb-placement, or one that does not fit the model;
-    EPWorldError when a rank fails to start."""
+    EPWorldError (engine.ep_ranks) when a rank fails to start."""
     if config.ep <= 1:
         return runner
     check_ep_model(files, config.ep)

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from runtime.engine_metrics import page_gauges, step_cpu_histogram
 from runtime.moe_metrics import register_expert_load
 
 REGISTRY = CollectorRegistry()
 
 BATCH_SIZE = Gauge("kvmesh_decode_running_batch_size", "Requests in the running decode batch", registry=REGISTRY)
 ACTIVE = Gauge("kvmesh_decode_active_requests", "Requests reserved, waiting or running", registry=REGISTRY)
-PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages reserved by requests", registry=REGISTRY)
-PAGES_FREE = Gauge("kvmesh_kv_pages_free", "KV pages free for new reservations", registry=REGISTRY)
+PAGES_USED, PAGES_FREE, _ = page_gauges(REGISTRY)  # decode keeps no prefix cache
 STEPS = Counter("kvmesh_decode_steps", "Decode steps (one batched forward each)", registry=REGISTRY)
 TOKENS = Counter("kvmesh_decode_generated_tokens", "Tokens sampled by decode steps", registry=REGISTRY)
-STEP_CPU = Histogram(
-    "kvmesh_engine_step_cpu_seconds",
-    "Process CPU seconds of one engine step (batched forward)",
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-    registry=REGISTRY,
-)
+STEP_CPU = step_cpu_histogram(REGISTRY, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 
 CPU_SHARE_WAIT = Counter(
     "kvmesh_decode_cpu_share_wait_seconds",

@@ -14,28 +14,27 @@ still joins each exchange.
 A new placement (`set_placement`) is loaded by every rank before the next step: running
 requests keep their pages and state, so none is dropped. This process is rank 0: it wraps the
 single-process `DeepseekV4Runner` (its pages and slots are already in shared memory) and
-spawns ranks 1..N-1. References: DeepSeek-V3 technical report §3.4 (EP with DP attention,
-redundant experts), SGLang's DP-attention + DeepEP MoE serving design.
+spawns ranks 1..N-1 (engine.ep_ranks). References: DeepSeek-V3 technical report §3.4 (EP with
+DP attention, redundant experts), SGLang's DP-attention + DeepEP MoE serving design.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from engine.ep_worker import StepPlan, WorldSpec, comm_device, gather_rows, init_world, stream_width, worker_main
+from engine.ep_ranks import EPWorldError, RankProcesses, pick_backend
+from engine.ep_worker import StepPlan, WorldSpec, comm_device, gather_rows, init_world, stream_width
 from engine.eplb import Placement, default_placement
 from engine.expert_parallel import EPLoads, ExpertParallelMoE, check_placement, split_by_requests
 from engine.expert_weights import CheckpointExperts
 from engine.forward import DraftItem, ForwardItem
-from engine.v4_runner import warm_up
+from engine.v4_runner import check_items, warm_up
 from kvstore.shared_memory import locate
 
 if TYPE_CHECKING:
@@ -43,15 +42,6 @@ if TYPE_CHECKING:
     from engine.v4_runner import DeepseekV4Runner
 
 logger = logging.getLogger(__name__)
-
-
-class EPWorldError(RuntimeError):
-    """A rank died, failed or timed out: the EP world cannot step any more (UNAVAILABLE)."""
-
-
-def pick_backend(num_ranks: int) -> str:
-    """NCCL when this host has a GPU for every rank, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= num_ranks else "gloo"
 
 
 class ExpertParallelRunner:
@@ -123,17 +113,9 @@ class ExpertParallelRunner:
             np.asarray(placement.replicas, np.int64),
             runner.layout.slot_floats,
         )
-        ctx = multiprocessing.get_context("spawn")  # no fork: the service has threads
-        self._conns, self._procs = [], []
-        for rank in range(1, num_ranks):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(spec, rank, child), name=f"ep-rank-{rank}", daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        self.ranks = RankProcesses(spec)
         try:
-            self._await_all("hello", start_timeout_s)
+            self.ranks.await_all("hello", start_timeout_s)
             init_world(spec, 0, store)
             self._store = store
             experts = CheckpointExperts(files.checkpoint_dir, c.num_hidden_layers, c.n_routed_experts)
@@ -142,7 +124,7 @@ class ExpertParallelRunner:
             )
             runner.model.routed_experts = self.moe
             runner.model.drop_routed_experts()  # rank 0 keeps its slots' experts only, as every rank
-            ready = self._await_all("ready", start_timeout_s)
+            ready = self.ranks.await_all("ready", start_timeout_s)
             self.expert_nbytes = [self.moe.expert_nbytes(), *(int(ready[w]) for w in range(num_ranks - 1))]
             """Bytes of routed-expert weights each rank held when it started (its slots' only)."""
         except BaseException:
@@ -156,59 +138,9 @@ class ExpertParallelRunner:
         )
 
     # -- the world --------------------------------------------------------------------------
-    def _await_all(self, what: str, timeout_s: float) -> dict[int, Any]:
-        """Wait until every worker has sent (`what`, payload); return the payloads by worker
-        index. EPWorldError naming a worker that died or failed, or the first still missing after
-        timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        waiting = set(range(len(self._conns)))
-        payloads: dict[int, Any] = {}
-        while waiting:
-            for w in list(waiting):
-                if self._conns[w].poll(0.05):
-                    kind, payload = self._conns[w].recv()
-                    if kind == "error":
-                        raise EPWorldError(f"EP rank {w + 1} failed while starting:\n{payload}")
-                    if kind == what:
-                        waiting.discard(w)
-                        payloads[w] = payload
-                elif not self._procs[w].is_alive():
-                    raise EPWorldError(f"EP rank {w + 1} exited with code {self._procs[w].exitcode} while starting")
-            if waiting and time.monotonic() > deadline:
-                raise EPWorldError(f"EP ranks {sorted(w + 1 for w in waiting)} not {what} after {timeout_s:.0f} s")
-        return payloads
-
-    def _why_down(self) -> str:
-        """What went wrong with the workers: their errors and exit codes."""
-        reasons = []
-        for w, (conn, proc) in enumerate(zip(self._conns, self._procs)):
-            try:
-                while conn.poll(0):
-                    kind, payload = conn.recv()
-                    if kind == "error":
-                        reasons.append(f"rank {w + 1} failed:\n{payload}")
-            except (EOFError, OSError):
-                pass
-            proc.join(0.5 if not reasons else 0)
-            if proc.exitcode is not None:
-                reasons.append(f"rank {w + 1} exited with code {proc.exitcode}")
-        return "; ".join(reasons) or "a collective failed or timed out"
-
     def close(self) -> None:
-        """Stop the workers (None on their pipes, then terminate what is left) and leave the world."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (OSError, ValueError):
-                pass
-        for proc in self._procs:
-            proc.join(5.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
+        """Stop the workers (engine.ep_ranks) and leave the world."""
+        self.ranks.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
@@ -241,7 +173,7 @@ class ExpertParallelRunner:
         any of them attends, as one process does. Raises ValueError as DeepseekV4Runner.forward
         does (nothing is sent then), EPWorldError when a rank is gone or a collective times out
         (the world stays down)."""
-        self._check(items)
+        check_items(items, self.config, self.page_size, self.num_state_slots)  # before any rank hears of them
         if self._broken:
             raise EPWorldError(f"the EP world is down: {self._broken}")
         starts = [0] + [b for b in range(1, len(items)) if items[b].state_from is None] + [len(items)]
@@ -256,7 +188,7 @@ class ExpertParallelRunner:
         streams = self.gather_streams  # the MTP drafter continues from every row's last streams
         hidden = None
         try:
-            for w, conn in enumerate(self._conns):
+            for w, conn in enumerate(self.ranks.conns):
                 s = shares[w + 1]
                 conn.send(StepPlan([items[b] for b in s], int(offsets[w + 1]), max_rows, arrays, streams))
             if pending is not None:
@@ -273,7 +205,7 @@ class ExpertParallelRunner:
                 mine = self.runner.model.last_streams.reshape(len(own), -1) if own else None
                 hidden = gather_rows(mine, max_rows, stream_width(self.runner.model.config), self.backend, 0)
         except (RuntimeError, OSError, ValueError) as exc:
-            self._broken = self._why_down()
+            self._broken = self.ranks.why_down()
             raise EPWorldError(f"expert-parallel step failed ({exc}); {self._broken}") from exc
         assert parts is not None
         if streams:
@@ -283,31 +215,6 @@ class ExpertParallelRunner:
                 len(items), c.hc_mult, c.hidden_size
             )
         return torch.cat([parts[r][: len(shares[r])] for r in range(self.num_ranks)])  # [B, V]
-
-    def _check(self, items: Sequence[ForwardItem]) -> None:
-        """DeepseekV4Runner.forward's checks, made here so a bad batch never reaches the ranks."""
-        if not items:
-            raise ValueError("forward needs at least one item")
-        cfg, S = self.config, self.page_size
-        for b, it in enumerate(items):
-            n, nc = len(it.token_ids), it.num_computed_tokens
-            if it.state_slot is None or not 0 <= it.state_slot < self.num_state_slots:
-                raise ValueError(
-                    f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), got {it.state_slot}"
-                )
-            if it.state_from is not None and not 0 <= it.state_from < self.num_state_slots:
-                raise ValueError(f"item {b}: state_from must be in [0, {self.num_state_slots}), got {it.state_from}")
-            if nc + n > cfg.max_position_embeddings:
-                raise ValueError(
-                    f"item {b}: {nc + n} tokens exceed max_position_embeddings ({cfg.max_position_embeddings})"
-                )
-            if any(not 0 <= t < cfg.vocab_size for t in it.token_ids):
-                raise ValueError(f"item {b}: token ids must be in [0, {cfg.vocab_size})")
-            if n < 1 or len(it.block_ids) * S < nc + n:
-                raise ValueError(
-                    f"item {b}: needs >= 1 new token and pages for {nc + n} tokens, "
-                    f"got {n} new and {len(it.block_ids)} pages of {S}"
-                )
 
     def page_buffer(self, page_id: int) -> np.ndarray:
         return self.runner.page_buffer(page_id)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.forward import ForwardItem
-from engine.kv_cache import flat_layout
+from engine.kv_layout import flat_layout
 from kvstore.shared_memory import HEADER_NBYTES, RegionDescriptor, map_region
 
 if TYPE_CHECKING:

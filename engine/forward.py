@@ -1,8 +1,8 @@
 # T=tokens, B=sequences, V=vocab
 """What every runner offers and takes: the `Runner` protocol and one `ForwardItem` type for every
-architecture (the page layouts and the state-slot free list: engine/kv_cache.py). Runners live
-in `engine.llama_runner` and `engine.v4_runner`; `engine.runners` maps a checkpoint's
-architecture to one of them.
+architecture (the page layouts: engine/kv_layout.py; the state-slot free list:
+engine/kv_cache.py). Runners live in `engine.llama_runner` and `engine.v4_runner`;
+`engine.runners` maps a checkpoint's architecture to one of them.
 
 The protocol follows vLLM's model-runner split (the scheduler describes each sequence of a step;
 the runner owns weights and KV memory): a step may mix prefill items (many new tokens, maybe
@@ -83,7 +83,7 @@ class Runner(Protocol):
         ...
 
     def page_buffer(self, page_id: int) -> np.ndarray:
-        """Zero-copy writable uint8 view of one page (page_nbytes bytes; engine.kv_cache.KVMemory
+        """Zero-copy writable uint8 view of one page (page_nbytes bytes; engine.kv_layout.KVMemory
         defines it); ValueError out of range."""
         ...
 

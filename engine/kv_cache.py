@@ -1,16 +1,6 @@
-# P=pages, R=state slots, L=layers, S=page_size (tokens), K=kv heads, D=head_dim
-"""The KV cache both roles share: the page layout of each architecture, the memory it lives in,
-and `KVCacheManager`, which hands a request its pages and state slot (vLLM v1's KVCacheManager).
-
-Layouts (the one place they are defined; kernels and models take the tensors and name these):
-- `LLAMA_PAGE` `[P, L, 2, S, K, D]`: page-major, so one page (every layer's K and V of S tokens)
-  is one contiguous buffer, the unit a KV push sends (`llama_layout`).
-- `DEEPSEEK_V4_PAGE` `[P, page_floats]` fp32 pages and `[R, slot_floats]` fp32 state slots, the
-  fields inside each row as `engine.models.deepseek_v4_state.V4StateLayout` lays them out
-  (`flat_layout`).
-Pages (then slots) are allocated in one shared-memory region (kvstore.shared_memory), so a
-decode process on the same host can pull a request's pages with one copy, and expert-parallel
-ranks map the same memory.
+# P=pages, R=state slots
+"""The KV cache both roles share: `KVCacheManager`, which hands a request its pages and state
+slot (vLLM v1's KVCacheManager), over the page layout and memory of engine.kv_layout.
 
 `KVCacheManager` wraps kvstore.block_pool.BlockPool (page ids, reference counts, the prefix
 cache and its KV events) and the state slots; both engines go through it, and it owns the
@@ -22,101 +12,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import numpy as np
-import torch
 
 from engine.request import Request
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
-from kvstore.shared_memory import shared_zeros
 
 if TYPE_CHECKING:
     from engine.forward import Runner
     from kvstore.kv_events import KVEvent
-
-LLAMA_PAGE = "[P, L, 2, S, K, D]"
-DEEPSEEK_V4_PAGE = "[P, page_floats] + [R, slot_floats]"
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """How one architecture's KV sits in memory: one page's shape, one state slot's, the dtype
-    and the device. A page is a contiguous buffer of page_nbytes bytes, a slot of slot_nbytes."""
-
-    name: str
-    """The layout's name (LLAMA_PAGE, DEEPSEEK_V4_PAGE), for logs and docstrings."""
-    page_shape: tuple[int, ...]
-    """One page's shape (the pages tensor is [P, *page_shape])."""
-    dtype: torch.dtype
-    slot_shape: tuple[int, ...] = ()
-    """One state slot's shape; () for architectures whose pages hold all of a request's state."""
-    device: str = "cpu"
-    """Where pages and slots live (CPU only for now: the transport reads shared memory)."""
-
-    @property
-    def page_nbytes(self) -> int:
-        return math.prod(self.page_shape) * self.dtype.itemsize
-
-    @property
-    def slot_nbytes(self) -> int:
-        return math.prod(self.slot_shape) * self.dtype.itemsize if self.slot_shape else 0
-
-    def allocate(self, num_pages: int, num_slots: int = 0) -> KVMemory:
-        """Zeroed pages [num_pages, *page_shape], then slots [num_slots, *slot_shape], in one
-        shared-memory region. Raises ValueError for num_pages < 1 or a device other than cpu."""
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        if self.device != "cpu":
-            raise ValueError(f"KV pages live on the CPU for now, not {self.device!r}")
-        page_numel, slot_numel = math.prod(self.page_shape), math.prod(self.slot_shape) if self.slot_shape else 0
-        flat, _ = shared_zeros((num_pages * page_numel + num_slots * slot_numel,), self.dtype)
-        return self.split(flat, num_pages, num_slots)
-
-    def split(self, flat: torch.Tensor, num_pages: int, num_slots: int) -> KVMemory:
-        """The pages and slots inside a flat buffer laid out as allocate() lays it (views)."""
-        page_numel = math.prod(self.page_shape)
-        pages = flat[: num_pages * page_numel].view(num_pages, *self.page_shape)
-        slots = flat[num_pages * page_numel :].view(num_slots, *self.slot_shape) if self.slot_shape else flat[:0]
-        return KVMemory(self, pages, slots)
-
-
-def llama_layout(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> PageLayout:
-    """LLAMA_PAGE: [P, L, 2, S, K, D] (K at index 0 of the third dim, V at 1), no state slots."""
-    return PageLayout(LLAMA_PAGE, (num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
-
-
-def flat_layout(page_floats: int, slot_floats: int) -> PageLayout:
-    """DEEPSEEK_V4_PAGE: fp32 rows of page_floats a page and slot_floats a slot (the fields of
-    each row: engine.models.deepseek_v4_state.V4StateLayout)."""
-    return PageLayout(DEEPSEEK_V4_PAGE, (page_floats,), torch.float32, (slot_floats,))
-
-
-@dataclass(frozen=True)
-class KVMemory:
-    """A runner's pages [P, *page_shape] and state slots [R, *slot_shape] (views of one region)."""
-
-    layout: PageLayout
-    pages: torch.Tensor
-    slots: torch.Tensor
-
-    def page_buffer(self, page_id: int) -> np.ndarray:
-        """Zero-copy writable 1-D uint8 view of one page (page_nbytes bytes): what a KV push
-        sends and lands in. Raises ValueError out of range."""
-        if not 0 <= page_id < self.pages.shape[0]:
-            raise ValueError(f"page_id must be in [0, {self.pages.shape[0]}), got {page_id}")
-        return self.pages[page_id].view(-1).view(torch.uint8).numpy()
-
-    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
-        """The buffers a push sends after the pages: the slot's row ([] for a layout without
-        slots). Raises ValueError for a slot out of range (None included) when there are slots."""
-        if not self.layout.slot_shape:
-            return []
-        if slot is None or not 0 <= slot < self.slots.shape[0]:
-            raise ValueError(f"state slot must be in [0, {self.slots.shape[0]}), got {slot}")
-        return [self.slots[slot].view(-1).view(torch.uint8).numpy()]
 
 
 class StateSlots:

@@ -22,7 +22,7 @@ from engine.checkpoint import ModelFiles, load_checkpoint_tensors
 from engine.config import ModelConfig
 from engine.forward import ForwardItem
 from engine.gguf_blocks import load_blocks
-from engine.kv_cache import llama_layout
+from engine.kv_layout import llama_layout
 from engine.loader import load_config
 from engine.models.llama import LlamaModel
 from kernels import build_attention_metadata, rope_table
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 
 class LlamaRunner:
-    """Weights plus a paged KV cache laid out as `engine.kv_cache.LLAMA_PAGE` ([P, L, 2, S, K, D],
+    """Weights plus a paged KV cache laid out as `engine.kv_layout.LLAMA_PAGE` ([P, L, 2, S, K, D],
     page-major: the KV transfer sends and receives whole pages through `page_buffer`), and the
     batched forward step. Pages hold garbage until a forward writes them.
     """
@@ -70,7 +70,7 @@ class LlamaRunner:
         c = self.config
         self.page_layout = llama_layout(c.num_layers, page_size, c.num_kv_heads, c.head_dim, dtype)
         self.memory = self.page_layout.allocate(num_pages)
-        self.kv_cache = self.memory.pages  # [P, L, 2, S, K, D]: engine.kv_cache.LLAMA_PAGE
+        self.kv_cache = self.memory.pages  # [P, L, 2, S, K, D]: engine.kv_layout.LLAMA_PAGE
         self.page_nbytes = self.page_layout.page_nbytes
         self._cos, self._sin_rot = rope_table(
             c.max_position_embeddings, c.head_dim, c.rope_theta, dtype

@@ -169,6 +169,36 @@ class Request:
     def is_done(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
 
+    def start_decoding(
+        self,
+        prompt_token_ids: Sequence[int],
+        first_token: int,
+        sampling: SamplingParams,
+        stop_token_ids: frozenset[int],
+        emit: EmitFn,
+    ) -> None:
+        """Decode: the prompt's KV landed; continue after prefill's first_token (already the end
+        when `finish` is set). Raises ValueError when the prompt's length is not the reserved one."""
+        if len(prompt_token_ids) != self.num_prompt_tokens:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, reserved {self.num_prompt_tokens}")
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = [*prompt_token_ids, first_token]
+        self.num_computed_tokens = self.num_cached_tokens = self.num_prompt_tokens
+        self.sampling, self.stop_token_ids, self.emit = sampling, stop_token_ids, emit
+        self.finish = self.finish_reason_after(first_token)
+
+    def append_tokens(self, tokens: list[int]) -> list[int]:
+        """Decode: append a step's tokens up to the first that ends the answer (`finish` says
+        why, the finish rule) and count them computed; returns the tokens kept."""
+        for n, token in enumerate(tokens, 1):  # stop at EOS or max_tokens, mid-run too
+            self.finish = self.finish_reason_after(token, n)
+            if self.finish is not None:
+                tokens = tokens[:n]
+                break
+        self.token_ids.extend(tokens)
+        self.num_computed_tokens += len(tokens)
+        return tokens
+
     def finish_reason_after(self, token: int, n: int = 0) -> FinishReason | None:
         """Why the answer ends at `token`, the n-th token not yet appended (0: the last one
         appended already); None while it goes on."""

@@ -126,12 +126,12 @@ def random_mtp_tensors(config, seed: int = 0) -> dict:
     """A random multi-token-prediction module for `config`, named as DeepSeek-V4's released
     checkpoints name it (`mtp.0.enorm.weight`, `mtp.0.attn.wq_a.weight`,
     `mtp.0.ffn.experts.3.w1.weight`, `mtp.0.hc_attn_fn`, ...; shapes from
-    engine.models.deepseek_v4_weights.mtp_shapes). Matrices std 0.02, norms 1, and random values
+    engine.models.deepseek_v4_shapes.mtp_shapes). Matrices std 0.02, norms 1, and random values
     where init leaves zeros the tests would not see through (sinks, hyper-connection biases,
     router biases), as `make_tiny_model` does for the target."""
     import torch
 
-    from engine.models.deepseek_v4_weights import MTP_PREFIX, mtp_shapes
+    from engine.models.deepseek_v4_shapes import MTP_PREFIX, mtp_shapes
 
     gen = torch.Generator().manual_seed(seed)
     out = {}

@@ -18,7 +18,7 @@ import torch
 
 from engine.checkpoint import ModelFiles, load_checkpoint_tensors
 from engine.forward import DraftItem, ForwardItem
-from engine.kv_cache import flat_layout
+from engine.kv_layout import flat_layout
 from engine.loader import load_config
 from engine.models.deepseek_v4 import DeepseekV4Model
 from engine.models.deepseek_v4_mtp import DeepseekV4MTP
@@ -61,7 +61,7 @@ class DeepseekV4Runner:
         self.draft_window = self.hf_config.sliding_window
         """Positions the MTP module's sliding-window attention looks back over."""
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
-        # pages, then slots, in one shared-memory region (engine.kv_cache.DEEPSEEK_V4_PAGE)
+        # pages, then slots, in one shared-memory region (engine.kv_layout.DEEPSEEK_V4_PAGE)
         self.page_layout = flat_layout(self.layout.page_floats, self.layout.slot_floats)
         self.memory = self.page_layout.allocate(num_pages, num_state_slots)
         self.pages, self.slots = self.memory.pages, self.memory.slots  # [P, page_floats], [R, slot_floats]
@@ -124,23 +124,9 @@ class DeepseekV4Runner:
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         """One step over the batch; returns fp32 logits [B, V]. Every item needs a state_slot.
 
-        Raises ValueError for a missing slot, token ids outside the vocabulary, positions
-        past max_position_embeddings, or too few pages.
+        Raises ValueError as `check_items` does.
         """
-        for b, it in enumerate(items):
-            if it.state_slot is None or not 0 <= it.state_slot < self.num_state_slots:
-                raise ValueError(
-                    f"item {b}: DeepSeek-V4 needs a state slot in [0, {self.num_state_slots}), got {it.state_slot}"
-                )
-            if it.state_from is not None and not 0 <= it.state_from < self.num_state_slots:
-                raise ValueError(f"item {b}: state_from must be in [0, {self.num_state_slots}), got {it.state_from}")
-            if it.num_computed_tokens + len(it.token_ids) > self.config.max_position_embeddings:
-                raise ValueError(
-                    f"item {b}: {it.num_computed_tokens + len(it.token_ids)} tokens exceed "
-                    f"max_position_embeddings ({self.config.max_position_embeddings})"
-                )
-            if any(not 0 <= t < self.config.vocab_size for t in it.token_ids):
-                raise ValueError(f"item {b}: token ids must be in [0, {self.config.vocab_size})")
+        check_items(items, self.config, self.page_size, self.num_state_slots)
         return self.model.forward(items, self.pages, self.slots)
 
     def warmup(self) -> None:
@@ -160,3 +146,29 @@ def warm_up(
     forward([ForwardItem([tok] * n, 0, [0], 0)])
     forward([ForwardItem([tok], n, [0], 0)])
     return time.monotonic() - start
+
+
+def check_items(items: Sequence[ForwardItem], config, page_size: int, num_state_slots: int) -> None:
+    """A V4 forward's checks of its batch (this runner's, and the expert-parallel one's before
+    any rank hears of it). Raises ValueError for an empty batch, or naming the first item with
+    a missing or out-of-range state slot (or state_from), positions past
+    max_position_embeddings, token ids outside the vocabulary, no new tokens or too few pages."""
+    if not items:
+        raise ValueError("forward needs at least one item")
+    for b, it in enumerate(items):
+        n, nc = len(it.token_ids), it.num_computed_tokens
+        if it.state_slot is None or not 0 <= it.state_slot < num_state_slots:
+            raise ValueError(f"item {b}: DeepSeek-V4 needs a state slot in [0, {num_state_slots}), got {it.state_slot}")
+        if it.state_from is not None and not 0 <= it.state_from < num_state_slots:
+            raise ValueError(f"item {b}: state_from must be in [0, {num_state_slots}), got {it.state_from}")
+        if nc + n > config.max_position_embeddings:
+            raise ValueError(
+                f"item {b}: {nc + n} tokens exceed max_position_embeddings ({config.max_position_embeddings})"
+            )
+        if any(not 0 <= t < config.vocab_size for t in it.token_ids):
+            raise ValueError(f"item {b}: token ids must be in [0, {config.vocab_size})")
+        if n < 1 or len(it.block_ids) * page_size < nc + n:
+            raise ValueError(
+                f"item {b}: needs >= 1 new token and pages for {nc + n} tokens, "
+                f"got {n} new and {len(it.block_ids)} pages of {page_size}"
+            )

@@ -3,7 +3,7 @@
 # n=new tokens of one prefill, N=its context (prefix + new), b=queries of one block
 """Paged attention on the CPU PyTorch path.
 
-The KV cache is page-major, `[P, L, 2, S, K, D]` (the layout `engine.kv_cache.LLAMA_PAGE`
+The KV cache is page-major, `[P, L, 2, S, K, D]` (the layout `engine.kv_layout.LLAMA_PAGE`
 defines and allocates), so one page is one contiguous buffer for the KV transfer. Writes address it by token row, `kv_cache.view(P*L*2*S, K, D)`: the K (kv=0) or
 V (kv=1) of slot s of page p in layer l is row `((p*L + l)*2 + kv)*S + s`. Reads gather whole
 page blocks, `kv_cache.view(P*L*2, S, K, D)`, block `(p*L + l)*2 + kv`: one memcpy of S tokens

@@ -61,7 +61,7 @@ def paged_attention_ref(
     """Write new K/V into the page-major cache, then causal GQA attention, one token at a time.
 
     q [T, Q, D], k/v [T, K, D] for the sequences' new tokens back to back; kv_cache
-    [P, L, 2, S, K, D] (`engine.kv_cache.LLAMA_PAGE`) is written in place. Token j of sequence b sits at position
+    [P, L, 2, S, K, D] (`engine.kv_layout.LLAMA_PAGE`) is written in place. Token j of sequence b sits at position
     num_computed[b] + j, in page block_ids[b][pos // S], slot pos % S. Returns [T, Q*D].
     """
     T, Q, D = q.shape

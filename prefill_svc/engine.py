@@ -1,18 +1,15 @@
 """The prefill engine: prefix-cache lookup, compute of the uncached suffix, first token.
 
 Each request is one `engine.request.Request` (its pages, cached prefix and state slot from
-engine.kv_cache.KVCacheManager). Every cache operation and every forward runs on ONE worker thread (the service passes
-its main-thread executor, where torch is fastest), so the prefix cache needs no lock and
-requests are computed in arrival order. A request's pages stay referenced until its KV push is done, then full prompt
-blocks stay in the prefix cache (evictable, LRU) and the rest go back to the free list.
+engine.kv_cache.KVCacheManager). Every cache operation and every forward runs on ONE worker
+thread (the service passes its main-thread executor, where torch is fastest), so the prefix
+cache needs no lock and requests are computed in arrival order. A request's pages stay
+referenced until its KV push is done, then full prompt blocks stay in the prefix cache
+(evictable, LRU) and the rest go back to the free list.
 
-Chunked prefill: a prompt longer than `chunked_prefill_size` tokens is computed in chunks
-(`chunk_ends`), and after each chunk the job's `on_pages_ready` hears how many of its pages
-are final, so the service pushes them to decode while the next chunk computes (the overlap
-Mooncake and SGLang get from layer- or chunk-wise transfer). The last chunk is short, so
-little of the push is left after the compute ends.
-KV events (blocks stored / removed / cleared) are published to the Redis index as the
-pool emits them.
+Chunked prefill (prefill_svc.chunked): a prompt longer than `chunked_prefill_size` tokens is
+computed in chunks, its pages handed to the push as they become final. KV events (blocks
+stored / removed / cleared) are published to the Redis index as the pool emits them.
 """
 
 from __future__ import annotations
@@ -26,16 +23,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from engine.eplb import expert_stats
-from engine.forward import ForwardItem, Runner, chunk_ends
+from engine.forward import Runner
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sampler import sample
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.kv_events import KVEvent
 from prefill_svc import metrics
+from prefill_svc.chunked import prefill_batch
 from runtime.cpu_share import CpuShare
 
 logger = logging.getLogger(__name__)
@@ -210,46 +205,16 @@ class PrefillEngine:
                 self._pending.extendleft(reversed(waiting))
 
     def _compute(self, ready: list[Request]) -> None:
-        """Compute every ready request chunk by chunk (one forward per round, a chunk of each
-        request still computing), tell each as its pages become final, then sample first tokens."""
+        """Compute every ready request (prefill_svc.chunked), resolve their futures, then cache
+        their prompt blocks."""
         started = time.perf_counter()
         cpu_started = time.process_time()
-        size = self.page_size
         with self._count_lock:
             for r in ready:
                 r.status = RequestStatus.RUNNING
-        plans = [chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, self.chunked_prefill_size, size) for r in ready]
-        num_chunks = [len(plan) for plan in plans]
-        last_logits: list[torch.Tensor | None] = [None] * len(ready)
         try:
-            for r in ready:
-                self._pages_ready(r, r.num_cached_tokens // size)  # the cached prefix: at once
-            while any(plans):
-                rows = [k for k, plan in enumerate(plans) if plan]
-                items = []
-                for k in rows:
-                    r, end = ready[k], plans[k][0]
-                    new = r.prompt_token_ids[r.num_computed_tokens : end]
-                    pages = r.block_ids[: self.kv_cache.num_pages_for(end)]
-                    items.append(ForwardItem(new, r.num_computed_tokens, pages, r.state_slot))
-                with self._forward_mark():
-                    logits = self.runner.forward(items)  # [rows, V]
-                for row, k in enumerate(rows):
-                    r = ready[k]
-                    r.num_computed_tokens = plans[k].pop(0)
-                    if plans[k]:
-                        self._pages_ready(r, r.num_computed_tokens // size)
-                    else:
-                        last_logits[k] = logits[row]
-            first_tokens = sample(
-                torch.stack([t for t in last_logits if t is not None]),  # [B, V]
-                [r.sampling for r in ready],
-                [
-                    torch.Generator().manual_seed(r.sampling.seed)
-                    if not r.sampling.greedy and r.sampling.seed is not None
-                    else None
-                    for r in ready
-                ],
+            first_tokens, num_chunks = prefill_batch(
+                self.runner, self.kv_cache, ready, self.chunked_prefill_size, self._forward_mark
             )
         except Exception as exc:
             for r in ready:
@@ -295,15 +260,6 @@ class PrefillEngine:
                 chunks,
                 len(ready),
             )
-
-    @staticmethod
-    def _pages_ready(r: Request, n: int) -> None:
-        if r.on_pages_ready is None or n <= 0:
-            return
-        try:
-            r.on_pages_ready(tuple(r.block_ids), n)
-        except Exception:  # the caller's hook must not fail the compute of the whole batch
-            logger.exception("[%s] on_pages_ready failed", r.request_id)
 
     def stats(self, check: bool = True) -> dict[str, int | str | list[int]]:
         """Cache figures. Through call() (on the worker thread) they are exact and the cache's

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from runtime.engine_metrics import page_gauges, step_cpu_histogram
 from runtime.moe_metrics import register_expert_load
 
 REGISTRY = CollectorRegistry()
@@ -15,11 +16,7 @@ QUEUE_DEPTH = Gauge("kvmesh_prefill_queue_depth", "Prefill requests queued or co
 QUEUED_TOKENS = Gauge(
     "kvmesh_prefill_queued_tokens", "Prompt tokens of the queued or computing requests", registry=REGISTRY
 )
-PAGES_USED = Gauge("kvmesh_kv_pages_used", "KV pages referenced by requests in flight", registry=REGISTRY)
-PAGES_FREE = Gauge(
-    "kvmesh_kv_pages_free", "KV pages a request could get now (free, or cached and evictable)", registry=REGISTRY
-)
-PAGES_CACHED = Gauge("kvmesh_kv_pages_cached", "KV pages holding a prefix-cache block", registry=REGISTRY)
+PAGES_USED, PAGES_FREE, PAGES_CACHED = page_gauges(REGISTRY, cached=True)
 CACHE_HIT_TOKENS = Counter(
     "kvmesh_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=REGISTRY
 )
@@ -32,12 +29,7 @@ KV_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     registry=REGISTRY,
 )
-STEP_CPU = Histogram(
-    "kvmesh_engine_step_cpu_seconds",
-    "Process CPU seconds of one engine step (batched forward)",
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-    registry=REGISTRY,
-)
+STEP_CPU = step_cpu_histogram(REGISTRY, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
 def bind(engine) -> None:

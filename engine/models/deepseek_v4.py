@@ -17,6 +17,9 @@
 State lives in pages and per-request slots (engine/models/deepseek_v4_state.py). Matmuls run
 over every sequence's new tokens at once; the compressors and attention run per sequence.
 Token ties in the indexer's top-k go to the lower entry index (kernels/indexer).
+
+Over 300 lines on purpose: it is one model matching transformers' number for number, read side
+by side with modeling_deepseek_v4.py; split, a reader would lose that one-to-one view.
 """
 
 from __future__ import annotations
@@ -485,7 +488,7 @@ class DeepseekV4Model:
         """One step over a batch of sequences; returns fp32 logits [B, V] after each one's last token.
 
         pages [P, layout.page_floats] and slots [R, layout.slot_floats] fp32 (the layout
-        `engine.kv_cache.DEEPSEEK_V4_PAGE`) are updated in place.
+        `engine.kv_layout.DEEPSEEK_V4_PAGE`) are updated in place.
         Raises ValueError for an empty batch or an item without new tokens or with too few pages.
         """
         if not items:

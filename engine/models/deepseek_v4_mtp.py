@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from engine.forward import DraftItem
 from engine.models.deepseek_v4 import DeepseekV4Model, _rms, _rope
-from engine.models.deepseek_v4_weights import MTP_PREFIX
+from engine.models.deepseek_v4_shapes import MTP_PREFIX
 from kernels.sparse_attention import sparse_sink_attention
 
 

@@ -244,7 +244,7 @@ class LlamaModel:
 
         input_ids [T] int64; cos, sin_rot [T, 1, D] RoPE rows at each token's position
         (`kernels.rope_table`); meta from `kernels.build_attention_metadata`; kv_cache
-        [P, L, 2, S, K, D], `engine.kv_cache.LLAMA_PAGE` (written in place); logits_index [B] int64 rows of T to
+        [P, L, 2, S, K, D], `engine.kv_layout.LLAMA_PAGE` (written in place); logits_index [B] int64 rows of T to
         compute logits for, or None for all rows. Returns [B, V] fp32.
         """
         c = self.config

@@ -15,6 +15,9 @@ kernels' tiles (`q4_1_tile`, `q8_0_tile`), bit for bit what `quantized_matmul` c
 RoPE and SiLU*up do transformers' fp32 operations (RMSNorm's mean summed in fp64); attention
 sums in another order than SDPA (within an ulp or two). Each sequence's numbers depend on its
 own row only, so a sequence gets the same bits alone or in any batch.
+
+Over 300 lines on purpose: it is one fused numba step; the helpers above `decode_step` are
+pieces inlined into its one compiled call, read with it rather than in files of their own.
 """
 
 from __future__ import annotations
@@ -222,7 +225,7 @@ def decode_step(
     h [B, H] fp32: the tokens' embedding rows (becomes the last residual); lens [B] int64: each
     sequence's context in tokens, the new one included (its position is lens - 1); cos, sin_rot
     [B, D] fp32: RoPE rows at those positions (`kernels.rope_table`); blocks [L, 2, B, M] int64:
-    each sequence's K and V page blocks in kv [P*L*2, S, K, D] (`engine.kv_cache.LLAMA_PAGE` seen
+    each sequence's K and V page blocks in kv [P*L*2, S, K, D] (`engine.kv_layout.LLAMA_PAGE` seen
     as `kernels.attention`'s read blocks; entries past a sequence's own pages are never read), written at each sequence's position;
     norms [L + 1, 2, H]: the input and post-attention norms, then the final norm twice; qkv, o,
     gate_up, down: (qs, d, m) of the layers' Q4_1 weights stacked [L, NT, ...] (gate_up's gate rows

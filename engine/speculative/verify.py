@@ -31,11 +31,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepRows:
-    """One step's rows: the forward items, each request's drafts, and its rows' state slots."""
+    """One step's rows: the forward items, each request's drafts, its rows' state slots, and the
+    index of its first row (its rows are starts[i] .. starts[i] + len(drafts[i]))."""
 
     items: list[ForwardItem]
     drafts: list[list[int]]
     slots: list[list[int | None]]
+    starts: list[int]
 
 
 class Speculator:
@@ -97,8 +99,10 @@ class Speculator:
                     drafts[i] = d
         items: list[ForwardItem] = []
         slots: list[list[int | None]] = []
+        starts: list[int] = []
         scratch = iter(self.scratch_slots)
         for r, d in zip(batch, drafts):
+            starts.append(len(items))
             own: list[int | None] = [r.state_slot]
             for j, tok in enumerate([r.last_token, *d]):
                 if j and r.state_slot is not None:
@@ -114,7 +118,7 @@ class Speculator:
                     )
                 )
             slots.append(own)
-        return StepRows(items, drafts, slots)
+        return StepRows(items, drafts, slots, starts)
 
     def sample(self, batch: Sequence[Request], rows: StepRows, logits: torch.Tensor) -> list[list[int]]:
         """The tokens each request keeps from the step's logits [rows, V]: one sampled token
@@ -133,11 +137,11 @@ class Speculator:
             return None
         return self.runner.last_hidden()  # type: ignore[attr-defined]
 
-    def keep(self, request: Request, i: int, rows: StepRows, tokens: list[int], hidden_rows) -> int:
+    def keep(self, request: Request, i: int, rows: StepRows, tokens: list[int], hidden: torch.Tensor | None) -> int:
         """After the step kept `tokens` of request i (already appended): keep the state of its
-        last accepted row, hand the drafter its streams, count the drafts. hidden_rows: its rows'
-        streams ([k + 1, N, H]) or None when it finished or no drafter reads them. Returns the
-        drafts accepted."""
+        last accepted row, hand the drafter its rows' streams, count the drafts. hidden: the
+        step's streams ([rows, N, H], `hidden()`), None when the request finished or no drafter
+        reads them. Returns the drafts accepted."""
         d = rows.drafts[i]
         if d and len(tokens) > 1 and request.state_slot is not None:
             # the rejected rows' scratch slots are simply reused, and what they wrote in the pages
@@ -145,8 +149,9 @@ class Speculator:
             kept_slot = rows.slots[i][len(tokens) - 1]
             assert kept_slot is not None, request.request_id
             self.runner.copy_state_slot(kept_slot, request.state_slot)
-        if hidden_rows is not None and self.drafter is not None:
-            self.drafter.after_step(request, hidden_rows[: len(tokens)].clone())
+        if hidden is not None and self.drafter is not None:
+            first = rows.starts[i]
+            self.drafter.after_step(request, hidden[first : first + len(tokens)].clone())
         if not d:
             return 0
         accepted = len(tokens) - 1

@@ -165,8 +165,8 @@ def test_ep2_equals_single_process_then_a_killed_rank_is_an_error_within_seconds
         want = _speculative_rows(_runner(files))
         for got, ref in zip(_speculative_rows(ep), want):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-        os.kill(ep._procs[0].pid, signal.SIGKILL)
-        ep._procs[0].join(5)
+        os.kill(ep.ranks.procs[0].pid, signal.SIGKILL)
+        ep.ranks.procs[0].join(5)
         start = time.monotonic()
         with pytest.raises(EPWorldError, match="rank 1"):
             ep.warmup()

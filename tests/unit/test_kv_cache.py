@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_cache import DEEPSEEK_V4_PAGE, LLAMA_PAGE, KVCacheManager, flat_layout, llama_layout
+from engine.kv_cache import KVCacheManager
+from engine.kv_layout import DEEPSEEK_V4_PAGE, LLAMA_PAGE, flat_layout, llama_layout
 from engine.request import Request
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import NoFreeBlocksError

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from decode_svc.config import DecodeConfig
 from engine.forward import ForwardItem
 from engine.loader import resolve_model
-from engine.models.deepseek_v4_weights import MTP_PREFIX, check_and_take, load_config, mtp_shapes, normalize_names
+from engine.models.deepseek_v4_shapes import MTP_PREFIX, mtp_shapes
+from engine.models.deepseek_v4_weights import check_and_take, load_config, normalize_names
 from engine.tiny_models import make_tiny_model
 from engine.v4_runner import DeepseekV4Runner
 from tests.unit.test_speculative import _generate
@@ -185,8 +186,8 @@ def test_the_mtp_block_computes_what_the_models_own_verified_layer_computes(tmp_
     from engine.forward import DraftItem
     from engine.models.deepseek_v4 import DeepseekV4Model
     from engine.models.deepseek_v4_mtp import DeepseekV4MTP
+    from engine.models.deepseek_v4_shapes import expected_shapes
     from engine.models.deepseek_v4_state import V4StateLayout
-    from engine.models.deepseek_v4_weights import expected_shapes
 
     one = make_tiny_model(
         "deepseek_v4", tmp_path, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"]

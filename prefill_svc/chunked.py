@@ -1,0 +1,86 @@
+# B=requests of the batch, V=vocab
+"""The compute of one prefill batch, chunk by chunk.
+
+A prompt longer than `chunk_size` tokens is computed in chunks (engine.forward.chunk_ends), one
+forward a round over a chunk of each request still computing, and after each chunk the
+request's `on_pages_ready` hears how many of its pages are final, so the service pushes them to
+decode while the next chunk computes (the overlap Mooncake and SGLang get from layer- or
+chunk-wise transfer). The last chunk is short, so little of the push is left after the compute
+ends. prefill_svc.engine runs this on its one worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.forward import ForwardItem, Runner, chunk_ends
+from engine.kv_cache import KVCacheManager
+from engine.request import Request
+from engine.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_batch(
+    runner: Runner,
+    kv_cache: KVCacheManager,
+    batch: list[Request],
+    chunk_size: int,
+    forward_mark: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[list[int], list[int]]:
+    """Compute the uncached prompt of every request in `batch` (pages allocated, num_computed_tokens
+    at its cached prefix) and sample each one's first token (its sampling params; a seeded
+    generator unless greedy). chunk_size: tokens a chunk (0 = the whole prompt at once);
+    forward_mark: entered around each forward (runtime.cpu_share). Advances num_computed_tokens.
+
+    Returns (the first token of each request, the chunks each took). Raises what the forward or
+    the sampler raises; the caller frees the batch then.
+    """
+    size = kv_cache.page_size
+    plans = [chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, chunk_size, size) for r in batch]
+    num_chunks = [len(plan) for plan in plans]
+    last_logits: list[torch.Tensor | None] = [None] * len(batch)
+    for r in batch:
+        pages_ready(r, r.num_cached_tokens // size)  # the cached prefix: at once
+    while any(plans):
+        rows = [k for k, plan in enumerate(plans) if plan]
+        items = []
+        for k in rows:
+            r, end = batch[k], plans[k][0]
+            new = r.prompt_token_ids[r.num_computed_tokens : end]
+            pages = r.block_ids[: kv_cache.num_pages_for(end)]
+            items.append(ForwardItem(new, r.num_computed_tokens, pages, r.state_slot))
+        with forward_mark():
+            logits = runner.forward(items)  # [rows, V]
+        for row, k in enumerate(rows):
+            r = batch[k]
+            r.num_computed_tokens = plans[k].pop(0)
+            if plans[k]:
+                pages_ready(r, r.num_computed_tokens // size)
+            else:
+                last_logits[k] = logits[row]
+    first_tokens = sample(
+        torch.stack([t for t in last_logits if t is not None]),  # [B, V]
+        [r.sampling for r in batch],
+        [
+            torch.Generator().manual_seed(r.sampling.seed)
+            if not r.sampling.greedy and r.sampling.seed is not None
+            else None
+            for r in batch
+        ],
+    )
+    return first_tokens, num_chunks
+
+
+def pages_ready(r: Request, n: int) -> None:
+    """Tell r.on_pages_ready (when set) that its first n pages are final."""
+    if r.on_pages_ready is None or n <= 0:
+        return
+    try:
+        r.on_pages_ready(tuple(r.block_ids), n)
+    except Exception:  # the caller's hook must not fail the compute of the whole batch
+        logger.exception("[%s] on_pages_ready failed", r.request_id)
