@@ -11,8 +11,7 @@ from decode_svc.config import DecodeConfig
 from decode_svc.delivery import deliver_on
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
-from engine.checkpoint import model_fingerprint
-from engine.loader import load_config, resolve_model
+from engine.loader import resolve_model
 from engine.runners import create_runner
 from kvstore.registry import InstanceRecord, InstanceRegistry
 from kvstore.transports import create_receiver
@@ -20,6 +19,7 @@ from protos.kvmesh.v1 import decode_pb2_grpc
 from runtime import lifecycle, service
 from runtime.lifecycle import Lifecycle
 from runtime.registration import Registration
+from runtime.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +43,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     # a wildcard bind address is no address to push to: advertise a name others can reach
     receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
     await receiver.start()
-    model_config = load_config(files)
-    servicer = DecodeServicer(
-        engine,
-        receiver,
-        instance_id,
-        frozenset(model_config.eos_token_ids),
-        model_config.vocab_size,
-        model_config.max_position_embeddings,
-        model_fingerprint(files),
-    )
+    model = ServedModel.of(files, instance_id)
+    servicer = DecodeServicer(engine, receiver, model)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     ep.bind_metrics(metrics.REGISTRY, runner)
@@ -65,7 +57,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     registration = None
     release: list = []
     if config.redis_url:
-        record = InstanceRecord(instance_id, "decode", address, model_fingerprint(files), config.page_size)
+        record = InstanceRecord(instance_id, "decode", address, model.fingerprint, config.page_size)
         registry = InstanceRegistry.from_url(config.redis_url, model=files.name)
         registration = Registration(registry, record, config.lease_ttl_s)
         release.append(registry.close)

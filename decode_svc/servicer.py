@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.transport import KVPushReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime import tracing
+from runtime.served_model import ServedModel
 from runtime.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
 
 logger = logging.getLogger(__name__)
@@ -31,27 +32,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     """Reservations live in the engine's table (landing and expiry: Transfers); pages are freed
     only once no push can still land in them."""
 
-    def __init__(
-        self,
-        engine: DecodeEngine,
-        receiver: KVPushReceiver,
-        instance_id: str,
-        stop_token_ids: frozenset[int],
-        vocab_size: int,
-        max_context: int,
-        model_fingerprint: str,
-    ) -> None:
+    def __init__(self, engine: DecodeEngine, receiver: KVPushReceiver, model: ServedModel) -> None:
         self.engine = engine
         self.receiver = receiver
-        self.instance_id = instance_id
-        self.stop_token_ids = stop_token_ids
-        self.vocab_size = vocab_size
-        self.max_context = max_context
-        self.model_fingerprint = model_fingerprint
+        self.model = model
         self.transfers = Transfers(engine, receiver)
 
     async def Reserve(self, request, context):
-        with tracing.server_span("decode.reserve", context, request.request_id, self.instance_id) as span:
+        with tracing.server_span("decode.reserve", context, request.request_id, self.model.instance_id) as span:
             response = await self._reserve(request, context)
             span.set_attributes(
                 {"kvmesh.kv.prompt_pages": response.num_pages, "kvmesh.transfer_id": format(response.transfer_id, "x")}
@@ -64,13 +52,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             check_request_id(request.request_id)
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, str(exc))
-        mismatch = page_size_mismatch(f"decode {self.instance_id}", page_size, request.page_size)
+        mismatch = page_size_mismatch(f"decode {self.model.instance_id}", page_size, request.page_size)
         if mismatch:
             await abort(context, FailureCause.MISMATCH, f"[{request.request_id}] {mismatch}")
         try:
-            if n + m > self.max_context:
+            if n + m > self.model.max_context:
                 raise ValueError(
-                    f"num_prompt_tokens ({n}) + max_tokens ({m}) exceeds the context of {self.max_context} tokens"
+                    f"num_prompt_tokens ({n}) + max_tokens ({m}) exceeds the context of {self.model.max_context} tokens"
                 )
             kv_deadline = request.kv_deadline_s or self.engine.config.reservation_timeout_s
             if not (math.isfinite(kv_deadline) and kv_deadline > 0):
@@ -89,7 +77,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             transfer_id=t.transfer_id,
             num_pages=t.num_prompt_pages,
             page_nbytes=self.engine.runner.page_nbytes,
-            instance_id=self.instance_id,
+            instance_id=self.model.instance_id,
         )
 
     def _refuse(self, transfer_id: int) -> None:
@@ -104,15 +92,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _check(self, request) -> SamplingParams:
         """Sampling settings of a Generate call (an unset seed is 0); ValueError says what is wrong."""
-        if not 0 <= request.first_token < self.vocab_size:
-            raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {request.first_token}")
+        if not 0 <= request.first_token < self.model.vocab_size:
+            raise ValueError(f"first_token must be in [0, {self.model.vocab_size}), got {request.first_token}")
         if not (math.isfinite(request.kv_timeout_s) and request.kv_timeout_s >= 0):
             raise ValueError(f"kv_timeout_s must be a finite number >= 0, got {request.kv_timeout_s}")
         return sampling_from_pb(request.sampling, default_seed=0)  # checks the seed's range too
 
     async def Generate(self, request, context):
         """The request's decode span continues the caller's trace (prefill's KV push)."""
-        with tracing.server_span("decode.generate", context, request.request_id, self.instance_id) as span:
+        with tracing.server_span("decode.generate", context, request.request_id, self.model.instance_id) as span:
             async for msg in self._generate(request, context, span):
                 yield msg
 
@@ -156,7 +144,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes},
             )
             digest = pages_digest(self.engine.transfer_buffers(tid)) if self.engine.config.kv_digest else ""
-            stop_ids = frozenset() if request.ignore_eos else self.stop_token_ids
+            stop_ids = frozenset() if request.ignore_eos else self.model.eos_token_ids
             try:
                 self.engine.begin(
                     tid,
@@ -222,9 +210,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def GetStats(self, request, context):
         stats = self.engine.stats()
         return common_pb2.InstanceStats(
-            instance_id=self.instance_id,
+            instance_id=self.model.instance_id,
             page_size=self.engine.config.page_size,
-            model_fingerprint=self.model_fingerprint,
+            model_fingerprint=self.model.fingerprint,
             max_requests=self.engine.config.max_batch_size,
             kv_address=self.receiver.address,
             **stats,

@@ -6,8 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from engine.checkpoint import model_fingerprint
-from engine.loader import load_config, resolve_model
+from engine.loader import resolve_model
 from engine.runners import create_runner
 from kvstore.redis_index import RedisKVIndex
 from kvstore.registry import InstanceRecord
@@ -22,6 +21,7 @@ from runtime import lifecycle, service
 from runtime.cpu_share import open_cpu_share
 from runtime.lifecycle import Lifecycle
 from runtime.registration import Registration
+from runtime.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ PREFILL_STATE_SLOTS = 64
 async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, clear this instance's old index entries, serve until stop is set."""
     files = resolve_model(config.model)
-    model_config = load_config(files)
     svc = service.Service(["kvmesh.v1.Prefill"], config.host, config.port)
     address = config.reachable_address(svc.port)  # what gateways dial
     instance_id = config.instance_id or address
@@ -66,16 +65,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         cpu_share=open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s),
     )
     sender = create_sender(config.kv_transport)
-    servicer = PrefillServicer(
-        engine,
-        sender,
-        instance_id,
-        model_config.vocab_size,
-        model_config.max_position_embeddings,
-        config.push_timeout_s,
-        config.kv_digest,
-        model_fingerprint(files),
-    )
+    model = ServedModel.of(files, instance_id)
+    servicer = PrefillServicer(engine, sender, model, config)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
@@ -85,7 +76,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     registration = None
     release = [engine.shutdown, sender.close]
     if index is not None and publisher is not None:
-        record = InstanceRecord(instance_id, "prefill", address, model_fingerprint(files), config.page_size)
+        record = InstanceRecord(instance_id, "prefill", address, model.fingerprint, config.page_size)
         registration = Registration(
             index.registry, record, config.lease_ttl_s, after_beat=_resync_after(publisher, engine)
         )

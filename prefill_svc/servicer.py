@@ -14,10 +14,12 @@ from kvstore.block_hash import HASH_NBYTES
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.transport import KVPushSender, TransferError, parse_address
 from prefill_svc import metrics
+from prefill_svc.config import PrefillConfig
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillResult
 from prefill_svc.kv_push import KVPush, PushReport
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from runtime import tracing
+from runtime.served_model import ServedModel
 from runtime.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
 
 logger = logging.getLogger(__name__)
@@ -27,36 +29,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Runs each prefill on the engine's worker thread and pushes the request's pages to the
     decode instance (scatter-gather, in parts as chunked prefill completes them: KVPush)."""
 
-    def __init__(
-        self,
-        engine: PrefillEngine,
-        sender: KVPushSender,
-        instance_id: str,
-        vocab_size: int,
-        max_context: int,
-        push_timeout_s: float,
-        kv_digest: bool,
-        model_fingerprint: str = "",
-    ) -> None:
+    def __init__(self, engine: PrefillEngine, sender: KVPushSender, model: ServedModel, config: PrefillConfig) -> None:
+        """config: its push_timeout_s bounds each part of a KV push; kv_digest hashes the pages pushed."""
         self.engine = engine
         self.sender = sender
+        self.model = model
+        self.config = config
         self._background: set[asyncio.Task] = set()  # connect-ahead and release tasks, kept until done
-        self.instance_id = instance_id
-        self.vocab_size = vocab_size
-        self.max_context = max_context
-        self.push_timeout_s = push_timeout_s
-        self.kv_digest = kv_digest
-        self.model_fingerprint = model_fingerprint
 
     def _validate(self, request) -> None:
         n = len(request.token_ids)
         if n == 0:
             raise ValueError("token_ids is empty; send at least one prompt token")
-        if n > self.max_context:
-            raise ValueError(f"prompt has {n} tokens, the context holds {self.max_context}")
-        bad = [t for t in request.token_ids if not 0 <= t < self.vocab_size]
+        if n > self.model.max_context:
+            raise ValueError(f"prompt has {n} tokens, the context holds {self.model.max_context}")
+        bad = [t for t in request.token_ids if not 0 <= t < self.model.vocab_size]
         if bad:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise ValueError(f"token ids must be in [0, {self.model.vocab_size}), got {bad[:5]}")
         if request.decode_kv_address:
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
         if request.block_hashes:
@@ -82,7 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         task.add_done_callback(done)
 
     async def Prefill(self, request, context):
-        with tracing.server_span("prefill", context, request.request_id, self.instance_id) as span:
+        with tracing.server_span("prefill", context, request.request_id, self.model.instance_id) as span:
             return await self._prefill(request, context, span)
 
     async def _prefill(self, request, context, span):
@@ -91,7 +80,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             check_request_id(rid)
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, str(exc))
-        mismatch = page_size_mismatch(f"prefill {self.instance_id}", self.engine.page_size, request.page_size)
+        mismatch = page_size_mismatch(f"prefill {self.model.instance_id}", self.engine.page_size, request.page_size)
         if mismatch:
             await abort(context, FailureCause.MISMATCH, f"[{rid}] {mismatch}")
         try:
@@ -103,7 +92,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if request.decode_kv_address:
             self._connect_ahead(request.decode_kv_address)
             kv_push = KVPush(
-                self.sender, request.decode_kv_address, request.transfer_id, self.engine.kv_cache, self.push_timeout_s
+                self.sender,
+                request.decode_kv_address,
+                request.transfer_id,
+                self.engine.kv_cache,
+                self.config.push_timeout_s,
             )
         job = Request(
             rid,
@@ -217,7 +210,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             exposed_transfer_s=report.exposed_s,
             queue_s=result.queue_s,
             compute_s=result.compute_s,
-            instance_id=self.instance_id,
+            instance_id=self.model.instance_id,
             kv_digest=report.digest,
             traceparent=tracing.traceparent(push_span),
         )
@@ -244,7 +237,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             if kv_push is None:
                 return PushReport(0, 0.0, 0.0, 0, "")
-            return await kv_push.finish(result.block_ids, result.state_slot, compute_end, self.kv_digest)
+            return await kv_push.finish(result.block_ids, result.state_slot, compute_end, self.config.kv_digest)
         finally:
             if kv_push is not None:
                 await kv_push.wait_idle()
@@ -259,8 +252,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except TimeoutError:
             stats = self.engine.stats(check=False)
         return common_pb2.InstanceStats(
-            instance_id=self.instance_id,
+            instance_id=self.model.instance_id,
             page_size=self.engine.page_size,
-            model_fingerprint=self.model_fingerprint,
+            model_fingerprint=self.model.fingerprint,
             **stats,
         )
