@@ -152,8 +152,9 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line (also used by tests to check compose's commands)."""
+def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
+    """The whole command line (also used by tests to check compose's commands); with_plugins=False
+    leaves out the commands other packages add (kvmesh.commands)."""
     from decode_svc import config as decode_config
     from gateway import config as gateway_config
     from prefill_svc import config as prefill_config
@@ -272,12 +273,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     # the lab's commands (`kvmesh bench`, `routesim`, `fuzz`, ...), which live in bench/ and
     # register themselves as entry points: the product never imports them
-    add_plugin_commands(sub)
+    if with_plugins:
+        add_plugin_commands(sub)
     return parser
 
 
+OWN_COMMANDS = ("up", "generate", "serve", "eplb", "make-tiny-model")
+"""The commands build_parser adds itself (a test keeps this list equal to them)."""
+
+
+def _own_command(argv: list[str]) -> bool:
+    """argv names one of kvmesh's own commands (`serve`, `up`, ...), not one a plugin adds."""
+    return bool(argv) and argv[0] in OWN_COMMANDS
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # every service process starts as `kvmesh serve ...`: it skips the scan of the installed
+    # packages for plugin commands (0.1-0.3 s a process)
+    args = build_parser(with_plugins=not _own_command(argv)).parse_args(argv)
     return args.func(args)
 
 

@@ -107,3 +107,17 @@ def test_no_entry_points_leaves_the_product_commands(monkeypatch):
     assert names == {"up", "generate", "serve", "eplb", "make-tiny-model"}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench"])
+
+
+def test_own_commands_list_is_what_the_parser_adds_itself():
+    # `kvmesh serve ...` skips the plugin scan because its command is in OWN_COMMANDS: the list
+    # must name exactly the commands build_parser adds without plugins
+    import argparse
+
+    from kvmesh import cli
+
+    parser = cli.build_parser(with_plugins=False)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(cli.OWN_COMMANDS)
+    with_plugins = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert "bench" in with_plugins.choices and "bench" not in sub.choices
