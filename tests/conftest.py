@@ -4,6 +4,11 @@ A mesh takes 10-30 s to start on a 2-core machine (model loads, then the gateway
 modules whose tests can share one do: `observed_mesh` serves test_mesh, test_observability
 and test_http_api, `fault_mesh` test_compose and test_faults. Every test using one ends with
 the mesh idle (`wait_idle`), but for test_faults' last ones, which kill its instances.
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`): most of a
+mesh test's time is spent waiting on other processes, so a second worker fills the cores. A
+module runs whole on one worker, in file order, and so do the modules that share a mesh
+(`SHARED_MESHES`, kept true by `pytest_collection_modifyitems`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,69 @@ import grpc
 import pytest
 
 from kvmesh.redis_server import RedisProcess, ping
+
+SHARED_MESHES = {
+    "observed_mesh": (
+        "tests/integration/test_http_api.py",
+        "tests/integration/test_mesh.py",
+        "tests/integration/test_observability.py",
+    ),
+    "fault_mesh": ("tests/integration/test_compose.py", "tests/integration/test_faults.py"),
+}
+"""Session fixtures that several modules share, and those modules (in collection order)."""
+_MESH_OF_MODULE = {module: mesh for mesh, modules in SHARED_MESHES.items() for module in modules}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the modules of one shared mesh as one unit: they run on one
+    worker in collection order, so the mesh starts once, and test_compose asks the fault mesh
+    before test_faults kills its instances. (xdist's own `loadgroup` would do it with marks,
+    but pytest 9.2 no longer reads the node id it rewrites.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedMeshScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return _MESH_OF_MODULE.get(module, module)
+
+    return SharedMeshScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Fail the run if a module uses a shared mesh that `SHARED_MESHES` does not list it under:
+    on another worker it would start a second one, or find the fault mesh's instances killed."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        for mesh in SHARED_MESHES:
+            if mesh in item.fixturenames and _MESH_OF_MODULE.get(module) != mesh:
+                raise pytest.UsageError(f"{module} uses {mesh}: add it to SHARED_MESHES in tests/conftest.py")
+
+
+def pytest_configure(config) -> None:
+    """Under xdist: OpenMP threads wait passively (libgomp's default spin-wait takes the cores
+    from the other worker and the services; see meshutil.SHARED_CORES_ENV), set in the
+    controller so that the workers inherit it, and each worker's torch gets its share of the
+    cores."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(config.workerinput["workercount"])))
+    elif getattr(config.option, "numprocesses", None):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def pytest_sessionstart(session) -> None:
+    """On the xdist controller: compile the default model's GGUF block kernels before the
+    workers start, so that on a cold numba cache (a fresh clone) they are compiled once, not
+    once a worker (tests.integration.meshutil.compile_block_kernels)."""
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from tests.integration.meshutil import compile_block_kernels
+
+        compile_block_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -289,16 +289,15 @@ def test_dockerfile_python_steps_import_what_the_repo_has():
 
 
 @pytest.fixture(scope="module")
-def mesh(services, request):
+def mesh(services, fault_mesh):
     """test_faults' 2 + 2 mesh (tests/conftest.py), shared: these tests only ask it and leave it
     idle. One of its own when test_faults ran first and killed that one's instances."""
     gateway = _config(services["gateway"])
     shape = (len(gateway.prefill_addresses), len(gateway.decode_addresses))
-    shared = request.getfixturevalue("fault_mesh")
-    if (len(shared.prefill_addresses), len(shared.decode_addresses)) == shape and all(
-        p.poll() is None for p in [*(p for _, p in shared.procs), *shared.extra_procs]
+    if (len(fault_mesh.prefill_addresses), len(fault_mesh.decode_addresses)) == shape and all(
+        p.poll() is None for p in [*(p for _, p in fault_mesh.procs), *fault_mesh.extra_procs]
     ):
-        yield shared
+        yield fault_mesh
         return
     with running_mesh(*shape) as m:
         assert (len(m.prefill_addresses), len(m.decode_addresses)) == (2, 2)
