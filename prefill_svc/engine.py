@@ -218,10 +218,13 @@ class PrefillEngine:
             )
         except Exception as exc:
             for r in ready:
-                self._release(r.block_ids, r.state_slot)
+                self.kv_cache.free(r.block_ids, r.state_slot)
                 r.status = RequestStatus.ABORTED
                 assert r.future is not None
                 r.future.set_exception(exc)
+            # requests may wait for these pages: drain again once this drain has put them back
+            # in the queue (not from here, where a nested drain would pass them by)
+            self._executor.submit(self._drain)
             return
         done = time.perf_counter()
         # first tokens out first: caching the blocks (and their KV events) and the log lines

@@ -55,6 +55,56 @@ def test_a_job_short_of_pages_waits_for_a_release_instead_of_failing():
         engine.shutdown()
 
 
+class FailingRunner(ArgmaxRunner):
+    """ArgmaxRunner whose forward raises for a batch holding token 99, and first calls
+    `on_forward` (once); `batches` records each forward's first tokens."""
+
+    def __init__(self, on_forward=None):
+        self.on_forward, self.batches = on_forward, []
+
+    def forward(self, items):
+        self.batches.append([it.token_ids[0] for it in items])
+        if self.on_forward is not None:
+            self.on_forward, hook = None, self.on_forward
+            hook()
+        if any(99 in it.token_ids for it in items):
+            raise RuntimeError("forward failed")
+        return super().forward(items)
+
+
+def test_a_failed_compute_frees_its_pages_for_the_request_waiting_for_them_first():
+    # one drain takes X and Y together (the worker was busy while both came): X gets 3 of the
+    # 4 pages, Y needs 3 too and waits; Z comes while X computes. X's forward fails, its pages
+    # come back, and Y, which came before Z, runs no later than Z
+    import threading
+
+    engine = None
+
+    def submit_z():
+        futures["z"] = engine.submit(_job("z", list(range(50, 54))))
+
+    futures: dict = {}
+    runner = FailingRunner(on_forward=submit_z)
+    engine = PrefillEngine(runner, 4, 4, enable_prefix_caching=False)
+    try:
+        busy = threading.Event()
+        engine.call(busy.wait, 10)
+        x = engine.submit(_job("x", [99, *range(10, 21)]))
+        y = engine.submit(_job("y", list(range(30, 42))))
+        busy.set()
+        with pytest.raises(RuntimeError, match="forward failed"):
+            x.result(timeout=10)
+        assert y.result(timeout=10).first_token == 42 and futures["z"].result(timeout=10).first_token == 54
+        first_seen = {t: i for i, batch in reversed(list(enumerate(runner.batches))) for t in batch}
+        assert first_seen[99] == 0 and first_seen[30] <= first_seen[50], runner.batches
+        for f in (y, futures["z"]):
+            engine.release(f.result().block_ids, None).result()
+        stats = engine.call(engine.stats).result()
+        assert stats["integrity_error"] == "" and stats["num_free_pages"] == 4 and stats["num_active_requests"] == 0
+    finally:
+        engine.shutdown()
+
+
 def test_hashes_from_the_caller_are_used_instead_of_hashing_again(monkeypatch):
     # the gateway hashed the prompt for routing; prefill caches its blocks under those hashes
     # and never hashes the prompt itself
