@@ -47,9 +47,6 @@ class Placement:
     def slots_per_rank(self) -> int:
         return self.phy2log.shape[1] // self.num_ranks
 
-    def rank_of_slot(self, slot: int) -> int:
-        return slot // self.slots_per_rank
-
 
 def expert_stats(counts: np.ndarray | None) -> dict[str, int | list[int]]:
     """InstanceStats fields of a runner's expert_token_counts(): num_experts (E) and

@@ -112,13 +112,6 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
 
 
-def _bool_arg(text: str) -> bool:
-    try:
-        return parse_bool(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
 def env_flag(
     parser: argparse.ArgumentParser,
     flag: str,
