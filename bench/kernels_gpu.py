@@ -5,8 +5,8 @@
     python -m bench.kernels_gpu [--no-tests] [--no-bench]
 
 Without a CUDA GPU it prints "no CUDA GPU: nothing to benchmark" and exits 0. With one:
-1. runs tests/unit/test_moe_kernels.py and tests/unit/test_indexer_kernels.py with
-   KVMESH_TEST_DEVICE=cuda, so their Triton tests run compiled on the GPU, not interpreted;
+1. runs tests/unit/test_moe_kernels.py, test_indexer_kernels.py and
+   test_paged_decode_kernel.py with KVMESH_TEST_DEVICE=cuda, so their Triton tests run compiled on the GPU, not interpreted;
 2. at DeepSeek-V4 shapes (H=4096, I=2048, E=256, K=6; indexer Hi=64, Di=128, N=4096; bf16)
    checks each Triton result against the PyTorch path and prints milliseconds, TFLOP/s and
    GB/s of both. Bytes count what must move at least once: the experts the batch touches
@@ -24,7 +24,11 @@ import sys
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEST_FILES = ["tests/unit/test_moe_kernels.py", "tests/unit/test_indexer_kernels.py"]
+TEST_FILES = [
+    "tests/unit/test_moe_kernels.py",
+    "tests/unit/test_indexer_kernels.py",
+    "tests/unit/test_paged_decode_kernel.py",
+]
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

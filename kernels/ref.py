@@ -87,6 +87,34 @@ def paged_attention_ref(
     return out.reshape(T, Q * D)
 
 
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_table: Sequence[Sequence[int]],
+    context_lens: Sequence[int],
+) -> torch.Tensor:
+    """One decode query a sequence against the K/V its pages already hold (no write).
+
+    q [B, Q, D]; kv_cache [P, L, 2, S, K, D] (`engine.kv_layout.LLAMA_PAGE`); sequence b's
+    context is its first context_lens[b] tokens, token p in page block_table[b][p // S], slot
+    p % S (the new token's K/V included: the model writes it first). Returns [B, Q, D] in
+    q.dtype, computed in fp32 one head at a time.
+    """
+    B, Q, D = q.shape
+    K, S = kv_cache.shape[4], kv_cache.shape[3]
+    out = torch.zeros(B, Q, D, dtype=q.dtype)
+    for b in range(B):
+        n, pages = context_lens[b], block_table[b]
+        keys = torch.stack([kv_cache[pages[p // S], layer, 0, p % S] for p in range(n)]).float()  # [n, K, D]
+        values = torch.stack([kv_cache[pages[p // S], layer, 1, p % S] for p in range(n)]).float()
+        for h in range(Q):
+            kh = h // (Q // K)  # transformers' repeat_kv
+            probs = torch.softmax((keys[:, kh] @ q[b, h].float()) / math.sqrt(D), dim=0)  # [n]
+            out[b, h] = (probs @ values[:, kh]).to(q.dtype)
+    return out
+
+
 def dequantize_q4_1_ref(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """gguf-py's Q4_1 `dequantize_blocks`: w = d * q + m per block of 32 inputs, in fp32.
 
