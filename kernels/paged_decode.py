@@ -119,6 +119,61 @@ def _paged_decode_kernel(
     )
 
 
+def paged_decode_attention_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor:
+    """`paged_decode_attention_triton` in PyTorch ops, on any device and free of host syncs: each
+    sequence's pages gathered whole ([B, M*S, K, D]), slots past its context masked, one SDPA
+    with GQA (`enable_gqa`). Arguments, result and errors as the Triton kernel's; the softmax in
+    q.dtype's SDPA numerics (fp32 for fp32). Unlike the kernel it reads the slots past each
+    context (then masks them), so they must hold finite values, as for kernels.attention's
+    decode: a NaN there leaks through the mask as 0 * NaN.
+    Reference: `kernels.ref.paged_decode_attention_ref`.
+    """
+    B, Q, D = _check(q, kv_cache, layer, block_table, context_lens)
+    S, K = kv_cache.shape[3], kv_cache.shape[4]
+    M = block_table.shape[1]
+    pages = kv_cache[:, layer][block_table.long()]  # [B, M, 2, S, K, D]
+    k = pages[:, :, 0].reshape(B, M * S, K, D).transpose(1, 2)  # [B, K, M*S, D]
+    v = pages[:, :, 1].reshape(B, M * S, K, D).transpose(1, 2)
+    slots = torch.arange(M * S, device=q.device)
+    mask = (slots[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, M*S]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask, enable_gqa=Q != K
+    )  # [B, Q, 1, D]
+    return out[:, :, 0]
+
+
+def _check(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[int, int, int]:
+    """(B, Q, D) of a paged decode attention call, or ValueError saying which shapes disagree."""
+    if q.dim() != 3 or kv_cache.dim() != 6:
+        raise ValueError(
+            f"q must be [B, Q, D] and kv_cache [P, L, 2, S, K, D], got {list(q.shape)}, {list(kv_cache.shape)}"
+        )
+    B, Q, D = q.shape
+    _P, L, two, _S, K, Dk = kv_cache.shape
+    if two != 2 or Dk != D or Q % K:
+        raise ValueError(
+            f"kv_cache {list(kv_cache.shape)} does not fit q {list(q.shape)} (2 planes, head_dim {D}, Q % K == 0)"
+        )
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or tuple(context_lens.shape) != (B,):
+        raise ValueError(
+            f"block_table must be [{B}, M] and context_lens [{B}], got {list(block_table.shape)}, "
+            f"{list(context_lens.shape)}"
+        )
+    if not 0 <= layer < L:
+        raise ValueError(f"layer must be in [0, {L}), got {layer}")
+    return B, Q, D
+
+
 def _block(n: int) -> int:
     """n rounded up to a power of two, at least 16 (tl.dot's smallest side)."""
     return max(16, triton.next_power_of_2(n))
@@ -144,24 +199,8 @@ def paged_decode_attention_triton(
     different head_dim or dtype, a block table or lengths of another batch size, a layer out
     of range). Reference: `kernels.ref.paged_decode_attention_ref`.
     """
-    if q.dim() != 3 or kv_cache.dim() != 6:
-        raise ValueError(
-            f"q must be [B, Q, D] and kv_cache [P, L, 2, S, K, D], got {list(q.shape)}, {list(kv_cache.shape)}"
-        )
-    B, Q, D = q.shape
-    P, L, two, S, K, Dk = kv_cache.shape
-    if two != 2 or Dk != D or Q % K:
-        raise ValueError(
-            f"kv_cache {list(kv_cache.shape)} does not fit q {list(q.shape)} (2 planes, head_dim {D}, Q % K == 0)"
-        )
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q and kv_cache must share a dtype, got {q.dtype} and {kv_cache.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != B or tuple(context_lens.shape) != (B,):
-        raise ValueError(
-            f"block_table must be [{B}, M] and context_lens [{B}], got {list(block_table.shape)}, {list(context_lens.shape)}"
-        )
-    if not 0 <= layer < L:
-        raise ValueError(f"layer must be in [0, {L}), got {layer}")
+    B, Q, D = _check(q, kv_cache, layer, block_table, context_lens)
+    S, K = kv_cache.shape[3], kv_cache.shape[4]
     out = torch.empty_like(q)
     if B == 0:
         return out
