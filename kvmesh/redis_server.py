@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -11,9 +12,38 @@ import time
 
 import redis
 
+FIRST_FREE_PORT = 20000
+"""free_port picks from [FIRST_FREE_PORT, the start of the ephemeral range)."""
+
+
+def _ephemeral_start() -> int:
+    """The first port of the range the OS assigns to port-0 binds and outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; IANA's range starts higher still (49152)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on host (the OS picks it)."""
+    """A TCP port free right now on host, for a process started next to bind.
+
+    Chosen at random below the OS's ephemeral range: a port the OS hands out (the old way,
+    binding port 0) is soon handed out again, as the source port of an outgoing connection
+    or to another port-0 bind, and on a busy machine one took a port between this choice and
+    the child's bind (a `kvmesh up` gateway failed with "Address already in use"). Only
+    another free_port caller can still take the same port, at random among ~12,000. Falls
+    back to a port the OS picks when that range is empty or full.
+    """
+    low, high = FIRST_FREE_PORT, _ephemeral_start()
+    for _ in range(50 if high > low else 0):
+        port = random.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
