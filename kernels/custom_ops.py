@@ -1,8 +1,8 @@
 # T=tokens, H=hidden, E=experts, I=expert intermediate, K=experts per token (MoE) or kv heads
 # (attention), Hi/Di=indexer heads/head_dim, N=indexer entries, B=sequences, Q=query heads,
 # D=head_dim, P=pages, L=layers, S=page_size, M=pages of one sequence
-"""The kernels the models call, as PyTorch custom ops (`torch.library.custom_op`): one op each,
-whatever the device, dispatched by the tensors' device.
+"""The kernels the models call, as PyTorch custom ops: one op each, whatever the device,
+dispatched by the tensors' device.
 
 - `kvmesh::moe_experts` (kernels.moe.moe_experts' contract)
 - `kvmesh::indexer_scores` (kernels.indexer.indexer_scores')
@@ -14,20 +14,24 @@ a fake implementation (shapes and dtypes only), so FakeTensorMode, meta tensors 
 torch.compile trace through them without running a kernel. No op copies between devices: the
 tensors stay where the caller keeps them.
 
-The ops follow PyTorch's custom-op tutorial (torch.library.custom_op, register_kernel,
-register_fake), as vLLM registers its own kernels; they are registered when this module is
-imported.
+Each op is a schema (`torch.library.Library.define`) with a kernel a device (`torch.library.impl`)
+and a fake one (`torch.library.register_fake`), as PyTorch's custom-op guide and vLLM's own
+kernels do; they are registered when this module is imported and called as
+`torch.ops.kvmesh.<name>`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
-from kernels.indexer import indexer_scores as _indexer_scores_torch
-from kernels.moe import moe_experts as _moe_experts_torch
-from kernels.paged_decode import paged_decode_attention_torch
+from kernels.indexer import indexer_scores, indexer_scores_triton
+from kernels.moe import moe_experts, moe_experts_triton
+from kernels.paged_decode import paged_decode_attention_torch, paged_decode_attention_triton
+
+_lib = torch.library.Library("kvmesh", "DEF")  # kept: the ops live as long as this module
 
 
 def _interpret() -> bool:
@@ -35,86 +39,36 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# --- routed experts ---------------------------------------------------------------------------
+def _define(schema: str, torch_path: Callable, triton_kernel: Callable, fake: Callable) -> None:
+    """Define `kvmesh::<schema>` with its CPU kernel (torch_path, or triton_kernel in the
+    interpreter), its CUDA kernel (triton_kernel) and its fake implementation."""
+    name = "kvmesh::" + schema.split("(")[0]
+    _lib.define(schema)
+
+    def cpu(*args):
+        return (triton_kernel if _interpret() else torch_path)(*args)
+
+    torch.library.impl(name, "cpu", lib=_lib)(cpu)
+    torch.library.impl(name, "cuda", lib=_lib)(triton_kernel)
+    torch.library.register_fake(name, lib=_lib)(fake)
 
 
-@torch.library.custom_op("kvmesh::moe_experts", mutates_args=())
-def moe_experts(
-    x: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    weights: torch.Tensor,
-    expert_ids: torch.Tensor,
-    swiglu_limit: float | None,
-) -> torch.Tensor:
-    """Routed experts, x [T, H] -> [T, H] in x.dtype (kernels.moe.moe_experts: shapes, errors)."""
-    if _interpret():
-        from kernels.moe import moe_experts_triton
-
-        return moe_experts_triton(x, w_gate_up, w_down, weights, expert_ids, swiglu_limit)
-    return _moe_experts_torch(x, w_gate_up, w_down, weights, expert_ids, swiglu_limit)
-
-
-@moe_experts.register_kernel("cuda")
-def _moe_experts_cuda(x, w_gate_up, w_down, weights, expert_ids, swiglu_limit):
-    from kernels.moe import moe_experts_triton
-
-    return moe_experts_triton(x, w_gate_up, w_down, weights, expert_ids, swiglu_limit)
-
-
-@moe_experts.register_fake
-def _moe_experts_fake(x, w_gate_up, w_down, weights, expert_ids, swiglu_limit):
-    return torch.empty_like(x)
-
-
-# --- Lightning Indexer scores -------------------------------------------------------------------
-
-
-@torch.library.custom_op("kvmesh::indexer_scores", mutates_args=())
-def indexer_scores(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """q [T, Hi, Di], k [N, Di], head_weights [T, Hi] -> fp32 [T, N] (kernels.indexer.indexer_scores)."""
-    if _interpret():
-        from kernels.indexer import indexer_scores_triton
-
-        return indexer_scores_triton(q, k, head_weights, softmax_scale)
-    return _indexer_scores_torch(q, k, head_weights, softmax_scale)
-
-
-@indexer_scores.register_kernel("cuda")
-def _indexer_scores_cuda(q, k, head_weights, softmax_scale):
-    from kernels.indexer import indexer_scores_triton
-
-    return indexer_scores_triton(q, k, head_weights, softmax_scale)
-
-
-@indexer_scores.register_fake
-def _indexer_scores_fake(q, k, head_weights, softmax_scale):
-    return q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
-
-
-# --- paged decode attention ---------------------------------------------------------------------
-
-
-@torch.library.custom_op("kvmesh::paged_decode_attention", mutates_args=())
-def paged_decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, context_lens: torch.Tensor
-) -> torch.Tensor:
-    """q [B, Q, D] over kv_cache [P, L, 2, S, K, D] -> [B, Q, D] in q.dtype
-    (kernels.paged_decode.paged_decode_attention_triton: arguments, errors)."""
-    if _interpret():
-        from kernels.paged_decode import paged_decode_attention_triton
-
-        return paged_decode_attention_triton(q, kv_cache, layer, block_table, context_lens)
-    return paged_decode_attention_torch(q, kv_cache, layer, block_table, context_lens)
-
-
-@paged_decode_attention.register_kernel("cuda")
-def _paged_decode_attention_cuda(q, kv_cache, layer, block_table, context_lens):
-    from kernels.paged_decode import paged_decode_attention_triton
-
-    return paged_decode_attention_triton(q, kv_cache, layer, block_table, context_lens)
-
-
-@paged_decode_attention.register_fake
-def _paged_decode_attention_fake(q, kv_cache, layer, block_table, context_lens):
-    return torch.empty_like(q)
+_define(
+    "moe_experts(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor expert_ids, float? swiglu_limit)"
+    " -> Tensor",
+    moe_experts,
+    moe_experts_triton,
+    lambda x, *_: torch.empty_like(x),  # [T, H] in x.dtype
+)
+_define(
+    "indexer_scores(Tensor q, Tensor k, Tensor head_weights, float softmax_scale) -> Tensor",
+    indexer_scores,
+    indexer_scores_triton,
+    lambda q, k, *_: q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32),  # fp32 [T, N]
+)
+_define(
+    "paged_decode_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_table, Tensor context_lens) -> Tensor",
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+    lambda q, *_: torch.empty_like(q),  # [B, Q, D] in q.dtype
+)

@@ -120,11 +120,7 @@ def _paged_decode_kernel(
 
 
 def paged_decode_attention_torch(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    context_lens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, context_lens: torch.Tensor
 ) -> torch.Tensor:
     """`paged_decode_attention_triton` in PyTorch ops, on any device and free of host syncs: each
     sequence's pages gathered whole ([B, M*S, K, D]), slots past its context masked, one SDPA
@@ -180,11 +176,7 @@ def _block(n: int) -> int:
 
 
 def paged_decode_attention_triton(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    block_table: torch.Tensor,
-    context_lens: torch.Tensor,
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_table: torch.Tensor, context_lens: torch.Tensor
 ) -> torch.Tensor:
     """Attention of one new token a sequence over its pages, by a Triton kernel.
 
