@@ -14,6 +14,9 @@ import redis
 
 FIRST_FREE_PORT = 20000
 """free_port picks from [FIRST_FREE_PORT, the start of the ephemeral range)."""
+_PORT_RNG = random.SystemRandom()
+"""free_port's choice: the OS's randomness, which no `random.seed` in the process repeats (two
+test workers that each seeded `random` with 0 picked the same ports in turn)."""
 
 
 def _ephemeral_start() -> int:
@@ -37,7 +40,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """
     low, high = FIRST_FREE_PORT, _ephemeral_start()
     for _ in range(50 if high > low else 0):
-        port = random.randrange(low, high)
+        port = _PORT_RNG.randrange(low, high)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))

@@ -288,3 +288,19 @@ def test_the_gateway_and_the_runtime_import_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert "torch" not in out.stdout, out.stdout
+
+
+def test_no_other_package_named_kernels_is_installed():
+    # Hugging Face's `kernels` package (required by transformers >= 5.25) has this repo's
+    # top-level name: installed beside it, each shadows the other (docs/operations.md,
+    # "Known limits"); pyproject pins transformers below 5.25 until this repo's is renamed
+    import importlib.metadata
+
+    import kernels
+
+    assert Path(kernels.__file__).resolve().parent == ROOT / "kernels"
+    try:
+        version = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    assert version is None, f"a distribution named kernels ({version}) is installed beside this repo's kernels/"
