@@ -39,10 +39,15 @@ def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, with the modules of one shared mesh as one unit: they run on one
     worker in collection order, so the mesh starts once, and test_compose asks the fault mesh
     before test_faults kills its instances. (xdist's own `loadgroup` would do it with marks,
-    but pytest 9.2 no longer reads the node id it rewrites.)"""
+    but pytest 9.2 no longer reads the node id it rewrites.) Units go out in collection order,
+    not most tests first: tests/integration (long mesh modules of few tests) before
+    tests/unit (many short tests), so the short ones fill the end and the workers finish
+    together."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
 
     class SharedMeshScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
