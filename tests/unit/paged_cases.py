@@ -1,5 +1,6 @@
 """The tiny paged-attention layout and the kernel-vs-reference run that test_kernels.py and
-test_prefill_attention.py share."""
+test_prefill_attention.py share, and the decode cases of test_paged_decode_kernel.py and
+test_custom_ops.py (`decode_case`)."""
 
 import random
 
@@ -32,3 +33,20 @@ def run_both(num_computed, num_new, layer):
     out = paged_attention(q, k, v, cache, layer, meta)
     ref = paged_attention_ref(q, k, v, cache_ref, layer, num_computed, num_new, block_ids)
     return out, ref, cache, cache_ref
+
+
+def decode_case(B, Q, K, D, S, lens, P=24, L=2, dtype=torch.float32, seed=0):
+    """One decode query a sequence over a cache of random K/V [P, L, 2, S, K, D]: (q [B, Q, D],
+    the cache, each sequence's pages drawn at random (not in order) as lists, padded past its
+    pages with page 0)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(P, L, 2, S, K, D, generator=g).to(dtype)
+    q = torch.randn(B, Q, D, generator=g).to(dtype)
+    most = max(-(-n // S) for n in lens)
+    perm = torch.randperm(P, generator=g).tolist()
+    table, i = [], 0
+    for n in lens:
+        pages = perm[i : i + -(-n // S)]
+        i += len(pages)
+        table.append(pages + [0] * (most - len(pages)))
+    return q, kv, table

@@ -11,6 +11,7 @@ from kernels.indexer.ref import indexer_scores_ref
 from kernels.moe import route_topk
 from kernels.moe.ref import moe_experts_ref
 from kernels.ref import paged_decode_attention_ref
+from tests.unit.paged_cases import decode_case
 
 ops = torch.ops.kvmesh
 
@@ -29,15 +30,10 @@ def _indexer(T=4, Hi=3, Di=16, N=37, seed=0):
     return torch.randn(T, Hi, Di, generator=g), torch.randn(N, Di, generator=g), torch.rand(T, Hi, generator=g)
 
 
-def _attention(B=3, Q=6, K=2, D=16, S=4, lens=(1, 6, 13), P=12, L=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(P, L, 2, S, K, D, generator=g)
-    q = torch.randn(B, Q, D, generator=g)
-    most = max(-(-n // S) for n in lens)
-    perm, table = torch.randperm(P, generator=g).tolist(), []
-    for n in lens:
-        pages, perm = perm[: -(-n // S)], perm[-(-n // S) :]
-        table.append(pages + [0] * (most - len(pages)))
+def _attention(lens=(1, 6, 13)):
+    """paged_cases.decode_case's cache with R = 3 and pages of 4, the table and lengths as int32
+    tensors too."""
+    q, kv, table = decode_case(3, 6, 2, 16, 4, lens, P=12)
     return q, kv, torch.tensor(table, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), table, list(lens)
 
 

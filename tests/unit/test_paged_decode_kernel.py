@@ -6,21 +6,13 @@ import torch
 
 from kernels.paged_decode import paged_decode_attention_triton
 from kernels.ref import paged_attention_ref, paged_decode_attention_ref
+from tests.unit.paged_cases import decode_case
 
 
-def _case(B, Q, K, D, S, lens, P=24, L=2, dtype=torch.float32, seed=0):
-    """A cache of random K/V, q, and each sequence's pages drawn at random (not in order)."""
-    g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(P, L, 2, S, K, D, generator=g).to(dtype)
-    q = torch.randn(B, Q, D, generator=g).to(dtype)
-    most = max(-(-n // S) for n in lens)
-    perm = torch.randperm(P, generator=g).tolist()
-    table, i = [], 0
-    for n in lens:
-        pages = perm[i : i + -(-n // S)]
-        i += len(pages)
-        table.append(pages + [0] * (most - len(pages)))  # padded with any id
-    return q, kv, table
+def _triton(q, kv, layer, table, lens, device, dtype=None):
+    """The kernel on `device` (the page table and lengths as tensors of `dtype`), back on the CPU."""
+    table_t, lens_t = (torch.tensor(x, dtype=dtype, device=device) for x in (table, lens))
+    return paged_decode_attention_triton(q.to(device), kv.to(device), layer, table_t, lens_t).cpu()
 
 
 @pytest.mark.parametrize(
@@ -32,15 +24,9 @@ def _case(B, Q, K, D, S, lens, P=24, L=2, dtype=torch.float32, seed=0):
     ],
 )
 def test_triton_paged_decode_equals_the_reference(triton_device, B, Q, K, D, S, lens):
-    q, kv, table = _case(B, Q, K, D, S, lens)
+    q, kv, table = decode_case(B, Q, K, D, S, lens)
     want = paged_decode_attention_ref(q, kv, 1, table, lens)
-    got = paged_decode_attention_triton(
-        q.to(triton_device),
-        kv.to(triton_device),
-        1,
-        torch.tensor(table, dtype=torch.int32, device=triton_device),
-        torch.tensor(lens, dtype=torch.int32, device=triton_device),
-    ).cpu()
+    got = _triton(q, kv, 1, table, lens, triton_device, torch.int32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -48,17 +34,11 @@ def test_triton_paged_decode_equals_the_models_reference_after_its_write(triton_
     # kernels.ref.paged_attention_ref writes each sequence's new token's K/V into its page, then
     # attends (what the model's step does); the kernel reads that cache and must agree
     B, Q, K, D, S, prior = 3, 9, 3, 16, 4, [0, 6, 11]
-    q, kv, table = _case(B, Q, K, D, S, [n + 1 for n in prior], seed=1)
+    q, kv, table = decode_case(B, Q, K, D, S, [n + 1 for n in prior], seed=1)
     g = torch.Generator().manual_seed(2)
     k_new, v_new = torch.randn(B, K, D, generator=g), torch.randn(B, K, D, generator=g)
     want = paged_attention_ref(q, k_new, v_new, kv, 0, prior, [1] * B, table).reshape(B, Q, D)
-    got = paged_decode_attention_triton(
-        q.to(triton_device),
-        kv.to(triton_device),
-        0,
-        torch.tensor(table, device=triton_device),  # int64 page ids work too
-        torch.tensor([n + 1 for n in prior], device=triton_device),
-    ).cpu()
+    got = _triton(q, kv, 0, table, [n + 1 for n in prior], triton_device)  # int64 page ids work too
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -66,18 +46,12 @@ def test_slots_past_the_context_are_never_read(triton_device):
     # NaN in every slot past each context (the last pages' tails, the padding page): the CPU path
     # needs those finite (kernels/attention.py); this kernel masks its loads and stays exact
     B, Q, K, D, S, lens = 2, 4, 2, 16, 8, [3, 9]
-    q, kv, table = _case(B, Q, K, D, S, lens, seed=3)
+    q, kv, table = decode_case(B, Q, K, D, S, lens, seed=3)
     want = paged_decode_attention_ref(q, kv, 0, table, lens)
     for pages, n in zip(table, lens):
         for p in range(n, len(pages) * S):
             kv[pages[p // S], :, :, p % S] = float("nan")
-    got = paged_decode_attention_triton(
-        q.to(triton_device),
-        kv.to(triton_device),
-        0,
-        torch.tensor(table, device=triton_device),
-        torch.tensor(lens, device=triton_device),
-    ).cpu()
+    got = _triton(q, kv, 0, table, lens, triton_device)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -86,21 +60,15 @@ def test_triton_paged_decode_bf16(triton_device):
     # bf16 K/V and queries: products exact in fp32, the softmax and sums in fp32, one rounding
     # to bf16 at the end; the reference computes in fp32 from the same bf16 values
     B, Q, K, D, S, lens = 2, 6, 2, 32, 16, [5, 30]
-    q, kv, table = _case(B, Q, K, D, S, lens, dtype=torch.bfloat16, seed=4)
+    q, kv, table = decode_case(B, Q, K, D, S, lens, dtype=torch.bfloat16, seed=4)
     want = paged_decode_attention_ref(q.float(), kv.float(), 1, table, lens)
-    got = paged_decode_attention_triton(
-        q.to(triton_device),
-        kv.to(triton_device),
-        1,
-        torch.tensor(table, device=triton_device),
-        torch.tensor(lens, device=triton_device),
-    ).cpu()
+    got = _triton(q, kv, 1, table, lens, triton_device)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
 def test_shapes_that_disagree_are_refused():
-    q, kv, table = _case(2, 6, 2, 16, 4, [3, 5])
+    q, kv, table = decode_case(2, 6, 2, 16, 4, [3, 5])
     t, n = torch.tensor(table), torch.tensor([3, 5])
     with pytest.raises(ValueError, match="Q % K"):
         paged_decode_attention_triton(q[:, :5], kv, 0, t, n)

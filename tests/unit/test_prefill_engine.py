@@ -78,8 +78,6 @@ def test_a_failed_compute_frees_its_pages_for_the_request_waiting_for_them_first
     # come back, and Y, which came before Z, runs no later than Z
     import threading
 
-    engine = None
-
     def submit_z():
         futures["z"] = engine.submit(_job("z", list(range(50, 54))))
 
