@@ -35,7 +35,13 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(
         executor.submit(
-            create_runner, files, config.num_pages, config.page_size, config.num_state_slots, config.kernel_backend
+            create_runner,
+            files,
+            config.num_pages,
+            config.page_size,
+            config.num_state_slots,
+            config.kernel_backend,
+            config.device,
         )
     )
     runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))

@@ -38,7 +38,8 @@ class PageLayout:
     slot_shape: tuple[int, ...] = ()
     """One state slot's shape; () for architectures whose pages hold all of a request's state."""
     device: str = "cpu"
-    """Where pages and slots live (CPU only for now: the transport reads shared memory)."""
+    """Where pages and slots live: "cpu" (one shared-memory region, which expert-parallel ranks
+    map too) or a GPU ("cuda:N", device memory the KV transport reads and writes in place)."""
 
     @property
     def page_nbytes(self) -> int:
@@ -50,14 +51,22 @@ class PageLayout:
 
     def allocate(self, num_pages: int, num_slots: int = 0) -> KVMemory:
         """Zeroed pages [num_pages, *page_shape], then slots [num_slots, *slot_shape], in one
-        shared-memory region. Raises ValueError for num_pages < 1 or a device other than cpu."""
+        region: shared memory on the CPU, one device allocation on a GPU. Raises ValueError for
+        num_pages < 1; torch's OutOfMemoryError when the device lacks the bytes."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        if self.device != "cpu":
-            raise ValueError(f"KV pages live on the CPU for now, not {self.device!r}")
         page_numel, slot_numel = math.prod(self.page_shape), math.prod(self.slot_shape) if self.slot_shape else 0
-        flat, _ = shared_zeros((num_pages * page_numel + num_slots * slot_numel,), self.dtype)
+        numel = num_pages * page_numel + num_slots * slot_numel
+        if self.device == "cpu":
+            flat, _ = shared_zeros((numel,), self.dtype)
+        else:
+            flat = torch.zeros(numel, dtype=self.dtype, device=self.device)
         return self.split(flat, num_pages, num_slots)
+
+    def describe(self) -> str:
+        """The layout as a Reserve names it to the other side: name, page shape, dtype, device
+        kind, e.g. '[P, L, 2, S, K, D] (30, 2, 16, 3, 64) float32 cpu'."""
+        return f"{self.name} {self.page_shape} {str(self.dtype).removeprefix('torch.')} {self.device.split(':')[0]}"
 
     def split(self, flat: torch.Tensor, num_pages: int, num_slots: int) -> KVMemory:
         """The pages and slots inside a flat buffer laid out as allocate() lays it (views)."""
@@ -67,15 +76,17 @@ class PageLayout:
         return KVMemory(self, pages, slots)
 
 
-def llama_layout(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> PageLayout:
+def llama_layout(
+    num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str = "cpu"
+) -> PageLayout:
     """LLAMA_PAGE: [P, L, 2, S, K, D] (K at index 0 of the third dim, V at 1), no state slots."""
-    return PageLayout(LLAMA_PAGE, (num_layers, 2, page_size, num_kv_heads, head_dim), dtype)
+    return PageLayout(LLAMA_PAGE, (num_layers, 2, page_size, num_kv_heads, head_dim), dtype, device=device)
 
 
-def flat_layout(page_floats: int, slot_floats: int) -> PageLayout:
+def flat_layout(page_floats: int, slot_floats: int, device: str = "cpu") -> PageLayout:
     """DEEPSEEK_V4_PAGE: fp32 rows of page_floats a page and slot_floats a slot (the fields of
     each row: engine.models.deepseek_v4_state.V4StateLayout)."""
-    return PageLayout(DEEPSEEK_V4_PAGE, (page_floats,), torch.float32, (slot_floats,))
+    return PageLayout(DEEPSEEK_V4_PAGE, (page_floats,), torch.float32, (slot_floats,), device)
 
 
 @dataclass(frozen=True)
@@ -86,18 +97,26 @@ class KVMemory:
     pages: torch.Tensor
     slots: torch.Tensor
 
-    def page_buffer(self, page_id: int) -> np.ndarray:
+    def page_buffer(self, page_id: int) -> np.ndarray | torch.Tensor:
         """Zero-copy writable 1-D uint8 view of one page (page_nbytes bytes): what a KV push
-        sends and lands in. Raises ValueError out of range."""
+        sends and lands in. A numpy array on the CPU; on a GPU a uint8 device tensor, whose
+        `__cuda_array_interface__` UCX reads and writes in place. Raises ValueError out of range."""
         if not 0 <= page_id < self.pages.shape[0]:
             raise ValueError(f"page_id must be in [0, {self.pages.shape[0]}), got {page_id}")
-        return self.pages[page_id].view(-1).view(torch.uint8).numpy()
+        return _bytes(self.pages[page_id])
 
-    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+    def state_buffers(self, slot: int | None) -> list[np.ndarray | torch.Tensor]:
         """The buffers a push sends after the pages: the slot's row ([] for a layout without
-        slots). Raises ValueError for a slot out of range (None included) when there are slots."""
+        slots), as page_buffer gives pages. Raises ValueError for a slot out of range (None
+        included) when there are slots."""
         if not self.layout.slot_shape:
             return []
         if slot is None or not 0 <= slot < self.slots.shape[0]:
             raise ValueError(f"state slot must be in [0, {self.slots.shape[0]}), got {slot}")
-        return [self.slots[slot].view(-1).view(torch.uint8).numpy()]
+        return [_bytes(self.slots[slot])]
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A contiguous tensor's bytes, 1-D uint8: a numpy view on the CPU, a tensor view elsewhere."""
+    flat = t.view(-1).view(torch.uint8)
+    return flat.numpy() if flat.device.type == "cpu" else flat

@@ -11,6 +11,7 @@ A step may mix prefill items (many new tokens, maybe after a cached prefix) and 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -20,12 +21,13 @@ import torch
 
 from engine.checkpoint import ModelFiles, load_checkpoint_tensors
 from engine.config import ModelConfig
+from engine.device import weight_dtype
 from engine.forward import ForwardItem
 from engine.gguf_blocks import load_blocks
 from engine.kv_layout import llama_layout
 from engine.loader import load_config
 from engine.models.llama import LlamaModel
-from kernels import build_attention_metadata, rope_table
+from kernels import build_attention_metadata, rope_table, to_device
 from kernels.quant import kernel_threads
 
 logger = logging.getLogger(__name__)
@@ -42,20 +44,25 @@ class LlamaRunner:
         files: ModelFiles,
         num_pages: int,
         page_size: int = 16,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         gguf_blocks: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """Load `files` (config.json, *.safetensors) and allocate `num_pages` pages of KV.
+        """Load `files` (config.json, *.safetensors) and allocate `num_pages` pages of KV, weights
+        and pages on `device` in `dtype` (None: `engine.device.weight_dtype`, fp32 on the CPU,
+        bf16 on a GPU; a GGUF file's weights are dequantized at load).
 
-        With gguf_blocks, decode steps (up to `QUANTIZED_MAX_BATCH` sequences) compute from the
-        GGUF blocks the loader kept beside a converted GGUF file (`engine.gguf_blocks`); False
-        serves every step from fp32.
+        With gguf_blocks, CPU decode steps (up to `QUANTIZED_MAX_BATCH` sequences) compute from
+        the GGUF blocks the loader kept beside a converted GGUF file (`engine.gguf_blocks`);
+        False, or another device, serves every step from the dense weights.
 
         Raises ValueError for a non-Llama checkpoint, num_pages < 1, page_size < 1, or a
         dtype that is not floating point.
         """
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages} and {page_size}")
+        self.device = torch.device(device)
+        dtype = dtype or weight_dtype(self.device)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
         start = time.monotonic()
@@ -64,21 +71,21 @@ class LlamaRunner:
         self.num_pages = num_pages
         self.dtype = dtype
         weights = load_checkpoint_tensors(files.checkpoint_dir)
-        blocks = load_blocks(files.checkpoint_dir) if gguf_blocks else None
-        self.model = LlamaModel(self.config, weights, dtype, blocks)
+        blocks = load_blocks(files.checkpoint_dir) if gguf_blocks and self.device.type == "cpu" else None
+        self.model = LlamaModel(self.config, weights, dtype, blocks, self.device)
         del weights
         c = self.config
-        self.page_layout = llama_layout(c.num_layers, page_size, c.num_kv_heads, c.head_dim, dtype)
+        self.page_layout = llama_layout(c.num_layers, page_size, c.num_kv_heads, c.head_dim, dtype, str(self.device))
         self.memory = self.page_layout.allocate(num_pages)
         self.kv_cache = self.memory.pages  # [P, L, 2, S, K, D]: engine.kv_layout.LLAMA_PAGE
         self.page_nbytes = self.page_layout.page_nbytes
-        self._cos, self._sin_rot = rope_table(
-            c.max_position_embeddings, c.head_dim, c.rope_theta, dtype
-        )  # [max_pos, D] each
+        cos, sin_rot = rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, dtype)  # [max_pos, D] each
+        self._cos, self._sin_rot = cos.to(self.device), sin_rot.to(self.device)
         logger.info(
-            "loaded %s in %.1f s: %d pages x %d tokens, %d bytes a page, dtype %s",
+            "loaded %s in %.1f s on %s: %d pages x %d tokens, %d bytes a page, dtype %s",
             c.name,
             time.monotonic() - start,
+            self.device,
             num_pages,
             page_size,
             self.page_nbytes,
@@ -88,7 +95,7 @@ class LlamaRunner:
     num_state_slots = 0
     """Llama keeps all of a request's state in its pages: no slots."""
 
-    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+    def state_buffers(self, slot: int | None) -> list[np.ndarray | torch.Tensor]:
         """Buffers a KV push sends after the pages: none for Llama."""
         return []
 
@@ -103,8 +110,9 @@ class LlamaRunner:
         """Llama is dense: no experts to count."""
         return None
 
-    def page_buffer(self, page_id: int) -> np.ndarray:
-        """Zero-copy, writable 1-D uint8 numpy view of page `page_id` (page_nbytes bytes).
+    def page_buffer(self, page_id: int) -> np.ndarray | torch.Tensor:
+        """Zero-copy, writable 1-D uint8 view of page `page_id` (page_nbytes bytes): numpy on
+        the CPU, a device tensor on a GPU (engine.kv_layout.KVMemory.page_buffer).
 
         Only write whole pages of K/V bytes from another LlamaRunner of the same model, page
         size and dtype: attention reads unused slots too (then masks them), so they must stay
@@ -148,14 +156,17 @@ class LlamaRunner:
             self.page_size,
             self.config.num_layers,
             self.num_pages,
+            self.device,
         )
-        pos = torch.tensor(positions)  # [T]
+        # the step's host-built indices go to the device (host to device only: no sync)
+        pos = to_device(torch.tensor(positions), self.device)  # [T]
         cos = self._cos.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
         sin_rot = self._sin_rot.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
         logits_index = None
         if len(ids) != len(items):  # some item has several new tokens: pick each one's last
-            logits_index = torch.tensor(np.cumsum(num_new) - 1)  # [B]
-        return self.model.forward(torch.tensor(ids), cos, sin_rot, meta, self.kv_cache, logits_index)
+            logits_index = to_device(torch.tensor([n - 1 for n in itertools.accumulate(num_new)]), self.device)  # [B]
+        input_ids = to_device(torch.tensor(ids), self.device)  # [T]
+        return self.model.forward(input_ids, cos, sin_rot, meta, self.kv_cache, logits_index)
 
     def warmup(self) -> None:
         """Run a tiny prefill and decode on page 0 so the first request pays no one-time costs.

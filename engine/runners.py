@@ -6,46 +6,71 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.checkpoint import ModelFiles, architecture
+from engine.device import resolve_device
 from kernels.backend import KernelBackend, create_kernel_backend
 
 if TYPE_CHECKING:
     from engine.forward import Runner
 
 
-def _llama(files: ModelFiles, num_pages: int, page_size: int, num_state_slots: int, kernels: KernelBackend) -> Runner:
-    # Llama has no MoE or indexer: its decode runs the GGUF block kernels (kernels.quant) whatever the backend
+def _llama(
+    files: ModelFiles,
+    num_pages: int,
+    page_size: int,
+    num_state_slots: int,
+    kernels: KernelBackend,
+    device: torch.device,
+) -> Runner:
+    # Llama has no MoE or indexer: on the CPU its decode runs the GGUF block kernels (kernels.quant)
+    # whatever the backend, on a GPU the paged decode attention op (kernels.custom_ops)
     from engine.llama_runner import LlamaRunner  # imported on use: each pulls in its model code
 
-    return LlamaRunner(files, num_pages, page_size)
+    return LlamaRunner(files, num_pages, page_size, device=device)
 
 
 def _deepseek_v4(
-    files: ModelFiles, num_pages: int, page_size: int, num_state_slots: int, kernels: KernelBackend
+    files: ModelFiles,
+    num_pages: int,
+    page_size: int,
+    num_state_slots: int,
+    kernels: KernelBackend,
+    device: torch.device,
 ) -> Runner:
     from engine.v4_runner import DeepseekV4Runner
 
-    return DeepseekV4Runner(files, num_pages, page_size, num_state_slots, kernels)
+    return DeepseekV4Runner(files, num_pages, page_size, num_state_slots, kernels, device=device)
 
 
-RUNNERS: dict[str, Callable[[ModelFiles, int, int, int, KernelBackend], Runner]] = {
+RUNNERS: dict[str, Callable[[ModelFiles, int, int, int, KernelBackend, torch.device], Runner]] = {
     "LlamaForCausalLM": _llama,
     "DeepseekV4ForCausalLM": _deepseek_v4,
 }
-"""config.json's `architectures[0]` -> builder(files, num_pages, page_size, num_state_slots, kernels)."""
+"""config.json's `architectures[0]` -> builder(files, num_pages, page_size, num_state_slots, kernels, device)."""
 
 
 def create_runner(
-    files: ModelFiles, num_pages: int, page_size: int = 16, num_state_slots: int = 64, kernel_backend: str = "torch"
+    files: ModelFiles,
+    num_pages: int,
+    page_size: int = 16,
+    num_state_slots: int = 64,
+    kernel_backend: str = "torch",
+    device: str | torch.device = "cpu",
 ) -> Runner:
     """The runner for the checkpoint's architecture, with `num_pages` pages of `page_size` tokens
     (and `num_state_slots` state slots where the architecture keeps per-request state), its
-    MoE and indexer kernels from `kernel_backend` (kernels/backend.py).
+    MoE and indexer kernels from `kernel_backend` (kernels/backend.py), its weights, pages and
+    slots on `device` (auto|cpu|cuda[:N], engine.device, or a torch.device).
 
     Raises ValueError for an architecture no runner serves (naming the ones that are served), an
-    unknown or unavailable kernel backend, and whatever the runner raises for a bad checkpoint.
+    unknown or unavailable kernel backend or device, and whatever the runner raises for a bad
+    checkpoint.
     """
     arch = architecture(files)
     if arch not in RUNNERS:
         raise ValueError(f"model {files.name!r} has architecture {arch!r}; supported: {sorted(RUNNERS)}")
-    return RUNNERS[arch](files, num_pages, page_size, num_state_slots, create_kernel_backend(kernel_backend))
+    where = device if isinstance(device, torch.device) else resolve_device(device)
+    kernels = create_kernel_backend(kernel_backend, where)
+    return RUNNERS[arch](files, num_pages, page_size, num_state_slots, kernels, where)

@@ -35,6 +35,8 @@ def sample(
             f"need one SamplingParams and one generator per row: {B} rows, "
             f"{len(params)} params, {len(generators)} generators"
         )
+    if logits.device.type != "cpu":  # on the device, then the ids alone cross to the host
+        return sample_ids(logits, params, generators).tolist()
     out = _argmax_rows(logits)  # greedy for every row; sampled rows overwrite below
     rows = [b for b, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -43,6 +45,36 @@ def sample(
     for i, b in enumerate(rows):
         out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
     return out
+
+
+def sample_ids(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """`sample` without leaving the logits' device and free of host syncs: [B] int64 token ids
+    on logits.device (the caller copies them to the host, the one device-to-host copy of a step).
+
+    Greedy rows as `sample`; sampled rows filter as `sample` does and draw by inverse transform
+    (the first token whose cumulative probability exceeds u), u uniform in [0, 1) from the row's
+    own CPU generator (None: torch's global CPU RNG), copied to the device: the draw is
+    reproducible per seed, whatever the device, though not the same token `torch.multinomial`
+    picks on the CPU path. Raises ValueError when the lengths disagree.
+    """
+    B = logits.shape[0]
+    if len(params) != B or len(generators) != B:
+        raise ValueError(
+            f"need one SamplingParams and one generator per row: {B} rows, {len(params)}, {len(generators)}"
+        )
+    out = logits.argmax(dim=-1)  # [B] greedy for every row; sampled rows overwrite below
+    rows = [b for b, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    probs = _filtered_probs(logits[rows], [params[b] for b in rows])  # [b, V]
+    u = torch.stack([torch.rand((), generator=generators[b], dtype=torch.float64) for b in rows])  # [b] host
+    u = u.to(device=logits.device, dtype=probs.dtype)
+    cdf = probs.cumsum(dim=-1)  # [b, V]
+    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    index = torch.tensor(rows, device=logits.device)
+    return out.index_copy_(0, index, drawn)
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -57,18 +89,19 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k and top-p over rows [b, V], then softmax -> probabilities [b, V]."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    dev = logits.device  # every tensor here on the logits' device, no host sync (sample_ids)
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
     scores = logits / temps[:, None]  # [b, V]
     V = scores.shape[-1]
     ks = [min(p.top_k, V) for p in params]
     if any(ks):
         kmax = max(ks)
         top = scores.topk(kmax, dim=-1).values  # [b, kmax], descending
-        kth = top.gather(-1, torch.tensor([[k - 1 if k else kmax - 1] for k in ks]))  # [b, 1]
-        use_k = torch.tensor([[k > 0] for k in ks])
+        kth = top.gather(-1, torch.tensor([[k - 1 if k else kmax - 1] for k in ks], device=dev))  # [b, 1]
+        use_k = torch.tensor([[k > 0] for k in ks], device=dev)
         scores = scores.masked_fill(use_k & (scores < kth), float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], dtype=scores.dtype)
-    if bool((top_p < 1).any()):
+    top_p = torch.tensor([p.top_p for p in params], dtype=scores.dtype, device=dev)
+    if any(p.top_p < 1 for p in params):
         sorted_scores, order = scores.sort(dim=-1)  # ascending, as TopPLogitsWarper
         cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         drop_sorted = cum <= (1 - top_p)[:, None]
@@ -104,7 +137,8 @@ def verify_drafts(
             out.append(target[j])
             if j == k or drafts[j] != target[j]:
                 return out
-    probs = _filtered_probs(logits, [params] * (k + 1))  # [k+1, V]
+    # on a GPU the rows' probabilities come to the host: what sampled speculation needs
+    probs = _filtered_probs(logits, [params] * (k + 1)).cpu()  # [k+1, V]
     out = []
     for j, x in enumerate(drafts):
         p = probs[j]

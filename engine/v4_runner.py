@@ -43,9 +43,17 @@ class DeepseekV4Runner:
         page_size: int = 16,
         num_state_slots: int = 64,
         kernels: KernelBackend | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """Raises ValueError for a bad config or checkpoint (naming the field or tensor), a
-        page_size that is not a multiple of every compress rate, or num_pages / slots < 1."""
+        page_size that is not a multiple of every compress rate, num_pages / slots < 1, or a
+        device other than the CPU: V4's step still reads host values (expert counts, indexer
+        candidates) and builds its indices on the host, so it is not device-resident yet."""
+        if torch.device(device).type != "cpu":
+            raise ValueError(
+                f"--device {device}: DeepSeek-V4 runs on the CPU only so far (its step is not yet free of host "
+                "syncs; docs/gpu.md); use --device cpu"
+            )
         if num_pages < 1 or num_state_slots < 1:
             raise ValueError(f"num_pages and num_state_slots must be >= 1, got {num_pages} and {num_state_slots}")
         start = time.monotonic()

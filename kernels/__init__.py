@@ -5,7 +5,7 @@ from kernels.attention import (
     build_attention_metadata,
     paged_attention,
 )
-from kernels.ops import apply_rotary, rms_norm, rope_table, silu_and_mul
+from kernels.ops import apply_rotary, rms_norm, rope_table, silu_and_mul, to_device
 
 __all__ = [
     "AttentionMetadata",
@@ -15,4 +15,5 @@ __all__ = [
     "rms_norm",
     "rope_table",
     "silu_and_mul",
+    "to_device",
 ]

@@ -24,10 +24,12 @@ in it, which keeps that true.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from kernels.ops import to_device
 
 QUERY_BLOCK = 2048
 """Queries per block of `_causal_blocks`, so a chunk of up to 2048 tokens is one block: its
@@ -52,6 +54,10 @@ class DecodeGroup:
     mask: torch.Tensor | None
     """[B, 1, 1, M*S] bool, True where a key is real; None when every slot is."""
     num_seqs: int
+    block_table: torch.Tensor
+    """[B, M] int32 each sequence's page ids, padded with its first page (the paged decode op's)."""
+    context_lens: torch.Tensor
+    """[B] int32 each sequence's context in tokens, the new one included."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +89,15 @@ def build_attention_metadata(
     page_size: int,
     num_layers: int,
     num_pages: int,
+    device: torch.device | None = None,
 ) -> AttentionMetadata:
     """Plan a forward: K/V write rows for the new tokens and read blocks for each group.
 
     num_computed[b] tokens of sequence b are already in its pages, num_new[b] >= 1 follow
     (positions num_computed[b] ...); block_ids[b] lists its page ids in order, covering all
-    num_computed[b] + num_new[b] tokens. Raises ValueError when a page list is too short or names
-    a page outside [0, num_pages).
+    num_computed[b] + num_new[b] tokens. The plan is built on the host and its tensors copied
+    to `device` (None: the CPU) without waiting. Raises ValueError when a page list is too short
+    or names a page outside [0, num_pages).
     """
     if not len(num_computed) == len(num_new) == len(block_ids):
         raise ValueError(
@@ -124,7 +132,29 @@ def build_attention_metadata(
         decode = _decode_group(
             decode_b, num_computed, block_ids, S, L, token_index=None if all_decode else _token_rows(decode_b, num_new)
         )
-    return AttentionMetadata(write_rows=write_rows, decode=decode, prefills=tuple(prefills))
+    meta = AttentionMetadata(write_rows=write_rows, decode=decode, prefills=tuple(prefills))
+    return meta if device is None or device.type == "cpu" else _moved(meta, device)
+
+
+def _moved(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    """`meta` with every tensor copied to `device` (host to device, queued: no sync)."""
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else to_device(t, device)
+
+    g = meta.decode
+    decode = None
+    if g is not None:
+        decode = replace(
+            g,
+            token_index=move(g.token_index),
+            read_blocks=move(g.read_blocks),
+            mask=move(g.mask),
+            block_table=move(g.block_table),
+            context_lens=move(g.context_lens),
+        )
+    prefills = tuple(replace(p, read_blocks=move(p.read_blocks)) for p in meta.prefills)
+    return AttentionMetadata(write_rows=to_device(meta.write_rows, device), decode=decode, prefills=prefills)
 
 
 def _token_rows(seqs: list[int], num_new: Sequence[int]) -> torch.Tensor:
@@ -158,7 +188,12 @@ def _decode_group(
     if any(n != M * S for n in lens):
         mask = (torch.arange(M * S) < torch.tensor(lens)[:, None])[:, None, None, :]  # [B,1,1,M*S]
     return DecodeGroup(
-        token_index=token_index, read_blocks=_read_blocks(table, L).flatten(2), mask=mask, num_seqs=len(seqs)
+        token_index=token_index,
+        read_blocks=_read_blocks(table, L).flatten(2),
+        mask=mask,
+        num_seqs=len(seqs),
+        block_table=table.to(torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32),
     )
 
 
@@ -190,20 +225,26 @@ def paged_attention(
     kv_rows.index_copy_(0, rows[1], v)
     g = meta.decode
     if g is not None and g.token_index is None and not meta.prefills:
-        return _decode(q, kv_blocks, layer, g).view(T, Q * D)  # all-decode: no scatter
+        return _decode(q, kv_cache, layer, g).reshape(T, Q * D)  # all-decode: no scatter
     if g is None and len(meta.prefills) == 1 and meta.prefills[0].end - meta.prefills[0].start == T:
         return _prefill(q, k, v, kv_blocks, layer, meta.prefills[0])  # one prefill: no scatter either
     out = q.new_empty(T, Q * D)
     if g is not None:
         qd = q.index_select(0, g.token_index)  # [B, Q, D]
-        out.index_copy_(0, g.token_index, _decode(qd, kv_blocks, layer, g).view(-1, Q * D))
+        out.index_copy_(0, g.token_index, _decode(qd, kv_cache, layer, g).reshape(-1, Q * D))
     for p in meta.prefills:
         out[p.start : p.end] = _prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end], kv_blocks, layer, p)
     return out
 
 
-def _decode(q: torch.Tensor, kv_blocks: torch.Tensor, layer: int, g: DecodeGroup) -> torch.Tensor:
-    B, (_, _S, K, D) = g.num_seqs, kv_blocks.shape
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, g: DecodeGroup) -> torch.Tensor:
+    """q [B, Q, D] -> [B, K, R, D] (CPU) or [B, Q, D] (a GPU: the paged decode op), same memory order."""
+    if q.device.type != "cpu":  # the Triton kernel (kernels.custom_ops): pages read in place
+        import kernels.custom_ops  # noqa: F401  # on first use: registers torch.ops.kvmesh.*, imports triton
+
+        return torch.ops.kvmesh.paged_decode_attention(q, kv_cache, layer, g.block_table, g.context_lens)
+    B, (*_, S, K, D) = g.num_seqs, kv_cache.shape
+    kv_blocks = kv_cache.view(-1, S, K, D)  # [P*L*2, S, K, D]
     kv = kv_blocks.index_select(0, g.read_blocks[layer].view(-1)).view(2, B, -1, K, D)  # N = M*S
     # the R query heads sharing a kv head act as R query rows against it: no K/V repeat
     qg = q.reshape(B, K, -1, D)  # [B, K, R, D]
@@ -223,7 +264,11 @@ def _prefill(
         kv = kv_blocks.index_select(0, p.read_blocks[layer].view(-1))  # [2*M, S, K, D]
         keys, values = kv.view(2, -1, *kv.shape[2:])[:, : nc + n].unbind(0)  # [N, K, D] each, N = nc+n
     qh, kh, vh = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    o = _causal_blocks(qh, kh, vh, nc, QUERY_BLOCK)  # [1, Q, n, D]
+    if q.device.type == "cpu":
+        o = _causal_blocks(qh, kh, vh, nc, QUERY_BLOCK)  # [1, Q, n, D]
+    else:  # SDPA's GPU kernels (flash / memory-efficient) take GQA and a bottom-right causal mask
+        mask = None if nc == 0 else torch.ones(n, nc + n, dtype=torch.bool, device=q.device).tril(nc)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=nc == 0, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(n, Q * D)
 
 

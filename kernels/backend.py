@@ -3,7 +3,8 @@ interpreter on CPU with TRITON_INTERPRET=1, as the kernel tests run it).
 
 A backend is the set of DeepSeek-V4 kernels that have a Triton path: the routed experts
 (`kernels.moe`) and the Lightning Indexer scores (`kernels.indexer`). `--kernel-backend` on
-`kvmesh serve prefill|decode` picks one; the model code calls `backend.moe_experts(...)` and
+`kvmesh serve prefill|decode` picks one on the CPU; on a GPU (`--device cuda`) the model calls
+the custom ops of kernels.custom_ops, whose CUDA kernels are the Triton ones. The model code calls `backend.moe_experts(...)` and
 `backend.indexer_scores(...)` and never chooses itself. Both backends compute the same result
 as `kernels.moe.ref` / `kernels.indexer.ref` (tests compare them).
 """
@@ -40,31 +41,25 @@ def _triton() -> KernelBackend:
     import torch
 
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if not torch.cuda.is_available() and not interpret:
+    if not interpret:
+        gpu = "--device cuda" if torch.cuda.is_available() else "a CUDA GPU and --device cuda"
         raise ValueError(
-            "kernel backend 'triton' needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels "
-            "in Triton's interpreter on CPU); this machine has no GPU: use --kernel-backend torch"
+            f"kernel backend 'triton' needs {gpu} (or TRITON_INTERPRET=1 to run the kernels in Triton's "
+            "interpreter on CPU tensors); on the CPU use --kernel-backend torch"
         )
     from kernels.indexer import indexer_scores_triton
     from kernels.moe import moe_experts_triton
 
-    if interpret:
-        return KernelBackend("triton", moe_experts_triton, indexer_scores_triton)
-    return KernelBackend("triton", _on_gpu(moe_experts_triton), _on_gpu(indexer_scores_triton))
+    return KernelBackend("triton", moe_experts_triton, indexer_scores_triton)
 
 
-def _on_gpu(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """The kernel run on the GPU whatever device its tensor arguments are on, its result returned
-    to the first argument's device (the runners keep weights on the CPU today)."""
+def _device_ops() -> KernelBackend:
+    """The custom ops (kernels.custom_ops): Triton kernels on the tensors' GPU, no copies."""
+    import torch
 
-    def run(*args: Any) -> Any:
-        import torch
+    import kernels.custom_ops  # noqa: F401  # registers torch.ops.kvmesh.*
 
-        home = args[0].device
-        moved = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-        return kernel(*moved).to(home)
-
-    return run
+    return KernelBackend("triton", torch.ops.kvmesh.moe_experts, torch.ops.kvmesh.indexer_scores)
 
 
 BACKENDS: dict[str, Callable[[], KernelBackend]] = {"torch": _torch, "triton": _triton}
@@ -77,8 +72,12 @@ def check_backend(name: str) -> None:
         raise ValueError(f"kernel backend must be one of {list(BACKENDS)}, got {name!r}")
 
 
-def create_kernel_backend(name: str = "torch") -> KernelBackend:
-    """The backend called `name`. Raises ValueError for an unknown name (naming the known ones)
-    or for `triton` without a GPU or the interpreter."""
+def create_kernel_backend(name: str = "torch", device: Any = "cpu") -> KernelBackend:
+    """The backend called `name` for a model on `device` (a torch.device or its name). On a GPU
+    that is always the custom ops (`torch.ops.kvmesh.*`, the Triton kernels on the tensors'
+    device: no copies), whatever `name`. Raises ValueError for an unknown name (naming the known
+    ones) or for `triton` on the CPU without the interpreter."""
     check_backend(name)
+    if str(device) != "cpu":
+        return _device_ops()
     return BACKENDS[name]()

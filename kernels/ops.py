@@ -1,6 +1,7 @@
 # T=tokens, H=hidden, I=intermediate, N=positions, X=heads (query and key heads together),
 # D=head_dim
-"""Pointwise model ops on the CPU PyTorch path: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Pointwise model ops on the CPU PyTorch path: RMSNorm, rotary embedding, SiLU-and-mul; and
+`to_device`, how a step's host-built indices reach a GPU.
 
 Each matches transformers' Llama code (`LlamaRMSNorm`, `apply_rotary_pos_emb`, `LlamaMLP`);
 `kernels/ref.py` holds that code verbatim and tests compare the two.
@@ -62,3 +63,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     i = x.shape[-1] // 2
     gate = F.silu(x[..., :i])  # [T, I]
     return gate.mul_(x[..., i:])
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor a step built (indices, positions) on `device`: itself on the CPU; a
+    host-to-device copy elsewhere, queued without waiting (from pinned memory), never a sync."""
+    if device.type == "cpu":
+        return t
+    src = t.pin_memory() if torch.cuda.is_available() else t  # pageable memory would make the copy wait
+    # empty + copy_, not .to(): under inference mode FakeTensorMode runs a one-element .to() for real
+    return torch.empty(t.shape, dtype=t.dtype, device=device).copy_(src, non_blocking=True)

@@ -50,7 +50,13 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(
         executor.submit(
-            create_runner, files, config.num_pages, config.page_size, PREFILL_STATE_SLOTS, config.kernel_backend
+            create_runner,
+            files,
+            config.num_pages,
+            config.page_size,
+            PREFILL_STATE_SLOTS,
+            config.kernel_backend,
+            config.device,
         )
     )
     engine = PrefillEngine(

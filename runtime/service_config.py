@@ -51,8 +51,18 @@ class ModelServiceConfig:
     )
     page_size: int = setting(16, "--page-size", "token slots per page; the same on every service of a mesh", ge=1)
     torch_threads: int = setting(0, "--torch-threads", "intra-op threads of the model (0: torch's default, every core)")
+    device: str = setting(
+        "auto",
+        "--device",
+        "where the model computes and its KV pages live: auto (cuda:0 when torch sees a CUDA device, else cpu), "
+        "cpu, or cuda[:N] (bf16 weights, pages and state slots on the GPU, Triton kernels; refused at start "
+        "when torch sees no such device)",
+    )
     kernel_backend: str = setting(
-        "torch", "--kernel-backend", "MoE and indexer kernels: torch, or triton (a CUDA GPU, or TRITON_INTERPRET=1)"
+        "torch",
+        "--kernel-backend",
+        "MoE and indexer kernels on the CPU: torch, or triton (TRITON_INTERPRET=1); on a GPU they are always "
+        "the Triton kernels",
     )
     kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
     redis_url: str = redis_url_setting(
@@ -92,8 +102,10 @@ class ModelServiceConfig:
         check_bounds(self)  # this class's fields and the subclass's
         # imported here: the kernels package loads torch, and the gateway's command line
         # (which never builds this config) parses these flags too
+        from engine.device import resolve_device
         from kernels.backend import check_backend
 
+        resolve_device(self.device)  # a device this machine lacks: refused before anything starts
         check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
 

@@ -104,14 +104,18 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         blocks: dict[str, GGUFBlocks] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """Take transformers-named tensors (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+        """Take transformers-named tensors (`model.layers.{i}.self_attn.q_proj.weight`, ...),
+        converted to `dtype` on `device` as they are taken.
 
         `blocks` are GGUF blocks of some of those weights (`engine.gguf_blocks.load_blocks`),
-        used for decode steps when dtype is fp32. Raises ValueError when a tensor is missing, has
-        the wrong shape, or is left over (e.g. a bias this model does not have).
+        used for CPU decode steps when dtype is fp32 (ignored on another device or dtype). Raises
+        ValueError when a tensor is missing, has the wrong shape, or is left over (e.g. a bias
+        this model does not have).
         """
-        blocks = blocks if dtype == torch.float32 else None
+        device = torch.device(device)
+        blocks = blocks if dtype == torch.float32 and device.type == "cpu" else None
         self.config = c = config
         self.dtype = dtype
         left = dict(weights)
@@ -122,7 +126,7 @@ class LlamaModel:
             t = left.pop(name)
             if tuple(t.shape) != shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-            return t.to(dtype)
+            return t.to(device=device, dtype=dtype)
 
         H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
         q_out, kv_out = c.num_heads * D, c.num_kv_heads * D

@@ -1,0 +1,134 @@
+"""The engine on a GPU, proven without one: SmolLM2 (the real checkpoint, its real sizes) built on
+device `cuda` under PyTorch's FakeTensorMode, one prefill chunk and decode steps traced op by op.
+
+Every weight and page must sit on `cuda`, every op that reads a device tensor must leave its
+result there, and the one device-to-host copy of a step is the sampled ids ([B] int64); no
+`.item()` anywhere. A planted `.cpu()` shows the check catches one. Also: `--device` is resolved
+in one place and refused at start when torch sees no CUDA device.
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
+
+import engine.llama_runner
+from engine.device import DeviceUnavailableError, resolve_device, weight_dtype
+from engine.forward import ForwardItem
+from engine.loader import resolve_model
+from engine.runners import create_runner
+from engine.sampler import sample_ids
+from engine.sampling_params import SamplingParams
+from engine.tiny_models import make_tiny_model
+from tests.unit.fake_cuda import Recorder, load_fake_cuda_guard, tensors_of
+
+CUDA = torch.device("cuda", 0)
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    """A FakeTensorMode in which `cuda` tensors work on this CPU-only torch; the checkpoint is
+    read outside it (safetensors hands real storages, which fake mode cannot take)."""
+    load_fake_cuda_guard(tmp_path_factory.mktemp("fake_cuda"))
+    read = engine.llama_runner.load_checkpoint_tensors
+
+    def read_for_real(path):
+        with unset_fake_temporarily():
+            return read(path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine.llama_runner, "load_checkpoint_tensors", read_for_real)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+
+
+@pytest.fixture(scope="module")
+def smollm2(fake):
+    return create_runner(resolve_model(None), 32, PAGE, 0, "torch", CUDA)
+
+
+def _traced(step):
+    """Run step() under a Recorder; its Trace."""
+    with Recorder() as rec:
+        step()
+    return rec.trace
+
+
+def test_weights_pages_and_tables_live_on_the_device(smollm2):
+    tensors = tensors_of(smollm2)
+    assert len(tensors) > 3 * smollm2.config.num_layers  # weights, pages and RoPE tables were found
+    assert [tuple(t.shape) for t in tensors if t.device != CUDA] == []
+    assert smollm2.kv_cache.device == CUDA and smollm2.kv_cache.dtype == weight_dtype(CUDA) == torch.bfloat16
+    assert smollm2.model.embed.dtype == torch.bfloat16
+    assert smollm2.model.q_lm_head is None and smollm2.model._step is None  # no CPU block kernels
+    page = smollm2.page_buffer(3)  # what the KV push sends: the device bytes themselves
+    assert isinstance(page, torch.Tensor) and page.device == CUDA and page.numel() == smollm2.page_nbytes
+
+
+def test_a_prefill_chunk_and_its_first_token_stay_on_the_device(smollm2):
+    prompt = list(range(100, 140))  # 40 tokens, 3 pages
+    ids = []
+
+    def step():
+        logits = smollm2.forward([ForwardItem(prompt, 0, [0, 1, 2])])
+        ids.append(sample_ids(logits, [SamplingParams()], [None]).to(device="cpu"))
+
+    trace = _traced(step)
+    assert trace.violations() == []
+    assert trace.to_host_copies() == [("aten._to_copy.default", (1,), torch.int64)]
+    assert "aten.index_copy_.default" in trace.names()  # the K/V landed in the device pages
+
+
+def test_decode_steps_with_sampling_and_speculation_rows_stay_on_the_device(smollm2):
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=5)
+
+    def decode():
+        items = [ForwardItem([7], 40, [0, 1, 2]), ForwardItem([9], 20, [3, 4])]
+        logits = smollm2.forward(items)
+        sample_ids(logits, [greedy, sampled], [None, torch.Generator().manual_seed(5)]).to(device="cpu")
+
+    def verify():  # two requests with 3 and 1 drafts: k + 1 one-token rows each (engine.speculative.verify)
+        rows = [ForwardItem([t], 40 + j, [0, 1, 2, 5]) for j, t in enumerate([7, 8, 9, 10])]
+        rows += [ForwardItem([t], 20 + j, [3, 4]) for j, t in enumerate([11, 12])]
+        logits = smollm2.forward(rows)
+        logits.argmax(dim=-1).to(device="cpu")  # greedy verification reads the target's ids
+
+    for step in (decode, verify):
+        trace = _traced(step)
+        assert trace.violations() == [], step.__name__
+        assert "kvmesh.paged_decode_attention.default" in trace.names()  # the Triton op, not a gather
+        (copy,) = trace.to_host_copies()
+        assert copy[2] == torch.int64 and len(copy[1]) == 1
+
+
+def test_a_planted_host_copy_is_caught(smollm2):
+    def step():
+        logits = smollm2.forward([ForwardItem([7], 40, [0, 1, 2])])
+        logits.sum().cpu()  # the kind of line that stalls a GPU step
+        logits.argmax(dim=-1).to(device="cpu")
+
+    violations = _traced(step).violations()
+    assert len(violations) == 1 and "device to host" in violations[0]
+    with Recorder() as rec:
+        with pytest.raises(DataDependentOutputException):  # a fake tensor has no value to give
+            smollm2.forward([ForwardItem([7], 40, [0, 1, 2])]).max().item()
+    assert any("_local_scalar_dense" in v for v in rec.trace.violations())
+
+
+def test_deepseek_v4_refuses_a_gpu_until_its_step_is_device_resident(fake, tmp_path):
+    with unset_fake_temporarily():  # transformers builds the tiny checkpoint for real
+        files = resolve_model(str(make_tiny_model("deepseek_v4", tmp_path)))
+    with pytest.raises(ValueError, match="DeepSeek-V4 runs on the CPU only so far"):
+        create_runner(files, 8, PAGE, 2, "torch", CUDA)
+
+
+def test_device_is_resolved_in_one_place_and_cuda_without_a_device_is_refused():
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        for spec in ("cuda", "cuda:1"):
+            with pytest.raises(DeviceUnavailableError, match=f"--device {spec}: .* sees no CUDA device"):
+                resolve_device(spec)
+    for bad in ("gpu", "cuda:x", "cpu:0", ""):
+        with pytest.raises(ValueError, match=r"--device must be one of auto\|cpu\|cuda\[:N\]"):
+            resolve_device(bad)
