@@ -23,7 +23,14 @@ from kvstore.transport import KVPushReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime import tracing
 from runtime.served_model import ServedModel
-from runtime.wire import FINISH_TO_PB, abort, check_request_id, page_size_mismatch, sampling_from_pb
+from runtime.wire import (
+    FINISH_TO_PB,
+    abort,
+    check_request_id,
+    kv_layout_mismatch,
+    page_size_mismatch,
+    sampling_from_pb,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, str(exc))
         mismatch = page_size_mismatch(f"decode {self.model.instance_id}", page_size, request.page_size)
+        mismatch = mismatch or kv_layout_mismatch(
+            f"decode {self.model.instance_id}", self.engine.runner.page_layout.describe(), request.kv_layout
+        )
         if mismatch:
             await abort(context, FailureCause.MISMATCH, f"[{request.request_id}] {mismatch}")
         try:
@@ -215,5 +225,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             model_fingerprint=self.model.fingerprint,
             max_requests=self.engine.config.max_batch_size,
             kv_address=self.receiver.address,
+            kv_layout=self.engine.runner.page_layout.describe(),
             **stats,
         )

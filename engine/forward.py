@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.config import ModelConfig
+    from engine.kv_layout import PageLayout
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class Runner(Protocol):
     """Pages in the KV memory; page ids are [0, num_pages)."""
     page_nbytes: int
     """Bytes of one page (every layer's KV of page_size tokens), the unit a KV push moves."""
+    page_layout: PageLayout
+    """How pages and slots sit in memory, and on which device (engine.kv_layout)."""
     num_state_slots: int
     """Per-request state slots beyond pages (0 when pages hold all of a request's state)."""
 
@@ -82,12 +85,12 @@ class Runner(Protocol):
         ValueError for an empty batch, bad token ids, too few pages or too long a sequence."""
         ...
 
-    def page_buffer(self, page_id: int) -> np.ndarray:
+    def page_buffer(self, page_id: int) -> np.ndarray | torch.Tensor:
         """Zero-copy writable uint8 view of one page (page_nbytes bytes; engine.kv_layout.KVMemory
-        defines it); ValueError out of range."""
+        defines it: numpy on the CPU, a device tensor on a GPU); ValueError out of range."""
         ...
 
-    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+    def state_buffers(self, slot: int | None) -> list[np.ndarray | torch.Tensor]:
         """The uint8 buffers a KV push sends after the pages (a slot's state; [] without slots)."""
         ...
 

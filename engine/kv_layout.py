@@ -64,9 +64,10 @@ class PageLayout:
         return self.split(flat, num_pages, num_slots)
 
     def describe(self) -> str:
-        """The layout as a Reserve names it to the other side: name, page shape, dtype, device
-        kind, e.g. '[P, L, 2, S, K, D] (30, 2, 16, 3, 64) float32 cpu'."""
-        return f"{self.name} {self.page_shape} {str(self.dtype).removeprefix('torch.')} {self.device.split(':')[0]}"
+        """The bytes of a page and a slot as a Reserve names them to the other side: name, page
+        shape, slot shape, dtype, e.g. '[P, L, 2, S, K, D] (30, 2, 16, 3, 64) () float32'. Not the
+        device: equal layouts move between a CPU and a GPU byte for byte."""
+        return f"{self.name} {self.page_shape} {self.slot_shape} {str(self.dtype).removeprefix('torch.')}"
 
     def split(self, flat: torch.Tensor, num_pages: int, num_slots: int) -> KVMemory:
         """The pages and slots inside a flat buffer laid out as allocate() lays it (views)."""

@@ -120,7 +120,8 @@ class Attempt(AttemptAccounting):
         Generate claims them by the KV deadline (Prefill's deadline + rpc_timeout_s)."""
         hops, timeout_s = self._hops, self._hops.deadlines.rpc_timeout_s
         kv_deadline_s = self._prefill_by - asyncio.get_running_loop().time() + timeout_s
-        request = wire.reserve_request(hops.request, self._push_to[1], kv_deadline_s, self.pool.page_size)
+        layout = self.prefill.kv_layout if self.prefill is not None else ""
+        request = wire.reserve_request(hops.request, self._push_to[1], kv_deadline_s, self.pool.page_size, layout)
         stub = self.pool.decode_stub(self.decode)
         metadata = tracing.inject(hops.span)
         self.reserving(self.pool.spawn(stub.Reserve(request, timeout=timeout_s, metadata=metadata)))

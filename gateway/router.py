@@ -57,6 +57,8 @@ class InstanceLoad:
     total_routed_tokens: int = 0
     """Prefill tokens of requests routed here that were not cancelled (the cache_aware tie-break)."""
     kv_address: str = ""
+    kv_layout: str = ""
+    """The KV page layout the instance reported (engine.kv_layout.PageLayout.describe); '' until it has."""
     """Where prefill pushes this decode instance's KV, as its stats and Reserve answers last said;
     '' until known (the gateway then waits for Reserve before it sends Prefill)."""
 

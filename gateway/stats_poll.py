@@ -46,6 +46,7 @@ async def poll_instance(
     inst.reported_active_requests = stats.num_active_requests
     inst.max_requests = stats.max_requests
     inst.kv_address = stats.kv_address
+    inst.kv_layout = stats.kv_layout
     why = mismatch(inst, stats)
     if why and why != inst.mismatch:
         logger.error("%s; not routing to it", why)

@@ -52,10 +52,11 @@ def models_response(builder: PromptBuilder) -> gateway_pb2.ListModelsResponse:
 
 
 def reserve_request(
-    inp: GenerateInput, transfer_id: int, kv_deadline_s: float, page_size: int
+    inp: GenerateInput, transfer_id: int, kv_deadline_s: float, page_size: int, kv_layout: str = ""
 ) -> decode_pb2.ReserveRequest:
     """Reserve pages on decode for the prompt and max_tokens, under the gateway's `transfer_id`;
-    the KV must land within kv_deadline_s seconds."""
+    the KV must land within kv_deadline_s seconds, pushed in `kv_layout` (the prefill's, '' when
+    not known yet: decode does not check it then)."""
     return decode_pb2.ReserveRequest(
         request_id=inp.request_id,
         num_prompt_tokens=len(inp.prompt_token_ids),
@@ -63,6 +64,7 @@ def reserve_request(
         page_size=page_size,
         kv_deadline_s=kv_deadline_s,
         transfer_id=transfer_id,
+        kv_layout=kv_layout,
     )
 
 

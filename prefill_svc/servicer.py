@@ -255,5 +255,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             instance_id=self.model.instance_id,
             page_size=self.engine.page_size,
             model_fingerprint=self.model.fingerprint,
+            kv_layout=self.engine.runner.page_layout.describe(),
             **stats,
         )

@@ -93,6 +93,18 @@ def page_size_mismatch(instance: str, page_size: int, assumed: int) -> str:
     )
 
 
+def kv_layout_mismatch(instance: str, layout: str, pushed: str) -> str:
+    """'' when the layout KV will be pushed in (empty: the caller did not say) is this instance's,
+    else the message naming both (FAILED_PRECONDITION: FailureCause.MISMATCH): a CPU prefill in
+    fp32 pushing to a GPU decode in bf16, say, would land wrong bytes."""
+    if not pushed or pushed == layout:
+        return ""
+    return (
+        f"{instance} keeps KV pages as {layout}, the push would bring {pushed}: prefill and decode need the same "
+        "model, --page-size and dtype (--device cpu is fp32, cuda bf16; docs/gpu.md)"
+    )
+
+
 async def abort(context, cause: FailureCause, message: str, retry_after_s: float | None = None) -> None:
     """End an RPC with the status of `cause`, naming the cause (and a retry hint) in the trailers."""
     trailers = [(FAILURE_CAUSE_KEY, cause.value)]

@@ -28,7 +28,7 @@ from kvmesh.client import GatewayClient, make_request
 from kvmesh.redis_server import RedisProcess
 from kvstore.block_hash import hash_blocks
 from kvstore.redis_index import RedisKVIndex
-from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc
+from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
 from tests.conftest import instance_stats
 from tests.integration.meshutil import (
@@ -182,7 +182,7 @@ def test_past_the_queue_bound_resource_exhausted_at_once_with_a_retry_hint(mesh)
     wait_idle(mesh)
 
 
-def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh):
+def test_page_size_or_kv_layout_mismatch_is_failed_precondition_naming_both_values(mesh):
     """A gateway with page size 32 before instances of 16 refuses every request with
     FAILED_PRECONDITION (a retry cannot fix it) naming both values; so does decode when
     a Reserve assumes another page size."""
@@ -205,6 +205,28 @@ def test_page_size_mismatch_is_failed_precondition_naming_both_values(mesh):
         asyncio.run(reserve())
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "page_size 16" in err.value.details() and "32" in err.value.details()
+
+    # pages pushed in another layout (a GPU prefill's bf16 to this CPU decode's fp32) are refused
+    # at Reserve, naming both, before a byte moves
+    async def reserve_in(layout):
+        """Reserve with the KV pushed in `layout` ("own": decode's), then release; decode's layout."""
+        async with grpc.aio.insecure_channel(mesh.decode_addresses[0]) as ch:
+            stub = decode_pb2_grpc.DecodeStub(ch)
+            own = (await stub.GetStats(common_pb2.StatsRequest(), timeout=10)).kv_layout
+            request = decode_pb2.ReserveRequest(
+                request_id="r2", num_prompt_tokens=8, max_tokens=8, kv_layout=own if layout == "own" else layout
+            )
+            reserved = await stub.Reserve(request, timeout=10)
+            await stub.Release(decode_pb2.ReleaseRequest(transfer_id=reserved.transfer_id), timeout=10)
+            return own
+
+    asyncio.run(reserve_in(""))  # unnamed: not checked
+    own = asyncio.run(reserve_in("own"))  # the same layout: reserved
+    assert own.startswith("[P, L, 2, S, K, D] (30, 2, 16, 3, 64)") and own.endswith("float32")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(reserve_in(own.replace("float32", "bfloat16")))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert own in err.value.details() and own.replace("float32", "bfloat16") in err.value.details()
     wait_idle(mesh)
 
 

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "page_size", "kv_deadline_s", "transfer_id")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "page_size", "kv_deadline_s", "transfer_id", "kv_layout")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
     page_size: int
     kv_deadline_s: float
     transfer_id: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ..., transfer_id: _Optional[int] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ..., transfer_id: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("kv_address", "transfer_id", "num_pages", "page_nbytes", "instance_id")
