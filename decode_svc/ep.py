@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from engine.checkpoint import ModelFiles, architecture
+from engine.device import resolve_device
 from engine.ep_runner import ExpertParallelRunner
 from engine.eplb import Placement
 from engine.forward import ForwardItem
@@ -78,8 +79,11 @@ MOE_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 """Architectures whose runner can run expert-parallel."""
 
 
-def check_ep_model(files: ModelFiles, num_ranks: int) -> None:
-    """Before anything loads: ValueError when --ep > 1 is asked of a model without MoE layers."""
+def check_ep_model(files: ModelFiles, num_ranks: int, device: str = "cpu") -> None:
+    """Before anything loads: ValueError when --ep > 1 is asked of a model without MoE layers, or
+    on a GPU (the ranks share host memory and talk over gloo: CPU only so far)."""
+    if num_ranks > 1 and resolve_device(device).type != "cpu":
+        raise ValueError(f"--ep {num_ranks} runs on the CPU only so far (shared-memory pages, gloo); use --device cpu")
     if num_ranks > 1 and architecture(files) not in MOE_ARCHITECTURES:
         raise ValueError(
             f"--ep {num_ranks} needs a MoE model ({', '.join(MOE_ARCHITECTURES)}); {files.name!r} is "
@@ -95,7 +99,7 @@ def create_ep_runner(runner, files: ModelFiles, config):
     EPWorldError (engine.ep_ranks) when a rank fails to start."""
     if config.ep <= 1:
         return runner
-    check_ep_model(files, config.ep)
+    check_ep_model(files, config.ep, config.device)
     placement = load_placement_file(config.eplb_placement, config.ep) if config.eplb_placement else None
     return ServiceEPRunner(
         runner,

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
     files = resolve_model(config.model)
-    ep.check_ep_model(files, config.ep)
+    ep.check_ep_model(files, config.ep, config.device)
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
     address = config.reachable_address(svc.port)  # what gateways dial
     instance_id = config.instance_id or f"decode@{address}"

@@ -45,15 +45,11 @@ class DeepseekV4Runner:
         kernels: KernelBackend | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        """Raises ValueError for a bad config or checkpoint (naming the field or tensor), a
-        page_size that is not a multiple of every compress rate, num_pages / slots < 1, or a
-        device other than the CPU: V4's step still reads host values (expert counts, indexer
-        candidates) and builds its indices on the host, so it is not device-resident yet."""
-        if torch.device(device).type != "cpu":
-            raise ValueError(
-                f"--device {device}: DeepSeek-V4 runs on the CPU only so far (its step is not yet free of host "
-                "syncs; docs/gpu.md); use --device cpu"
-            )
+        """Weights (the checkpoint's dtype), pages and slots (fp32) on `device`.
+
+        Raises ValueError for a bad config or checkpoint (naming the field or tensor), a
+        page_size that is not a multiple of every compress rate, or num_pages / slots < 1."""
+        self.device = torch.device(device)
         if num_pages < 1 or num_state_slots < 1:
             raise ValueError(f"num_pages and num_state_slots must be >= 1, got {num_pages} and {num_state_slots}")
         start = time.monotonic()
@@ -63,21 +59,22 @@ class DeepseekV4Runner:
         self.has_mtp = has_mtp(tensors)
         """The checkpoint carries the multi-token-prediction module (`--speculative mtp`)."""
         self.layout = V4StateLayout.from_config(self.hf_config, page_size, mtp=self.has_mtp)
-        self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name, kernels)
+        self.model = DeepseekV4Model(self.hf_config, tensors, self.layout, files.name, kernels, device=self.device)
         del tensors
         self._mtp: DeepseekV4MTP | None = None  # built on first use: only decode drafts
         self.draft_window = self.hf_config.sliding_window
         """Positions the MTP module's sliding-window attention looks back over."""
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
         # pages, then slots, in one shared-memory region (engine.kv_layout.DEEPSEEK_V4_PAGE)
-        self.page_layout = flat_layout(self.layout.page_floats, self.layout.slot_floats)
+        self.page_layout = flat_layout(self.layout.page_floats, self.layout.slot_floats, str(self.device))
         self.memory = self.page_layout.allocate(num_pages, num_state_slots)
         self.pages, self.slots = self.memory.pages, self.memory.slots  # [P, page_floats], [R, slot_floats]
         self.page_nbytes, self.state_nbytes = self.page_layout.page_nbytes, self.page_layout.slot_nbytes
         logger.info(
-            "loaded %s (DeepSeek-V4) in %.1f s: %d pages x %d tokens, %d bytes a page, %d slots of %d bytes",
+            "loaded %s (DeepSeek-V4) in %.1f s on %s: %d pages x %d tokens, %d bytes a page, %d slots of %d bytes",
             files.name,
             time.monotonic() - start,
+            self.device,
             num_pages,
             page_size,
             self.page_nbytes,
@@ -87,13 +84,13 @@ class DeepseekV4Runner:
 
     def expert_token_counts(self) -> np.ndarray:
         """[L, E] int64 tokens routed to each expert of each layer since load (a copy)."""
-        return self.model.expert_counts.numpy().copy()
+        return self.model.expert_counts.cpu().numpy().copy()
 
-    def page_buffer(self, page_id: int) -> np.ndarray:
+    def page_buffer(self, page_id: int) -> np.ndarray | torch.Tensor:
         """Zero-copy writable uint8 view of page `page_id` (ValueError when out of range)."""
         return self.memory.page_buffer(page_id)
 
-    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+    def state_buffers(self, slot: int | None) -> list[np.ndarray | torch.Tensor]:
         """The buffers a push sends after the pages: the slot's row (ValueError when out of range)."""
         return self.memory.state_buffers(slot)
 

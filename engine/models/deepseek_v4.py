@@ -37,6 +37,7 @@ from engine.models.deepseek_v4_weights import check_and_take
 from kernels.backend import KernelBackend, create_kernel_backend
 from kernels.indexer import indexer_topk
 from kernels.moe import route_hash, route_topk
+from kernels.ops import to_device
 from kernels.sparse_attention import sparse_sink_attention
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class _Plan:
     win_bias: torch.Tensor  # [Bd, W] 0 / -inf
     entries: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     """compress rate -> (page [Bd, Cmax], row [Bd, Cmax], count [Bd]) of each sequence's entries."""
+    most_entries: dict[int, int]
+    """compress rate -> the most entries a decode sequence has (a host value: no sync to branch on)."""
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -78,8 +81,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _boundary_ties(scores: torch.Tensor, num_valid: torch.Tensor, k: int) -> int:
     """Queries whose k-th and (k+1)-th best selectable scores are equal: the tie-break decides
-    their top-k set. scores [n, C], num_valid [n]."""
-    masked = scores.masked_fill(torch.arange(scores.shape[1])[None, :] >= num_valid[:, None], float("-inf"))
+    their top-k set. scores [n, C], num_valid [n]. A test's counter (`count_topk_ties`, off by
+    default): its int() is a host sync on a GPU."""
+    entry = torch.arange(scores.shape[1], device=scores.device)
+    masked = scores.masked_fill(entry[None, :] >= num_valid[:, None], float("-inf"))
     if masked.shape[1] <= k:
         return 0
     best = masked.topk(k + 1, dim=-1).values  # [n, k+1]
@@ -89,7 +94,7 @@ def _boundary_ties(scores: torch.Tensor, num_valid: torch.Tensor, k: int) -> int
 class _Rope:
     """cos/sin rows of one rope type at given positions (`DeepseekV4RotaryEmbedding`)."""
 
-    def __init__(self, config, rope_type: str) -> None:
+    def __init__(self, config, rope_type: str, device: torch.device) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         params = config.rope_parameters[rope_type]
@@ -100,6 +105,8 @@ class _Rope:
             self.scaling = 1.0
         else:  # the table (e.g. YaRN's) is config arithmetic; transformers' is the reference
             self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[kind](config, None, layer_type=rope_type)
+
+        self.inv_freq = self.inv_freq.to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rd/2]
@@ -117,28 +124,34 @@ class DeepseekV4Model:
         name: str = "deepseek_v4",
         kernels: KernelBackend | None = None,
         routed_experts_here: bool = True,
+        device: torch.device | str = "cpu",
     ) -> None:
-        """config: transformers `DeepseekV4Config`; tensors: the checkpoint's (either naming);
-        kernels: the MoE and indexer kernels (default: the torch backend); routed_experts_here=
-        False: `tensors` lack the main layers' routed experts, which an expert-parallel
-        `routed_experts` hook holds instead (engine.expert_weights).
+        """config: transformers `DeepseekV4Config`; tensors: the checkpoint's (either naming),
+        moved to `device` (their dtype kept: the checkpoint's); kernels: the MoE and indexer
+        kernels (default: the torch backend on the CPU, the custom ops on a GPU);
+        routed_experts_here=False: `tensors` lack the main layers' routed experts, which an
+        expert-parallel `routed_experts` hook holds instead (engine.expert_weights).
 
         Raises ValueError naming a missing, misshapen or unused tensor, or an unknown layer type.
         """
         self.config = c = config
         self.layout = layout
-        self.kernels = kernels or create_kernel_backend("torch")
-        self.w = check_and_take(tensors, config, name, routed_experts=routed_experts_here)
+        self.device = dev = torch.device(device)
+        self.kernels = kernels or create_kernel_backend("torch", dev)
+        self.w = {
+            k: t.to(device=dev)
+            for k, t in check_and_take(tensors, config, name, routed_experts=routed_experts_here).items()
+        }
         self.eps, self.hc_eps = c.rms_norm_eps, c.hc_eps
-        self.rope = {"main": _Rope(c, "main"), "compress": _Rope(c, "compress")}
+        self.rope = {"main": _Rope(c, "main", dev), "compress": _Rope(c, "compress", dev)}
         self.count_topk_ties = False
         """When True, count in topk_boundary_ties the indexer queries whose top-k set a tie
         decided (tests turn it on to prove their comparisons tie-free; it costs a top-k a layer)."""
         self.topk_boundary_ties = 0
-        self.last_streams = torch.zeros(0, c.hc_mult, c.hidden_size)
+        self.last_streams = torch.zeros(0, c.hc_mult, c.hidden_size, device=dev)
         """[B, N, H] the hyper-connection streams after each item's last token in the last forward
         (what the head read): speculative decoding's MTP drafter continues from them."""
-        self.expert_counts = torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.int64)  # [L, E]
+        self.expert_counts = torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.int64, device=dev)
         """Tokens routed to each expert of each MoE layer (top-k and hash-routed alike), since
         load; EPLB's input (engine.eplb). A token with k experts counts once for each."""
         self.routed_experts: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -179,7 +192,8 @@ class DeepseekV4Model:
     # -- MLP --------------------------------------------------------------------------------
     def _mlp(self, x: torch.Tensor, ids: torch.Tensor, i: int) -> torch.Tensor:
         out, experts = self.moe(x, ids, f"model.layers.{i}.mlp.", self.config.mlp_layer_types[i] == "hash_moe", layer=i)
-        self.expert_counts[i] += torch.bincount(experts.reshape(-1), minlength=self.config.n_routed_experts)
+        flat = experts.reshape(-1)  # an index_add, not bincount: bincount on a GPU reads its max back
+        self.expert_counts[i].index_add_(0, flat, torch.ones_like(flat))
         return out
 
     def moe(
@@ -290,13 +304,15 @@ class DeepseekV4Model:
         else:
             pooled = (ck * cg.softmax(dim=1)).sum(dim=1)
         pooled = _rms(pooled, self.w[prefix + "kv_norm.weight"], self.eps)
-        wins = torch.arange(e0, e0 + n_win)
+        wins = torch.arange(e0, e0 + n_win, device=self.device)
         cos, sin = self.rope["compress"](wins * r)
         pooled = _rope(pooled.unsqueeze(1), cos, sin).squeeze(1)  # [n_win, d]
         per_page = S // r
         lay.page_view(pages, ent_name, i)[table[wins // per_page], wins % per_page] = pooled
         if overlap:  # windows that end a page leave their Ca half there for prefix-cache hits
-            ends = ((wins + 1) % per_page == 0).nonzero().squeeze(1)  # [k] rows of wins
+            # [k] rows of wins, found on the host (nonzero on a GPU reads its count back)
+            ends = torch.tensor([w - e0 for w in range(e0, e0 + n_win) if (w + 1) % per_page == 0], dtype=torch.long)
+            ends = to_device(ends, self.device)
             page_ends = table[wins[ends] // per_page]
             lay.page_view(pages, ok, i)[page_ends] = ck[ends, :, :d]
             lay.page_view(pages, og, i)[page_ends] = cg[ends, :, :d]
@@ -305,7 +321,7 @@ class DeepseekV4Model:
         """The first `count` entries of field `name` of layer i of the sequence whose block table
         is `table`: [count, d]."""
         per_page = self.layout.page_size // self.layout.rates[i]
-        idx = torch.arange(count)
+        idx = torch.arange(count, device=self.device)
         return self.layout.page_view(pages, name, i)[table[idx // per_page], idx % per_page]
 
     # -- attention --------------------------------------------------------------------------
@@ -343,7 +359,7 @@ class DeepseekV4Model:
             cp = p + "compressor."
             c_kv = F.linear(x, self.w[cp + "kv_proj.weight"])  # [T, 2D] (CSA) or [T, D] (HCA)
             c_gate = F.linear(x, self.w[cp + "gate_proj.weight"])
-        out = torch.empty(T, nh, D)
+        out = q.new_empty(T, nh, D)
         sinks = self.w[p + "sinks"]
         if kind != SLIDING:  # extend every sequence's windows before anyone reads entries
             for b, it in enumerate(items):
@@ -378,7 +394,8 @@ class DeepseekV4Model:
             out[rows] = self._decode_attention(
                 i, q[rows], iq[rows] if kind == CSA else None, iw[rows] if kind == CSA else None, plan, pages, sinks
             )
-        offsets = torch.arange(-W + 1, 1)  # [W] a query's window, oldest first
+        dev = self.device
+        offsets = torch.arange(-W + 1, 1, device=dev)  # [W] a query's window, oldest first
         for b, it in enumerate(items):
             lo, hi = starts[b], starts[b + 1]
             nc, n = it.num_computed_tokens, hi - lo
@@ -386,12 +403,12 @@ class DeepseekV4Model:
                 continue  # done above, batched
             qpos = positions[lo:hi]
             base = max(0, nc - W + 1)
-            kpos = torch.arange(base, nc + n)  # every key some new token's window holds
+            kpos = torch.arange(base, nc + n, device=dev)  # every key some new token's window holds
             table = plan.tables[b]
             win = swa[table[kpos // S], kpos % S]  # [Ws, D]
             wpos = qpos[:, None] + offsets  # [n, W] window positions of each query
             win_kv = win[(wpos - base).clamp(min=0)]  # [n, W, D]
-            win_bias = torch.zeros(n, W).masked_fill_(wpos < 0, float("-inf"))
+            win_bias = torch.zeros(n, W, device=dev).masked_fill_(wpos < 0, float("-inf"))
             ent_kv = ent_bias = None
             if kind != SLIDING:
                 r = lay.rates[i]
@@ -407,11 +424,11 @@ class DeepseekV4Model:
                         if self.count_topk_ties:
                             self.topk_boundary_ties += _boundary_ties(scores, num_valid, k)
                         ent_kv = entries[top.clamp(min=0)]  # [n, k, D]
-                        ent_bias = torch.zeros(n, k).masked_fill_(top < 0, float("-inf"))
+                        ent_bias = torch.zeros(n, k, device=dev).masked_fill_(top < 0, float("-inf"))
                     else:  # HCA: every closed window
                         ent_kv = entries
-                        ent_bias = torch.zeros(n, count).masked_fill_(
-                            torch.arange(count)[None, :] >= num_valid[:, None], float("-inf")
+                        ent_bias = torch.zeros(n, count, device=dev).masked_fill_(
+                            torch.arange(count, device=dev)[None, :] >= num_valid[:, None], float("-inf")
                         )
             out[lo:hi] = sparse_sink_attention(q[lo:hi], win_kv, win_bias, ent_kv, ent_bias, sinks, D**-0.5)
         out = _rope(out, cos, -sin)  # undo the rope V carried (K=V), at the query's position
@@ -420,9 +437,12 @@ class DeepseekV4Model:
         return F.linear(grouped.flatten(1), self.w[p + "o_b_proj.weight"])  # [T, H]
 
     def _plan(self, items: Sequence[ForwardItem], starts: list[int], positions: torch.Tensor) -> _Plan:
+        """The forward's indices, built on the host from `positions` [T] (a host tensor) and the
+        items' block tables, then copied to the model's device (no sync: nothing is read back)."""
         S, W = self.layout.page_size, self.config.sliding_window
         tables = [torch.tensor(list(it.block_ids)) for it in items]
-        seq_of = torch.repeat_interleave(torch.arange(len(items)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
+        lengths = torch.tensor(starts[1:]) - torch.tensor(starts[:-1])
+        seq_of = torch.repeat_interleave(torch.arange(len(items)), lengths, output_size=starts[-1])
         width = max(len(t) for t in tables)
         padded = torch.stack([torch.cat([t, t[:1].expand(width - len(t))]) for t in tables])  # [B, M]
         write_page = padded[seq_of, positions // S]
@@ -432,22 +452,25 @@ class DeepseekV4Model:
         dtab = padded[dec] if dec else padded[:0]  # [Bd, M]
         wpos = qpos[:, None] + torch.arange(-W + 1, 1)  # [Bd, W]
         wc = wpos.clamp(min=0)
-        entries = {}
+        entries, most = {}, {}
         for r in sorted(set(x for x in self.layout.rates if x)):
             count = (qpos + 1) // r  # [Bd] entries after this step's compress
-            cmax = max(int(count.max()) if dec else 0, 1)
+            most[r] = max(((items[b].num_computed_tokens + 1) // r for b in dec), default=0)  # count's max
+            cmax = max(most[r], 1)
             e = torch.arange(cmax)[None, :].expand(len(dec), cmax)
-            entries[r] = (dtab.gather(1, (e * r) // S), e % (S // r), count)
+            entries[r] = tuple(to_device(t, self.device) for t in (dtab.gather(1, (e * r) // S), e % (S // r), count))
+        on = self.device
         return _Plan(
-            tables,
-            write_page,
-            positions % S,
+            [to_device(t, on) for t in tables],
+            to_device(write_page, on),
+            to_device(positions % S, on),
             dec,
-            dec_rows,
-            dtab.gather(1, wc // S),
-            wc % S,
-            torch.zeros(wpos.shape).masked_fill_(wpos < 0, float("-inf")),
-            entries,
+            to_device(dec_rows, on),
+            to_device(dtab.gather(1, wc // S), on),
+            to_device(wc % S, on),
+            to_device(torch.zeros(wpos.shape).masked_fill_(wpos < 0, float("-inf")), on),
+            entries,  # type: ignore[arg-type]  # tuples of three, as built
+            most,
         )
 
     def _decode_attention(
@@ -460,10 +483,11 @@ class DeepseekV4Model:
         ent_kv = ent_bias = None
         if kind != SLIDING:
             pg, row, count = plan.entries[lay.rates[i]]
-            valid = torch.arange(pg.shape[1])[None, :] < count[:, None]  # [Bd, Cmax]
-            if bool(valid.any()):
+            valid = torch.arange(pg.shape[1], device=pg.device)[None, :] < count[:, None]  # [Bd, Cmax]
+            most = plan.most_entries[lay.rates[i]]
+            if most:
                 ent_kv = lay.page_view(pages, "entries", i)[pg, row]  # [Bd, Cmax, D]
-                ent_bias = torch.zeros(valid.shape).masked_fill_(~valid, float("-inf"))
+                ent_bias = torch.zeros(valid.shape, device=pg.device).masked_fill_(~valid, float("-inf"))
                 if kind == CSA:
                     Di = c.index_head_dim
                     ikeys = lay.page_view(pages, "ikeys", i)[pg, row]  # [Bd, Cmax, Di]
@@ -476,10 +500,10 @@ class DeepseekV4Model:
                     k = min(c.index_topk, pg.shape[1])
                     top = indexer_topk(scores, k, count)  # [Bd, k], -1 = none
                     if self.count_topk_ties:
-                        self.topk_boundary_ties += _boundary_ties(scores, count, min(k, int(count.max())))
+                        self.topk_boundary_ties += _boundary_ties(scores, count, min(k, most))
                     safe = top.clamp(min=0)
                     ent_kv = ent_kv.gather(1, safe[..., None].expand(-1, -1, D))  # [Bd, k, D]
-                    ent_bias = torch.zeros(top.shape).masked_fill_(top < 0, float("-inf"))
+                    ent_bias = torch.zeros(top.shape, device=top.device).masked_fill_(top < 0, float("-inf"))
         return sparse_sink_attention(q, win_kv, plan.win_bias, ent_kv, ent_bias, sinks, D**-0.5)
 
     # -- the step ---------------------------------------------------------------------------
@@ -507,8 +531,9 @@ class DeepseekV4Model:
             ids.extend(it.token_ids)
             pos.extend(range(nc, nc + n))
             starts.append(starts[-1] + n)
-        ids_t, positions = torch.tensor(ids), torch.tensor(pos)
-        plan = self._plan(items, starts, positions)
+        ids_t, host_positions = to_device(torch.tensor(ids), self.device), torch.tensor(pos)
+        plan = self._plan(items, starts, host_positions)
+        positions = to_device(host_positions, self.device)
         h = F.embedding(ids_t, self.w["model.embed_tokens.weight"])  # [T, H]
         streams = h.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, H]
         for i in range(c.num_hidden_layers):
@@ -520,7 +545,7 @@ class DeepseekV4Model:
             post, comb, collapsed = self._hc(streams, p + "ffn_hc")
             x = _rms(collapsed, self.w[p + "post_attention_layernorm.weight"], self.eps)
             streams = self._mix(post, comb, self._mlp(x, ids_t, i), streams)
-        last = torch.tensor(starts[1:]) - 1
+        last = to_device(torch.tensor(starts[1:]) - 1, self.device)
         streams = streams.index_select(0, last)  # [B, N, H]
         self.last_streams = streams
         if self.layout.mtp_hidden is not None:  # what the MTP drafter continues from

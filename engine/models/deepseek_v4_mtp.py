@@ -30,6 +30,7 @@ context than DeepSeek's, which changes only how often they are accepted, never t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from engine.forward import DraftItem
 from engine.models.deepseek_v4 import DeepseekV4Model, _rms, _rope
 from engine.models.deepseek_v4_shapes import MTP_PREFIX
+from kernels.ops import to_device
 from kernels.sparse_attention import sparse_sink_attention
 
 
@@ -53,7 +55,7 @@ class DeepseekV4MTP:
         g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
         p = MTP_PREFIX + "self_attn."
         self.o_a = model.w[p + "o_a_proj.weight"].view(g, -1, nh * D // g).transpose(1, 2).contiguous()
-        self.kv = torch.zeros(num_pages, model.layout.page_size, D)  # [P, S, D] the module's K=V
+        self.kv = torch.zeros(num_pages, model.layout.page_size, D, device=model.device)  # [P, S, D] the module's K=V
 
     @torch.inference_mode()
     def forward(
@@ -99,11 +101,13 @@ class DeepseekV4MTP:
         kv = _rope(kv.unsqueeze(1), cos, sin).squeeze(1)  # [R, D]
         width = max(len(t) for t in tables)
         padded = torch.stack([torch.cat([t, t[:1].expand(width - len(t))]) for t in tables])  # [R, M]
-        self.kv[padded[torch.arange(R), positions // S], positions % S] = kv
-        wpos = positions[:, None] + torch.arange(-W + 1, 1)  # [R, W] window positions, oldest first
+        self.kv[padded[torch.arange(R, device=kv.device), positions // S], positions % S] = kv
+        wpos = positions[:, None] + torch.arange(-W + 1, 1, device=kv.device)  # [R, W] window positions, oldest first
         wc = wpos.clamp(min=0)
         win_kv = self.kv[padded.gather(1, wc // S), wc % S]  # [R, W, D]
-        bias = torch.zeros(R, W).masked_fill_(wpos < window_start[:, None].clamp(min=0), float("-inf"))
+        bias = torch.zeros(R, W, device=kv.device).masked_fill_(
+            wpos < window_start[:, None].clamp(min=0), float("-inf")
+        )
         out = sparse_sink_attention(q, win_kv, bias, None, None, w[p + "sinks"], D**-0.5)
         out = _rope(out, cos, -sin)  # undo the rope V carried (K=V), at the query's position
         g = c.o_groups
@@ -125,31 +129,37 @@ class DeepseekV4MTP:
                     f"draft item {b}: needs k >= 1 and one hidden state a pending token, "
                     f"got k={it.k}, {len(it.tokens)} tokens, hidden {tuple(it.hidden.shape)}"
                 )
-        tables = [torch.tensor(list(it.block_ids)) for it in items]
+        dev = self.model.device
+
+        def on(values: list[int]) -> torch.Tensor:  # host ints to the device, no sync
+            return to_device(torch.tensor(values), dev)
+
+        tables = [on(list(it.block_ids)) for it in items]
         rows = [(b, it.first_position + j, t) for b, it in enumerate(items) for j, t in enumerate(it.tokens)]
         logits, streams = self.forward(
-            torch.tensor([r[1] for r in rows]),
-            torch.tensor([r[2] for r in rows]),
+            on([r[1] for r in rows]),
+            on([r[2] for r in rows]),
             torch.cat([it.hidden for it in items]),
             [tables[r[0]] for r in rows],
-            torch.tensor([items[r[0]].window_start for r in rows]),
+            on([items[r[0]].window_start for r in rows]),
         )
-        last = torch.tensor([len(it.tokens) for it in items]).cumsum(0) - 1  # [B] each item's last row
-        drafts: list[list[int]] = [[int(t)] for t in logits[last].argmax(dim=-1)]
+        last = on(list(itertools.accumulate(len(it.tokens) for it in items))) - 1  # [B] each item's last row
+        # each pass's drafts cross to the host: what speculation needs (the next pass's input ids)
+        drafts: list[list[int]] = [[t] for t in logits[last].argmax(dim=-1).cpu().tolist()]
         prev = streams[last]  # [B, N, H]
         live = list(range(len(items)))
         for j in range(1, max(it.k for it in items)):
             keep = [i for i, b in enumerate(live) if items[b].k > j]
             if not keep:
                 break
-            live, prev = [live[i] for i in keep], prev[keep]
+            live, prev = [live[i] for i in keep], prev[on(keep)]
             logits, prev = self.forward(
-                torch.tensor([items[b].first_position + len(items[b].tokens) - 1 + j for b in live]),
-                torch.tensor([drafts[b][-1] for b in live]),
+                on([items[b].first_position + len(items[b].tokens) - 1 + j for b in live]),
+                on([drafts[b][-1] for b in live]),
                 prev,
                 [tables[b] for b in live],
-                torch.tensor([items[b].window_start for b in live]),
+                on([items[b].window_start for b in live]),
             )
-            for b, t in zip(live, logits.argmax(dim=-1).tolist()):
+            for b, t in zip(live, logits.argmax(dim=-1).cpu().tolist()):
                 drafts[b].append(t)
         return drafts

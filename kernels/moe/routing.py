@@ -79,8 +79,8 @@ def route_hash(
     logits [T, E] fp32; tid2eid [V, K] integer table of expert ids per token id; input_ids [T]
     (any shape with T elements) token ids. Returns (weights [T, K] fp32, expert_ids [T, K]
     int64) with expert_ids = tid2eid[input_ids] and weights as in `route_topk`.
-    Raises ValueError for an unknown scoring_func, a token count that differs from T, or a
-    token id outside [0, V). Reference: `kernels.moe.ref.route_hash_ref`.
+    Raises ValueError for an unknown scoring_func, a token count that differs from T, or (CPU
+    tensors) a token id outside [0, V). Reference: `kernels.moe.ref.route_hash_ref`.
     """
     T, _E = logits.shape
     V = tid2eid.shape[0]
@@ -88,7 +88,9 @@ def route_hash(
     if ids.numel() != T:
         raise ValueError(f"input_ids has {ids.numel()} tokens but logits has {T} rows")
     scores = score_fn(scoring_func)(logits.float())  # [T, E]
-    if T and (int(ids.min()) < 0 or int(ids.max()) >= V):
+    # checked where the ids are host values; on a GPU reading them back would stall the step, and
+    # the runner checked every token id against the vocabulary before the forward
+    if T and ids.device.type == "cpu" and (int(ids.min()) < 0 or int(ids.max()) >= V):
         raise ValueError(f"token ids must be in [0, {V}) (rows of tid2eid), got [{int(ids.min())}, {int(ids.max())}]")
     expert_ids = tid2eid[ids].long()  # [T, K]
     return _normalized_weights(scores, expert_ids, routed_scaling_factor), expert_ids

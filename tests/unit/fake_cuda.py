@@ -56,13 +56,15 @@ class Trace:
     def violations(self, allowed_to_host: int = 1) -> list[str]:
         """What breaks device residency: an op that reads a device tensor and leaves a result on
         the host (a device-to-host copy; the first `allowed_to_host` of them, the sampled ids, are
-        the step's own), and every `.item()` (`aten._local_scalar_dense`, a host sync) at all."""
+        the step's own), and every `.item()` of a device tensor (`aten._local_scalar_dense`, a
+        host sync; reading the host copy of the ids is none)."""
         found, to_host = [], 0
         for name, inputs, outputs in self.ops:
-            if name.startswith("aten._local_scalar_dense"):
+            on_device = any(t.device.type == "cuda" for t in inputs)
+            if name.startswith("aten._local_scalar_dense") and on_device:
                 found.append(f"{name}: a host sync (.item(), int(), bool() of a tensor)")
                 continue
-            if any(t.device.type == "cuda" for t in inputs):
+            if on_device:
                 host = [t for t in outputs if t.device.type != "cuda"]
                 if host:
                     to_host += 1

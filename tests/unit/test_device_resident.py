@@ -1,5 +1,6 @@
-"""The engine on a GPU, proven without one: SmolLM2 (the real checkpoint, its real sizes) built on
-device `cuda` under PyTorch's FakeTensorMode, one prefill chunk and decode steps traced op by op.
+"""The engine on a GPU, proven without one: SmolLM2 (the real checkpoint, its real sizes) and the
+tiny DeepSeek-V4 (with its MTP module) built on device `cuda` under PyTorch's FakeTensorMode, a
+prefill chunk, decode steps, speculative verification rows and MTP drafting traced op by op.
 
 Every weight and page must sit on `cuda`, every op that reads a device tensor must leave its
 result there, and the one device-to-host copy of a step is the sampled ids ([B] int64); no
@@ -12,8 +13,9 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 
 import engine.llama_runner
+import engine.v4_runner
 from engine.device import DeviceUnavailableError, resolve_device, weight_dtype
-from engine.forward import ForwardItem
+from engine.forward import DraftItem, ForwardItem
 from engine.loader import resolve_model
 from engine.runners import create_runner
 from engine.sampler import sample_ids
@@ -36,15 +38,23 @@ def fake(tmp_path_factory):
         with unset_fake_temporarily():
             return read(path)
 
+    with unset_fake_temporarily():  # transformers writes the tiny checkpoint for real
+        v4 = resolve_model(str(make_tiny_model("deepseek_v4", tmp_path_factory.mktemp("v4"), mtp=True)))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine.llama_runner, "load_checkpoint_tensors", read_for_real)
+        for module in (engine.llama_runner, engine.v4_runner):
+            mp.setattr(module, "load_checkpoint_tensors", read_for_real)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            yield mode
+            yield mode, v4
 
 
 @pytest.fixture(scope="module")
 def smollm2(fake):
     return create_runner(resolve_model(None), 32, PAGE, 0, "torch", CUDA)
+
+
+@pytest.fixture(scope="module")
+def v4(fake):
+    return create_runner(fake[1], 16, PAGE, 8, "torch", CUDA)
 
 
 def _traced(step):
@@ -115,11 +125,45 @@ def test_a_planted_host_copy_is_caught(smollm2):
     assert any("_local_scalar_dense" in v for v in rec.trace.violations())
 
 
-def test_deepseek_v4_refuses_a_gpu_until_its_step_is_device_resident(fake, tmp_path):
-    with unset_fake_temporarily():  # transformers builds the tiny checkpoint for real
-        files = resolve_model(str(make_tiny_model("deepseek_v4", tmp_path)))
-    with pytest.raises(ValueError, match="DeepSeek-V4 runs on the CPU only so far"):
-        create_runner(files, 8, PAGE, 2, "torch", CUDA)
+def test_deepseek_v4_weights_pages_and_slots_live_on_the_device(v4):
+    tensors = tensors_of(v4)
+    assert len(tensors) > 20 and [tuple(t.shape) for t in tensors if t.device != CUDA] == []
+    assert v4.pages.device == v4.slots.device == CUDA and v4.has_mtp
+    assert v4.model.kernels.moe_experts is torch.ops.kvmesh.moe_experts  # the Triton kernels' op
+    (slot,) = v4.state_buffers(2)
+    assert isinstance(slot, torch.Tensor) and slot.device == CUDA and slot.numel() == v4.state_nbytes
+
+
+def test_deepseek_v4_prefill_decode_verification_and_drafting_stay_on_the_device(v4):
+    prompt = list(range(300, 340))  # 40 tokens: windows close, compressed entries and the indexer run
+
+    def prefill():
+        logits = v4.forward([ForwardItem(prompt, 0, [0, 1, 2], 0)])
+        sample_ids(logits, [SamplingParams()], [None]).to(device="cpu")
+
+    def decode():
+        logits = v4.forward([ForwardItem([7], 40, [0, 1, 2], 0), ForwardItem([9], 12, [3], 1)])
+        sample_ids(logits, [SamplingParams(), SamplingParams()], [None, None]).to(device="cpu")
+
+    def verify():  # 2 drafts: rows continue the previous row's state in scratch slots 5 and 6
+        rows = [ForwardItem([7], 41, [0, 1, 2], 0), ForwardItem([8], 42, [0, 1, 2], 5, 0)]
+        rows.append(ForwardItem([9], 43, [0, 1, 2], 6, 5))
+        v4.forward(rows).argmax(dim=-1).to(device="cpu")
+
+    for step in (prefill, decode, verify):
+        trace = _traced(step)
+        assert trace.violations() == [], step.__name__
+        assert "kvmesh.moe_experts.default" in trace.names(), step.__name__
+        ((_, shape, dtype),) = trace.to_host_copies()
+        assert dtype == torch.int64 and len(shape) == 1
+    assert "kvmesh.indexer_scores.default" in _traced(prefill).names()  # the CSA layers' indexer, as an op
+
+    hidden = v4.slot_hidden(0)[None]  # [1, N, H]
+    drafts = DraftItem(first_position=43, tokens=[9], hidden=hidden, block_ids=[0, 1, 2], window_start=0, k=3)
+    with Recorder() as rec, pytest.raises(DataDependentOutputException):
+        v4.propose_drafts([drafts])  # the first pass's ids must come to the host, and fake ones cannot
+    # only that: the pass ran on the device, and its one device-to-host copy is the draft ids
+    assert rec.trace.violations() == [] and [c[1:] for c in rec.trace.to_host_copies()] == [((1,), torch.int64)]
 
 
 def test_device_is_resolved_in_one_place_and_cuda_without_a_device_is_refused():
