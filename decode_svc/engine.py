@@ -49,7 +49,7 @@ class DecodeEngine:
         self.runner = runner
         self.dispatch = dispatch
         self._cpu_share = open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s)
-        self.kv_cache = KVCacheManager(runner, config.num_pages, config.page_size)
+        self.kv_cache = KVCacheManager(runner, config.num_pages, config.page_size, push_path=config.kv_push_path)
         self.speculator = create_speculator(
             config.speculative,
             runner,
@@ -184,10 +184,26 @@ class DecodeEngine:
 
     def transfer_buffers(self, transfer_id: int) -> list:
         """The buffers a push for this transfer lands in: the prompt's pages, then the state
-        slot (DeepSeek-V4). KeyError if unknown."""
+        slot (DeepSeek-V4), or host buffers for them on the staged path
+        (KVCacheManager.inbound). KeyError if unknown."""
+        with self._cond:
+            r = self._requests[transfer_id]
+            return self.kv_cache.inbound(transfer_id, r.block_ids[: r.num_prompt_pages], r.state_slot)
+
+    def transfer_pages(self, transfer_id: int) -> list:
+        """The prompt's page buffers (then the slot's) of this transfer, where the model reads
+        them (the digest a test compares). KeyError if unknown."""
         with self._cond:
             r = self._requests[transfer_id]
             return self.kv_cache.push_buffers(r.block_ids[: r.num_prompt_pages], r.state_slot)
+
+    def kv_landed(self, transfer_id: int) -> None:
+        """The push for this transfer is complete: its bytes reach the pages (a copy from host
+        buffers on the staged path). KeyError if unknown."""
+        with self._cond:
+            if transfer_id not in self._requests:
+                raise KeyError(transfer_id)
+            self.kv_cache.landed(transfer_id)
 
     @property
     def num_active_requests(self) -> int:
@@ -223,6 +239,7 @@ class DecodeEngine:
         if r.status is not RequestStatus.ABORTED:
             r.status = RequestStatus.FINISHED
         self.kv_cache.free(r.block_ids, r.state_slot)
+        self.kv_cache.forget_landing(r.transfer_id)
         self.speculator.forget(r)
         del self._requests[r.transfer_id]
 

@@ -46,6 +46,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     )
     runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))
     engine = DecodeEngine(config, runner, dispatch=deliver_on(asyncio.get_running_loop()))
+    logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     # a wildcard bind address is no address to push to: advertise a name others can reach
     receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
     await receiver.start()

@@ -105,6 +105,7 @@ class Transfers:
         if r.status is not RequestStatus.RESERVED or future.cancelled():
             return
         if future.exception() is None:
+            self.engine.kv_landed(r.transfer_id)  # staged: host buffers into the pages, before any step reads them
             r.status = RequestStatus.LANDED
         else:  # the push broke off (the sender died): no byte can land any more
             self.release(r.transfer_id, f"push failed: {future.exception()}")

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from engine.request import Request
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
+from kvstore.staging import StagedLanding, choose_push_path, stage_out
 
 if TYPE_CHECKING:
     from engine.forward import Runner
@@ -63,6 +64,10 @@ class KVCacheManager:
         enable_prefix_caching: prefill keeps full prompt blocks cached by block hash (KV events
             go to on_events); decode runs without.
         on_events: called with each batch of KV events, in order (prefill publishes them).
+        push_path: how KV pushes reach the pages (kvstore.staging: auto, direct, staged); the
+            choice made, and why, are `push_path` and `push_path_reason`.
+
+    Raises ValueError for a push path UCX cannot serve (direct without a CUDA transport).
     """
 
     def __init__(
@@ -72,8 +77,11 @@ class KVCacheManager:
         page_size: int,
         enable_prefix_caching: bool = False,
         on_events: Callable[[list[KVEvent]], None] | None = None,
+        push_path: str = "auto",
     ) -> None:
         self.runner = runner
+        self.push_path, self.push_path_reason = choose_push_path(runner.page_layout.device, push_path)
+        self._landings: dict[int, StagedLanding] = {}
         self.page_size = page_size
         self.pool = BlockPool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching, on_events=on_events)
         self.slots = StateSlots(runner.num_state_slots)
@@ -166,6 +174,34 @@ class KVCacheManager:
         (page_nbytes bytes), then, with_state, the state slot's (DeepSeek-V4)."""
         buffers = [self.runner.page_buffer(b) for b in block_ids]
         return buffers + (self.runner.state_buffers(state_slot) if with_state else [])
+
+    def outbound(self, block_ids: Sequence[int], state_slot: int | None = None, with_state: bool = True) -> list:
+        """What a push sends for these pages (prefill): their buffers as push_buffers gives them,
+        or on the `staged` path host copies of them, made before this returns."""
+        buffers = self.push_buffers(block_ids, state_slot, with_state)
+        return stage_out(buffers) if self.push_path == "staged" else buffers
+
+    def inbound(self, key: int, block_ids: Sequence[int], state_slot: int | None = None) -> list:
+        """What a push for transfer `key` lands in (decode): the pages' buffers, or on the
+        `staged` path host buffers (the same ones on every call) that `landed(key)` copies into
+        the pages once the push is complete."""
+        buffers = self.push_buffers(block_ids, state_slot)
+        if self.push_path != "staged":
+            return buffers
+        if key not in self._landings:
+            self._landings[key] = StagedLanding(buffers)
+        return self._landings[key].host
+
+    def landed(self, key: int) -> None:
+        """The push for `key` is complete: on the `staged` path, copy its host buffers into the
+        pages (and drop them); otherwise the bytes are in place already."""
+        landing = self._landings.pop(key, None)
+        if landing is not None:
+            landing.land()
+
+    def forget_landing(self, key: int) -> None:
+        """Drop `key`'s host buffers (the request ended before or after its push landed)."""
+        self._landings.pop(key, None)
 
     # --- figures and checks -------------------------------------------------------
 

@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,11 +45,13 @@ class TransferResult:
     seconds: float
 
 
-def pages_digest(buffers: Sequence[np.ndarray]) -> str:
-    """SHA-256 (hex) over page buffers in order: proves pages arrived bitwise equal."""
+def pages_digest(buffers: Sequence[Any]) -> str:
+    """SHA-256 (hex) over page buffers in order (numpy arrays, or tensors on any device, read
+    back to the host): proves pages arrived bitwise equal."""
     h = hashlib.sha256()
     for buf in buffers:
-        h.update(memoryview(buf))  # type: ignore[arg-type]  # numpy arrays are buffers
+        host = buf if isinstance(buf, np.ndarray) else buf.cpu().numpy()
+        h.update(memoryview(host))  # type: ignore[arg-type]  # numpy arrays are buffers
     return h.hexdigest()
 
 

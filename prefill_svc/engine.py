@@ -68,6 +68,7 @@ class PrefillEngine:
         max_batch_tokens: int = 4096,
         chunked_prefill_size: int = 0,
         cpu_share: CpuShare | None = None,
+        push_path: str = "auto",
     ) -> None:
         """`publish(events)` is called on the worker thread with each batch of KV events.
 
@@ -77,11 +78,14 @@ class PrefillEngine:
         request's computed range into chunks (`chunk_ends`), one forward per chunk of every
         request taken together. `cpu_share`: marks each forward for a decode instance on the
         same cores (`runtime.cpu_share`), None when this instance has cores of its own.
+        `push_path`: how KV pushes leave the pages (kvstore.staging; KVCacheManager).
         """
         self.runner = runner
         self.page_size = page_size
         self._publish = publish
-        self.kv_cache = KVCacheManager(runner, num_pages, page_size, enable_prefix_caching, self._on_events)
+        self.kv_cache = KVCacheManager(
+            runner, num_pages, page_size, enable_prefix_caching, self._on_events, push_path=push_path
+        )
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.max_batch_tokens = max_batch_tokens

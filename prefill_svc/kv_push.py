@@ -91,7 +91,7 @@ class KVPush:
 
     async def _push_part(self, upto: int, with_state: bool) -> None:
         first = self._num_sent
-        buffers = self.kv_cache.push_buffers(self._block_ids[first:upto], self._state_slot, with_state)
+        buffers = self.kv_cache.outbound(self._block_ids[first:upto], self._state_slot, with_state)
         try:
             sent = await asyncio.wait_for(
                 self.sender.push(self.address, self.transfer_id, buffers, first=first), self.timeout_s

@@ -69,7 +69,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         max_batch_tokens=config.max_batch_tokens,
         chunked_prefill_size=config.chunked_prefill_size,
         cpu_share=open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s),
+        push_path=config.kv_push_path,
     )
+    logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     sender = create_sender(config.kv_transport)
     model = ServedModel.of(files, instance_id)
     servicer = PrefillServicer(engine, sender, model, config)

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.staging import check_push_path
 from kvstore.transports import check_transport
 from runtime.settings import check_bounds, setting
 
@@ -65,6 +66,13 @@ class ModelServiceConfig:
         "the Triton kernels",
     )
     kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
+    kv_push_path: str = setting(
+        "auto",
+        "--kv-push-path",
+        "how a push reaches pages on a GPU: auto (UCX moves device memory itself when it loaded a CUDA transport, "
+        "else through host buffers), direct, or staged (through pinned host buffers); pages in host memory always "
+        "move in place",
+    )
     redis_url: str = redis_url_setting(
         "Redis of the instance registry, where gateways find this instance, and on prefill of the prefix index "
         "its KV events feed (empty: neither)"
@@ -108,6 +116,7 @@ class ModelServiceConfig:
         resolve_device(self.device)  # a device this machine lacks: refused before anything starts
         check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
+        check_push_path(self.kv_push_path)
 
     @property
     def reachable_host(self) -> str:

@@ -211,7 +211,9 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
 @contextmanager
 def observed_mesh(collector: Collector):
     """1 prefill and 1 decode of the default model, traces sent to `collector`, JSON logs and
-    Prometheus /metrics on every service (`mesh.metrics`: kind -> URL)."""
+    Prometheus /metrics on every service (`mesh.metrics`: kind -> URL). KV pushes take the
+    `staged` path (through host buffers, as for GPU pages UCX cannot move), so its copies carry
+    every page of these modules' requests; fault_mesh's move pages in place."""
     ports = {k: free_port() for k in ("gateway", "prefill", "decode")}
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
@@ -223,8 +225,8 @@ def observed_mesh(collector: Collector):
         1,
         1,
         env=env,
-        prefill_args=["--metrics-port", str(ports["prefill"])],
-        decode_args=["--metrics-port", str(ports["decode"])],
+        prefill_args=["--metrics-port", str(ports["prefill"]), "--kv-push-path", "staged"],
+        decode_args=["--metrics-port", str(ports["decode"]), "--kv-push-path", "staged"],
         gateway_args=["--metrics-port", str(ports["gateway"])],
     ) as m:
         m.metrics = {k: f"http://127.0.0.1:{p}/metrics" for k, p in ports.items()}

@@ -94,6 +94,8 @@ def test_kv_moved_bitwise_over_ucx(mesh, reference):
     # SHA-256 of the prompt's pages as prefill sent them and as decode found them
     assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
     assert out.final.prefill_instance != out.final.decode_instance
+    # both ends copied through host buffers (this mesh's --kv-push-path staged), bytes intact
+    assert read_log(mesh).count("KV push path: staged") == 2
 
 
 def test_a_long_prompt_is_pushed_chunk_by_chunk_and_lands_whole(mesh, reference):

@@ -15,6 +15,7 @@ from engine.request import Request
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.kv_events import BlockStored
+from kvstore.staging import choose_push_path
 
 
 class MemoryRunner:
@@ -22,6 +23,7 @@ class MemoryRunner:
 
     def __init__(self, layout, num_pages: int, num_slots: int = 0) -> None:
         self.memory = layout.allocate(num_pages, num_slots)
+        self.page_layout = layout
         self.num_state_slots = num_slots
         self.page_nbytes = layout.page_nbytes
         self.resumed: list[tuple[int, int]] = []
@@ -174,3 +176,43 @@ def test_the_integrity_check_names_what_nobody_holds():
     assert cache.stats(check=False)["integrity_error"] == ""  # unchecked
     cache.num_holders = 0
     assert cache.integrity_error() == "1 pages referenced by no request"
+
+
+def test_the_staged_push_path_copies_through_host_buffers_and_lands_on_completion():
+    # what a GPU instance without a CUDA-capable UCX does, here on host pages (the same copies)
+    sender_runner = MemoryRunner(llama_layout(1, 4, 1, 2, torch.float32), 4)
+    sender = KVCacheManager(sender_runner, 4, 4, push_path="staged")
+    receiver_runner = MemoryRunner(llama_layout(1, 4, 1, 2, torch.float32), 4)
+    receiver = KVCacheManager(receiver_runner, 4, 4, push_path="staged")
+    assert sender.push_path == "staged" and "host buffers" in sender.push_path_reason
+    sender_runner.memory.pages[1] = 3.0
+    sender_runner.memory.pages[2] = 4.0
+    sent = sender.outbound([1, 2])
+    sender_runner.memory.pages[1] = 5.0  # the copies were taken when asked for, not views
+    assert [bytes(b) for b in sent] == [bytes(np.full(16, 3.0, np.float32)), bytes(np.full(16, 4.0, np.float32))]
+    landing = receiver.inbound(7, [3, 0])
+    assert receiver.inbound(7, [3, 0]) is landing  # the same host buffers on every call
+
+    for host, src in zip(landing, sent):  # what UCX does: the push lands in the host buffers
+        host[:] = src
+    assert not receiver_runner.memory.pages.any()  # nothing reached the pages yet
+    receiver.landed(7)
+    assert torch.all(receiver_runner.memory.pages[3] == 3.0) and torch.all(receiver_runner.memory.pages[0] == 4.0)
+    receiver.landed(7)  # once only: the host buffers are gone
+    receiver.inbound(8, [1])
+    receiver.forget_landing(8)  # a request that ended before its push landed leaves nothing behind
+    assert receiver._landings == {}
+
+
+def test_the_push_path_follows_the_pages_device_and_what_ucx_loaded():
+    assert choose_push_path("cpu")[0] == "host"
+    assert choose_push_path("cuda:0", transports={"tcp", "cuda_copy", "cuda_ipc"}) == (
+        "direct",
+        "pages on cuda:0, moved by UCX itself (cuda_copy, cuda_ipc)",
+    )
+    assert choose_push_path("cuda:0", transports={"tcp", "posix"})[0] == "staged"
+    assert choose_push_path("cuda:0", "staged", transports={"cuda_copy"})[0] == "staged"
+    with pytest.raises(ValueError, match="--kv-push-path direct: UCX loaded no CUDA transport"):
+        choose_push_path("cuda:1", "direct", transports={"tcp"})
+    with pytest.raises(ValueError, match=r"KV push path must be one of \['auto', 'direct', 'staged'\]"):
+        choose_push_path("cpu", "rdma")
