@@ -217,7 +217,7 @@ class ExpertParallelRunner:
             )
         return torch.cat([parts[r][: len(shares[r])] for r in range(self.num_ranks)])  # [B, V]
 
-    def page_buffer(self, page_id: int) -> np.ndarray:
+    def page_buffer(self, page_id: int) -> np.ndarray | torch.Tensor:
         return self.runner.page_buffer(page_id)
 
     # -- speculative decoding: the slots live in shared memory, the MTP module on rank 0 --------
@@ -247,7 +247,7 @@ class ExpertParallelRunner:
         the ranks, so drafting needs no collective."""
         return self.runner.propose_drafts(items)
 
-    def state_buffers(self, slot: int | None) -> list[np.ndarray]:
+    def state_buffers(self, slot: int | None) -> list[np.ndarray | torch.Tensor]:
         return self.runner.state_buffers(slot)
 
     def resume_state_slot(self, slot: int, last_cached_page: int) -> None:
