@@ -90,14 +90,17 @@ def build_attention_metadata(
     num_layers: int,
     num_pages: int,
     device: torch.device | None = None,
+    pad_pages: int = 0,
 ) -> AttentionMetadata:
     """Plan a forward: K/V write rows for the new tokens and read blocks for each group.
 
     num_computed[b] tokens of sequence b are already in its pages, num_new[b] >= 1 follow
     (positions num_computed[b] ...); block_ids[b] lists its page ids in order, covering all
     num_computed[b] + num_new[b] tokens. The plan is built on the host and its tensors copied
-    to `device` (None: the CPU) without waiting. Raises ValueError when a page list is too short
-    or names a page outside [0, num_pages).
+    to `device` (None: the CPU) without waiting. pad_pages > 0: the decode group's tables are
+    padded to that many pages and its mask is always there (fixed shapes, what a CUDA graph
+    replays into). Raises ValueError when a page list is too short or names a page outside
+    [0, num_pages).
     """
     if not len(num_computed) == len(num_new) == len(block_ids):
         raise ValueError(
@@ -130,7 +133,13 @@ def build_attention_metadata(
     if decode_b:
         all_decode = len(decode_b) == len(num_new)
         decode = _decode_group(
-            decode_b, num_computed, block_ids, S, L, token_index=None if all_decode else _token_rows(decode_b, num_new)
+            decode_b,
+            num_computed,
+            block_ids,
+            S,
+            L,
+            token_index=None if all_decode else _token_rows(decode_b, num_new),
+            pad_pages=pad_pages,
         )
     meta = AttentionMetadata(write_rows=write_rows, decode=decode, prefills=tuple(prefills))
     return meta if device is None or device.type == "cpu" else _moved(meta, device)
@@ -177,15 +186,16 @@ def _decode_group(
     S: int,
     L: int,
     token_index: torch.Tensor | None,
+    pad_pages: int = 0,
 ) -> DecodeGroup:
     lens = [num_computed[b] + 1 for b in seqs]
-    M = (max(lens) + S - 1) // S
+    M = max((max(lens) + S - 1) // S, pad_pages)
     # pad short page tables with their own first page: real memory, masked out below
     table = torch.tensor(
         [list(block_ids[b][:M]) + [block_ids[b][0]] * max(0, M - len(block_ids[b])) for b in seqs]
     )  # [B, M]
     mask = None
-    if any(n != M * S for n in lens):
+    if pad_pages or any(n != M * S for n in lens):
         mask = (torch.arange(M * S) < torch.tensor(lens)[:, None])[:, None, None, :]  # [B,1,1,M*S]
     return DecodeGroup(
         token_index=token_index,

@@ -7,7 +7,6 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.staging import check_push_path
 from kvstore.transports import check_transport
 from runtime.settings import check_bounds, setting
 
@@ -112,6 +111,7 @@ class ModelServiceConfig:
         # (which never builds this config) parses these flags too
         from engine.device import resolve_device
         from kernels.backend import check_backend
+        from kvstore.staging import check_push_path
 
         resolve_device(self.device)  # a device this machine lacks: refused before anything starts
         check_backend(self.kernel_backend)

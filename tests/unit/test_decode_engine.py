@@ -15,6 +15,7 @@ import torch
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased
+from engine.kv_layout import llama_layout
 from engine.sampling_params import SamplingParams
 
 VOCAB = 100
@@ -22,6 +23,8 @@ VOCAB = 100
 
 class CountingRunner:
     """Returns logits whose argmax is last token + 1; records each forward's batch."""
+
+    page_layout = llama_layout(1, 4, 1, 2, torch.float32)  # pages in host memory: pushes move them in place
 
     def __init__(self, num_state_slots: int = 0) -> None:
         self.num_state_slots = num_state_slots

@@ -5,6 +5,7 @@ import concurrent.futures
 import pytest
 import torch
 
+from engine.kv_layout import llama_layout
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kvstore.block_pool import NoFreeBlocksError
@@ -15,6 +16,7 @@ class ArgmaxRunner:
     """Logits whose argmax is the last token + 1."""
 
     num_state_slots = 0
+    page_layout = llama_layout(1, 4, 1, 2, torch.float32)  # pages in host memory: pushes move them in place
 
     def forward(self, items):
         logits = torch.zeros(len(items), 100)

@@ -11,6 +11,7 @@ import torch
 
 from decode_svc.config import DecodeConfig
 from decode_svc.engine import DecodeEngine
+from engine.kv_layout import llama_layout
 from engine.sampler import _filtered_probs, verify_drafts
 from engine.sampling_params import SamplingParams
 from engine.speculative.governor import SpeculationGovernor
@@ -79,12 +80,14 @@ def test_the_governor_drafts_what_pays_for_its_rows():
 def test_speculation_is_refused_without_the_slots_or_the_module_it_needs():
     class Stateful:
         num_state_slots = 4  # a DeepSeek-V4 runner sized for requests only: no scratch slots
+        page_layout = llama_layout(1, 4, 1, 2, torch.float32)  # pages in host memory: pushes move them in place
 
     with pytest.raises(ValueError, match="needs 96 state slots"):
         DecodeEngine(DecodeConfig(num_pages=8, speculative="ngram"), Stateful())  # type: ignore[arg-type]
 
     class NoMTP:
         num_state_slots = 0
+        page_layout = llama_layout(1, 4, 1, 2, torch.float32)  # pages in host memory: pushes move them in place
 
     with pytest.raises(ValueError, match="mtp.. tensors"):
         DecodeEngine(DecodeConfig(num_pages=8, speculative="mtp"), NoMTP())  # type: ignore[arg-type]
