@@ -38,6 +38,13 @@ class DecodeConfig(ModelServiceConfig):
         "multi-token-prediction module), verified by the model in the same batched step; the output is the same "
         "as without it",
     )
+    enforce_eager: bool = setting(
+        False,
+        "--enforce-eager",
+        "run every decode step eagerly; without it, on a GPU, Llama's decode steps of up to --max-batch-size "
+        "sequences replay CUDA graphs captured at start at batch sizes 1, 2, 4 ... 64 (on the CPU there are none)",
+        kind="flag",
+    )
     num_draft_tokens: int = setting(
         4, "--num-draft-tokens", "most draft tokens a sequence carries into a step", ge=1, le=16
     )

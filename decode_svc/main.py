@@ -45,6 +45,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
         )
     )
     runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))
+    if runner.page_layout.device != "cpu" and not config.enforce_eager and hasattr(runner, "enable_decode_graphs"):
+        await asyncio.wrap_future(executor.submit(runner.enable_decode_graphs, config.max_batch_size))
     engine = DecodeEngine(config, runner, dispatch=deliver_on(asyncio.get_running_loop()))
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     # a wildcard bind address is no address to push to: advertise a name others can reach

@@ -55,13 +55,13 @@ class DecodeGraphs:
     """The decode step of a `LlamaRunner` at BATCH_SIZES up to `max_batch`, captured as CUDA
     graphs when `capture` (a GPU), run eagerly over the same fixed-shape inputs otherwise.
 
-    The runner must have a scratch page (`LlamaRunner(..., scratch_page=True)`).
-    Raises ValueError for max_batch < 1 or a runner without a scratch page.
+    The runner's scratch page (one past its pool) takes the padding rows' K/V.
+    Raises ValueError for max_batch < 1.
     """
 
     def __init__(self, runner: LlamaRunner, max_batch: int, capture: bool) -> None:
-        if max_batch < 1 or runner.scratch_page is None:
-            raise ValueError("decode graphs need max_batch >= 1 and a runner with a scratch page")
+        if max_batch < 1:
+            raise ValueError(f"decode graphs need max_batch >= 1, got {max_batch}")
         self.runner, self.capture = runner, capture
         self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch] + [min(max_batch, BATCH_SIZES[-1])]
         self.max_pages = math.ceil(runner.config.max_position_embeddings / runner.page_size)
@@ -97,9 +97,7 @@ class DecodeGraphs:
     def _host_inputs(self, items: Sequence[ForwardItem], size: int) -> dict[str, torch.Tensor]:
         """The fixed-shape inputs of `items` padded to `size` rows, on the host."""
         r = self.runner
-        scratch = r.scratch_page
-        assert scratch is not None
-        padded = [*items, *[ForwardItem([0], 0, [scratch])] * (size - len(items))]
+        padded = [*items, *[ForwardItem([0], 0, [r.scratch_page])] * (size - len(items))]
         meta = build_attention_metadata(
             [it.num_computed_tokens for it in padded],
             [1] * size,
@@ -156,4 +154,5 @@ class DecodeGraphs:
         r, inputs = self.runner, bucket.inputs
         cos = r._cos.index_select(0, inputs["positions"]).unsqueeze(1)  # [Bb, 1, D]
         sin_rot = r._sin_rot.index_select(0, inputs["positions"]).unsqueeze(1)
-        return r.model.forward(inputs["ids"], cos, sin_rot, bucket.meta, r.kv_cache, None)  # [Bb, V]
+        # every page, the scratch page too (the padding rows write there)
+        return r.model.forward(inputs["ids"], cos, sin_rot, bucket.meta, r.memory.pages, None)  # [Bb, V]

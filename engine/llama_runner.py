@@ -21,6 +21,7 @@ import torch
 
 from engine.checkpoint import ModelFiles, load_checkpoint_tensors
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.device import weight_dtype
 from engine.forward import ForwardItem
 from engine.gguf_blocks import load_blocks
@@ -76,8 +77,13 @@ class LlamaRunner:
         del weights
         c = self.config
         self.page_layout = llama_layout(c.num_layers, page_size, c.num_kv_heads, c.head_dim, dtype, str(self.device))
-        self.memory = self.page_layout.allocate(num_pages)
-        self.kv_cache = self.memory.pages  # [P, L, 2, S, K, D]: engine.kv_layout.LLAMA_PAGE
+        # one page more than the pool's: the scratch page the padding rows of a CUDA graph's
+        # bucket write (engine.cuda_graphs), never handed to a request
+        self.memory = self.page_layout.allocate(num_pages + 1)
+        self.kv_cache = self.memory.pages[:num_pages]  # [P, L, 2, S, K, D]: engine.kv_layout.LLAMA_PAGE
+        self.scratch_page = num_pages
+        self.decode_graphs: DecodeGraphs | None = None
+        """CUDA graphs of the decode step (`enable_decode_graphs`); None: every step eager."""
         self.page_nbytes = self.page_layout.page_nbytes
         cos, sin_rot = rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, dtype)  # [max_pos, D] each
         self._cos, self._sin_rot = cos.to(self.device), sin_rot.to(self.device)
@@ -118,7 +124,22 @@ class LlamaRunner:
         size and dtype: attention reads unused slots too (then masks them), so they must stay
         finite. Raises ValueError when page_id is not in [0, num_pages).
         """
+        if not 0 <= page_id < self.num_pages:
+            raise ValueError(f"page_id must be in [0, {self.num_pages}), got {page_id}")
         return self.memory.page_buffer(page_id)
+
+    def enable_decode_graphs(self, max_batch: int) -> None:
+        """Serve decode steps of up to max_batch sequences from CUDA graphs captured now, one a
+        bucket (engine.cuda_graphs); on the CPU the same fixed-shape steps run eagerly (tests)."""
+        self.decode_graphs = DecodeGraphs(self, max_batch, capture=self.device.type == "cuda")
+        seconds = self.decode_graphs.capture_all()
+        logger.info(
+            "decode steps of up to %d sequences %s at batch sizes %s in %.1f s",
+            max_batch,
+            "captured as CUDA graphs" if self.decode_graphs.capture else "set up with fixed shapes (no capture on CPU)",
+            self.decode_graphs.batch_sizes,
+            seconds,
+        )
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
@@ -149,6 +170,15 @@ class LlamaRunner:
             raise ValueError(
                 f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) of {self.config.name}"
             )
+        if self.decode_graphs is not None and self.decode_graphs.fits(items):
+            for b, it in enumerate(items):
+                if not it.block_ids or min(it.block_ids) < 0 or max(it.block_ids) >= self.num_pages:
+                    raise ValueError(f"item {b}: page ids must be in [0, {self.num_pages}), got {list(it.block_ids)}")
+                if len(it.block_ids) * self.page_size < it.num_computed_tokens + 1:
+                    raise ValueError(
+                        f"item {b}: {len(it.block_ids)} pages cannot hold {it.num_computed_tokens + 1} tokens"
+                    )
+            return self.decode_graphs.run(items)
         meta = build_attention_metadata(
             [it.num_computed_tokens for it in items],
             num_new,

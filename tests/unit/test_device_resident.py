@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 import engine.llama_runner
 import engine.v4_runner
+from engine.cuda_graphs import DecodeGraphs
 from engine.device import DeviceUnavailableError, resolve_device, weight_dtype
 from engine.forward import DraftItem, ForwardItem
 from engine.loader import resolve_model
@@ -109,6 +110,24 @@ def test_decode_steps_with_sampling_and_speculation_rows_stay_on_the_device(smol
         assert "kvmesh.paged_decode_attention.default" in trace.names()  # the Triton op, not a gather
         (copy,) = trace.to_host_copies()
         assert copy[2] == torch.int64 and len(copy[1]) == 1
+
+
+def test_a_cuda_graph_bucket_step_is_free_of_host_syncs(smollm2):
+    # what torch.cuda.graph captures (engine.cuda_graphs): the padded fixed-shape step, its inputs
+    # copied host-to-device first; capture itself needs a real GPU, so the bucket runs uncaptured
+    smollm2.decode_graphs = DecodeGraphs(smollm2, 4, capture=False)
+    try:
+
+        def step():
+            logits = smollm2.forward([ForwardItem([7], 40, [0, 1, 2]), ForwardItem([9], 20, [3, 4])])
+            assert logits.shape == (2, smollm2.config.vocab_size)  # rows 2..3 of bucket 4 were padding
+            logits.argmax(dim=-1).to(device="cpu")
+
+        trace = _traced(step)
+    finally:
+        smollm2.decode_graphs = None
+    assert trace.violations() == [] and len(trace.to_host_copies()) == 1
+    assert "kvmesh.paged_decode_attention.default" in trace.names()
 
 
 def test_a_planted_host_copy_is_caught(smollm2):

@@ -1,0 +1,79 @@
+"""Decode steps through engine.cuda_graphs' fixed-shape buckets (run eagerly on the CPU: the same
+padding, tables and copies a captured graph replays) give the plain step's logits and pages."""
+
+import pytest
+import torch
+
+from engine.cuda_graphs import DecodeGraphs
+from engine.forward import ForwardItem
+from engine.llama_runner import LlamaRunner
+from engine.loader import resolve_model
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer Llama (GQA 4 heads over 2), 64 positions: 16 pages a sequence at most."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return resolve_model(str(path))
+
+
+def _prefilled(files, graphs: int):
+    runner = LlamaRunner(files, 24, PAGE)
+    if graphs:
+        runner.enable_decode_graphs(graphs)
+    # five sequences of 3..11 prompt tokens, pages drawn out of order
+    seqs = [(list(range(5, 8 + 2 * b)), [23 - 4 * b, 21 - 4 * b, 22 - 4 * b, 20 - 4 * b]) for b in range(5)]
+    for tokens, pages in seqs:
+        runner.forward([ForwardItem(tokens, 0, pages)])  # a prefill: eager either way
+    return runner, seqs
+
+
+def test_bucketed_decode_steps_equal_plain_ones(tiny):
+    plain, seqs = _prefilled(tiny, 0)
+    graphed, _ = _prefilled(tiny, 8)
+    assert graphed.decode_graphs is not None and graphed.decode_graphs.batch_sizes == [1, 2, 4, 8]
+    scratch_before = graphed.memory.pages[graphed.scratch_page].clone()
+    lengths = [len(t) for t, _ in seqs]
+    for batch in ([0], [1, 3, 4], [0, 1, 2, 3, 4], [2, 4]):  # buckets 1, 4, 8, 2
+        items = [ForwardItem([40 + b], lengths[b], seqs[b][1]) for b in batch]
+        want, got = plain.forward(items), graphed.forward(items)
+        assert got.shape == want.shape == (len(batch), 97)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for b in batch:
+            lengths[b] += 1
+    # the pool's pages alike (a GEMM of 8 rows may round a row's K/V apart from one of 5 in the last bit)
+    torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(graphed.memory.pages[graphed.scratch_page], scratch_before)  # padding went there
+    assert graphed.memory.pages.shape[0] == graphed.num_pages + 1
+
+
+def test_steps_outside_the_buckets_run_eagerly_and_bad_pages_are_refused(tiny):
+    graphed, seqs = _prefilled(tiny, 3)
+    graphs = graphed.decode_graphs
+    assert graphs is not None and graphs.batch_sizes == [1, 2, 3]
+    assert not graphs.fits([ForwardItem([1, 2], 0, [0])])  # a prefill item: not a decode step
+    assert not graphs.fits([ForwardItem([1], 3, [22])] * 4)  # past the largest bucket
+    with pytest.raises(ValueError, match=r"page ids must be in \[0, 24\)"):
+        graphed.forward([ForwardItem([1], 3, [graphed.scratch_page])])  # never a request's page
+    with pytest.raises(ValueError, match=r"page_id must be in \[0, 24\), got 24"):
+        graphed.page_buffer(24)
+    with pytest.raises(ValueError, match="max_batch >= 1"):
+        DecodeGraphs(graphed, 0, capture=False)
