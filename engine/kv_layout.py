@@ -6,9 +6,10 @@ defined; kernels and models take the tensors and name these):
 - `DEEPSEEK_V4_PAGE` `[P, page_floats]` fp32 pages and `[R, slot_floats]` fp32 state slots, the
   fields inside each row as `engine.models.deepseek_v4_state.V4StateLayout` lays them out
   (`flat_layout`).
-Pages (then slots) are allocated in one shared-memory region (kvstore.shared_memory), so a
-decode process on the same host can pull a request's pages with one copy, and expert-parallel
-ranks map the same memory. engine.kv_cache.KVCacheManager hands requests these pages.
+On the CPU pages (then slots) are allocated in one shared-memory region (kvstore.shared_memory),
+which expert-parallel ranks map too; on a GPU (`--device cuda`) in one device allocation, which
+the KV push reads and writes where it is (kvstore.staging). engine.kv_cache.KVCacheManager hands
+requests these pages.
 """
 
 from __future__ import annotations
