@@ -11,6 +11,7 @@ from decode_svc.config import DecodeConfig
 from decode_svc.delivery import deliver_on
 from decode_svc.engine import DecodeEngine
 from decode_svc.servicer import DecodeServicer
+from engine.device import resolve_device
 from engine.loader import resolve_model
 from engine.runners import create_runner
 from kvstore.registry import InstanceRecord, InstanceRegistry
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, start the gRPC server and the UCX listener, serve until stop is set."""
+    device = resolve_device(config.device)  # a device this machine lacks: refused before any port opens
     files = resolve_model(config.model)
     ep.check_ep_model(files, config.ep, config.device)
     svc = service.Service(["kvmesh.v1.Decode"], config.host, config.port)
@@ -41,11 +43,11 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
             config.page_size,
             config.num_state_slots,
             config.kernel_backend,
-            config.device,
+            device,
         )
     )
     runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))
-    if runner.page_layout.device != "cpu" and not config.enforce_eager and hasattr(runner, "enable_decode_graphs"):
+    if device.type == "cuda" and not config.enforce_eager and hasattr(runner, "enable_decode_graphs"):
         await asyncio.wrap_future(executor.submit(runner.enable_decode_graphs, config.max_batch_size))
     engine = DecodeEngine(config, runner, dispatch=deliver_on(asyncio.get_running_loop()))
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)

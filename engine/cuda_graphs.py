@@ -24,15 +24,12 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from engine.forward import ForwardItem
 from kernels import AttentionMetadata, build_attention_metadata, to_device
-
-if TYPE_CHECKING:
-    from engine.llama_runner import LlamaRunner
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +49,15 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """The decode step of a `LlamaRunner` at BATCH_SIZES up to `max_batch`, captured as CUDA
+    """The decode step of a `LlamaRunner` (`runner`; untyped here, which engine.llama_runner
+    imports) at BATCH_SIZES up to `max_batch`, captured as CUDA
     graphs when `capture` (a GPU), run eagerly over the same fixed-shape inputs otherwise.
 
     The runner's scratch page (one past its pool) takes the padding rows' K/V.
     Raises ValueError for max_batch < 1.
     """
 
-    def __init__(self, runner: LlamaRunner, max_batch: int, capture: bool) -> None:
+    def __init__(self, runner: Any, max_batch: int, capture: bool) -> None:
         if max_batch < 1:
             raise ValueError(f"decode graphs need max_batch >= 1, got {max_batch}")
         self.runner, self.capture = runner, capture

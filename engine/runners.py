@@ -4,6 +4,7 @@ builds its `Runner` (engine/forward.py). Add an architecture by adding its build
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,39 +17,38 @@ if TYPE_CHECKING:
     from engine.forward import Runner
 
 
-def _llama(
-    files: ModelFiles,
-    num_pages: int,
-    page_size: int,
-    num_state_slots: int,
-    kernels: KernelBackend,
-    device: torch.device,
-) -> Runner:
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What a builder gets: the checkpoint, the pool's pages (page_size tokens each), the state
+    slots where the architecture keeps per-request state, the MoE and indexer kernels, the device."""
+
+    files: ModelFiles
+    num_pages: int
+    page_size: int
+    num_state_slots: int
+    kernels: KernelBackend
+    device: torch.device
+
+
+def _llama(s: RunnerSpec) -> Runner:
     # Llama has no MoE or indexer: on the CPU its decode runs the GGUF block kernels (kernels.quant)
     # whatever the backend, on a GPU the paged decode attention op (kernels.custom_ops)
     from engine.llama_runner import LlamaRunner  # imported on use: each pulls in its model code
 
-    return LlamaRunner(files, num_pages, page_size, device=device)
+    return LlamaRunner(s.files, s.num_pages, s.page_size, device=s.device)
 
 
-def _deepseek_v4(
-    files: ModelFiles,
-    num_pages: int,
-    page_size: int,
-    num_state_slots: int,
-    kernels: KernelBackend,
-    device: torch.device,
-) -> Runner:
+def _deepseek_v4(s: RunnerSpec) -> Runner:
     from engine.v4_runner import DeepseekV4Runner
 
-    return DeepseekV4Runner(files, num_pages, page_size, num_state_slots, kernels, device=device)
+    return DeepseekV4Runner(s.files, s.num_pages, s.page_size, s.num_state_slots, s.kernels, device=s.device)
 
 
-RUNNERS: dict[str, Callable[[ModelFiles, int, int, int, KernelBackend, torch.device], Runner]] = {
+RUNNERS: dict[str, Callable[[RunnerSpec], Runner]] = {
     "LlamaForCausalLM": _llama,
     "DeepseekV4ForCausalLM": _deepseek_v4,
 }
-"""config.json's `architectures[0]` -> builder(files, num_pages, page_size, num_state_slots, kernels, device)."""
+"""config.json's `architectures[0]` -> builder(RunnerSpec)."""
 
 
 def create_runner(
@@ -73,4 +73,4 @@ def create_runner(
         raise ValueError(f"model {files.name!r} has architecture {arch!r}; supported: {sorted(RUNNERS)}")
     where = device if isinstance(device, torch.device) else resolve_device(device)
     kernels = create_kernel_backend(kernel_backend, where)
-    return RUNNERS[arch](files, num_pages, page_size, num_state_slots, kernels, where)
+    return RUNNERS[arch](RunnerSpec(files, num_pages, page_size, num_state_slots, kernels, where))

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from engine.device import resolve_device
 from engine.loader import resolve_model
 from engine.runners import create_runner
 from kvstore.redis_index import RedisKVIndex
@@ -32,6 +33,7 @@ PREFILL_STATE_SLOTS = 64
 
 async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, clear this instance's old index entries, serve until stop is set."""
+    device = resolve_device(config.device)  # a device this machine lacks: refused before any port opens
     files = resolve_model(config.model)
     svc = service.Service(["kvmesh.v1.Prefill"], config.host, config.port)
     address = config.reachable_address(svc.port)  # what gateways dial
@@ -56,7 +58,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
             config.page_size,
             PREFILL_STATE_SLOTS,
             config.kernel_backend,
-            config.device,
+            device,
         )
     )
     engine = PrefillEngine(

@@ -109,11 +109,11 @@ class ModelServiceConfig:
         check_bounds(self)  # this class's fields and the subclass's
         # imported here: the kernels package loads torch, and the gateway's command line
         # (which never builds this config) parses these flags too
-        from engine.device import resolve_device
+        from engine.device import check_device_spec
         from kernels.backend import check_backend
         from kvstore.staging import check_push_path
 
-        resolve_device(self.device)  # a device this machine lacks: refused before anything starts
+        check_device_spec(self.device)  # whether this machine has it: engine.device.resolve_device at start
         check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
         check_push_path(self.kv_push_path)

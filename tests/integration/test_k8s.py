@@ -256,9 +256,9 @@ def test_the_gpu_overlay_puts_each_instance_on_a_gpu_and_the_cpu_overlay_does_no
                 assert gpus == 1
                 assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
                 assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-                assert config.kernel_backend == "triton"
+                assert config.device == "cuda"  # the model on the pod's GPU (refused at start without one)
             else:
                 assert gpus is None and "nodeSelector" not in pod, (name, dname)
                 if kind != "gateway":
-                    assert config.kernel_backend == "torch"
+                    assert config.kernel_backend == "torch" and config.device == "auto"
                     assert config.torch_threads == int(container["resources"]["requests"]["cpu"])

@@ -18,6 +18,7 @@ from engine.runners import create_runner
 from engine.sampling_params import SamplingParams
 from engine.tiny_models import make_tiny_model
 from prefill_svc.engine import PrefillEngine
+from tests.unit.tiny_llama import tiny_llama
 
 
 def test_chunk_ends_by_hand():
@@ -47,24 +48,7 @@ def test_chunk_ends_properties():
 
 
 def _llama(tmp_path) -> ModelFiles:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    path = tmp_path / "tiny-llama"
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return resolve_model(str(path))
+    return tiny_llama(tmp_path, max_positions=256)[0]
 
 
 @pytest.fixture(scope="module")

@@ -7,32 +7,15 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.forward import ForwardItem
 from engine.llama_runner import LlamaRunner
-from engine.loader import resolve_model
+from tests.unit.tiny_llama import tiny_llama
 
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A 2-layer Llama (GQA 4 heads over 2), 64 positions: 16 pages a sequence at most."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return resolve_model(str(path))
+    """The tiny Llama, 64 positions: 16 pages a sequence at most."""
+    return tiny_llama(tmp_path_factory.mktemp("ckpt"))[0]
 
 
 def _prefilled(files, graphs: int):

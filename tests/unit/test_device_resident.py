@@ -8,6 +8,9 @@ result there, and the one device-to-host copy of a step is the sampled ids ([B] 
 in one place and refused at start when torch sees no CUDA device.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
@@ -195,3 +198,18 @@ def test_device_is_resolved_in_one_place_and_cuda_without_a_device_is_refused():
     for bad in ("gpu", "cuda:x", "cpu:0", ""):
         with pytest.raises(ValueError, match=r"--device must be one of auto\|cpu\|cuda\[:N\]"):
             resolve_device(bad)
+
+
+@pytest.mark.parametrize("service", ["prefill", "decode"])
+def test_a_service_asked_for_a_gpu_it_lacks_exits_at_once_naming_the_flag(service):
+    # cuda:99 exists on no machine: a CPU-only one says it sees no CUDA device, a GPU one that
+    # cuda:99 does not exist; either way the service stops before its model loads or a port opens
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "serve", service, "--device", "cuda:99", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: --device cuda:99: torch "), proc.stderr[-2000:]
+    assert "serving on" not in proc.stderr + proc.stdout and "loaded" not in proc.stderr

@@ -2,36 +2,17 @@
 and the weight bytes are counted from the weights themselves. No timing is asserted."""
 
 import pytest
-import torch
 
 import engine.models.llama as llama
 from bench.profile_decode import MATMULS, PARTS, REST, format_profile, profile, weight_bytes_per_token
 from engine.llama_runner import LlamaRunner
-from engine.loader import resolve_model
+from tests.unit.tiny_llama import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    """A 2-layer Llama (GQA 4 heads over 2, untied head), as tests/unit/test_model_runner.py."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return LlamaRunner(resolve_model(str(path)), num_pages=8, page_size=4)
+    """The tiny Llama of tests/unit/tiny_llama.py."""
+    return LlamaRunner(tiny_llama(tmp_path_factory.mktemp("ckpt"))[0], num_pages=8, page_size=4)
 
 
 def test_profile_times_every_part_and_removes_its_hook(runner):
