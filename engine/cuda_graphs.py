@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.forward import ForwardItem
@@ -83,8 +84,9 @@ class DecodeGraphs:
         B = len(items)
         size = next(b for b in self.batch_sizes if b >= B)
         bucket = self._bucket(size)
+        pinned = torch.cuda.is_available()  # pageable memory would make each copy wait
         for name, host in self._host_inputs(items, size).items():
-            bucket.inputs[name].copy_(to_device(host, self.runner.device), non_blocking=True)
+            bucket.inputs[name].copy_(host.pin_memory() if pinned else host, non_blocking=True)
         if bucket.graph is not None:
             bucket.graph.replay()
         else:
@@ -93,29 +95,35 @@ class DecodeGraphs:
         return bucket.output[:B]
 
     def _host_inputs(self, items: Sequence[ForwardItem], size: int) -> dict[str, torch.Tensor]:
-        """The fixed-shape inputs of `items` padded to `size` rows, on the host."""
+        """The fixed-shape inputs of `items` padded to `size` rows, on the host: what
+        kernels.build_attention_metadata(..., pad_pages=M) gives, but built with numpy (a
+        [64, 512] page table from Python lists every step would cost milliseconds)."""
         r = self.runner
+        S, L = r.page_size, r.config.num_layers
         padded = [*items, *[ForwardItem([0], 0, [r.scratch_page])] * (size - len(items))]
-        meta = build_attention_metadata(
-            [it.num_computed_tokens for it in padded],
-            [1] * size,
-            [it.block_ids for it in padded],
-            r.page_size,
-            r.config.num_layers,
-            r.num_pages + 1,  # the scratch page too
-            pad_pages=self.max_pages,
-        )
-        g = meta.decode
-        assert g is not None and g.mask is not None
+        positions = np.array([it.num_computed_tokens for it in padded], dtype=np.int64)  # [Bb]
+        table = np.empty((size, self.max_pages), dtype=np.int32)  # [Bb, M], padded with each first page
+        for b, it in enumerate(padded):
+            table[b, : len(it.block_ids)] = it.block_ids
+            table[b, len(it.block_ids) :] = it.block_ids[0]
+        pages = table[np.arange(size), positions // S].astype(np.int64)  # [Bb] the page each new token goes to
+        slot_rows = pages * (L * 2 * S) + positions % S  # [Bb] its row in layer 0's K plane
+        write_rows = (np.arange(2 * L, dtype=np.int64).reshape(L, 2) * S)[:, :, None] + slot_rows  # [L, 2, Bb]
         inputs = {
             "ids": torch.tensor([it.token_ids[0] for it in padded]),
-            "positions": torch.tensor([it.num_computed_tokens for it in padded]),
-            "write_rows": meta.write_rows,
-            "block_table": g.block_table,
-            "context_lens": g.context_lens,
+            "positions": torch.from_numpy(positions),
+            "write_rows": torch.from_numpy(write_rows),
+            "block_table": torch.from_numpy(table),
+            "context_lens": torch.from_numpy((positions + 1).astype(np.int32)),
         }
-        if r.device.type == "cpu":  # the CPU attention gathers pages and masks; a GPU's kernel reads the table
-            inputs.update(read_blocks=g.read_blocks, mask=g.mask)
+        if r.device.type == "cpu":  # the CPU attention gathers whole pages and masks; a GPU's kernel reads the table
+            M = self.max_pages
+            lens = torch.from_numpy(positions + 1)
+            blocks = torch.from_numpy(table.astype(np.int64)) * (2 * L) + torch.arange(2 * L).view(L, 2, 1, 1)
+            inputs.update(
+                read_blocks=blocks.flatten(2),  # [L, 2, Bb*M]
+                mask=(torch.arange(M * S) < lens[:, None])[:, None, None, :],  # [Bb, 1, 1, M*S]
+            )
         return inputs
 
     def _bucket(self, size: int) -> _Bucket:

@@ -7,6 +7,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs
 from engine.forward import ForwardItem
 from engine.llama_runner import LlamaRunner
+from kernels import build_attention_metadata
 from tests.unit.tiny_llama import tiny_llama
 
 PAGE = 4
@@ -46,6 +47,32 @@ def test_bucketed_decode_steps_equal_plain_ones(tiny):
     torch.testing.assert_close(graphed.kv_cache, plain.kv_cache, rtol=1e-5, atol=1e-6)
     assert not torch.equal(graphed.memory.pages[graphed.scratch_page], scratch_before)  # padding went there
     assert graphed.memory.pages.shape[0] == graphed.num_pages + 1
+
+
+def test_a_buckets_inputs_are_the_attention_plan_padded(tiny):
+    # the inputs a graph reads, built with numpy each step, are build_attention_metadata's plan
+    # of the padded batch (pad_pages: tables padded to the longest context a sequence can have)
+    graphed, seqs = _prefilled(tiny, 8)
+    graphs = graphed.decode_graphs
+    assert graphs is not None
+    items = [ForwardItem([40], len(seqs[b][0]), seqs[b][1]) for b in (4, 0, 2)]
+    got = graphs._host_inputs(items, 4)
+    padded = [*items, ForwardItem([0], 0, [graphed.scratch_page])]
+    want = build_attention_metadata(
+        [it.num_computed_tokens for it in padded],
+        [1] * 4,
+        [it.block_ids for it in padded],
+        PAGE,
+        2,
+        graphed.num_pages + 1,
+        pad_pages=graphs.max_pages,
+    )
+    g = want.decode
+    assert g is not None and g.mask is not None and graphs.max_pages == 16
+    assert torch.equal(got["write_rows"], want.write_rows)
+    assert torch.equal(got["block_table"], g.block_table) and torch.equal(got["context_lens"], g.context_lens)
+    assert torch.equal(got["read_blocks"], g.read_blocks) and torch.equal(got["mask"], g.mask)
+    assert got["ids"].tolist() == [40, 40, 40, 0] and got["positions"].tolist() == [11, 3, 7, 0]
 
 
 def test_steps_outside_the_buckets_run_eagerly_and_bad_pages_are_refused(tiny):
