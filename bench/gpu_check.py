@@ -238,11 +238,26 @@ def decode_speed(device: torch.device, workdir: Path, batches: tuple[int, ...], 
 
 
 def kv_push(device: torch.device) -> dict:
+    """A real request's pages (2K tokens of SmolLM2 in fp32: 128 pages, 94 MB) pushed from one
+    process's device memory into another's on the same GPU, through the services' UCX sender and
+    receiver (`kvmesh bench-transfer`'s push with its pages on the device)."""
     import importlib.util
 
     if importlib.util.find_spec("ucxx") is None:
         return {"skipped": "ucxx is not installed on this machine"}
-    return {"skipped": "a device-to-device push needs two processes with the KV receiver; not written yet"}
+    from bench.transfer import SHAPES, _push_figures
+    from kvstore.staging import ucx_transports
+
+    connect_s, first_s, gbps = _push_figures("ucx", "request", 5, False, str(device))
+    n, size = SHAPES["request"]
+    return {
+        "pages": n,
+        "bytes": n * size,
+        "gbps": round(gbps, 2),
+        "first_push_s": round(first_s, 4),
+        "connect_s": round(connect_s, 4),
+        "ucx_transports": sorted(ucx_transports()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

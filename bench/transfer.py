@@ -47,9 +47,15 @@ class ShapeResult:
     connect_s: float
 
 
-def _pages(num: int, nbytes: int, fill: int, shared: bool = False) -> list[np.ndarray]:
+def _pages(num: int, nbytes: int, fill: int, shared: bool = False, device: str = "cpu") -> list:
     """`num` page views of one pool (as the KV cache is one tensor), each `nbytes` bytes; in
-    shared memory (as the runners allocate their pools) when `shared`."""
+    shared memory (as the runners allocate their pools) when `shared`; on a GPU (uint8 device
+    tensors, which UCX reads through `__cuda_array_interface__`) when `device` is one."""
+    if device != "cpu":
+        import torch
+
+        gpu_pool = torch.full((num * nbytes,), fill, dtype=torch.uint8, device=device)
+        return [gpu_pool[i * nbytes : (i + 1) * nbytes] for i in range(num)]
     if shared:
         from kvstore.shared_memory import SharedRegion
 
@@ -60,15 +66,15 @@ def _pages(num: int, nbytes: int, fill: int, shared: bool = False) -> list[np.nd
     return [pool[i * nbytes : (i + 1) * nbytes] for i in range(num)]
 
 
-def _receiver(conn, transport: str) -> None:
-    """Decode's side: register a fresh pool's pages for each push the sender announces."""
+def _receiver(conn, transport: str, device: str = "cpu") -> None:
+    """Decode's side: register a fresh pool's pages (on `device`) for each push the sender announces."""
     from kvstore.transports import create_receiver
 
     async def main() -> None:
         rx = create_receiver(transport, "127.0.0.1", 0)
         await rx.start()
         conn.send(rx.address)
-        pools = {name: _pages(n, size, 0) for name, (n, size) in SHAPES.items()}
+        pools = {name: _pages(n, size, 0, device=device) for name, (n, size) in SHAPES.items()}
         loop = asyncio.get_running_loop()
         while True:
             msg = await loop.run_in_executor(None, conn.recv)
@@ -95,15 +101,18 @@ def _memcpy_gbps(src: list[np.ndarray], rounds: int) -> float:
     return sum(p.nbytes for p in src) / statistics.median(times) / 1e9
 
 
-def _push_figures(transport: str, shape: str, rounds: int, shared: bool) -> tuple[float, float, float]:
+def _push_figures(
+    transport: str, shape: str, rounds: int, shared: bool, device: str = "cpu"
+) -> tuple[float, float, float]:
     """(connect seconds, first push seconds, median GB/s of the later pushes) of `shape`, from
-    this process to a receiver in a new process; the source pages in a shared pool or not."""
+    this process to a receiver in a new process; the source pages in a shared pool or not, both
+    ends' pages on `device` (a GPU: the push moves device memory to device memory)."""
     from kvstore.transports import create_sender
 
     n, size = SHAPES[shape]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, transport), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(child, transport, device), daemon=True)
     proc.start()
     times: list[float] = []
     connect: list[float] = []
@@ -116,7 +125,7 @@ def _push_figures(transport: str, shape: str, rounds: int, shared: bool) -> tupl
             start = time.perf_counter()
             await sender.connect(address)
             connect.append(time.perf_counter() - start)
-            pools = [_pages(n, size, 0, shared=shared) for _ in range(2)]  # reused, as a KV pool is
+            pools = [_pages(n, size, 0, shared, device) for _ in range(2)]  # reused, as a KV pool is
             for tid in range(1, rounds + 2):
                 src = pools[tid % 2]
                 for page in src:
