@@ -1,43 +1,74 @@
 """API keys of the gateway: who may call Generate, ListModels and the HTTP /v1 routes.
 
-Keys come from a file (one a line; blank lines and lines starting with # are skipped) and
-from KVMESH_API_KEYS (comma-separated). A caller presents one as `authorization: Bearer <key>`
+Keys come from a file (one a line, optionally followed by a cache namespace it shares with
+other keys: `<key> <namespace>`; blank lines and lines starting with # are skipped) and from
+KVMESH_API_KEYS (comma-separated). A caller presents one as `authorization: Bearer <key>`
 (the HTTP header, or gRPC metadata of that name), as OpenAI's API takes them. Health,
 metrics and reflection stay open. A key is compared in constant time against every known
 key (hmac.compare_digest, no early exit), and it is never logged: logs, errors and the
 admission bounds name it by its label, "key-<n>" (its position, from 1).
+
+Each key is a tenant of the prefix cache (`tenant_of`): its requests' block hashes are salted
+with it (kvstore.block_hash.tenant_root), so one tenant's requests never hit, or time, another's
+cached blocks (the prefix-cache timing side channel, CVE-2025-46570; vLLM's, SGLang's and
+Dynamo's `cache_salt`). Keys that name the same namespace share their cache (a team's keys).
+The tenant comes from the authenticated key, never from the request.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Iterable
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 class ApiKeys:
     """The known API keys; empty: the gateway is open to anyone."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        """Raises ValueError for a key with whitespace in it (it could never be sent as given)."""
+    def __init__(self, keys: Iterable[str], namespaces: dict[str, str] | None = None) -> None:
+        """keys; namespaces: key -> the cache namespace it shares with other keys (a key without
+        one is a namespace of its own). Raises ValueError for a key with whitespace in it (it
+        could never be sent as given) or a namespace outside [A-Za-z0-9._-]{1,64}."""
         self._digests: list[bytes] = []
+        self._tenants: list[str] = []
+        namespaces = namespaces or {}
         for key in keys:
             if not key or any(c.isspace() for c in key):
                 raise ValueError("an API key must be non-empty and hold no whitespace")
             # compare digests: equal length whatever the caller sends, so compare_digest's
             # time says nothing about a key's length either
-            self._digests.append(hashlib.sha256(key.encode()).digest())
+            digest = hashlib.sha256(key.encode()).digest()
+            self._digests.append(digest)
+            shared = namespaces.get(key, "")
+            if shared and not _NAMESPACE.match(shared):
+                raise ValueError(f"a cache namespace must match [A-Za-z0-9._-]{{1,64}}, got {shared!r}")
+            # a key's own tenant is named by its digest: stable whatever the file's order,
+            # and nothing another tenant could name
+            self._tenants.append(f"ns:{shared}" if shared else f"key:{digest.hex()}")
 
     @classmethod
     def load(cls, path: str = "", env_value: str = "") -> ApiKeys:
         """The keys in file `path` (if given) and in `env_value` (comma-separated).
 
-        Raises OSError when the file cannot be read, ValueError for a bad key."""
+        Raises OSError when the file cannot be read, ValueError for a bad key or a line of
+        more than a key and a namespace."""
         keys = [k.strip() for k in env_value.split(",") if k.strip()]
+        namespaces: dict[str, str] = {}
         if path:
             with open(path, encoding="utf-8") as f:
-                keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-        return cls(keys)
+                for n, line in enumerate(f, start=1):
+                    fields = line.split()
+                    if not fields or fields[0].startswith("#"):
+                        continue
+                    if len(fields) > 2:
+                        raise ValueError(f"{path} line {n}: expected '<key>' or '<key> <namespace>'")
+                    keys.append(fields[0])
+                    if len(fields) == 2:
+                        namespaces[fields[0]] = fields[1]
+        return cls(keys, namespaces)
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -61,3 +92,11 @@ class ApiKeys:
         if not found:
             raise PermissionError("the API key is not valid for this gateway")
         return f"key-{found}"
+
+    def tenant_of(self, label: str) -> str:
+        """The prefix-cache tenant of the key labelled `label` (as `identify` names it): its
+        shared namespace ("ns:<name>") or its own ("key:<sha256 of the key>"); "" for the open
+        gateway's label "" (one shared cache, as without keys)."""
+        if not label:
+            return ""
+        return self._tenants[int(label.removeprefix("key-")) - 1]

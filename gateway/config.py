@@ -51,7 +51,8 @@ class GatewayConfig:
         "",
         "--api-key-file",
         "file of API keys, one a line, that callers must send as 'Authorization: Bearer <key>' (HTTP header "
-        "or gRPC metadata); KVMESH_API_KEYS adds comma-separated ones; none: the gateway is open",
+        "or gRPC metadata), each its own prefix-cache tenant unless followed by a namespace it shares "
+        "('<key> <namespace>'); KVMESH_API_KEYS adds comma-separated ones; none: the gateway is open",
     )
     tls_cert: str = setting("", "--tls-cert", "PEM certificate (chain) of the gRPC and HTTP ports; with --tls-key")
     tls_key: str = setting("", "--tls-key", "PEM private key of --tls-cert (empty: plain TCP)")

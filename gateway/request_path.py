@@ -42,7 +42,7 @@ from gateway.config import Deadlines
 from gateway.failure import RequestFailed
 from gateway.pool import InstancePool, MismatchError
 from gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
-from kvstore.block_hash import hash_blocks
+from kvstore.block_hash import hash_blocks, tenant_root
 from protos.kvmesh.v1 import gateway_pb2
 from runtime import tracing
 from runtime.logs import request_context
@@ -198,7 +198,7 @@ class RequestPath:
         try:
             if waited:
                 tracing.record(span, "gateway.admission", t0, tracing.now_ns())
-            async for msg in self._attempts(inp, span, arrived, waited):
+            async for msg in self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key)):
                 if unprefilled:
                     # the first token came with prefill's answer: the prompt left the queue and
                     # the key's queued tokens drop
@@ -211,8 +211,9 @@ class RequestPath:
         finally:
             self.admission.done(key, unprefilled)
 
-    async def _attempts(self, inp: GenerateInput, span, arrived: float, waited: float):
-        """Route and run the request; retry once on other instances while no token was sent."""
+    async def _attempts(self, inp: GenerateInput, span, arrived: float, waited: float, tenant: str = ""):
+        """Route and run the request; retry once on other instances while no token was sent.
+        Its block hashes chain from `tenant`'s root (the key's cache namespace; "" without keys)."""
         rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
         hops = Hops(inp, span, self.deadlines)
         excluded: set[str] = set()
@@ -239,7 +240,7 @@ class RequestPath:
                 if hashes is None:
                     # the prompt's block hashes, once per request: the index lookup, routing and
                     # prefill's cache read them
-                    hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size)
+                    hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size, tenant_root(tenant))
                 cached_blocks = await self.pool.lookup_prefix(hashes)
                 try:
                     prefill, cached_hint = self.pool.pick_prefill(n_prompt, cached_blocks, hashes, exclude)

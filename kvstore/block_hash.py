@@ -9,7 +9,10 @@ The hash is blake2b with a 16-byte digest over the parent hash (16 zero bytes fo
 first block) followed by the token ids as little-endian int64. It never uses Python's
 `hash()`, so it is the same in every process and on every machine.
 
-`hash_block` is the one definition; `hash_blocks` chains it over a token sequence.
+`hash_block` is the one definition; `hash_blocks` chains it over a token sequence. A tenant's
+sequences chain from its own root (`tenant_root`) instead of the zero parent, so the first
+block's hash, and every hash after it, covers the tenant: two tenants' equal prompts share no
+hash (vLLM's `cache_salt`, mixed into the first block's hash the same way).
 
 Reference: vLLM v1 prefix caching (`vllm/v1/core/kv_cache_utils.py`,
 `hash_block_tokens` and the incremental request block hasher).
@@ -28,6 +31,15 @@ BlockHash = NewType("BlockHash", bytes)
 
 HASH_NBYTES = 16
 _NO_PARENT = bytes(HASH_NBYTES)
+
+
+def tenant_root(tenant: str) -> BlockHash | None:
+    """The parent of the first block of a tenant's sequences: blake2b (16 bytes) of the tenant's
+    name under a domain prefix; None (the zero parent, as without tenants) for "", which is
+    every request of a gateway without API keys."""
+    if not tenant:
+        return None
+    return BlockHash(hashlib.blake2b(b"kvmesh-tenant\x00" + tenant.encode(), digest_size=HASH_NBYTES).digest())
 
 
 def _as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

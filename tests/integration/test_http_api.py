@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import ipaddress
 import json
 import os
@@ -36,11 +37,14 @@ from engine.loader import resolve_model
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.launcher import PARENT_PID_ENV
 from kvmesh.redis_server import free_port
+from kvstore.block_hash import hash_blocks, tenant_root
+from kvstore.redis_index import RedisKVIndex
 from runtime.service import wait_for_health
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, wait_idle
 
-KEY_A, KEY_B = "sk-test-alpha-0123", "sk-test-beta-4567"
+KEY_A, KEY_B, KEY_C = "sk-test-alpha-0123", "sk-test-beta-4567", "sk-test-gamma-8901"
+"""A and C (the key file's) share the cache namespace team-a; B (KVMESH_API_KEYS) has its own."""
 QUESTION = "What is the capital of France?"
 LONG = {"max_tokens": 1500, "ignore_eos": True}  # an answer that runs for 15 s or more unless cancelled
 
@@ -117,7 +121,7 @@ class Front:
 def front(mesh, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("front")
     cert, key = _self_signed(tmp)
-    (tmp / "keys").write_text(f"# the test's key\n{KEY_A}\n")
+    (tmp / "keys").write_text(f"# the test's keys: A and C share a cache namespace\n{KEY_A} team-a\n{KEY_C} team-a\n")
     grpc_port, http_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-http-gateway-", suffix=".log", delete=False)
     cmd = [
@@ -194,8 +198,11 @@ def _check_chat(client: openai.OpenAI, want) -> None:
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
     assert r.choices[0].finish_reason == want.final.finish_reason
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want.final.prompt_tokens, want.final.generated_tokens)
-    # the gRPC request left the prompt's full blocks in prefill's cache: this one reused them
-    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+    # the same question again under the same key: its full blocks come from the key's cache
+    again = client.chat.completions.create(
+        model=_model(), messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0
+    )
+    assert again.choices[0].message.content == want.text and again.usage.prompt_tokens_details.cached_tokens >= 16
     # streamed, the same text; the first chunk names the role
     chunks = list(
         client.chat.completions.create(
@@ -327,7 +334,7 @@ def test_errors_are_openai_error_objects_with_the_right_status(mesh, front):
     assert "request ended: UNAUTHENTICATED" in log and "request finished: length" in log
     # a whole answer is never logged (nor counted) as cancelled, though the caller stops reading at its end
     assert "request ended: CANCELLED" not in log
-    assert not any(k in front.log() for k in (KEY_A, KEY_B, "sk-wrong", "sk-no")), "a key was logged"
+    assert not any(k in front.log() for k in (KEY_A, KEY_B, KEY_C, "sk-wrong", "sk-no")), "a key was logged"
     wait_idle(mesh)
 
 
@@ -386,4 +393,51 @@ def test_a_client_gone_before_a_whole_answer_cancels_it(mesh, front):
             )
     _wait_freed(mesh, timeout_s=8)
     assert "client disconnected before the answer" in front.log()
+    wait_idle(mesh)
+
+
+TENANT_PROMPT = "The tenants' ledger: " + ", ".join(f"account {i} holds {i * 7} coins" for i in range(12))
+
+
+def test_each_key_is_a_tenant_of_the_prefix_cache_and_a_shared_namespace_shares_it(mesh, front):
+    """The same prompt twice under each key: a key's first request finds nothing another key
+    cached (no hit, no faster answer to time), its second finds its own blocks; C, sharing A's
+    namespace, finds A's; the keyless gateway finds none of them. The index keeps each tenant's
+    blocks under its own salted hashes."""
+    tokenizer = tokenizers.Tokenizer.from_file(os.path.join(resolve_model(None).checkpoint_dir, "tokenizer.json"))
+    ids = tokenizer.encode(TENANT_PROMPT, add_special_tokens=False).ids
+    reusable = (len(ids) - 1) // 16 * 16  # prefill recomputes at least the last token
+    assert reusable >= 48, len(ids)
+
+    def cached(key: str) -> int:
+        with front.openai(key) as client:
+            r = client.completions.create(model=_model(), prompt=TENANT_PROMPT, max_tokens=1, temperature=0)
+        assert r.usage.prompt_tokens == len(ids)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(KEY_A), cached(KEY_A)] == [0, reusable]
+    assert [cached(KEY_B), cached(KEY_B)] == [0, reusable]  # A's blocks are no hit for B
+    assert cached(KEY_C) == reusable  # C shares A's namespace
+
+    # the index: A's and B's blocks each under their tenant's chain, none under the keyless one
+    prefill_id = instance_stats(mesh.prefill_addresses[0]).instance_id
+    chains = {
+        tenant: hash_blocks(ids, 16, tenant_root(tenant))
+        for tenant in ("ns:team-a", "key:" + hashlib.sha256(KEY_B.encode()).hexdigest(), "")
+    }
+    assert len({h for chain in chains.values() for h in chain}) == 3 * len(ids) // 16  # no hash shared
+
+    def indexed() -> list[int]:
+        index = RedisKVIndex(mesh.redis_url, model=resolve_model(None).name)
+        try:
+            return [index.longest_prefix(chain, [prefill_id])[prefill_id] for chain in chains.values()]
+        finally:
+            index.close()
+
+    deadline = time.monotonic() + 30
+    while indexed() != [len(ids) // 16, len(ids) // 16, 0]:  # KV events reach Redis a moment later
+        assert time.monotonic() < deadline, indexed()
+        time.sleep(0.1)
+    # the keyless gateway is one more tenant: none of the keys' blocks is a hit for it
+    assert complete(mesh, TENANT_PROMPT, max_tokens=1).final.cached_tokens == 0
     wait_idle(mesh)

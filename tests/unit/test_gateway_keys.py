@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import pytest
 
 from gateway.admission import AdmissionQueue, OverloadedError
 from gateway.auth import ApiKeys
+from kvstore.block_hash import hash_blocks, tenant_root
 
 
 def test_keys_from_a_file_and_the_variable_are_named_by_position_never_shown(tmp_path):
@@ -70,3 +72,26 @@ def test_a_key_s_prompt_tokens_count_until_prefilled_and_a_refused_or_cancelled_
         assert q.keys == {} and q.num_admitted == 0
 
     asyncio.run(scenario())
+
+
+def test_each_key_is_a_cache_tenant_unless_it_names_a_namespace_it_shares(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("sk-alpha team-a\nsk-beta\nsk-gamma team-a  # no: a comment is a line of its own\n")
+    with pytest.raises(ValueError, match="line 3: expected '<key>' or '<key> <namespace>'"):
+        ApiKeys.load(str(f))
+    f.write_text("sk-alpha team-a\nsk-beta\n# A's teammate\nsk-gamma team-a\n")
+    keys = ApiKeys.load(str(f), "sk-delta")
+    tenants = [keys.tenant_of(keys.identify(f"Bearer {k}")) for k in ("sk-alpha", "sk-beta", "sk-gamma", "sk-delta")]
+    assert tenants[0] == tenants[2] == "ns:team-a"
+    assert tenants[1] == "key:" + hashlib.sha256(b"sk-beta").hexdigest() and len(set(tenants)) == 3
+    assert ApiKeys(()).tenant_of(ApiKeys(()).identify(None)) == ""  # an open gateway: one shared cache
+    with pytest.raises(ValueError, match=r"namespace must match"):
+        ApiKeys(["sk-x"], {"sk-x": "team/../a"})
+
+
+def test_a_tenant_s_block_hashes_chain_from_its_own_root():
+    tokens = list(range(40))
+    plain, a, a2, b = (hash_blocks(tokens, 16, tenant_root(t)) for t in ("", "ns:team-a", "ns:team-a", "key:00"))
+    assert tenant_root("") is None and plain == hash_blocks(tokens, 16)  # no keys: today's hashes
+    assert a == a2 and len(a) == len(b) == len(plain) == 2
+    assert not {*a} & {*b} and not {*a} & {*plain}  # the first block's hash covers the tenant already
