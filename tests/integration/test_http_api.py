@@ -420,7 +420,7 @@ def test_each_key_is_a_tenant_of_the_prefix_cache_and_a_shared_namespace_shares_
     assert cached(KEY_C) == reusable  # C shares A's namespace
 
     # the index: A's and B's blocks each under their tenant's chain, none under the keyless one
-    prefill_id = instance_stats(mesh.prefill_addresses[0]).instance_id
+    prefill_id = instance_stats(mesh.prefill_addresses[0], "prefill").instance_id
     chains = {
         tenant: hash_blocks(ids, 16, tenant_root(tenant))
         for tenant in ("ns:team-a", "key:" + hashlib.sha256(KEY_B.encode()).hexdigest(), "")
