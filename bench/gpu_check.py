@@ -47,16 +47,9 @@ KERNEL_TESTS = [
 ]
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
 """Dense bf16 tensor-core peaks (vendor data sheets, without sparsity) by a name's substring."""
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "List three primary colors:",
-    "def fibonacci(n):",
-    "Water boils at",
-    "Explain what a KV cache is in one sentence.",
-    "The quick brown fox",
-    "Once upon a time, in a land far away,",
-]
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three primary colors:"]
+PROMPTS += ["def fibonacci(n):", "Water boils at", "Explain what a KV cache is in one sentence."]
+PROMPTS += ["The quick brown fox", "Once upon a time, in a land far away,"]
 
 
 def _part(report: dict, name: str, fn: Callable[[], dict], needs_gpu: bool, gpu: bool) -> None:

@@ -182,27 +182,24 @@ class DecodeEngine:
                 logger.info("[%s] released", r.request_id)
             return first
 
-    def transfer_buffers(self, transfer_id: int) -> list:
-        """The buffers a push for this transfer lands in: the prompt's pages, then the state
-        slot (DeepSeek-V4), or host buffers for them on the staged path
-        (KVCacheManager.inbound). KeyError if unknown."""
+    def transfer_buffers(self, transfer_id: int, landing: bool = True) -> list:
+        """The buffers a push for this transfer lands in (landing: host buffers for them on the
+        staged path, KVCacheManager.inbound), or (landing=False) the pages themselves, where
+        the model reads them: the prompt's pages, then the state slot (DeepSeek-V4). KeyError
+        if unknown."""
         with self._cond:
             r = self._requests[transfer_id]
-            return self.kv_cache.inbound(transfer_id, r.block_ids[: r.num_prompt_pages], r.state_slot)
-
-    def transfer_pages(self, transfer_id: int) -> list:
-        """The prompt's page buffers (then the slot's) of this transfer, where the model reads
-        them (the digest a test compares). KeyError if unknown."""
-        with self._cond:
-            r = self._requests[transfer_id]
-            return self.kv_cache.push_buffers(r.block_ids[: r.num_prompt_pages], r.state_slot)
+            pages = r.block_ids[: r.num_prompt_pages]
+            return (
+                self.kv_cache.inbound(transfer_id, pages, r.state_slot)
+                if landing
+                else self.kv_cache.push_buffers(pages, r.state_slot)
+            )
 
     def kv_landed(self, transfer_id: int) -> None:
         """The push for this transfer is complete: its bytes reach the pages (a copy from host
-        buffers on the staged path). KeyError if unknown."""
+        buffers on the staged path; nothing to do for a transfer released meanwhile)."""
         with self._cond:
-            if transfer_id not in self._requests:
-                raise KeyError(transfer_id)
             self.kv_cache.landed(transfer_id)
 
     @property

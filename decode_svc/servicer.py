@@ -153,7 +153,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 landed_ns,
                 {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes},
             )
-            digest = pages_digest(self.engine.transfer_pages(tid)) if self.engine.config.kv_digest else ""
+            digest = (
+                pages_digest(self.engine.transfer_buffers(tid, landing=False)) if self.engine.config.kv_digest else ""
+            )
             stop_ids = frozenset() if request.ignore_eos else self.model.eos_token_ids
             try:
                 self.engine.begin(

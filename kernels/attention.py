@@ -151,17 +151,8 @@ def _moved(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     def move(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else to_device(t, device)
 
-    g = meta.decode
-    decode = None
-    if g is not None:
-        decode = replace(
-            g,
-            token_index=move(g.token_index),
-            read_blocks=move(g.read_blocks),
-            mask=move(g.mask),
-            block_table=move(g.block_table),
-            context_lens=move(g.context_lens),
-        )
+    g, fields = meta.decode, ("token_index", "read_blocks", "mask", "block_table", "context_lens")
+    decode = None if g is None else replace(g, **{f: move(getattr(g, f)) for f in fields})
     prefills = tuple(replace(p, read_blocks=move(p.read_blocks)) for p in meta.prefills)
     return AttentionMetadata(write_rows=to_device(meta.write_rows, device), decode=decode, prefills=prefills)
 
