@@ -84,9 +84,8 @@ class DecodeGraphs:
         B = len(items)
         size = next(b for b in self.batch_sizes if b >= B)
         bucket = self._bucket(size)
-        pinned = torch.cuda.is_available()  # pageable memory would make each copy wait
         for name, host in self._host_inputs(items, size).items():
-            bucket.inputs[name].copy_(host.pin_memory() if pinned else host, non_blocking=True)
+            to_device(host, self.runner.device, out=bucket.inputs[name])
         if bucket.graph is not None:
             bucket.graph.replay()
         else:

@@ -65,11 +65,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return gate.mul_(x[..., i:])
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """A host tensor a step built (indices, positions) on `device`: itself on the CPU; a
-    host-to-device copy elsewhere, queued without waiting (from pinned memory), never a sync."""
-    if device.type == "cpu":
+    host-to-device copy elsewhere, queued without waiting (from pinned memory), never a sync.
+    With `out` (a tensor of t's shape, on `device` or not) the copy lands there (a CUDA graph's
+    input) and `out` is returned."""
+    if out is None and device.type == "cpu":
         return t
     src = t.pin_memory() if torch.cuda.is_available() else t  # pageable memory would make the copy wait
     # empty + copy_, not .to(): under inference mode FakeTensorMode runs a one-element .to() for real
-    return torch.empty(t.shape, dtype=t.dtype, device=device).copy_(src, non_blocking=True)
+    dst = torch.empty(t.shape, dtype=t.dtype, device=device) if out is None else out
+    return dst.copy_(src, non_blocking=True)
