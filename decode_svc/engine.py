@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,6 +31,9 @@ from engine.kv_cache import KVCacheManager
 from engine.request import EmitFn, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.speculative import create_speculator
+from kvstore.block_hash import HASH_NBYTES, BlockHash
+from kvstore.kv_events import KVEvent
+from kvstore.kv_publisher import KVEventPublisher
 from runtime.cpu_share import open_cpu_share
 
 logger = logging.getLogger(__name__)
@@ -40,16 +43,31 @@ class DecodeEngine:
     """Owns the decode KV cache, the request table and the batch loop over a Runner.
 
     dispatch: runs each step's deliveries (deliver_all: on the engine thread; the service
-    passes deliver_on(its loop)). Raises ValueError as engine.speculative.create_speculator
+    passes deliver_on(its loop)). on_events: hears the KV events of decode's prefix cache
+    (config.enable_prefix_caching: finished requests' full blocks stay cached, and a Reserve
+    may reuse them), under the engine's lock; it must not block. Raises ValueError as engine.speculative.create_speculator
     does (too few state slots for config.num_state_slots, mtp without an MTP module).
     """
 
-    def __init__(self, config: DecodeConfig, runner: Runner, dispatch: DispatchFn = deliver_all) -> None:
+    def __init__(
+        self,
+        config: DecodeConfig,
+        runner: Runner,
+        dispatch: DispatchFn = deliver_all,
+        on_events: Callable[[list[KVEvent]], None] | None = None,
+    ) -> None:
         self.config = config
         self.runner = runner
         self.dispatch = dispatch
         self._cpu_share = open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s)
-        self.kv_cache = KVCacheManager(runner, config.num_pages, config.page_size, push_path=config.kv_push_path)
+        self.kv_cache = KVCacheManager(
+            runner,
+            config.num_pages,
+            config.page_size,
+            config.enable_prefix_caching,
+            on_events,
+            push_path=config.kv_push_path,
+        )
         self.speculator = create_speculator(
             config.speculative,
             runner,
@@ -97,31 +115,67 @@ class DecodeEngine:
 
     # --- called from the gRPC side -------------------------------------------------
 
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int, transfer_id: int = 0) -> Request:
+    def reserve(
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        transfer_id: int = 0,
+        block_hashes: Sequence[BlockHash] = (),
+        reuse_cached: bool = False,
+    ) -> Request:
         """Reserve pages for the prompt's KV and every token the answer can add: a RESERVED request.
 
         The last sampled token never has KV, so the request needs pages for
-        num_prompt_tokens + max_tokens - 1 tokens; the push lands in its first num_prompt_pages.
-        `transfer_id` is the caller's id for the push (in [1, 2^63), so it can tell prefill before
-        this answers); 0 picks one here. Raises CapacityError when the batch is full or the pool
-        lacks pages or state slots, ValueError on bad counts or a transfer_id out of range or in use.
+        num_prompt_tokens + max_tokens - 1 tokens; the push lands in its prompt pages after the
+        `num_reused_pages` leading ones this instance held already (reuse_cached: the leading
+        `block_hashes` found in the prefix cache, short of the last prompt token's page; those
+        pages are referenced, never written).
+        block_hashes: the prompt's full blocks' chained hashes (16 bytes each, one a full block,
+        or none); the finished request's blocks are cached under them. `transfer_id` is the
+        caller's id for the push (in [1, 2^63), so it can tell prefill before this answers); 0
+        picks one here. Raises CapacityError when the batch is full or the pool lacks pages or
+        state slots, ValueError on bad counts or hashes, or a transfer_id out of range or in use.
         """
         if not 0 <= transfer_id < 1 << 63:
             raise ValueError(f"transfer_id must be in [0, 2^63), got {transfer_id}")
+        full = num_prompt_tokens // self.config.page_size
+        if block_hashes and (len(block_hashes) != full or any(len(h) != HASH_NBYTES for h in block_hashes)):
+            raise ValueError(
+                f"block_hashes must hold one {HASH_NBYTES}-byte hash per full block of the prompt "
+                f"({full} of {self.config.page_size} tokens), got {len(block_hashes)}"
+            )
         request = Request(
-            request_id, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens, status=RequestStatus.RESERVED
+            request_id,
+            num_prompt_tokens=num_prompt_tokens,
+            max_tokens=max_tokens,
+            status=RequestStatus.RESERVED,
+            block_hashes=list(block_hashes) or None,
         )
         with self._cond:
             if transfer_id in self._requests:
                 raise ValueError(f"transfer_id {transfer_id:x} is in use; pick another")
             if len(self._requests) >= self.config.max_batch_size:
                 raise CapacityError(f"decode batch is full ({self.config.max_batch_size} requests); retry later")
-            self.kv_cache.allocate(request, num_prompt_tokens + max_tokens - 1, CapacityError)
+            self.kv_cache.allocate(
+                request,
+                num_prompt_tokens + max_tokens - 1,
+                CapacityError,
+                # never the page of the last prompt token: the push always carries it (as prefill
+                # recomputes that token rather than reuse its block)
+                reuse=block_hashes[: (num_prompt_tokens - 1) // self.config.page_size] if reuse_cached else (),
+            )
             while not transfer_id or transfer_id in self._requests:
                 transfer_id = random.getrandbits(63)
             request.transfer_id = transfer_id
             self._requests[transfer_id] = request
-        logger.info("[%s] reserved %d pages (transfer %x)", request_id, len(request.block_ids), transfer_id)
+        logger.info(
+            "[%s] reserved %d pages, %d of them held already (transfer %x)",
+            request_id,
+            len(request.block_ids),
+            request.num_reused_pages,
+            transfer_id,
+        )
         return request
 
     def get(self, transfer_id: int) -> Request | None:
@@ -185,11 +239,11 @@ class DecodeEngine:
     def transfer_buffers(self, transfer_id: int, landing: bool = True) -> list:
         """The buffers a push for this transfer lands in (landing: host buffers for them on the
         staged path, KVCacheManager.inbound), or (landing=False) the pages themselves, where
-        the model reads them: the prompt's pages, then the state slot (DeepSeek-V4). KeyError
-        if unknown."""
+        the model reads them: the prompt's pages after the reused ones, then the state slot
+        (DeepSeek-V4). KeyError if unknown."""
         with self._cond:
             r = self._requests[transfer_id]
-            pages = r.block_ids[: r.num_prompt_pages]
+            pages = r.block_ids[r.num_reused_pages : r.num_prompt_pages]
             return (
                 self.kv_cache.inbound(transfer_id, pages, r.state_slot)
                 if landing
@@ -201,6 +255,12 @@ class DecodeEngine:
         buffers on the staged path; nothing to do for a transfer released meanwhile)."""
         with self._cond:
             self.kv_cache.landed(transfer_id)
+
+    def publish_snapshot(self, publisher: KVEventPublisher) -> None:
+        """Re-publish every block hash decode's prefix cache holds (publisher.resync), under the
+        lock its KV events are emitted under, so none slips between the snapshot and the publish."""
+        with self._cond:
+            publisher.resync(sorted(self.pool.cached_hashes()))
 
     @property
     def num_active_requests(self) -> int:
@@ -235,6 +295,8 @@ class DecodeEngine:
     def _free(self, r: Request) -> None:
         if r.status is not RequestStatus.ABORTED:
             r.status = RequestStatus.FINISHED
+            if r.finish is not None:  # every byte landed and every step wrote: its full blocks stay
+                self.kv_cache.cache_sequence(r)
         self.kv_cache.free(r.block_ids, r.state_slot)
         self.kv_cache.forget_landing(r.transfer_id)
         self.speculator.forget(r)

@@ -18,6 +18,7 @@ from kvstore.registry import InstanceRecord, InstanceRegistry
 from kvstore.transports import create_receiver
 from protos.kvmesh.v1 import decode_pb2_grpc
 from runtime import lifecycle, service
+from runtime.kv_index import KVIndexWriter
 from runtime.lifecycle import Lifecycle
 from runtime.registration import Registration
 from runtime.served_model import ServedModel
@@ -49,7 +50,15 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     runner = await asyncio.wrap_future(executor.submit(ep.create_ep_runner, runner, files, config))
     if device.type == "cuda" and not config.enforce_eager and hasattr(runner, "enable_decode_graphs"):
         await asyncio.wrap_future(executor.submit(runner.enable_decode_graphs, config.max_batch_size))
-    engine = DecodeEngine(config, runner, dispatch=deliver_on(asyncio.get_running_loop()))
+    writer = None
+    if config.redis_url and config.enable_prefix_caching:  # decode's KV events: gateways route turns by them
+        writer = KVIndexWriter(config.redis_url, files.name, instance_id, "decode")
+    engine = DecodeEngine(
+        config,
+        runner,
+        dispatch=deliver_on(asyncio.get_running_loop()),
+        on_events=writer.publisher.publish if writer else None,
+    )
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     # a wildcard bind address is no address to push to: advertise a name others can reach
     receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
@@ -69,9 +78,20 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     release: list = []
     if config.redis_url:
         record = InstanceRecord(instance_id, "decode", address, model.fingerprint, config.page_size)
-        registry = InstanceRegistry.from_url(config.redis_url, model=files.name)
-        registration = Registration(registry, record, config.lease_ttl_s)
-        release.append(registry.close)
+        if writer is not None:
+            publisher = writer.publisher
+
+            async def resync() -> None:  # under the engine's lock, where its events come from
+                engine.publish_snapshot(publisher)
+
+            registration = Registration(
+                writer.index.registry, record, config.lease_ttl_s, after_beat=writer.after_beat(resync)
+            )
+            release.append(writer.leave)
+        else:
+            registry = InstanceRegistry.from_url(config.redis_url, model=files.name)
+            registration = Registration(registry, record, config.lease_ttl_s)
+            release.append(registry.close)
     release.append(engine.shutdown)
     if hasattr(runner, "close"):  # expert-parallel ranks
         release.append(lambda: asyncio.wrap_future(executor.submit(runner.close)))

@@ -49,7 +49,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         with tracing.server_span("decode.reserve", context, request.request_id, self.model.instance_id) as span:
             response = await self._reserve(request, context)
             span.set_attributes(
-                {"kvmesh.kv.prompt_pages": response.num_pages, "kvmesh.transfer_id": format(response.transfer_id, "x")}
+                {
+                    "kvmesh.kv.prompt_pages": response.num_pages,
+                    "kvmesh.kv.decode_cached_pages": response.num_cached_pages,
+                    "kvmesh.transfer_id": format(response.transfer_id, "x"),
+                }
             )
             return response
 
@@ -74,7 +78,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if not (math.isfinite(kv_deadline) and kv_deadline > 0):
                 raise ValueError(f"kv_deadline_s must be a finite number > 0, got {request.kv_deadline_s}")
             t = self.transfers.reserve(
-                request.request_id, n, m, min(kv_deadline, 24 * 3600.0), transfer_id=request.transfer_id
+                request.request_id,
+                n,
+                m,
+                min(kv_deadline, 24 * 3600.0),
+                request.transfer_id,
+                list(request.block_hashes),
+                request.reuse_cached,
             )
         except ValueError as exc:
             self._refuse(request.transfer_id)
@@ -88,6 +98,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             num_pages=t.num_prompt_pages,
             page_nbytes=self.engine.runner.page_nbytes,
             instance_id=self.model.instance_id,
+            num_cached_pages=t.num_reused_pages,
         )
 
     def _refuse(self, transfer_id: int) -> None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from decode_svc.engine import DecodeEngine
 from engine.request import Request, RequestStatus
+from kvstore.block_hash import BlockHash
 from kvstore.transport import KVPushReceiver
 
 logger = logging.getLogger(__name__)
@@ -38,15 +40,23 @@ class Transfers:
         return r is not None and not r.is_done
 
     def reserve(
-        self, request_id: str, num_prompt_tokens: int, max_tokens: int, kv_deadline_s: float, transfer_id: int = 0
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        kv_deadline_s: float,
+        transfer_id: int = 0,
+        block_hashes: Sequence[BlockHash] = (),
+        reuse_cached: bool = False,
     ) -> Request:
-        """Reserve pages (DecodeEngine.reserve), expect the push into them, arm the expiry.
+        """Reserve pages (DecodeEngine.reserve, with the prompt's block hashes and whether to
+        reuse the pages held for them), expect the push into the rest, arm the expiry.
 
         transfer_id: the caller's id for the push (0: one is picked). Raises ValueError /
         CapacityError as DecodeEngine.reserve does.
         """
         loop = asyncio.get_running_loop()
-        r = self.engine.reserve(request_id, num_prompt_tokens, max_tokens, transfer_id)
+        r = self.engine.reserve(request_id, num_prompt_tokens, max_tokens, transfer_id, block_hashes, reuse_cached)
         try:
             r.landed = self.receiver.expect(r.transfer_id, self.engine.transfer_buffers(r.transfer_id))
         except BaseException:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.request import Request
-from kvstore.block_hash import hash_blocks
+from kvstore.block_hash import BlockHash, hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.staging import StagedLanding, choose_push_path, stage_out
 
@@ -61,8 +61,9 @@ class KVCacheManager:
         runner: the model runner whose memory this manages (its page_buffer, state_buffers,
             resume_state_slot, num_state_slots).
         num_pages, page_size: the pool's pages and tokens a page.
-        enable_prefix_caching: prefill keeps full prompt blocks cached by block hash (KV events
-            go to on_events); decode runs without.
+        enable_prefix_caching: keep full blocks cached by block hash after their request (KV
+            events go to on_events): prefill's prompt blocks (allocate_prompt, cache_prompt),
+            decode's prompt and answer blocks (allocate with reuse, cache_sequence).
         on_events: called with each batch of KV events, in order (prefill publishes them).
         push_path: how KV pushes reach the pages (kvstore.staging: auto, direct, staged); the
             choice made, and why, are `push_path` and `push_path_reason`.
@@ -105,17 +106,31 @@ class KVCacheManager:
 
     # --- allocation -------------------------------------------------------------
 
-    def allocate(self, request: Request, num_tokens: int, error: type[Exception] = NoFreeBlocksError) -> None:
-        """Give `request` pages for num_tokens tokens and a state slot (decode: no prefix), all
-        or nothing. Raises `error` (the caller's capacity error) when pages or slots are short."""
+    def allocate(
+        self,
+        request: Request,
+        num_tokens: int,
+        error: type[Exception] = NoFreeBlocksError,
+        reuse: Sequence[BlockHash] = (),
+    ) -> None:
+        """Decode: give `request` pages for num_tokens tokens and a state slot, all or nothing.
+
+        reuse: hashes of the prompt's leading full blocks whose cached pages the request may
+        reference instead of new ones (decode-side prefix reuse; `num_reused_pages` says how many
+        it got, and the push skips them). Raises `error` (the caller's capacity error) when pages
+        or slots are short; nothing is held then."""
+        self._require_slot(error)
         num_pages = self.num_pages_for(num_tokens)
-        if num_pages > self.pool.num_free_blocks:
+        match = self.pool.match_prefix(reuse[:num_pages])
+        if num_pages - len(match.block_ids) > self.pool.num_free_blocks:
+            self.pool.free(match.block_ids)
             raise error(
                 f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
                 f"{self.pool.num_blocks} are free; lower max_tokens or retry later"
             )
-        self._require_slot(error)
-        request.block_ids = list(self.pool.allocate(num_pages).block_ids)
+        new = self.pool.allocate(num_pages - len(match.block_ids))
+        request.block_ids = [*match.block_ids, *new.block_ids]
+        request.num_reused_pages = len(match.block_ids)
         request.state_slot = self.slots.allocate()
         request.num_prompt_pages = self.num_pages_for(request.num_prompt_tokens)
         self.num_holders += 1
@@ -152,6 +167,23 @@ class KVCacheManager:
         """Prefill, after the compute: the prompt's full blocks join the prefix cache (KV events)."""
         hashes = request.block_hashes or ()
         self.pool.cache_blocks(request.block_ids[: len(hashes)], hashes)
+
+    def cache_sequence(self, request: Request) -> int:
+        """Decode, once a request finished: its full blocks whose KV it wrote or received (the
+        prompt's, then the answer's but for its last token, which has no KV) join the prefix
+        cache under the prompt's block hashes (`request.block_hashes`, from Reserve) chained on
+        over the answer's tokens. Returns the blocks offered (0 without prompt hashes: the
+        answer's blocks need the prompt's last hash to chain from)."""
+        hashes = list(request.block_hashes or ())
+        if not hashes or not self.pool.enable_prefix_caching:
+            return 0
+        size = self.page_size
+        with_kv = request.token_ids[: request.num_computed_tokens]
+        num_full = min(len(with_kv) // size, len(request.block_ids))
+        if num_full > len(hashes):
+            hashes += hash_blocks(with_kv[len(hashes) * size : num_full * size], size, hashes[-1])
+        self.pool.cache_blocks(request.block_ids[:num_full], hashes[:num_full])
+        return num_full
 
     def free(self, block_ids: Sequence[int], state_slot: int | None) -> None:
         """Drop one request's pages (full cached blocks stay cached, evictable) and its slot."""

@@ -5,7 +5,7 @@ Prefill and decode keep each request in one `Request`: its ids, its tokens and c
 (`num_computed_tokens` trails `num_tokens`: prefill is a large gap between them, decode a gap of
 one), one `RequestStatus`, its `SamplingParams` (with the seed), its stop rule, and the pages
 and state slot `engine.kv_cache.KVCacheManager` gave it. A few fields belong to one role only
-(prefill's block hashes and page hook, decode's push landing, expiry and stream); they are
+(prefill's page hook, decode's reused pages, push landing, expiry and stream); they are
 grouped below and stay at their defaults in the other role.
 
 `finish_reason` is the one finish rule (EOS / stop ids / max_tokens) that the gateway's answer
@@ -119,10 +119,11 @@ class Request:
     num_accepted: int = 0
     """Decode: draft tokens the target kept (each one a token that cost no step of its own)."""
 
-    # --- prefill only ---
     block_hashes: Sequence[BlockHash] | None = None
     """The prompt's full blocks' chained hashes when the caller computed them (the gateway does,
-    for routing); None: prefill hashes the prompt itself."""
+    for routing); None: prefill hashes the prompt itself, decode caches nothing of it."""
+
+    # --- prefill only ---
     on_pages_ready: Callable[[tuple[int, ...], int], None] | None = None
     """Called on the prefill worker when the first n of the request's pages are final before the
     compute ends (the cached prefix at once, then each chunk's); must not block."""
@@ -130,6 +131,8 @@ class Request:
     """Prefill: resolves to the PrefillResult, or raises (set by PrefillEngine.submit)."""
 
     # --- decode only ---
+    num_reused_pages: int = 0
+    """Leading prompt pages decode held already (its prefix cache): referenced, not pushed."""
     emit: EmitFn | None = None
     """Where this request's tokens go (the Generate call's stream); set by begin()."""
     landed: asyncio.Future | None = None

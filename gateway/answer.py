@@ -119,6 +119,7 @@ class Answer:
                     exposed_seconds=prefill.exposed_transfer_s,
                     prefill_digest=prefill.kv_digest,
                     decode_digest=self._decode_digest,
+                    decode_cached_pages=reserve.num_cached_pages,
                 ),
             )
         )

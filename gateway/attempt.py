@@ -4,10 +4,11 @@ An `Attempt` holds one try's decode instance (and its reservation) and prefill i
 (joined by `route_prefill` once the prefix index answered) and makes the calls to them; the
 stages they move it through and the accounting on the instances are gateway/accounting.py's
 (`finish()` and `abort(failure)` end it exactly once). The order of the legs is decided once,
-in `open`: while decode's KV address is unknown (no stats poll said it), Reserve goes first
-(Prefill needs its answer) and its round trip covers the prompt's hashing, the index lookup
-and the prefill choice; once known, Prefill (TTFT's path) leaves first under a transfer id
-the gateway picks and Reserve right behind it, neither waiting for the other. A Reserve that
+in `open`: while decode's KV address is unknown (no stats poll said it), or when the prefix
+index says decode holds some of the prompt's blocks, Reserve goes first (Prefill needs its
+answer: the address, and how many leading pages decode holds, which the push then skips) and
+its round trip covers the prefill choice; otherwise Prefill (TTFT's path) leaves first under a
+transfer id the gateway picks and Reserve right behind it, neither waiting for the other. A Reserve that
 answers another address or id (a restarted KV listener, an older decode) gets Prefill again.
 """
 
@@ -69,24 +70,26 @@ class Attempt(AttemptAccounting):
         self._push_to: tuple[str, int] = ("", 0)  # (decode's KV address, transfer id) Prefill pushes to
         self._reserve_first = False
         self._block_hashes: Sequence[bytes] = ()
+        self._decode_cached_pages = 0  # leading prompt pages decode holds (its Reserve said): not pushed
 
-    async def open(self, hops: Hops, prefill_by: float) -> None:
+    async def open(self, hops: Hops, prefill_by: float, block_hashes: Sequence[bytes], decode_hit: bool) -> None:
         """Decide the order of the legs (module docstring) and send Reserve now if it goes first.
 
         prefill_by: Prefill's deadline (event-loop time), set before the prefill instance is chosen.
+        block_hashes: the prompt's chained block hashes (prefill reuses them; decode caches the
+        finished request's blocks under them). decode_hit: the index says decode holds some of
+        them: Reserve goes first, reuses what decode holds, and Prefill pushes only the rest.
         """
-        self._hops, self._prefill_by = hops, prefill_by
+        self._hops, self._prefill_by, self._block_hashes = hops, prefill_by, block_hashes
         # as decode's stats last said; its Reserve confirms it
         self._push_to = (self.decode.kv_address, random.getrandbits(63) or 1)
-        self._reserve_first = not self.decode.kv_address
+        self._reserve_first = not self.decode.kv_address or decode_hit
         if self._reserve_first:
             self._send_reserve()
             await asyncio.sleep(0)  # let the call go out before the caller's CPU work
 
-    def send(self, block_hashes: Sequence[bytes]) -> None:
-        """Once routed to prefill: send the calls not yet sent (Prefill, then Reserve behind it).
-        block_hashes: the prompt's chained block hashes, which prefill reuses."""
-        self._block_hashes = block_hashes
+    def send(self) -> None:
+        """Once routed to prefill: send the calls not yet sent (Prefill, then Reserve behind it)."""
         if not self._reserve_first:
             self._send_prefill()
             self._send_reserve()
@@ -121,7 +124,16 @@ class Attempt(AttemptAccounting):
         hops, timeout_s = self._hops, self._hops.deadlines.rpc_timeout_s
         kv_deadline_s = self._prefill_by - asyncio.get_running_loop().time() + timeout_s
         layout = self.prefill.kv_layout if self.prefill is not None else ""
-        request = wire.reserve_request(hops.request, self._push_to[1], kv_deadline_s, self.pool.page_size, layout)
+        request = wire.reserve_request(
+            hops.request,
+            self._push_to[1],
+            kv_deadline_s,
+            self.pool.page_size,
+            layout,
+            self._block_hashes,
+            # only a Reserve whose answer Prefill waits for may reuse pages: Prefill must skip them
+            reuse_cached=self._reserve_first,
+        )
         stub = self.pool.decode_stub(self.decode)
         metadata = tracing.inject(hops.span)
         self.reserving(self.pool.spawn(stub.Reserve(request, timeout=timeout_s, metadata=metadata)))
@@ -132,7 +144,9 @@ class Attempt(AttemptAccounting):
         hops = self._hops
         assert self.prefill is not None, self.request_id
         address, transfer_id = self._push_to
-        request = wire.prefill_request(hops.request, self._block_hashes, address, transfer_id, self.pool.page_size)
+        request = wire.prefill_request(
+            hops.request, self._block_hashes, address, transfer_id, self.pool.page_size, self._decode_cached_pages
+        )
         timeout = self._prefill_by - asyncio.get_running_loop().time()
         stub = self.pool.prefill_stub(self.prefill)
         self._prefill_call = stub.Prefill(request, timeout=timeout, metadata=tracing.inject(hops.span))
@@ -165,6 +179,7 @@ class Attempt(AttemptAccounting):
                 self._prefill_call = None
             if self._prefill_call is None:
                 self._push_to = (reserve.kv_address, reserve.transfer_id)
+                self._decode_cached_pages = reserve.num_cached_pages
                 self._send_prefill()
         except BaseException:
             if self._prefill_call is not None:

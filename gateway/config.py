@@ -85,6 +85,21 @@ class GatewayConfig:
     load_weight: float = setting(
         0.02, "--load-weight", "weight of queued prefill tokens against uncached prompt tokens in the routing cost"
     )
+    decode_hit_slack: int = setting(
+        2,
+        "--decode-hit-slack",
+        "active requests a decode instance may carry beyond the least loaded one and still be picked for holding "
+        "more of the prompt (decode-side prefix reuse: those pages are not pushed again); 0: least load alone",
+        ge=0,
+    )
+    decode_reuse_min_blocks: int = setting(
+        4,
+        "--decode-reuse-min-blocks",
+        "leading prompt blocks the chosen decode instance must hold (as the prefix index says) for the gateway to "
+        "send Reserve before Prefill and have prefill skip them: the wait for Reserve's answer costs a round trip "
+        "that a shorter hit does not pay back",
+        ge=1,
+    )
     routing_policy: str = setting(
         "cache_aware",
         "--routing-policy",

@@ -51,6 +51,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.rpc_timeout_s,
         config.routing_policy,
         model_fingerprint(files),
+        config.decode_hit_slack,
+        config.decode_reuse_min_blocks,
     )
     admission = AdmissionQueue(
         pool.decode_capacity,

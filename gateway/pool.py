@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import grpc
 
@@ -45,8 +46,12 @@ class InstancePool:
         rpc_timeout_s: float,
         routing_policy: str = "cache_aware",
         model_fingerprint: str = "",
+        decode_hit_slack: int = 0,
+        decode_reuse_min_blocks: int = 1,
     ) -> None:
         self.page_size = page_size
+        self.decode_hit_slack = decode_hit_slack
+        self.decode_reuse_min_blocks = decode_reuse_min_blocks
         self.model_fingerprint = model_fingerprint
         self.prefix = PrefixLookup(index)
         self.rpc_timeout_s = rpc_timeout_s
@@ -188,22 +193,32 @@ class InstancePool:
         and `pick_prefill` while decode's Reserve is in flight); this is them in one call."""
         cached_blocks = await self.lookup_prefix(block_hashes)
         prefill, cached_tokens = self.pick_prefill(len(prompt_token_ids), cached_blocks, block_hashes, exclude)
-        return prefill, self.pick_decode(exclude), cached_tokens
+        return prefill, self.pick_decode(exclude, cached_blocks), cached_tokens
 
-    def pick_decode(self, exclude: frozenset[str] = frozenset()) -> InstanceLoad:
-        """The decode instance with the fewest active requests (router.pick_decode), not one in
-        `exclude`. Raises LookupError when none is routable, or when no prefill instance is (a
-        reservation would be wasted)."""
+    def pick_decode(
+        self, exclude: frozenset[str] = frozenset(), cached_blocks: Mapping[str, int] | None = None
+    ) -> InstanceLoad:
+        """The decode instance to reserve on (router.pick_decode: the fewest active requests, or
+        within decode_hit_slack of them the one holding the most of the prompt by
+        `cached_blocks`, lookup_prefix's answer), not one in `exclude`. Raises LookupError when
+        none is routable, or when no prefill instance is (a reservation would be wasted)."""
         if not any(i.routable and i.address not in exclude for i in self.prefills):
             raise LookupError("no healthy prefill instance")
         self._rr += 1
-        return pick_decode(self.decodes, self._rr, exclude)
+        return pick_decode(self.decodes, self._rr, exclude, cached_blocks or {}, self.decode_hit_slack)
+
+    def decode_reuse(self, decode: InstanceLoad, cached_blocks: Mapping[str, int]) -> int:
+        """Leading prompt blocks `decode` holds by `lookup_prefix`'s answer, when they are worth
+        a Reserve before Prefill (at least decode_reuse_min_blocks); else 0."""
+        held = cached_blocks.get(decode.instance_id, 0) if decode.instance_id else 0
+        return held if held >= self.decode_reuse_min_blocks else 0
 
     async def lookup_prefix(self, block_hashes) -> dict[str, int]:
         """instance_id -> leading blocks of `block_hashes` it holds, from the prefix index, for the
-        routable prefill instances; {} without an index or while it is unreachable (never raises)."""
+        routable prefill and decode instances; {} without an index or while it is unreachable
+        (never raises)."""
         return await self.prefix.leading_blocks(
-            block_hashes, [i.instance_id for i in self.prefills if i.routable and i.instance_id]
+            block_hashes, [i.instance_id for i in (*self.prefills, *self.decodes) if i.routable and i.instance_id]
         )
 
     def pick_prefill(

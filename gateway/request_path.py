@@ -3,12 +3,13 @@ over attempts. The gRPC servicer (gateway/servicer.py) and the OpenAI-compatible
 (gateway/http_api.py) are thin adapters over `RequestPath`.
 
 Per request: check the caller's API key; tokenize; wait for a turn in the admission queue
-(a burst beyond the decode pools queues, bounded, and each key within its own bounds); pick
-a decode instance (least active) and open an attempt on it (gateway/attempt.py: it decides
-the order of Reserve and Prefill and may send Reserve now); hash the prompt's blocks (once),
-ask the prefix index and pick a prefill instance (cached prefix vs load); send what the
-attempt has not sent yet, and stream its answer (gateway/answer.py: incremental
-detokenization, stop strings, the Final message).
+(a burst beyond the decode pools queues, bounded, and each key within its own bounds); hash
+the prompt's blocks (once, salted by the key's tenant) and ask the prefix index which
+instances hold how much of them; pick a decode instance (least active, or near it the one
+holding the most of the prompt) and open an attempt on it (gateway/attempt.py: it decides
+the order of Reserve and Prefill and may send Reserve now); pick a prefill instance (cached
+prefix vs load); send what the attempt has not sent yet, and stream its answer
+(gateway/answer.py: incremental detokenization, stop strings, the Final message).
 Each attempt ends exactly once. An attempt that fails on one instance before any token
 reached the client is retried once on another; every failure reaches the adapter as a
 RequestFailed whose cause fixes the client's status (runtime.wire.status_of; the HTTP front
@@ -227,8 +228,14 @@ class RequestPath:
             try:
                 t0 = tracing.now_ns()
                 exclude = frozenset(excluded)
+                if hashes is None:
+                    # the prompt's block hashes, once per request: the index lookup, routing and
+                    # both legs' caches read them
+                    hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size, tenant_root(tenant))
+                # one lookup for both roles: which prefill and which decode hold how much of it
+                cached_blocks = await self.pool.lookup_prefix(hashes)
                 try:
-                    decode = self.pool.pick_decode(exclude)
+                    decode = self.pool.pick_decode(exclude, cached_blocks)
                 except LookupError as exc:
                     raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
                 attempt = Attempt(self.pool, rid, None, decode)
@@ -236,12 +243,8 @@ class RequestPath:
                 prefill_by = loop.time() + self.deadlines.prefill_s(
                     self.pool.max_queued_prefill_tokens(exclude) + n_prompt
                 )
-                await attempt.open(hops, prefill_by)
-                if hashes is None:
-                    # the prompt's block hashes, once per request: the index lookup, routing and
-                    # prefill's cache read them
-                    hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size, tenant_root(tenant))
-                cached_blocks = await self.pool.lookup_prefix(hashes)
+                decode_blocks = self.pool.decode_reuse(decode, cached_blocks)
+                await attempt.open(hops, prefill_by, hashes, decode_hit=decode_blocks > 0)
                 try:
                     prefill, cached_hint = self.pool.pick_prefill(n_prompt, cached_blocks, hashes, exclude)
                 except LookupError as exc:
@@ -257,6 +260,7 @@ class RequestPath:
                         "kvmesh.prefill.instance": prefill.instance_id or prefill.address,
                         "kvmesh.decode.instance": decode.instance_id or decode.address,
                         "kvmesh.index_cached_tokens": cached_hint,
+                        "kvmesh.index_decode_cached_tokens": decode_blocks * self.pool.page_size,
                         "kvmesh.routing_policy": self.pool.router.policy,
                     },
                 )
@@ -268,7 +272,7 @@ class RequestPath:
                     cached_hint,
                     decode.address,
                 )
-                attempt.send(hashes)
+                attempt.send()
                 async for msg in attempt.stream(answer):
                     yield msg
                 return

@@ -249,18 +249,34 @@ def _ring_choice(healthy: Sequence[InstanceLoad], key: bytes) -> InstanceLoad:
     return healthy[ring[i % len(ring)][1]]
 
 
-def pick_decode(instances: Sequence[InstanceLoad], rr: int, exclude: frozenset[str] = frozenset()) -> InstanceLoad:
-    """Least active requests among routable decode instances with a free slot, not in
-    `exclude` (ties rotate with rr).
+def pick_decode(
+    instances: Sequence[InstanceLoad],
+    rr: int,
+    exclude: frozenset[str] = frozenset(),
+    cached_blocks: Mapping[str, int] | None = None,
+    slack: int = 0,
+) -> InstanceLoad:
+    """A routable decode instance with a free slot, not in `exclude`: among those with at most
+    `slack` active requests more than the least loaded, the one holding the most leading blocks
+    of the prompt (`cached_blocks`: instance_id -> blocks, from the prefix index; its pages are
+    not pushed again), then the least loaded; ties rotate with rr.
 
-    Decode step time barely depends on context length here, so request count is the load.
-    Raises LookupError when none is routable.
+    Decode step time barely depends on context length here, so request count is the load; the
+    slack bounds what a conversation's stickiness may cost the balance (SGLang's decode radix
+    cache and Dynamo's KV router weigh the same two). Raises LookupError when none is routable.
     """
     healthy = [i for i in instances if i.routable and i.address not in exclude]
     if not healthy:
         raise LookupError("no healthy decode instance")
     healthy = [i for i in healthy if i.has_free_slot] or healthy
     n = len(healthy)
+    cached_blocks = cached_blocks or {}
+
+    def load(inst: InstanceLoad) -> int:
+        return max(inst.in_flight_requests, inst.reported_active_requests)
+
+    least = min(load(i) for i in healthy)
     return min(
-        enumerate(healthy), key=lambda p: (max(p[1].in_flight_requests, p[1].reported_active_requests), (p[0] - rr) % n)
+        ((k, i) for k, i in enumerate(healthy) if load(i) <= least + slack),
+        key=lambda p: (-cached_blocks.get(p[1].instance_id, 0), load(p[1]), (p[0] - rr) % n),
     )[1]

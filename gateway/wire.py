@@ -52,11 +52,19 @@ def models_response(builder: PromptBuilder) -> gateway_pb2.ListModelsResponse:
 
 
 def reserve_request(
-    inp: GenerateInput, transfer_id: int, kv_deadline_s: float, page_size: int, kv_layout: str = ""
+    inp: GenerateInput,
+    transfer_id: int,
+    kv_deadline_s: float,
+    page_size: int,
+    kv_layout: str = "",
+    block_hashes: Sequence[bytes] = (),
+    reuse_cached: bool = False,
 ) -> decode_pb2.ReserveRequest:
     """Reserve pages on decode for the prompt and max_tokens, under the gateway's `transfer_id`;
     the KV must land within kv_deadline_s seconds, pushed in `kv_layout` (the prefill's, '' when
-    not known yet: decode does not check it then)."""
+    not known yet: decode does not check it then). block_hashes: the prompt's full blocks' hashes
+    (decode caches the finished request's blocks under them); reuse_cached: decode references
+    the leading ones it holds instead of receiving them (the caller tells Prefill to skip them)."""
     return decode_pb2.ReserveRequest(
         request_id=inp.request_id,
         num_prompt_tokens=len(inp.prompt_token_ids),
@@ -65,13 +73,21 @@ def reserve_request(
         kv_deadline_s=kv_deadline_s,
         transfer_id=transfer_id,
         kv_layout=kv_layout,
+        block_hashes=block_hashes,
+        reuse_cached=reuse_cached,
     )
 
 
 def prefill_request(
-    inp: GenerateInput, block_hashes: Sequence[bytes], kv_address: str, transfer_id: int, page_size: int
+    inp: GenerateInput,
+    block_hashes: Sequence[bytes],
+    kv_address: str,
+    transfer_id: int,
+    page_size: int,
+    decode_cached_pages: int = 0,
 ) -> prefill_pb2.PrefillRequest:
-    """Prefill the prompt and push its KV to decode's `kv_address` under `transfer_id`."""
+    """Prefill the prompt and push its KV to decode's `kv_address` under `transfer_id`, all but
+    the `decode_cached_pages` leading pages decode holds already."""
     return prefill_pb2.PrefillRequest(
         request_id=inp.request_id,
         token_ids=inp.prompt_token_ids,
@@ -80,6 +96,7 @@ def prefill_request(
         transfer_id=transfer_id,
         page_size=page_size,
         block_hashes=block_hashes,  # hashed once, at the gateway: prefill reuses them
+        decode_cached_pages=decode_cached_pages,
     )
 
 

@@ -18,23 +18,39 @@ PROMPTS = [
 ]
 
 
+FOLLOW_UP = "Now one about the mountains."
+"""The last turn continues the haiku's conversation: decode still holds that turn's pages."""
+
+
+async def _answer(client: GatewayClient, request) -> str:
+    """Stream one answer to stdout, then its figures; return its text."""
+    text = []
+    async for msg in client.stream(request):
+        if msg.HasField("delta"):
+            text.append(msg.delta.text)
+            sys.stdout.write(msg.delta.text)
+            sys.stdout.flush()
+        else:
+            f, kv = msg.final, msg.final.kv_transfer
+            held = f", {kv.decode_cached_pages} held by decode already" if kv.decode_cached_pages else ""
+            print(
+                f"\n    [{f.finish_reason}; {f.prompt_tokens} prompt tokens ({f.cached_tokens} cached), "
+                f"{f.generated_tokens} generated; TTFT {f.ttft_s * 1000:.0f} ms, "
+                f"ITL {f.itl_s * 1000:.1f} ms; KV pushed {kv.nbytes / 1e6:.1f} MB in {kv.num_pages} pages{held}]",
+                flush=True,
+            )
+    return "".join(text)
+
+
 async def _ask(address: str) -> None:
     async with GatewayClient(address) as client:
+        answers = []
         for prompt in PROMPTS:
             print(f"\n>>> {prompt}\n", flush=True)
-            async for msg in client.stream(make_request(prompt, chat=True, max_tokens=96)):
-                if msg.HasField("delta"):
-                    sys.stdout.write(msg.delta.text)
-                    sys.stdout.flush()
-                else:
-                    f = msg.final
-                    print(
-                        f"\n    [{f.finish_reason}; {f.prompt_tokens} prompt tokens ({f.cached_tokens} cached), "
-                        f"{f.generated_tokens} generated; TTFT {f.ttft_s * 1000:.0f} ms, "
-                        f"ITL {f.itl_s * 1000:.1f} ms; KV pushed {f.kv_transfer.nbytes / 1e6:.1f} MB "
-                        f"in {f.kv_transfer.num_pages} pages]",
-                        flush=True,
-                    )
+            answers.append(await _answer(client, make_request(prompt, chat=True, max_tokens=96)))
+        print(f"\n>>> (the haiku's conversation goes on) {FOLLOW_UP}\n", flush=True)
+        turn = [("user", PROMPTS[2]), ("assistant", answers[2]), ("user", FOLLOW_UP)]
+        await _answer(client, make_request(messages=turn, chat=True, max_tokens=96))
 
 
 def main() -> int:

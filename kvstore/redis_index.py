@@ -1,12 +1,14 @@
-"""The prefix index in Redis: which prefill instance holds which block hash.
+"""The prefix index in Redis: which instance holds which block hash.
 
-Prefill instances write it from their pools' KV events; gateways read it to send a
-prompt where its longest prefix is already cached. Keys, for namespace `ns` and model
+Prefill and decode instances write it from their pools' KV events (each event in the stream
+marked with the writer's role); gateways read it to send a prompt to the prefill instance
+where its longest prefix is already cached, and to the decode instance that holds the most
+of it (its pages are then not pushed again). Instance ids are unique across roles. Keys, for namespace `ns` and model
 `model` (hashes in lowercase hex):
 
     {ns}:{model}:block:{hash}              set of instance ids holding the block
     {ns}:{model}:instance:{id}:blocks      set of hashes an instance holds (for clears)
-    {ns}:{model}:kv_events                 stream of every event (instance, seq, type, hashes)
+    {ns}:{model}:kv_events                 stream of every event (instance, role, seq, type, hashes)
     {ns}:{model}:lease:{id}                the instance's lease: exists while it heartbeats (TTL)
     {ns}:{model}:instances                 set of instance ids that registered (for reaping)
 
@@ -97,13 +99,15 @@ class RedisKVIndex:
             string (`?socket_timeout=0.5&socket_connect_timeout=0.5`).
         model: model name; each model has its own index.
         namespace: key prefix shared by the mesh.
+        role: the writer's role ("prefill" or "decode"), recorded with each event in the stream.
 
     Every method raises redis.exceptions.RedisError (ConnectionError when Redis is down).
     """
 
-    def __init__(self, redis_url: str, model: str, namespace: str = "kvmesh") -> None:
+    def __init__(self, redis_url: str, model: str, namespace: str = "kvmesh", role: str = "prefill") -> None:
         self.model = model
         self.namespace = namespace
+        self.role = role
         self._keys = _Keys(namespace, model)
         # bounded by default: a stopped Redis must not hold a caller forever (the URL may override)
         self._redis = redis.Redis.from_url(
@@ -158,7 +162,7 @@ class RedisKVIndex:
             seq = self._seq[instance_id] = self._seq.get(instance_id, 0) + 1  # this writer's count
             pipe.xadd(
                 keys.stream,
-                {"instance": instance_id, "seq": seq, "type": kind, "hashes": ",".join(hexes)},
+                {"instance": instance_id, "role": self.role, "seq": seq, "type": kind, "hashes": ",".join(hexes)},
                 maxlen=STREAM_MAXLEN,
                 approximate=True,
             )

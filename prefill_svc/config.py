@@ -14,12 +14,6 @@ from runtime.settings import setting
 class PrefillConfig(ModelServiceConfig):
     """Settings of a prefill instance, built once in main() from flags and KVMESH_* variables."""
 
-    enable_prefix_caching: bool = setting(
-        True,
-        "--prefix-caching",
-        "keep full prompt blocks after a request and reuse them for later prompts",
-        kind="flag",
-    )
     max_batch_tokens: int = setting(
         4096, "--max-batch-tokens", "most prompt tokens prefilled together in one forward", ge=1
     )

@@ -50,13 +50,22 @@ class KVPush:
         transfer_id: the id decode reserved the pages under.
         kv_cache: the KV cache owning the pages (its push_buffers).
         timeout_s: bound on each part (seconds); a part past it fails the push.
+        skip_pages: leading pages decode holds already (decode-side prefix reuse): never pushed;
+            the receiver's buffer 0 is page skip_pages.
 
     Create it on the event loop; `pages_ready` may be called from any thread.
     """
 
     def __init__(
-        self, sender: KVPushSender, address: str, transfer_id: int, kv_cache: KVCacheManager, timeout_s: float
+        self,
+        sender: KVPushSender,
+        address: str,
+        transfer_id: int,
+        kv_cache: KVCacheManager,
+        timeout_s: float,
+        skip_pages: int = 0,
     ) -> None:
+        self.skip_pages = skip_pages
         self.sender = sender
         self.address = address
         self.transfer_id = transfer_id
@@ -65,7 +74,7 @@ class KVPush:
         self._loop = asyncio.get_running_loop()
         self._block_ids: tuple[int, ...] = ()
         self._num_ready = 0  # leading pages final on the prefill side
-        self._num_sent = 0  # leading pages decode acked
+        self._num_sent = skip_pages  # leading pages decode acked (or held already)
         self._pump: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._stopped = False
@@ -94,7 +103,8 @@ class KVPush:
         buffers = self.kv_cache.outbound(self._block_ids[first:upto], self._state_slot, with_state)
         try:
             sent = await asyncio.wait_for(
-                self.sender.push(self.address, self.transfer_id, buffers, first=first), self.timeout_s
+                self.sender.push(self.address, self.transfer_id, buffers, first=first - self.skip_pages),
+                self.timeout_s,
             )
         except Exception as exc:
             self._error = exc
@@ -142,6 +152,6 @@ class KVPush:
             raise self._error
         exposed = time.perf_counter() - compute_end
         text = ""
-        if digest:
-            text = pages_digest(self.kv_cache.push_buffers(block_ids, state_slot))
+        if digest:  # of what the push wrote: decode's reused pages are its own
+            text = pages_digest(self.kv_cache.push_buffers(block_ids[self.skip_pages :], state_slot))
         return PushReport(self.nbytes, self.seconds, exposed, self.num_parts, text)

@@ -9,17 +9,16 @@ import logging
 from engine.device import resolve_device
 from engine.loader import resolve_model
 from engine.runners import create_runner
-from kvstore.redis_index import RedisKVIndex
 from kvstore.registry import InstanceRecord
 from kvstore.transports import create_sender
 from prefill_svc import metrics
 from prefill_svc.config import PrefillConfig
 from prefill_svc.engine import PrefillEngine
-from prefill_svc.kv_publisher import KVEventPublisher
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
 from runtime import lifecycle, service
 from runtime.cpu_share import open_cpu_share
+from runtime.kv_index import KVIndexWriter
 from runtime.lifecycle import Lifecycle
 from runtime.registration import Registration
 from runtime.served_model import ServedModel
@@ -38,16 +37,9 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     svc = service.Service(["kvmesh.v1.Prefill"], config.host, config.port)
     address = config.reachable_address(svc.port)  # what gateways dial
     instance_id = config.instance_id or address
-    index = None
-    if config.redis_url:
-        index = RedisKVIndex(config.redis_url, model=files.name)
-        try:
-            index.clear_instance(instance_id)  # a restart starts with an empty cache
-        except Exception as exc:
-            logger.warning("Redis index unreachable at start (%s); KV events will be retried per request", exc)
     # KV events leave the model thread at once; a background thread writes them to Redis
-    publisher = KVEventPublisher(lambda events: index.publish(instance_id, events)) if index else None
-    publish = publisher.publish if publisher else None
+    writer = KVIndexWriter(config.redis_url, files.name, instance_id, "prefill") if config.redis_url else None
+    publish = writer.publisher.publish if writer else None
     # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
     await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
     runner = await asyncio.wrap_future(
@@ -85,38 +77,18 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     await asyncio.wrap_future(executor.submit(runner.warmup))
     registration = None
     release = [engine.shutdown, sender.close]
-    if index is not None and publisher is not None:
+    if writer is not None:
         record = InstanceRecord(instance_id, "prefill", address, model.fingerprint, config.page_size)
-        registration = Registration(
-            index.registry, record, config.lease_ttl_s, after_beat=_resync_after(publisher, engine)
-        )
-        release.append(lambda: _leave_index(index, publisher, instance_id))
-    await life.serve(stop, f"prefill {instance_id} serving on {svc.address}", registration, release)
+        publisher = writer.publisher
 
-
-async def _leave_index(index: RedisKVIndex, publisher: KVEventPublisher, instance_id: str) -> None:
-    """At shutdown: send the KV events still queued, clear this instance's index entries, close."""
-    await asyncio.to_thread(publisher.close)
-    try:
-        await asyncio.to_thread(index.leave, instance_id)
-    except Exception as exc:
-        logger.warning("could not clear index entries at shutdown: %s", exc)
-    index.close()
-
-
-def _resync_after(publisher: KVEventPublisher, engine: PrefillEngine):
-    """The registration's after_beat: when the index has forgotten this instance (its first
-    lease, or Redis restarted empty) or events were dropped while Redis was down, re-publish
-    what the prefix cache holds. The snapshot is taken on the engine's worker thread and
-    queued in order with the KV events, so no event slips between the snapshot and the publish.
-    """
-
-    async def after_beat(lost: bool) -> None:
-        if lost or publisher.needs_resync:
+        async def resync() -> None:  # the snapshot on the worker thread, where the events come from
             await asyncio.wrap_future(engine.call(lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
-            logger.info("prefix cache re-published to the index (%s)", "lease was new" if lost else "events dropped")
 
-    return after_beat
+        registration = Registration(
+            writer.index.registry, record, config.lease_ttl_s, after_beat=writer.after_beat(resync)
+        )
+        release.append(writer.leave)
+    await life.serve(stop, f"prefill {instance_id} serving on {svc.address}", registration, release)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -48,6 +48,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise ValueError(f"token ids must be in [0, {self.model.vocab_size}), got {bad[:5]}")
         if request.decode_kv_address:
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
+        held = request.decode_cached_pages
+        if not 0 <= held <= (n - 1) // self.engine.page_size:
+            raise ValueError(
+                f"decode_cached_pages must be in [0, {(n - 1) // self.engine.page_size}] (the prompt's full pages "
+                f"before its last token's), got {held}"
+            )
         if request.block_hashes:
             full = n // self.engine.page_size
             if len(request.block_hashes) != full or any(len(h) != HASH_NBYTES for h in request.block_hashes):
@@ -97,6 +103,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 request.transfer_id,
                 self.engine.kv_cache,
                 self.config.push_timeout_s,
+                request.decode_cached_pages,
             )
         job = Request(
             rid,
@@ -151,7 +158,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             span,
             "prefill.kv_push",
             attributes={
-                "kvmesh.kv.pages": len(result.block_ids),
+                "kvmesh.kv.pages": len(result.block_ids) - request.decode_cached_pages,
+                "kvmesh.kv.decode_cached_pages": request.decode_cached_pages,
                 "kvmesh.decode.kv_address": request.decode_kv_address,
             },
         )
@@ -203,7 +211,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             first_token=result.first_token,
             num_cached_tokens=result.num_cached_tokens,
             num_computed_tokens=result.num_computed_tokens,
-            num_pages=len(result.block_ids),
+            num_pages=len(result.block_ids) - request.decode_cached_pages,
             page_nbytes=self.engine.kv_cache.page_nbytes,
             nbytes_sent=report.nbytes,
             transfer_s=report.seconds,

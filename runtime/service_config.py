@@ -64,6 +64,14 @@ class ModelServiceConfig:
         "MoE and indexer kernels on the CPU: torch, or triton (TRITON_INTERPRET=1); on a GPU they are always "
         "the Triton kernels",
     )
+    enable_prefix_caching: bool = setting(
+        True,
+        "--prefix-caching",
+        "keep a request's full blocks after it ends and reuse them for later requests: on prefill the prompt's "
+        "(computed once), on decode the prompt's and the answer's (not pushed again); both publish them as KV "
+        "events to the prefix index",
+        kind="flag",
+    )
     kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
     kv_push_path: str = setting(
         "auto",

@@ -19,6 +19,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from kvmesh.client import Completion, GatewayClient, make_request
 from kvmesh.launcher import Mesh, start_mesh
 from kvmesh.redis_server import free_port
+from kvstore.block_hash import hash_blocks
+from kvstore.redis_index import RedisKVIndex
 from runtime.service import wait_for_health
 from tests.conftest import instance_stats
 
@@ -156,6 +158,23 @@ def complete_many(mesh: Mesh, requests: list[dict]) -> list[Completion]:
             return await asyncio.gather(*[client.complete(make_request(**r), timeout_s=600) for r in requests])
 
     return asyncio.run(run())
+
+
+def wait_indexed(mesh: Mesh, address: str, kind: str, token_ids: list[int], model_name: str, timeout_s: float = 30.0):
+    """Wait until the prefix index says the instance at `address` holds every full block of
+    `token_ids` (hashed without a tenant, 16 tokens a block): its KV events went out after the
+    answer that filled them. Returns the number of blocks; AssertionError past timeout_s."""
+    instance_id = instance_stats(address, kind).instance_id
+    hashes = hash_blocks(token_ids, 16)
+    index = RedisKVIndex(mesh.redis_url, model=model_name)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while index.longest_prefix(hashes, [instance_id])[instance_id] < len(hashes):
+            assert time.monotonic() < deadline, f"{instance_id}'s KV events did not reach the index"
+            time.sleep(0.05)
+    finally:
+        index.close()
+    return len(hashes)
 
 
 def wait_idle(mesh: Mesh, timeout_s: float = 60.0) -> None:

@@ -17,11 +17,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
+from engine.loader import resolve_model
 from engine.models.deepseek_v4_state import V4StateLayout
 from engine.models.deepseek_v4_weights import load_config as load_v4_config
 from engine.tiny_models import make_tiny_model
 from tests.conftest import instance_stats
-from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
+from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle, wait_indexed
 
 WORDS = (
     "the lighthouse keeper walked along the cliff and counted every ship that passed "
@@ -103,10 +104,35 @@ def test_state_moved_bitwise_pages_plus_slot(mesh, tiny):
     out = complete(mesh, PROMPTS[2], chat=False, max_tokens=4, ignore_eos=True)
     kv = out.final.kv_transfer
     assert kv.page_nbytes == layout.page_floats * 4
-    assert kv.num_pages == math.ceil(out.final.prompt_tokens / 16)
+    # pages decode held already (a prompt sharing this one's start ran before) are not pushed
+    assert kv.num_pages + kv.decode_cached_pages == math.ceil(out.final.prompt_tokens / 16)
     # the pages, then the request's state slot (open windows, CSA overlap)
     assert kv.nbytes == kv.num_pages * kv.page_nbytes + layout.slot_floats * 4
     assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
+    wait_idle(mesh)
+
+
+def test_a_conversation_s_next_turn_reuses_decode_s_pages_exactly(mesh, reference, tiny):
+    """Decode-side prefix reuse on V4 (2 EP ranks, MTP drafts): the next turn of a conversation
+    finds the first turn's prompt and answer in decode's pages (sliding-window K=V, compressed
+    entries, indexer keys written by decode's own steps for the answer), prefill pushes only the
+    pages after them and its state slot, and the tokens equal transformers' on the whole prompt."""
+    model, tok = reference
+    turn1 = tok.encode(_text(40) + " and what did the keeper see", add_special_tokens=False)
+    first = complete(mesh, b"", prompt_token_ids=turn1, max_tokens=48, ignore_eos=True)
+    held = wait_indexed(
+        mesh, mesh.decode_addresses[0], "decode", turn1 + first.token_ids[:-1], resolve_model(str(tiny)).name
+    )
+    turn2 = turn1 + first.token_ids + tok.encode(" and after the storm", add_special_tokens=False)
+    got = complete(mesh, b"", prompt_token_ids=turn2, max_tokens=24, ignore_eos=True)
+    kv = got.final.kv_transfer
+    assert kv.decode_cached_pages == min(held, (len(turn2) - 1) // 16) >= 4
+    assert kv.num_pages == math.ceil(len(turn2) / 16) - kv.decode_cached_pages
+    assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
+    with torch.inference_mode():
+        ids = torch.tensor([turn2])
+        want = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(turn2) :].tolist()
+    assert got.token_ids == want
     wait_idle(mesh)
 
 

@@ -16,7 +16,7 @@ from engine.checkpoint import load_tokenizer
 from engine.loader import load_config, resolve_model
 from kvmesh.client import GatewayClient, make_request
 from tests.conftest import instance_stats
-from tests.integration.meshutil import complete, complete_many, log_size, read_log, wait_idle
+from tests.integration.meshutil import complete, complete_many, log_size, read_log, wait_idle, wait_indexed
 
 PROMPTS = [
     "What is the capital of France?",
@@ -89,7 +89,8 @@ def test_kv_moved_bitwise_over_ucx(mesh, reference):
     # one page holds page_size tokens of K and V for every layer, fp32
     page_nbytes = 16 * config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
     assert kv.page_nbytes == page_nbytes
-    assert kv.num_pages == math.ceil(out.final.prompt_tokens / 16)
+    # the pages decode held already (the chat template's system prompt, from earlier requests) are not pushed
+    assert kv.num_pages + kv.decode_cached_pages == math.ceil(out.final.prompt_tokens / 16)
     assert kv.nbytes == kv.num_pages * kv.page_nbytes
     # SHA-256 of the prompt's pages as prefill sent them and as decode found them
     assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
@@ -108,12 +109,40 @@ def test_a_long_prompt_is_pushed_chunk_by_chunk_and_lands_whole(mesh, reference)
     assert out.final.prompt_tokens > 1100
     kv = out.final.kv_transfer
     assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
-    assert kv.nbytes == math.ceil(out.final.prompt_tokens / 16) * kv.page_nbytes
+    assert kv.nbytes == (math.ceil(out.final.prompt_tokens / 16) - kv.decode_cached_pages) * kv.page_nbytes
     assert 0 < kv.exposed_seconds and 0 < kv.seconds
     assert f"[{out.final.request_id}] prefilled" in read_log(mesh, since)
     parts = read_log(mesh, since).split(f"[{out.final.request_id}] prefilled", 1)[1].split(" parts", 1)[0]
     assert int(parts.rsplit(" ", 1)[1]) >= 3, parts
     assert out.token_ids == hf_greedy(reference, prompt, 4)
+
+
+def test_a_conversation_s_next_turn_pushes_only_the_pages_decode_lacks(mesh, reference):
+    """Decode-side prefix reuse: decode keeps a finished request's full blocks (its prompt's and
+    its answer's), publishes them to the index, and the next turn (the conversation so far and a
+    new question) is reserved there first and pushed only from where decode's pages end."""
+    model, tok, _ = reference
+    messages = [{"role": "user", "content": "Name a few rivers of Europe."}]
+    turn1 = list(tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    first = complete(mesh, b"", prompt_token_ids=turn1, max_tokens=48, ignore_eos=True)
+    answer = first.token_ids
+    assert len(answer) == 48
+    # decode caches the blocks whose KV it holds: the prompt, then the answer but its last token
+    kv_tokens = turn1 + answer[:-1]
+    held = wait_indexed(mesh, mesh.decode_addresses[0], "decode", kv_tokens, resolve_model(None).name)
+    turn2 = turn1 + answer + tok.encode(" Which of them is the longest?")
+    second = complete(mesh, b"", prompt_token_ids=turn2, max_tokens=8)
+    kv = second.final.kv_transfer
+    # every block decode holds is reused (short of the last prompt token's), the rest pushed
+    assert kv.decode_cached_pages == min(held, (len(turn2) - 1) // 16) >= 4
+    assert kv.num_pages == math.ceil(len(turn2) / 16) - kv.decode_cached_pages
+    assert kv.nbytes == kv.num_pages * kv.page_nbytes
+    # what the push wrote is what prefill sent, and the answer is transformers' on the whole prompt
+    assert len(kv.prefill_digest) == 64 and kv.prefill_digest == kv.decode_digest
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([turn2]), max_new_tokens=8, do_sample=False)[0, len(turn2) :].tolist()
+    assert second.token_ids == want
+    wait_idle(mesh)
 
 
 def _status(mesh, prompt=b"", **kwargs) -> tuple[grpc.StatusCode, str, float]:

@@ -78,6 +78,14 @@ def test_decode_drains_in_flight_streams_then_exits_0():
         assert all(o.final.generated_tokens == 40 for o in outs)
         assert code == grpc.StatusCode.UNAVAILABLE
         assert _proc(mesh, "decode-0").wait(timeout=30) == 0
+        # decode kept the answers' pages and published them; leaving, it cleared its index entries
+        r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+        try:
+            assert not r.exists(f"kvmesh:{mesh_model()}:instance:{outs[0].final.decode_instance}:blocks")
+            kinds = {(e["role"], e["type"]) for _, e in r.xrange(f"kvmesh:{mesh_model()}:kv_events")}
+            assert {("decode", "stored"), ("decode", "cleared"), ("prefill", "stored")} <= kinds
+        finally:
+            r.close()
 
 
 def test_prefill_leaves_the_index_and_exits_0():
@@ -94,7 +102,10 @@ def test_prefill_leaves_the_index_and_exits_0():
             assert not r.exists(f"kvmesh:{mesh_model()}:instance:{instance}:blocks")
             assert not r.exists(f"kvmesh:{mesh_model()}:lease:{instance}")
             assert not r.sismember(f"kvmesh:{mesh_model()}:instances", instance)
-            assert not list(r.scan_iter(match=f"kvmesh:{mesh_model()}:block:*"))
+            # no block names it any more; decode's own (it keeps the finished request's pages) stay
+            blocks = list(r.scan_iter(match=f"kvmesh:{mesh_model()}:block:*"))
+            assert not any(r.sismember(b, instance) for b in blocks)
+            assert all(r.smembers(b) == {out.final.decode_instance} for b in blocks) and blocks
         finally:
             r.close()
         # with no prefill left the gateway answers UNAVAILABLE within seconds, not a hang

@@ -17,6 +17,8 @@ from decode_svc.config import DecodeConfig
 from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased
 from engine.kv_layout import llama_layout
 from engine.sampling_params import SamplingParams
+from kvstore.block_hash import hash_blocks, tenant_root
+from kvstore.kv_events import BlockStored
 
 VOCAB = 100
 
@@ -181,3 +183,49 @@ def test_state_slots_are_reserved_with_pages_and_freed_with_them():
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
     finally:
         engine.shutdown()
+
+
+def test_a_finished_request_s_blocks_stay_cached_and_a_later_turn_reuses_them():
+    """Decode-side prefix reuse: the prompt's and the answer's full blocks with KV stay cached
+    under the prompt's hashes chained on over the answer (one KV event), and a later Reserve
+    that may reuse references them, short of its last prompt token's page."""
+    events: list = []
+    runner = CountingRunner()
+    engine = DecodeEngine(DecodeConfig(num_pages=32, page_size=4), runner, on_events=events.extend)
+    root = tenant_root("team-a")
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks
+    engine.start()
+    try:
+        first = engine.reserve("t1", len(prompt), 8, block_hashes=hash_blocks(prompt, 4, root))
+        assert first.num_reused_pages == 0 and first.num_prompt_pages == 3
+        t1_pages = list(first.block_ids)
+        assert _drain(_start_reserved(engine, first, prompt, 11)) == ([12, 13, 14, 15, 16, 17, 18], "length")
+        # tokens 1..18; the last has no KV, so 17 have: 4 full blocks, hashed as one chain
+        conversation = list(range(1, 19))
+        (stored,) = events
+        assert stored == BlockStored(tuple(hash_blocks(conversation[:16], 4, root)))
+        assert engine.pool.num_cached_blocks == 4 and engine.pool.num_referenced_blocks == 0
+
+        # the next turn: the conversation so far and 2 new tokens (20 tokens, 5 full blocks); its
+        # last token's block is pushed, so 4 of the 4 reusable blocks are decode's own pages
+        turn2 = [*conversation, 50, 51]
+        hashes2 = hash_blocks(turn2, 4, root)
+        second = engine.reserve("t2", len(turn2), 4, block_hashes=hashes2, reuse_cached=True)
+        assert second.num_reused_pages == 4 and second.block_ids[:4] == t1_pages[:4]
+        assert engine.pool.num_referenced_blocks == len(second.block_ids)
+        # not asked to reuse (Prefill already went out pushing every page), another tenant's
+        # hashes, or too short a prompt: nothing is referenced
+        plain = engine.reserve("t3", len(turn2), 4, block_hashes=hashes2)
+        other = engine.reserve(
+            "t4", len(turn2), 4, block_hashes=hash_blocks(turn2, 4, tenant_root("b")), reuse_cached=True
+        )
+        short = engine.reserve("t5", 4, 4, block_hashes=hashes2[:1], reuse_cached=True)
+        assert (plain.num_reused_pages, other.num_reused_pages, short.num_reused_pages) == (0, 0, 0)
+        for r in (second, plain, other, short):
+            engine.release(r.transfer_id)
+        with pytest.raises(ValueError, match="one 16-byte hash per full block"):
+            engine.reserve("bad", len(turn2), 4, block_hashes=hashes2[:2])
+    finally:
+        engine.shutdown()
+    engine.pool.check_integrity()
+    assert engine.pool.num_referenced_blocks == 0 and engine.pool.num_cached_blocks == 4

@@ -1,5 +1,6 @@
-"""The gateway's path to the first token (its orchestration): Reserve goes out before the
-prefix index answers, the prefill leg joins the attempt afterwards, Prefill goes out while
+"""The gateway's path to the first token (its orchestration): the prefix index is asked once
+for both roles before Reserve, a decode that holds the prompt is picked and reserved first
+(prefill skips its pages), the prefill leg joins the attempt afterwards, Prefill goes out while
 Reserve is in flight once decode's KV address is known (under the gateway's transfer id),
 small prompts skip the worker thread, and `kvmesh bench` derives the orchestration time
 from the Final message.
@@ -142,7 +143,7 @@ def _input(num_tokens: int) -> GenerateInput:
     )
 
 
-def test_reserve_goes_out_before_the_prefix_index_answers_and_routing_follows_the_index():
+def test_the_index_is_asked_once_for_both_roles_then_reserve_and_routing_follow_it():
     async def scenario():
         events = Events()
         index = SlowIndex(events, holds={"p2": 3})  # p2 holds the prompt's first 3 blocks
@@ -151,16 +152,17 @@ def test_reserve_goes_out_before_the_prefix_index_answers_and_routing_follows_th
             run = asyncio.ensure_future(_collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0)))
             for _ in range(5):
                 await asyncio.sleep(0)
-            # Reserve and the index lookup are in flight together: one round trip, not two
-            assert events == ["reserve sent", "index asked"]
+            # the index is asked first (its answer picks decode as well as prefill); nothing is held yet
+            assert events == ["index asked"]
             p1, p2 = pool.prefills
-            assert pool.decodes[0].in_flight_requests == 1 and p1.in_flight_requests == p2.in_flight_requests == 0
+            assert pool.decodes[0].in_flight_requests == 0 and p1.in_flight_requests == p2.in_flight_requests == 0
             index.answer.set()
             for _ in range(5):
                 await asyncio.sleep(0)
             # routed by the index (p2 holds the prefix); decode's KV address is not known yet
-            # (no stats poll answered), so Prefill waits for the Reserve's answer
-            assert events[2:] == ["index answered"] and (p1.in_flight_requests, p2.in_flight_requests) == (0, 1)
+            # (no stats poll answered), so Reserve goes out and Prefill waits for its answer
+            assert events[1:] == ["index answered", "reserve sent"]
+            assert (p1.in_flight_requests, p2.in_flight_requests) == (0, 1)
             pool._decode_stubs["d1:1"].answer.set()  # type: ignore[attr-defined]
             msgs = await run
             assert events[3:5] == ["reserved", "prefill to decode:9"] and events[5] == "prefilled"
@@ -172,6 +174,68 @@ def test_reserve_goes_out_before_the_prefix_index_answers_and_routing_follows_th
             # a finished attempt keeps its routed tokens (prompt minus the cached prefix) on p2
             assert p2.total_routed_tokens == 50 - 48 and p2.in_flight_requests == 0
             assert pool.decodes[0].in_flight_requests == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_decode_that_holds_the_prompt_is_picked_reserved_first_and_prefill_skips_its_pages():
+    """Decode-side prefix reuse at the gateway: the index says d2 holds 2 leading blocks, so d2
+    is picked although d1 is less loaded (within the slack), Reserve goes first asking to reuse
+    (with the prompt's block hashes), and Prefill pushes after the pages d2 says it holds."""
+
+    class HoldingDecode(FakeDecode):
+        def __init__(self, events: Events, held: int) -> None:
+            super().__init__(events)
+            self.answer.set()
+            self.held = held
+            self.asked: list[decode_pb2.ReserveRequest] = []
+
+        async def Reserve(self, request, timeout=None, metadata=None):
+            self.asked.append(request)
+            self.events.append(f"reserve sent reuse={request.reuse_cached}")
+            return decode_pb2.ReserveResponse(
+                kv_address=self.kv_address,
+                transfer_id=request.transfer_id,
+                instance_id="d2",
+                num_cached_pages=self.held if request.reuse_cached else 0,
+            )
+
+    class Index:
+        async def longest_prefix(self, block_hashes, instance_ids):
+            return {i: 2 if i == "d2" else 0 for i in instance_ids}
+
+        async def close(self) -> None:
+            pass
+
+    async def scenario():
+        events = Events()
+        pool = InstancePool(["p1:1"], ["d1:1", "d2:1"], 16, Index(), 0.3, 0.02, 1.0, decode_hit_slack=2)  # type: ignore[arg-type]
+        pool.prefills[0].instance_id = "p1"
+        d1, d2 = pool.decodes
+        d1.instance_id, d2.instance_id = "d1", "d2"
+        d1.kv_address = d2.kv_address = "decode:9"  # known: without the hit, Prefill would go first
+        d2.reported_active_requests = 2  # busier than d1, within the slack
+        holder = HoldingDecode(events, held=2)
+        pool._decode_stubs = {"d1:1": FakeDecode(events), "d2:1": holder}  # type: ignore[dict-item]
+        prefill = FakePrefill(events)
+        sent: list[prefill_pb2.PrefillRequest] = []
+        make = prefill.Prefill
+        prefill.Prefill = lambda request, **kw: (sent.append(request), make(request, **kw))[1]  # type: ignore[method-assign]
+        pool._prefill_stubs = {"p1:1": prefill}  # type: ignore[dict-item]
+        admission = AdmissionQueue(lambda: 8, max_queued_requests=8, max_queued_tokens=10_000, max_queue_time_s=5)
+        servicer = RequestPath(Builder(), pool, admission, frozenset(), 1.0, 30.0, 20.0, 8.0)  # type: ignore[arg-type]
+        try:
+            msgs = await _collect(servicer._attempts(_input(50), None, arrived=0.0, waited=0.0))
+            assert events[:2] == ["reserve sent reuse=True", "prefill to decode:9"]
+            (reserve,) = holder.asked
+            assert len(reserve.block_hashes) == 50 // 16 and all(len(h) == 16 for h in reserve.block_hashes)
+            assert sent[0].decode_cached_pages == 2 and list(sent[0].block_hashes) == list(reserve.block_hashes)
+            assert msgs[-1].final.kv_transfer.decode_cached_pages == 2
+            # past the slack, load wins: d2 three requests busier than d1 is not picked
+            d2.reported_active_requests = 3
+            assert pool.pick_decode(frozenset(), {"d2": 2}) is d1
         finally:
             await pool.close()
 

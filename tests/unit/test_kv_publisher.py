@@ -6,7 +6,7 @@ import threading
 import time
 
 from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefill_svc.kv_publisher import KVEventPublisher
+from kvstore.kv_publisher import KVEventPublisher
 
 
 def _wait(predicate, timeout_s: float = 30.0) -> None:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "page_size", "kv_deadline_s", "transfer_id", "kv_layout")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_tokens", "page_size", "kv_deadline_s", "transfer_id", "kv_layout", "block_hashes", "reuse_cached")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class ReserveRequest(_message.Message):
     KV_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REUSE_CACHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_tokens: int
@@ -23,21 +25,25 @@ class ReserveRequest(_message.Message):
     kv_deadline_s: float
     transfer_id: int
     kv_layout: str
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ..., transfer_id: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    reuse_cached: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_deadline_s: _Optional[float] = ..., transfer_id: _Optional[int] = ..., kv_layout: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., reuse_cached: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("kv_address", "transfer_id", "num_pages", "page_nbytes", "instance_id")
+    __slots__ = ("kv_address", "transfer_id", "num_pages", "page_nbytes", "instance_id", "num_cached_pages")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     kv_address: str
     transfer_id: int
     num_pages: int
     page_nbytes: int
     instance_id: str
-    def __init__(self, kv_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    num_cached_pages: int
+    def __init__(self, kv_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., num_cached_pages: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "prompt_token_ids", "first_token", "sampling", "kv_timeout_s", "ignore_eos")

@@ -68,7 +68,7 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransfer(_message.Message):
-    __slots__ = ("num_pages", "page_nbytes", "nbytes", "seconds", "prefill_digest", "decode_digest", "exposed_seconds")
+    __slots__ = ("num_pages", "page_nbytes", "nbytes", "seconds", "prefill_digest", "decode_digest", "exposed_seconds", "decode_cached_pages")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class KVTransfer(_message.Message):
     PREFILL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DECODE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPOSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     page_nbytes: int
     nbytes: int
@@ -83,7 +84,8 @@ class KVTransfer(_message.Message):
     prefill_digest: str
     decode_digest: str
     exposed_seconds: float
-    def __init__(self, num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_digest: _Optional[str] = ..., decode_digest: _Optional[str] = ..., exposed_seconds: _Optional[float] = ...) -> None: ...
+    decode_cached_pages: int
+    def __init__(self, num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_digest: _Optional[str] = ..., decode_digest: _Optional[str] = ..., exposed_seconds: _Optional[float] = ..., decode_cached_pages: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s", "drafted_tokens", "accepted_tokens")

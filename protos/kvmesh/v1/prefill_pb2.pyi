@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "decode_kv_address", "transfer_id", "page_size", "block_hashes")
+    __slots__ = ("request_id", "token_ids", "sampling", "decode_kv_address", "transfer_id", "page_size", "block_hashes", "decode_cached_pages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class PrefillRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -23,7 +24,8 @@ class PrefillRequest(_message.Message):
     transfer_id: int
     page_size: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_kv_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., page_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    decode_cached_pages: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_kv_address: _Optional[str] = ..., transfer_id: _Optional[int] = ..., page_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., decode_cached_pages: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "num_pages", "page_nbytes", "nbytes_sent", "transfer_s", "queue_s", "compute_s", "instance_id", "kv_digest", "traceparent", "exposed_transfer_s")
