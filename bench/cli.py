@@ -35,6 +35,10 @@ def _bench(args: argparse.Namespace) -> int:
         from bench.speculative import run_speculative_bench
 
         return run_speculative_bench(args)
+    if args.trace and args.multiturn:
+        from bench.multiturn import run_multiturn_bench
+
+        return run_multiturn_bench(args)
     if args.trace:
         from bench.trace import run_trace_bench
 

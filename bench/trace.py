@@ -186,6 +186,13 @@ def add_arguments(p) -> None:
     p.add_argument("--trace", default=None, help="replay this Mooncake-format trace instead (see bench/trace.py)")
     p.add_argument("--limit", type=int, default=100, help="with --trace: the first N requests")
     p.add_argument("--prefill", type=int, default=2, help="with --trace: prefill instances")
+    p.add_argument("--decode", type=int, default=2, help="with --trace --multiturn: decode instances")
+    p.add_argument(
+        "--multiturn",
+        action="store_true",
+        help="with --trace: replay the trace's conversations (turns extending earlier prompts) with decode-side "
+        "prefix reuse off, then on (bench/multiturn.py)",
+    )
     p.add_argument("--block-tokens", type=int, default=16, help="with --trace: tokens per trace block (512 scaled)")
     p.add_argument("--speedup", type=float, default=2.0, help="with --trace: replay this many times faster")
     p.add_argument("--max-tokens", type=int, default=2, help="with --trace: tokens each request decodes")

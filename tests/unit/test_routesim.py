@@ -109,3 +109,29 @@ def test_out_of_range_trace_values_are_refused(tmp_path):
         path.write_text(row + "\n")
         with pytest.raises(ValueError, match=what):
             load_trace(str(path))
+
+
+def test_multiturn_conversations_follow_whole_earlier_prompts_by_hand():
+    from bench.multiturn import conversations
+
+    def req(t: float, tokens: int, ids) -> TraceRequest:
+        return TraceRequest(t, tokens, tuple(ids))
+
+    trace = [
+        req(0, 2600, [0, 1, 2, 3, 4, 5]),  # a: 5 full blocks
+        req(1, 700, [0, 9]),  # alone: shares only the system block
+        req(2, 3100, [0, 1, 2, 3, 4, 6, 7]),  # a's 2nd turn: a's 5 full blocks, then new ones
+        req(3, 1100, [0, 20, 21]),  # b
+        req(4, 4000, [0, 1, 2, 3, 4, 6, 7, 8]),  # a's 3rd turn: extends the 2nd's 6 full blocks
+        req(5, 1600, [0, 20, 21, 22]),  # b's 2nd turn: b's 2 full blocks
+    ]
+    turns = conversations(trace, limit=10)
+    assert [(t.request.arrival_s, t.parent, t.shared_blocks) for t in turns] == [
+        (0, None, 0),
+        (2, 0, 5),
+        (3, None, 0),
+        (4, 1, 6),
+        (5, 2, 2),  # b's whole prompt is its 2 full blocks (1,100 tokens): [0, 20]
+    ]
+    # conversations go whole or not at all: a's three turns fit in 4, b's two would not
+    assert [t.request.arrival_s for t in conversations(trace, limit=4)] == [0, 2, 4]
