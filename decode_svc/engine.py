@@ -34,6 +34,7 @@ from engine.speculative import create_speculator
 from kvstore.block_hash import HASH_NBYTES, BlockHash
 from kvstore.kv_events import KVEvent
 from kvstore.kv_publisher import KVEventPublisher
+from kvstore.kv_tier import KVTier
 from runtime.cpu_share import open_cpu_share
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class DecodeEngine:
     dispatch: runs each step's deliveries (deliver_all: on the engine thread; the service
     passes deliver_on(its loop)). on_events: hears the KV events of decode's prefix cache
     (config.enable_prefix_caching: finished requests' full blocks stay cached, and a Reserve
-    may reuse them), under the engine's lock; it must not block. Raises ValueError as engine.speculative.create_speculator
+    may reuse them), under the engine's lock; it must not block. tier: the second tier decode's
+    evicted blocks go to (kvstore.kv_tier; None: none). Raises ValueError as engine.speculative.create_speculator
     does (too few state slots for config.num_state_slots, mtp without an MTP module).
     """
 
@@ -55,6 +57,7 @@ class DecodeEngine:
         runner: Runner,
         dispatch: DispatchFn = deliver_all,
         on_events: Callable[[list[KVEvent]], None] | None = None,
+        tier: KVTier | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -67,6 +70,7 @@ class DecodeEngine:
             config.enable_prefix_caching,
             on_events,
             push_path=config.kv_push_path,
+            tier=tier,
         )
         self.speculator = create_speculator(
             config.speculative,
@@ -260,7 +264,7 @@ class DecodeEngine:
         """Re-publish every block hash decode's prefix cache holds (publisher.resync), under the
         lock its KV events are emitted under, so none slips between the snapshot and the publish."""
         with self._cond:
-            publisher.resync(sorted(self.pool.cached_hashes()))
+            publisher.resync(self.kv_cache.snapshot())
 
     @property
     def num_active_requests(self) -> int:

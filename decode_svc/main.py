@@ -14,6 +14,7 @@ from decode_svc.servicer import DecodeServicer
 from engine.device import resolve_device
 from engine.loader import resolve_model
 from engine.runners import create_runner
+from kvstore.kv_tier import create_tier
 from kvstore.registry import InstanceRecord, InstanceRegistry
 from kvstore.transports import create_receiver
 from protos.kvmesh.v1 import decode_pb2_grpc
@@ -53,11 +54,13 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     writer = None
     if config.redis_url and config.enable_prefix_caching:  # decode's KV events: gateways route turns by them
         writer = KVIndexWriter(config.redis_url, files.name, instance_id, "decode")
+    tier = create_tier(config.kv_tier_blocks, runner.page_nbytes, config.kv_tier_dir, device.type, instance_id)
     engine = DecodeEngine(
         config,
         runner,
         dispatch=deliver_on(asyncio.get_running_loop()),
         on_events=writer.publisher.publish if writer else None,
+        tier=tier,
     )
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     # a wildcard bind address is no address to push to: advertise a name others can reach
@@ -96,6 +99,8 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     if hasattr(runner, "close"):  # expert-parallel ranks
         release.append(lambda: asyncio.wrap_future(executor.submit(runner.close)))
     release.append(receiver.close)
+    if tier is not None:
+        release.append(tier.close)
     banner = f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})"
     await life.serve(stop, banner, registration, release)
 

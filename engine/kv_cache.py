@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 from engine.request import Request
 from kvstore.block_hash import BlockHash, hash_blocks
 from kvstore.block_pool import BlockPool, NoFreeBlocksError
+from kvstore.kv_events import BlockStored
+from kvstore.kv_tier import KVTier
 from kvstore.staging import StagedLanding, choose_push_path, stage_out
 
 if TYPE_CHECKING:
@@ -67,6 +69,9 @@ class KVCacheManager:
         on_events: called with each batch of KV events, in order (prefill publishes them).
         push_path: how KV pushes reach the pages (kvstore.staging: auto, direct, staged); the
             choice made, and why, are `push_path` and `push_path_reason`.
+        tier: a second tier (kvstore.kv_tier, its events going to on_events too) that keeps the
+            pages the pool evicts and gives them back on a later prefix hit; None: evicted
+            blocks are gone. Only with prefix caching.
 
     Raises ValueError for a push path UCX cannot serve (direct without a CUDA transport).
     """
@@ -79,12 +84,22 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         on_events: Callable[[list[KVEvent]], None] | None = None,
         push_path: str = "auto",
+        tier: KVTier | None = None,
     ) -> None:
         self.runner = runner
         self.push_path, self.push_path_reason = choose_push_path(runner.page_layout.device, push_path)
         self._landings: dict[int, StagedLanding] = {}
         self.page_size = page_size
-        self.pool = BlockPool(num_pages, page_size, enable_prefix_caching=enable_prefix_caching, on_events=on_events)
+        self.tier = tier if enable_prefix_caching else None
+        if self.tier is not None:
+            self.tier.on_events = on_events  # its events go where the pool's go, in order with them
+        self.pool = BlockPool(
+            num_pages,
+            page_size,
+            enable_prefix_caching=enable_prefix_caching,
+            on_events=on_events,
+            on_evict=self._spill if self.tier is not None else None,
+        )
         self.slots = StateSlots(runner.num_state_slots)
         self.scratch_slots: list[int] = []
         """Slots held for good (decode's speculative verification rows), not by a request."""
@@ -121,16 +136,7 @@ class KVCacheManager:
         or slots are short; nothing is held then."""
         self._require_slot(error)
         num_pages = self.num_pages_for(num_tokens)
-        match = self.pool.match_prefix(reuse[:num_pages])
-        if num_pages - len(match.block_ids) > self.pool.num_free_blocks:
-            self.pool.free(match.block_ids)
-            raise error(
-                f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
-                f"{self.pool.num_blocks} are free; lower max_tokens or retry later"
-            )
-        new = self.pool.allocate(num_pages - len(match.block_ids))
-        request.block_ids = [*match.block_ids, *new.block_ids]
-        request.num_reused_pages = len(match.block_ids)
+        request.block_ids, request.num_reused_pages = self._match_and_allocate(reuse[:num_pages], num_pages, error)
         request.state_slot = self.slots.allocate()
         request.num_prompt_pages = self.num_pages_for(request.num_prompt_tokens)
         self.num_holders += 1
@@ -145,19 +151,59 @@ class KVCacheManager:
         if request.block_hashes is None:
             request.block_hashes = hash_blocks(tokens, size)
         # recompute at least the last prompt token so its logits exist
-        match = self.pool.match_prefix(request.block_hashes[: (len(tokens) - 1) // size])
-        try:
-            new = self.pool.allocate(self.num_pages_for(len(tokens)) - len(match.block_ids))
-        except Exception:
-            self.pool.free(match.block_ids)
-            raise
-        request.block_ids = [*match.block_ids, *new.block_ids]
+        request.block_ids, num_cached = self._match_and_allocate(
+            request.block_hashes[: (len(tokens) - 1) // size], self.num_pages_for(len(tokens)), NoFreeBlocksError
+        )
         request.num_prompt_pages = len(request.block_ids)
-        request.num_cached_tokens = request.num_computed_tokens = match.num_cached_tokens
+        request.num_cached_tokens = request.num_computed_tokens = num_cached * size
         request.state_slot = self.slots.allocate()
         self.num_holders += 1
-        if request.state_slot is not None and match.block_ids:  # continue from the end of the cached prefix
-            self.runner.resume_state_slot(request.state_slot, match.block_ids[-1])
+        if request.state_slot is not None and num_cached:  # continue from the end of the cached prefix
+            self.runner.resume_state_slot(request.state_slot, request.block_ids[num_cached - 1])
+
+    def _match_and_allocate(
+        self, hashes: Sequence[BlockHash], num_pages: int, error: type[Exception]
+    ) -> tuple[list[int], int]:
+        """num_pages pages whose leading ones hold the longest cached run of `hashes`: pool hits
+        referenced, then second-tier hits copied into new pages (which rejoin the pool's cache),
+        then fresh pages. Returns (block ids, leading pages that hold cached KV). All or
+        nothing: raises `error` when the pool lacks the pages."""
+        match = self.pool.match_prefix(hashes)
+        on_device = len(match.block_ids)
+        in_tier = 0
+        tier = self.tier
+        if tier is not None:
+            while on_device + in_tier < len(hashes) and hashes[on_device + in_tier] in tier:
+                in_tier += 1
+        need = num_pages - on_device
+        if need > self.pool.num_free_blocks:
+            self.pool.free(match.block_ids)
+            raise error(
+                f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
+                f"{self.pool.num_blocks} are free; lower max_tokens or retry later"
+            )
+        new = self.pool.allocate(need).block_ids  # may evict (and spill) blocks; never the matched ones
+        loaded = 0
+        while tier is not None and loaded < in_tier:
+            if not tier.get(hashes[on_device + loaded], self.runner.page_buffer(new[loaded])):
+                break  # its bytes are gone: the run stops there and the rest is recomputed
+            loaded += 1
+        if loaded:
+            self.pool.cache_blocks(new[:loaded], hashes[on_device : on_device + loaded])
+        return [*match.block_ids, *new], on_device + loaded
+
+    def _spill(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """The pool evicted these blocks: their pages go to the second tier before reuse."""
+        assert self.tier is not None
+        for block_id, block_hash in evicted:
+            self.tier.put(block_hash, self.runner.page_buffer(block_id))
+
+    def snapshot(self) -> list[BlockStored]:
+        """What this cache holds now, one BlockStored a medium (the index's resync)."""
+        stored = [BlockStored(tuple(sorted(self.pool.cached_hashes())))]
+        if self.tier is not None:
+            stored.append(BlockStored(tuple(self.tier.cached_hashes()), self.tier.medium))
+        return stored
 
     def _require_slot(self, error: type[Exception]) -> None:
         if self.slots.num_slots and not self.slots.num_free:
@@ -265,6 +311,16 @@ class KVCacheManager:
             "num_cached_pages": self.pool.num_cached_blocks,
             "num_referenced_pages": self.pool.num_referenced_blocks,
             "integrity_error": self.integrity_error() if check else "",
+            **(
+                {
+                    "kv_tier_medium": self.tier.medium,
+                    "num_tier_blocks": len(self.tier),
+                    "num_tier_loads": self.tier.num_loads,
+                    "num_tier_failed_loads": self.tier.num_failed_loads,
+                }
+                if self.tier is not None
+                else {}
+            ),
         }
 
     def bind_metrics(self, used, free, cached=None) -> None:

@@ -214,22 +214,36 @@ class InstancePool:
         return held if held >= self.decode_reuse_min_blocks else 0
 
     async def lookup_prefix(self, block_hashes) -> dict[str, int]:
-        """instance_id -> leading blocks of `block_hashes` it holds, from the prefix index, for the
-        routable prefill and decode instances; {} without an index or while it is unreachable
-        (never raises)."""
-        return await self.prefix.leading_blocks(
-            block_hashes, [i.instance_id for i in (*self.prefills, *self.decodes) if i.routable and i.instance_id]
-        )
+        """instance_id -> leading blocks of `block_hashes` it holds in its page pool, from the
+        prefix index, for the routable prefill and decode instances; {} without an index or
+        while it is unreachable (never raises)."""
+        return (await self.lookup_prefix_tiered(block_hashes))[0]
+
+    async def lookup_prefix_tiered(self, block_hashes) -> tuple[dict[str, int], dict[str, int]]:
+        """(lookup_prefix's answer, instance_id -> leading blocks in its pool or its second tier);
+        the second is {} (and the index is asked of the pools alone) while no instance reports
+        a second tier. Never raises."""
+        insts = [i for i in (*self.prefills, *self.decodes) if i.routable and i.instance_id]
+        tiered = any(i.kv_tier_medium for i in insts)
+        return await self.prefix.leading_blocks_tiered(block_hashes, [i.instance_id for i in insts], tiered)
 
     def pick_prefill(
-        self, num_prompt_tokens: int, cached_blocks, block_hashes, exclude: frozenset[str] = frozenset()
+        self,
+        num_prompt_tokens: int,
+        cached_blocks,
+        block_hashes,
+        exclude: frozenset[str] = frozenset(),
+        tiered_blocks: Mapping[str, int] | None = None,
     ) -> tuple[InstanceLoad, int]:
-        """(prefill instance, prompt tokens the index says it holds) by the routing policy, from
-        `lookup_prefix`'s answer. Raises LookupError when none is routable.
+        """(prefill instance, prompt tokens the index says it holds in its pool or second tier)
+        by the routing policy, from `lookup_prefix_tiered`'s answer (cached_blocks,
+        tiered_blocks). Raises LookupError when none is routable.
 
         Synchronous: the caller counts the request on the instance before its next await, so
         concurrent requests see each other."""
-        decision = self.router.choose(num_prompt_tokens, cached_blocks, self.page_size, block_hashes, exclude)
+        decision = self.router.choose(
+            num_prompt_tokens, cached_blocks, self.page_size, block_hashes, exclude, tiered_blocks
+        )
         prefill = next(i for i in self.prefills if i.address == decision.address)
         metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if self.prefix.informed else "load_only").inc()
         metrics.INDEX_CACHED_TOKENS.inc(decision.cached_tokens)

@@ -42,14 +42,24 @@ class PrefixLookup:
         return self.index is not None and self.index_ok
 
     async def leading_blocks(self, block_hashes: Sequence[BlockHash], instance_ids: list[str]) -> dict[str, int]:
-        """instance_id -> leading blocks of `block_hashes` it holds, for `instance_ids`; {} without
-        an index or while it is unreachable (never raises; one lookup is bounded by 1 s)."""
+        """instance_id -> leading blocks of `block_hashes` it holds in its page pool, for
+        `instance_ids`; {} without an index or while it is unreachable (never raises; one
+        lookup is bounded by 1 s)."""
+        return (await self.leading_blocks_tiered(block_hashes, instance_ids, tiered=False))[0]
+
+    async def leading_blocks_tiered(
+        self, block_hashes: Sequence[BlockHash], instance_ids: list[str], tiered: bool = True
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """(instance_id -> leading blocks in its page pool, instance_id -> leading blocks in its
+        pool or its second tier); with tiered=False the second is {} and the index is asked
+        of the pools alone. ({}, {}) without an index or while it is unreachable (never raises;
+        one lookup is bounded by 1 s)."""
         if self.index is None or not instance_ids:
-            return {}
-        cached_blocks: dict[str, int] = {}
+            return {}, {}
+        cached_blocks: tuple[dict[str, int], dict[str, int]] = ({}, {})
         try:
             async with asyncio.timeout(1.0):  # a scope, not wait_for: no task per request
-                cached_blocks = await self._leading_blocks(block_hashes, instance_ids)
+                cached_blocks = await self._leading_blocks(block_hashes, instance_ids, tiered)
             if not self.index_ok:
                 logger.info("prefix index reachable again; routing by cached prefix")
             self.index_ok = True
@@ -60,23 +70,38 @@ class PrefixLookup:
         metrics.PREFIX_INDEX_UP.set(1 if self.index_ok else 0)
         return cached_blocks
 
-    async def _leading_blocks(self, block_hashes: Sequence[BlockHash], instance_ids: list[str]) -> dict[str, int]:
-        """The index's longest_prefix, asked in stages of 8, 32, 128, ... blocks, each stage only
-        of the instances that held every block before it. The index spends one Redis command per
-        block asked (~25 us of this loop's time each: 3.6 ms for a 2K-token prompt), so a prompt
-        no instance holds past its first blocks costs one short lookup; a prompt held whole costs
-        a round trip (~0.2 ms) per stage more than one lookup of every block."""
+    async def _leading_blocks(
+        self, block_hashes: Sequence[BlockHash], instance_ids: list[str], tiered: bool
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """The index's longest_prefix (longest_prefix_tiered when `tiered`), asked in stages of 8,
+        32, 128, ... blocks, each stage only of the instances that held every block before it.
+        The index spends one Redis command per block asked (~25 us of this loop's time each: 3.6
+        ms for a 2K-token prompt), so a prompt no instance holds past its first blocks costs one
+        short lookup; a prompt held whole costs a round trip (~0.2 ms) per stage more than one
+        lookup of every block. A pool run counts on only while every earlier block was in the pool."""
         assert self.index is not None
-        counts = dict.fromkeys(instance_ids, 0)
+        pool = dict.fromkeys(instance_ids, 0)
+        total = dict.fromkeys(instance_ids, 0)
+        in_pool = set(instance_ids)  # the pool's run has not ended yet
         start, size, asking = 0, FIRST_LOOKUP_BLOCKS, instance_ids
         while asking and start < len(block_hashes):
             end = min(len(block_hashes), start + size)
-            held = await self.index.longest_prefix(block_hashes[start:end], asking)
+            if tiered:
+                held = await self.index.longest_prefix_tiered(block_hashes[start:end], asking)
+            else:
+                held = {
+                    i: (n, n) for i, n in (await self.index.longest_prefix(block_hashes[start:end], asking)).items()
+                }
             for instance_id in asking:
-                counts[instance_id] += held[instance_id]
-            asking = [i for i in asking if held[i] == end - start]
+                on_device, either = held[instance_id]
+                total[instance_id] += either
+                if instance_id in in_pool:
+                    pool[instance_id] += on_device
+                    if on_device < end - start:
+                        in_pool.discard(instance_id)
+            asking = [i for i in asking if held[i][1] == end - start]
             start, size = end, size * 4
-        return counts
+        return pool, total if tiered else {}
 
     async def reap(self) -> None:
         """Drop the index entries of prefill instances whose lease lapsed (any gateway may)."""

@@ -233,7 +233,7 @@ class RequestPath:
                     # both legs' caches read them
                     hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size, tenant_root(tenant))
                 # one lookup for both roles: which prefill and which decode hold how much of it
-                cached_blocks = await self.pool.lookup_prefix(hashes)
+                cached_blocks, tiered_blocks = await self.pool.lookup_prefix_tiered(hashes)
                 try:
                     decode = self.pool.pick_decode(exclude, cached_blocks)
                 except LookupError as exc:
@@ -246,7 +246,9 @@ class RequestPath:
                 decode_blocks = self.pool.decode_reuse(decode, cached_blocks)
                 await attempt.open(hops, prefill_by, hashes, decode_hit=decode_blocks > 0)
                 try:
-                    prefill, cached_hint = self.pool.pick_prefill(n_prompt, cached_blocks, hashes, exclude)
+                    prefill, cached_hint = self.pool.pick_prefill(
+                        n_prompt, cached_blocks, hashes, exclude, tiered_blocks
+                    )
                 except LookupError as exc:
                     raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
                 # the prefill tokens this request adds to the instance's queue

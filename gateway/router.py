@@ -59,6 +59,8 @@ class InstanceLoad:
     kv_address: str = ""
     kv_layout: str = ""
     """The KV page layout the instance reported (engine.kv_layout.PageLayout.describe); '' until it has."""
+    kv_tier_medium: str = ""
+    """The medium of the instance's second KV tier ("host", "disk"), as it reported; '' for none."""
     """Where prefill pushes this decode instance's KV, as its stats and Reserve answers last said;
     '' until known (the gateway then waits for Reserve before it sends Prefill)."""
 
@@ -92,15 +94,29 @@ class RouteAsk:
     page_size: int
     block_hashes: Sequence[bytes]
     """The prompt's block hashes (only consistent_hash reads them)."""
+    tiered_blocks: Mapping[str, int] = field(default_factory=dict)
+    """instance_id -> leading prompt blocks it holds in its page pool or its second tier (>= its
+    cached_blocks); empty when no instance has a tier."""
+    tier_hit_weight: float = 0.5
+    """What a block in a second tier saves, against one in the pool (1) and a miss (0)."""
 
     def cached_tokens(self, inst: InstanceLoad) -> int:
-        """Tokens of this prompt `inst` would reuse: whole cached blocks short of the last prompt
-        token (whose logits prefill must compute), so the figure is what prefill will reuse."""
-        reusable_blocks = (self.num_prompt_tokens - 1) // self.page_size
-        return min(self.cached_blocks.get(inst.instance_id, 0), reusable_blocks) * self.page_size
+        """Tokens of this prompt `inst` would reuse from its page pool: whole cached blocks short
+        of the last prompt token (whose logits prefill must compute), so the figure is what
+        prefill will reuse."""
+        return min(self.cached_blocks.get(inst.instance_id, 0), self._reusable_blocks) * self.page_size
+
+    def tier_tokens(self, inst: InstanceLoad) -> int:
+        """Tokens after cached_tokens that `inst` would load from its second tier instead of computing."""
+        total = min(max(self.tiered_blocks.get(inst.instance_id, 0), 0), self._reusable_blocks) * self.page_size
+        return max(0, total - self.cached_tokens(inst))
+
+    @property
+    def _reusable_blocks(self) -> int:
+        return (self.num_prompt_tokens - 1) // self.page_size
 
     def decide(self, inst: InstanceLoad) -> RouteDecision:
-        cached = self.cached_tokens(inst)
+        cached = self.cached_tokens(inst) + self.tier_tokens(inst)
         return RouteDecision(inst.address, cached, float(self.num_prompt_tokens - cached))
 
 
@@ -133,8 +149,11 @@ def _cache_aware(router: PrefillRouter, healthy: Sequence[InstanceLoad], ask: Ro
     choice: RouteDecision | None = None
     rr = router.next_turn()
     for pos, inst in enumerate(healthy):
-        cached = ask.cached_tokens(inst)
-        counted = cached if cached >= router.cache_threshold * ask.num_prompt_tokens and cached > 0 else 0
+        # a second tier's blocks save less than the pool's (a copy back), more than a miss
+        device, tier = ask.cached_tokens(inst), ask.tier_tokens(inst)
+        cached = device + tier
+        worth = device + ask.tier_hit_weight * tier
+        counted = worth if cached >= router.cache_threshold * ask.num_prompt_tokens and cached > 0 else 0
         load = queued_tokens(inst) + router.request_cost_tokens * max(
             inst.in_flight_requests, inst.reported_active_requests
         )
@@ -183,6 +202,9 @@ class PrefillRouter:
     """Queue tokens each in-flight request adds on top of its prompt tokens."""
     policy: str = "cache_aware"
     """A name in POLICIES."""
+    tier_hit_weight: float = 0.5
+    """What a prompt token held in an instance's second tier saves against one in its pool (1):
+    its copy back into the pool costs more than a pool hit and far less than a recompute."""
     hash_blocks: int = 2
     seed: int = 0
     _rr: int = field(default=0, init=False)
@@ -195,6 +217,8 @@ class PrefillRouter:
         check_policy(self.policy)
         if self.request_cost_tokens < 0:
             raise ValueError(f"request_cost_tokens must be >= 0, got {self.request_cost_tokens}")
+        if not 0.0 <= self.tier_hit_weight <= 1.0:
+            raise ValueError(f"tier_hit_weight must be in [0, 1], got {self.tier_hit_weight}")
         if self.hash_blocks < 1:
             raise ValueError(f"hash_blocks must be >= 1, got {self.hash_blocks}")
         self.rng = random.Random(self.seed)
@@ -212,17 +236,22 @@ class PrefillRouter:
         page_size: int,
         block_hashes: Sequence[bytes] = (),
         exclude: frozenset[str] = frozenset(),
+        tiered_blocks: Mapping[str, int] | None = None,
     ) -> RouteDecision:
         """Pick a routable prefill instance (not one whose address is in `exclude`).
 
-        cached_blocks maps instance_id -> leading prompt blocks it holds (from the index;
-        empty when the index is down); block_hashes are the prompt's block hashes (only
-        consistent_hash reads them). Raises LookupError when no instance is routable.
+        cached_blocks maps instance_id -> leading prompt blocks it holds in its page pool (from
+        the index; empty when the index is down), tiered_blocks -> those it holds in its pool
+        or its second tier; block_hashes are the prompt's block hashes (only consistent_hash
+        reads them). Raises LookupError when no instance is routable.
         """
         healthy = [i for i in self.instances if i.routable and i.address not in exclude]
         if not healthy:
             raise LookupError("no healthy prefill instance")
-        return self._choose(self, healthy, RouteAsk(num_prompt_tokens, cached_blocks, page_size, block_hashes))
+        ask = RouteAsk(
+            num_prompt_tokens, cached_blocks, page_size, block_hashes, tiered_blocks or {}, self.tier_hit_weight
+        )
+        return self._choose(self, healthy, ask)
 
 
 def queued_tokens(inst: InstanceLoad) -> int:

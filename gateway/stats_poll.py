@@ -47,6 +47,7 @@ async def poll_instance(
     inst.max_requests = stats.max_requests
     inst.kv_address = stats.kv_address
     inst.kv_layout = stats.kv_layout
+    inst.kv_tier_medium = stats.kv_tier_medium
     why = mismatch(inst, stats)
     if why and why != inst.mismatch:
         logger.error("%s; not routing to it", why)

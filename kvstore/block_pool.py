@@ -64,6 +64,9 @@ class BlockPool:
             (decode pools run this way).
         on_events: called synchronously with each batch of KV events (stored, removed),
             in the order the changes happened.
+        on_evict: called with the (block id, hash) pairs `allocate` evicts, after their
+            BlockRemoved and before the ids are handed out (a second tier copies the pages
+            out then: kvstore.kv_tier).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class BlockPool:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_events: Callable[[list[KVEvent]], None] | None = None,
+        on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -81,6 +85,7 @@ class BlockPool:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._on_events = on_events
+        self._on_evict = on_evict
         self._refcount = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._by_hash: dict[BlockHash, int] = {}
@@ -152,7 +157,7 @@ class BlockPool:
                 f"(of {self.num_blocks}, {self._num_referenced} in use)"
             )
         block_ids: list[int] = []
-        evicted: list[BlockHash] = []
+        evicted: list[tuple[int, BlockHash]] = []
         while len(block_ids) < num_blocks and self._free:
             block_ids.append(self._free.popleft())
         while len(block_ids) < num_blocks:
@@ -161,13 +166,15 @@ class BlockPool:
             assert block_hash is not None, f"evictable block {block_id} holds no hash"
             del self._by_hash[block_hash]
             self._hash_of[block_id] = None
-            evicted.append(block_hash)
+            evicted.append((block_id, block_hash))
             block_ids.append(block_id)
         for block_id in block_ids:
             self._refcount[block_id] = 1
         self._num_referenced += len(block_ids)
         if evicted:
-            self._emit([BlockRemoved(tuple(evicted))])
+            self._emit([BlockRemoved(tuple(h for _, h in evicted))])
+            if self._on_evict is not None:
+                self._on_evict(evicted)
         return Allocation(tuple(block_ids))
 
     def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:

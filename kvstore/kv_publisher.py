@@ -56,18 +56,18 @@ class KVEventPublisher:
                 self._dropped(overflow)
             self._cond.notify()
 
-    def resync(self, cached_hashes: Sequence) -> None:
-        """Replace the instance's index entries with `cached_hashes` (what the cache holds now).
+    def resync(self, stored: Sequence[BlockStored]) -> None:
+        """Replace the instance's index entries with `stored` (what the cache holds now, one
+        BlockStored a medium: KVCacheManager.snapshot()).
 
-        Call on the worker thread, with a snapshot taken there: the events still buffered
-        are older than the snapshot and are dropped, and the snapshot (cleared + stored)
-        goes out in their place, in order with every later event.
+        Call where the cache emits its events, with a snapshot taken there: the events still
+        buffered are older than the snapshot and are dropped, and the snapshot (cleared +
+        stored) goes out in their place, in order with every later event.
         """
         with self._cond:
             self._buffer.clear()
             self._buffer.append(AllBlocksCleared())
-            if cached_hashes:
-                self._buffer.append(BlockStored(tuple(cached_hashes)))
+            self._buffer.extend(s for s in stored if s.block_hashes)
             self.needs_resync = False
             self._cond.notify()
 

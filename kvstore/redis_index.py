@@ -6,9 +6,11 @@ where its longest prefix is already cached, and to the decode instance that hold
 of it (its pages are then not pushed again). Instance ids are unique across roles. Keys, for namespace `ns` and model
 `model` (hashes in lowercase hex):
 
-    {ns}:{model}:block:{hash}              set of instance ids holding the block
-    {ns}:{model}:instance:{id}:blocks      set of hashes an instance holds (for clears)
-    {ns}:{model}:kv_events                 stream of every event (instance, role, seq, type, hashes)
+    {ns}:{model}:block:{hash}              set of instance ids holding the block in their page pool
+    {ns}:{model}:tier:{hash}               set of instance ids holding it in their second tier
+    {ns}:{model}:instance:{id}:blocks      set of hashes an instance holds in its pool (for clears)
+    {ns}:{model}:instance:{id}:tier        set of hashes it holds in its second tier (for clears)
+    {ns}:{model}:kv_events                 stream of every event (instance, role, seq, type, medium, hashes)
     {ns}:{model}:lease:{id}                the instance's lease: exists while it heartbeats (TTL)
     {ns}:{model}:instances                 set of instance ids that registered (for reaping)
 
@@ -37,7 +39,7 @@ import redis
 import redis.asyncio
 
 from kvstore.block_hash import BlockHash
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstore.kv_events import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvstore.registry import InstanceRecord, InstanceRegistry, RegistryKeys
 
 STREAM_MAXLEN = 100_000
@@ -57,21 +59,39 @@ class _Keys(RegistryKeys):
     def __init__(self, namespace: str, model: str) -> None:
         super().__init__(namespace, model)
         self.block_prefix = f"{self.prefix}:block:"
+        self.tier_prefix = f"{self.prefix}:tier:"
         self.stream = f"{self.prefix}:kv_events"
 
-    def block(self, block_hash: BlockHash | str) -> str:
-        return self.block_prefix + (block_hash if isinstance(block_hash, str) else block_hash.hex())
+    def block(self, block_hash: BlockHash | str, tier: bool = False) -> str:
+        h = block_hash if isinstance(block_hash, str) else block_hash.hex()
+        return (self.tier_prefix if tier else self.block_prefix) + h
 
-    def instance(self, instance_id: str) -> str:
-        return f"{self.prefix}:instance:{instance_id}:blocks"
+    def instance(self, instance_id: str, tier: bool = False) -> str:
+        return f"{self.prefix}:instance:{instance_id}:{'tier' if tier else 'blocks'}"
 
 
-def _queue_longest_prefix(pipe, keys: _Keys, block_hashes: Sequence[BlockHash], instance_ids: list[str]) -> None:
+def _queue_longest_prefix(
+    pipe, keys: _Keys, block_hashes: Sequence[BlockHash], instance_ids: list[str], tiered: bool = False
+) -> None:
     """Queue longest_prefix's reads on a (sync or asyncio) pipeline: the leases, then
-    SMISMEMBER per block (Redis >= 6.2). `_leading_runs` scores what it returns."""
+    SMISMEMBER per block (Redis >= 6.2), of the pool's sets and, `tiered`, of the second
+    tiers' too. `_leading_runs` / `_tiered_runs` score what it returns."""
     pipe.mget([keys.lease(i) for i in instance_ids])
     for h in block_hashes:
         pipe.smismember(keys.block(h), instance_ids)
+        if tiered:
+            pipe.smismember(keys.block(h, tier=True), instance_ids)
+
+
+def _tiered_runs(results: Sequence, instance_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Score `_queue_longest_prefix(tiered=True)`'s results: each instance's leading run of
+    blocks in its pool, and of blocks in its pool or its second tier."""
+    leases, *rows = results
+    pool_rows, tier_rows = rows[0::2], rows[1::2]
+    pool = _leading_runs([leases, *pool_rows], instance_ids)
+    either = [[a or b for a, b in zip(p, t)] for p, t in zip(pool_rows, tier_rows)]
+    total = _leading_runs([leases, *either], instance_ids)
+    return {i: (pool[i], total[i]) for i in instance_ids}
 
 
 def _leading_runs(results: Sequence, instance_ids: Sequence[str]) -> dict[str, int]:
@@ -151,30 +171,44 @@ class RedisKVIndex:
         keys = self._keys
         pipe = self._redis.pipeline(transaction=True)
         for event in events:
+            medium = "device"
             if isinstance(event, BlockStored):
-                kind, hexes = "stored", [h.hex() for h in event.block_hashes]
+                kind, hexes, medium = "stored", [h.hex() for h in event.block_hashes], event.medium
             elif isinstance(event, BlockRemoved):
-                kind, hexes = "removed", [h.hex() for h in event.block_hashes]
+                kind, hexes, medium = "removed", [h.hex() for h in event.block_hashes], event.medium
             elif isinstance(event, AllBlocksCleared):
                 kind, hexes = "cleared", []
             else:
                 raise TypeError(f"not a KV event: {event!r}")
+            if medium not in MEDIA:
+                raise ValueError(f"medium must be one of {MEDIA}, got {medium!r}")
             seq = self._seq[instance_id] = self._seq.get(instance_id, 0) + 1  # this writer's count
             pipe.xadd(
                 keys.stream,
-                {"instance": instance_id, "role": self.role, "seq": seq, "type": kind, "hashes": ",".join(hexes)},
+                {
+                    "instance": instance_id,
+                    "role": self.role,
+                    "seq": seq,
+                    "type": kind,
+                    "medium": medium,
+                    "hashes": ",".join(hexes),
+                },
                 maxlen=STREAM_MAXLEN,
                 approximate=True,
             )
             if kind == "cleared":
-                self._clear_script(
-                    keys=[keys.instance(instance_id)], args=[keys.block_prefix, instance_id], client=pipe
-                )
+                for tier in (False, True):
+                    self._clear_script(
+                        keys=[keys.instance(instance_id, tier)],
+                        args=[keys.tier_prefix if tier else keys.block_prefix, instance_id],
+                        client=pipe,
+                    )
             elif hexes:
+                tier = medium != "device"
                 op = pipe.sadd if kind == "stored" else pipe.srem
                 for h in hexes:
-                    op(keys.block(h), instance_id)
-                op(keys.instance(instance_id), *hexes)
+                    op(keys.block(h, tier), instance_id)
+                op(keys.instance(instance_id, tier), *hexes)
         pipe.execute()
 
     def clear_instance(self, instance_id: str) -> None:
@@ -228,6 +262,19 @@ class AsyncRedisKVIndexReader:
             results = await pipe.execute()
         return _leading_runs(results, instance_ids)
 
+    async def longest_prefix_tiered(
+        self, block_hashes: Sequence[BlockHash], instance_ids: Sequence[str]
+    ) -> dict[str, tuple[int, int]]:
+        """For each instance, (leading blocks of `block_hashes` in its page pool, leading blocks
+        in its pool or its second tier), one pipelined round trip (two SMISMEMBER a block)."""
+        instance_ids = list(instance_ids)
+        if not instance_ids or not block_hashes:
+            return dict.fromkeys(instance_ids, (0, 0))
+        async with self._redis.pipeline(transaction=False) as pipe:
+            _queue_longest_prefix(pipe, self._keys, block_hashes, instance_ids, tiered=True)
+            results = await pipe.execute()
+        return _tiered_runs(results, instance_ids)
+
     async def reap_expired(self) -> list[str]:
         """Delete the entries of registered instances whose lease expired; return their ids.
 
@@ -241,7 +288,9 @@ class AsyncRedisKVIndexReader:
         leases = await self._redis.mget([self._keys.lease(i) for i in ids])
         dead = [i for i, lease in zip(ids, leases) if not lease]
         for i in dead:
-            await self._clear_script(keys=[self._keys.instance(i)], args=[self._keys.block_prefix, i])
+            for tier in (False, True):
+                prefix = self._keys.tier_prefix if tier else self._keys.block_prefix
+                await self._clear_script(keys=[self._keys.instance(i, tier)], args=[prefix, i])
             await self._redis.srem(self._keys.instances, i)
         return dead
 

@@ -29,6 +29,7 @@ from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.kv_events import KVEvent
+from kvstore.kv_tier import KVTier
 from prefill_svc import metrics
 from prefill_svc.chunked import prefill_batch
 from runtime.cpu_share import CpuShare
@@ -69,6 +70,7 @@ class PrefillEngine:
         chunked_prefill_size: int = 0,
         cpu_share: CpuShare | None = None,
         push_path: str = "auto",
+        tier: KVTier | None = None,
     ) -> None:
         """`publish(events)` is called on the worker thread with each batch of KV events.
 
@@ -79,12 +81,13 @@ class PrefillEngine:
         request taken together. `cpu_share`: marks each forward for a decode instance on the
         same cores (`runtime.cpu_share`), None when this instance has cores of its own.
         `push_path`: how KV pushes leave the pages (kvstore.staging; KVCacheManager).
+        `tier`: the second tier evicted blocks go to (kvstore.kv_tier; None: none).
         """
         self.runner = runner
         self.page_size = page_size
         self._publish = publish
         self.kv_cache = KVCacheManager(
-            runner, num_pages, page_size, enable_prefix_caching, self._on_events, push_path=push_path
+            runner, num_pages, page_size, enable_prefix_caching, self._on_events, push_path=push_path, tier=tier
         )
         self._owns_executor = executor is None
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")

@@ -9,6 +9,7 @@ import logging
 from engine.device import resolve_device
 from engine.loader import resolve_model
 from engine.runners import create_runner
+from kvstore.kv_tier import create_tier
 from kvstore.registry import InstanceRecord
 from kvstore.transports import create_sender
 from prefill_svc import metrics
@@ -53,6 +54,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
             device,
         )
     )
+    tier = create_tier(config.kv_tier_blocks, runner.page_nbytes, config.kv_tier_dir, device.type, instance_id)
     engine = PrefillEngine(
         runner,
         config.page_size,
@@ -64,6 +66,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         chunked_prefill_size=config.chunked_prefill_size,
         cpu_share=open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s),
         push_path=config.kv_push_path,
+        tier=tier,
     )
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     sender = create_sender(config.kv_transport)
@@ -77,12 +80,14 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     await asyncio.wrap_future(executor.submit(runner.warmup))
     registration = None
     release = [engine.shutdown, sender.close]
+    if tier is not None:
+        release.append(tier.close)
     if writer is not None:
         record = InstanceRecord(instance_id, "prefill", address, model.fingerprint, config.page_size)
         publisher = writer.publisher
 
         async def resync() -> None:  # the snapshot on the worker thread, where the events come from
-            await asyncio.wrap_future(engine.call(lambda: publisher.resync(sorted(engine.pool.cached_hashes()))))
+            await asyncio.wrap_future(engine.call(lambda: publisher.resync(engine.kv_cache.snapshot())))
 
         registration = Registration(
             writer.index.registry, record, config.lease_ttl_s, after_beat=writer.after_beat(resync)

@@ -72,6 +72,19 @@ class ModelServiceConfig:
         "events to the prefix index",
         kind="flag",
     )
+    kv_tier_blocks: int = setting(
+        0,
+        "--kv-tier-blocks",
+        "blocks a second KV tier keeps of those the page pool evicts, loaded back into the pool on a later prefix "
+        "hit instead of recomputed (with prefix caching); 0: none",
+        ge=0,
+    )
+    kv_tier_dir: str = setting(
+        "",
+        "--kv-tier-dir",
+        "where the second tier keeps its blocks as files (medium `disk`; a directory of this instance's own is "
+        "made under it and removed at exit); empty: host memory (medium `host`, beside a GPU pool only)",
+    )
     kv_transport: str = setting("ucx", "--kv-transport", "how KV pages move from prefill to decode: ucx")
     kv_push_path: str = setting(
         "auto",

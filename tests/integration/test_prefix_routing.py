@@ -11,7 +11,7 @@ import pytest
 from engine.checkpoint import load_tokenizer
 from engine.loader import resolve_model
 from kvstore.block_hash import hash_blocks
-from kvstore.redis_index import RedisKVIndex
+from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
@@ -24,15 +24,17 @@ DOC = ("The history of the river town begins with a mill, a bridge and a market 
 
 
 @pytest.fixture(scope="module")
-def mesh():
+def mesh(tmp_path_factory):
     # the gateway polls its instances' stats once, at start-up (all idle), and not again while
     # the module runs: routing then follows the gateway's own in-flight accounting alone, which
     # is exact. Polled every 0.5 s, a report taken while the previous request was still queued
     # makes an idle instance look busy until the next poll, and on a busy machine that poll can
     # come many requests later (the routing test saw [A, B, A, A]). No test here needs a poll.
-    with running_mesh(
-        2, 1, prefill_args=["--num-pages", str(PREFILL_PAGES)], gateway_args=["--stats-interval", "3600"]
-    ) as m:
+    # each prefill keeps what its pool evicts in a second tier of files (--kv-tier-dir)
+    tier_dir = tmp_path_factory.mktemp("kv-tier")
+    prefill_args = ["--num-pages", str(PREFILL_PAGES), "--kv-tier-blocks", "512", "--kv-tier-dir", str(tier_dir)]
+    with running_mesh(2, 1, prefill_args=prefill_args, gateway_args=["--stats-interval", "3600"]) as m:
+        m.tier_dir = tier_dir
         yield m
 
 
@@ -91,7 +93,7 @@ def test_shared_first_block_does_not_pile_onto_one_instance(mesh):
 def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer):
     first = DOC + " Question: who built the mill?"
     second = DOC + " Question: when was the bridge repaired?"
-    a = complete(mesh, first, max_tokens=2)
+    a = complete(mesh, first, max_tokens=8)
     ids_a = tokenizer.encode(first, add_special_tokens=False)
     ids_b = tokenizer.encode(second, add_special_tokens=False)
     common = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y)
@@ -119,6 +121,42 @@ def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer
         _prefill_only(holder, filler)
     assert not any(index.longest_prefix([h], [a.final.prefill_instance])[a.final.prefill_instance] for h in hashes)
     index.close()
+
+    # ...into the holder's second tier, whose KV events (medium disk) put them in the index's
+    # tier sets: the tiered lookup finds the whole prompt there, none of it in the pool
+    async def tiered():
+        reader = AsyncRedisKVIndexReader(mesh.redis_url, model=resolve_model(None).name)
+        try:
+            return await reader.longest_prefix_tiered(hashes, [a.final.prefill_instance])
+        finally:
+            await reader.close()
+
+    assert asyncio.run(tiered()) == {a.final.prefill_instance: (0, len(hashes))}
+    stats = instance_stats(holder, "prefill")
+    assert stats.kv_tier_medium == "disk" and stats.num_tier_blocks >= len(hashes)
+    # the first prompt again: routed to the holder (its tier beats a miss elsewhere), its blocks
+    # copied back from the tier instead of computed, and the same answer
+    before = instance_stats(holder, "prefill")
+    again = complete(mesh, first, max_tokens=8)
+    after = instance_stats(holder, "prefill")
+    assert again.final.prefill_instance == a.final.prefill_instance
+    reusable = min(len(hashes), (len(ids_a) - 1) // PAGE)
+    assert again.final.cached_tokens == reusable * PAGE
+    assert after.num_tier_loads - before.num_tier_loads == reusable and after.num_tier_failed_loads == 0
+    assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed == len(ids_a) - reusable * PAGE
+    assert again.token_ids == a.token_ids
+    # evicted again, and the tier's files deleted under the running service: the tier misses,
+    # drops them (the index hears it), and the prompt is computed whole, with the same answer
+    for i in range(6):
+        _prefill_only(holder, tokenizer.encode(f"More filler, part {i}. " * 30, add_special_tokens=False))
+    for path in mesh.tier_dir.glob("*/*.kv"):
+        path.unlink()
+    before = instance_stats(holder, "prefill")
+    cold = complete(mesh, first, max_tokens=8)
+    after = instance_stats(holder, "prefill")
+    assert cold.final.prefill_instance == a.final.prefill_instance and cold.final.cached_tokens == 0
+    assert after.num_tier_failed_loads - before.num_tier_failed_loads == 1  # the first miss ends the run
+    assert cold.token_ids == a.token_ids
     wait_idle(mesh)
 
 

@@ -247,3 +247,32 @@ def test_restarted_instance_leaves_no_stale_entries(redis_url, index, ns, raw):
         assert not raw.sismember(f"{ns}:{MODEL}:instances", "p0")
     finally:
         restarted.close()
+
+
+def test_second_tier_blocks_are_kept_apart_and_read_with_the_pool_s(redis_url, index, ns, raw):
+    """A tier's events (medium disk) fill the tier sets, not the pool's; the tiered lookup gives
+    each instance's run in its pool and its run in pool or tier; a clear empties both."""
+    index.publish("p0", [BlockStored(tuple(PROMPT[:2])), BlockStored(tuple(PROMPT[2:5]), "disk")])
+    index.publish("p1", [BlockStored(tuple(PROMPT[:1]), "host"), BlockStored(tuple(PROMPT[1:3]))])
+    _live(index, "p0", "p1", "p2")
+    assert _holders(raw, ns, PROMPT[2]) == {"p1"}  # p0 holds it in its tier only
+    assert raw.smembers(f"{ns}:{MODEL}:tier:{PROMPT[2].hex()}") == {"p0"}
+    assert raw.smembers(f"{ns}:{MODEL}:instance:p0:tier") == {h.hex() for h in PROMPT[2:5]}
+    # the pool-only lookup (a gateway with no tier in sight) is as before
+    assert index.longest_prefix(PROMPT, ["p0", "p1"]) == {"p0": 2, "p1": 0}
+
+    async def read(reader):
+        return await reader.longest_prefix_tiered(PROMPT, ["p0", "p1", "p2"])
+
+    # p1's pool run is 0 (block 0 is in its host tier), its run in either is 3
+    assert _reader(redis_url, ns, read) == {"p0": (2, 5), "p1": (0, 3), "p2": (0, 0)}
+    index.publish("p0", [BlockRemoved((PROMPT[3],), "disk")])
+    assert _reader(redis_url, ns, read)["p0"] == (2, 3)
+    media = [(e["type"], e["medium"]) for _, e in raw.xrange(f"{ns}:{MODEL}:kv_events")]
+    assert media == [("stored", "device"), ("stored", "disk"), ("stored", "host"), ("stored", "device"),
+                     ("removed", "disk")]  # fmt: skip
+    index.publish("p0", [AllBlocksCleared()])
+    assert not raw.exists(f"{ns}:{MODEL}:instance:p0:tier") and not raw.exists(f"{ns}:{MODEL}:instance:p0:blocks")
+    assert raw.smembers(f"{ns}:{MODEL}:tier:{PROMPT[0].hex()}") == {"p1"}
+    with pytest.raises(ValueError, match="medium must be one of"):
+        index.publish("p0", [BlockStored((PROMPT[0],), "tape")])

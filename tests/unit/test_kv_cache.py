@@ -14,7 +14,8 @@ from engine.kv_layout import DEEPSEEK_V4_PAGE, LLAMA_PAGE, flat_layout, llama_la
 from engine.request import Request
 from kvstore.block_hash import hash_blocks
 from kvstore.block_pool import NoFreeBlocksError
-from kvstore.kv_events import BlockStored
+from kvstore.kv_events import BlockRemoved, BlockStored
+from kvstore.kv_tier import FileTier
 from kvstore.staging import choose_push_path
 
 
@@ -216,3 +217,54 @@ def test_the_push_path_follows_the_pages_device_and_what_ucx_loaded():
         choose_push_path("cuda:1", "direct", transports={"tcp"})
     with pytest.raises(ValueError, match=r"KV push path must be one of \['auto', 'direct', 'staged'\]"):
         choose_push_path("cpu", "rdma")
+
+
+def test_evicted_blocks_spill_to_the_second_tier_and_come_back_bitwise_on_a_hit(tmp_path):
+    """Pages the pool evicts go to the tier (their events say `disk`); a later prompt that
+    shares them loads them into fresh pages (which rejoin the pool's cache) instead of computing
+    them; a block whose file was deleted stops the run there and is recomputed."""
+    events: list = []
+    runner = MemoryRunner(llama_layout(1, 4, 1, 2, torch.float32), 4)
+    tier = FileTier(tmp_path / "tier", 8, runner.page_nbytes)
+    cache = KVCacheManager(runner, 4, 4, True, events.extend, tier=tier)
+    first = list(range(100, 113))  # 3 full pages + 1 token
+    a = Request("a", first)
+    cache.allocate_prompt(a)
+    kv = {b: np.random.default_rng(b).integers(0, 256, runner.page_nbytes, dtype=np.uint8) for b in a.block_ids}
+    for b, data in kv.items():
+        runner.page_buffer(b)[:] = data  # "the compute"
+    cache.cache_prompt(a)
+    cache.free(a.block_ids, a.state_slot)
+    hashes = hash_blocks(first, 4)
+    # another prompt takes every page: a's 3 cached pages are evicted, and spilled
+    b = Request("b", list(range(500, 516)))
+    cache.allocate_prompt(b)
+    assert BlockRemoved(tuple(hashes)) in events
+    assert [e for e in events if isinstance(e, BlockStored) and e.medium == "disk"] == [
+        BlockStored((h,), "disk") for h in hashes
+    ]
+    assert all(h in tier for h in hashes) and cache.snapshot()[1] == BlockStored(tuple(hashes), "disk")
+    cache.free(b.block_ids, b.state_slot)
+    # a's prompt again: its 3 blocks come back from the tier, none recomputed
+    again = Request("again", first)
+    cache.allocate_prompt(again)
+    assert again.num_cached_tokens == 12
+    for k in range(3):
+        assert np.array_equal(runner.page_buffer(again.block_ids[k]), kv[a.block_ids[k]])
+    assert set(hashes) <= cache.pool.cached_hashes()  # back in the pool's cache (device events)
+    stats = cache.stats()
+    assert stats["kv_tier_medium"] == "disk" and stats["num_tier_loads"] == 3
+    cache.free(again.block_ids, again.state_slot)
+    cache.check_integrity()
+    # evict them again, delete the second block's file under the running cache: the run stops there
+    c = Request("c", list(range(700, 716)))
+    cache.allocate_prompt(c)
+    cache.free(c.block_ids, c.state_slot)
+    (tmp_path / "tier" / f"{hashes[1].hex()}.kv").unlink()
+    last = Request("last", first)
+    cache.allocate_prompt(last)
+    assert last.num_cached_tokens == 4 and hashes[1] not in tier
+    assert BlockRemoved((hashes[1],), "disk") in events
+    assert cache.stats()["num_tier_failed_loads"] == 1
+    cache.free(last.block_ids, last.state_slot)
+    cache.check_integrity()

@@ -46,11 +46,17 @@ def test_a_stuck_redis_never_blocks_publish_and_overflow_asks_for_a_resync():
     assert not gate.is_set() and written == []
     assert pub.needs_resync and pub.num_dropped == 15
     # the heartbeat resyncs from a snapshot taken on the worker thread: it replaces the backlog
-    pub.resync([b"x", b"y"])
+    # (one BlockStored a medium; an empty one is left out)
+    pub.resync([BlockStored((b"x", b"y")), BlockStored((b"t",), "disk"), BlockStored((), "host")])
     assert not pub.needs_resync
     gate.set()
     pub.close()
-    assert written == [BlockStored((b"a",)), AllBlocksCleared(), BlockStored((b"x", b"y"))]
+    assert written == [
+        BlockStored((b"a",)),
+        AllBlocksCleared(),
+        BlockStored((b"x", b"y")),
+        BlockStored((b"t",), "disk"),
+    ]
 
 
 def test_a_failed_write_drops_the_batch_and_asks_for_a_resync():

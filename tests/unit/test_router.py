@@ -127,3 +127,22 @@ def test_request_ids_that_could_forge_log_lines_are_refused():
     for bad in ("a\nb] prefill forged", "\x1b[31mred", "x" * 129, "tab\there", "ünïcode"):
         with pytest.raises(ValueError, match="request_id must be"):
             check_request_id(bad)
+
+
+def test_a_second_tier_hit_counts_below_a_pool_hit_and_above_a_miss():
+    a, b, c = InstanceLoad("a", instance_id="a"), InstanceLoad("b", instance_id="b"), InstanceLoad("c", instance_id="c")
+    router = PrefillRouter([a, b, c], cache_threshold=0.3, load_weight=0.02, tier_hit_weight=0.5)
+    # 100 prompt tokens (6 reusable blocks of 16): a holds 5 in its pool, b 5 in its tier, c none
+    pick = router.choose(100, {"a": 5, "b": 0, "c": 0}, 16, tiered_blocks={"a": 5, "b": 5, "c": 0})
+    assert pick.address == "a" and pick.cached_tokens == 80
+    # a busy: its queue outweighs the tier's half-price saving over b, and b over a miss (c)
+    a.in_flight_tokens = 3000
+    pick = router.choose(100, {"a": 5, "b": 0, "c": 0}, 16, tiered_blocks={"a": 5, "b": 5, "c": 0})
+    assert pick.address == "b" and pick.cached_tokens == 80  # prefill will not compute those 80
+    assert pick.cost_tokens == 100 - 0.5 * 80
+    # blocks in the pool then the tier: the pool's count fully, the tier's at half
+    b.in_flight_tokens = 1000
+    pick = router.choose(100, {"a": 0, "b": 2, "c": 0}, 16, tiered_blocks={"a": 0, "b": 6, "c": 0})
+    assert pick.address == "b" and pick.cost_tokens == 100 - (32 + 0.5 * 64) + 0.02 * (1000 + 0)
+    with pytest.raises(ValueError, match="tier_hit_weight"):
+        PrefillRouter([a], tier_hit_weight=1.5)
