@@ -105,6 +105,8 @@ class KVCacheManager:
         """Slots held for good (decode's speculative verification rows), not by a request."""
         self.num_holders = 0
         """Requests holding pages (and a slot) now: allocated and not freed."""
+        self.num_block_holds = 0
+        """Cached blocks held for a peer's pull while their pages are pushed (hold_blocks)."""
 
     @property
     def page_nbytes(self) -> int:
@@ -231,6 +233,31 @@ class KVCacheManager:
         self.pool.cache_blocks(request.block_ids[:num_full], hashes[:num_full])
         return num_full
 
+    def hold_blocks(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """A peer pulls these blocks: reference the leading run of them the pool holds (so no
+        eviction reuses their pages while they are pushed) and return its page ids; give them
+        back with release_blocks."""
+        block_ids = list(self.pool.match_prefix(block_hashes).block_ids)
+        self.num_block_holds += bool(block_ids)
+        return block_ids
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop hold_blocks' references."""
+        if block_ids:
+            self.pool.free(block_ids)
+            self.num_block_holds -= 1
+
+    def mark_cached(self, request: Request, num_blocks: int) -> None:
+        """The request's first num_blocks pages now hold its prompt's KV (pulled from a peer):
+        they count as cached, join the prefix cache, and a state slot resumes from their end."""
+        size = self.page_size
+        start = request.num_cached_tokens // size
+        hashes = request.block_hashes or ()
+        self.pool.cache_blocks(request.block_ids[start:num_blocks], hashes[start:num_blocks])
+        request.num_cached_tokens = request.num_computed_tokens = num_blocks * size
+        if request.state_slot is not None and num_blocks:
+            self.runner.resume_state_slot(request.state_slot, request.block_ids[num_blocks - 1])
+
     def free(self, block_ids: Sequence[int], state_slot: int | None) -> None:
         """Drop one request's pages (full cached blocks stay cached, evictable) and its slot."""
         self.pool.free(block_ids)
@@ -298,7 +325,7 @@ class KVCacheManager:
         held = self.slots.num_used - len(self.scratch_slots)
         if self.slots.num_slots:
             assert held == self.num_holders, f"{held} state slots held, {self.num_holders} requests hold pages"
-        assert self.num_holders or not self.pool.num_referenced_blocks, (
+        assert self.num_holders or self.num_block_holds or not self.pool.num_referenced_blocks, (
             f"{self.pool.num_referenced_blocks} pages referenced by no request"
         )
 

@@ -106,6 +106,8 @@ class Answer:
                 decode_instance=reserve.instance_id,
                 request_id=self.request.request_id,
                 queue_s=prefill.queue_s,
+                pulled_tokens=prefill.num_pulled_tokens,
+                pull_s=prefill.pull_s,
                 prefill_s=prefill.compute_s,
                 retries=self.retries,
                 admission_s=self.waited,

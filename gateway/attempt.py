@@ -71,6 +71,9 @@ class Attempt(AttemptAccounting):
         self._reserve_first = False
         self._block_hashes: Sequence[bytes] = ()
         self._decode_cached_pages = 0  # leading prompt pages decode holds (its Reserve said): not pushed
+        self.pull: tuple[str, int] = ("", 0)
+        """(a peer prefill's gRPC address, leading prompt blocks it holds): Prefill may pull them
+        from there (gateway.pool.InstancePool.pull_source); set before send()."""
 
     async def open(self, hops: Hops, prefill_by: float, block_hashes: Sequence[bytes], decode_hit: bool) -> None:
         """Decide the order of the legs (module docstring) and send Reserve now if it goes first.
@@ -145,7 +148,13 @@ class Attempt(AttemptAccounting):
         assert self.prefill is not None, self.request_id
         address, transfer_id = self._push_to
         request = wire.prefill_request(
-            hops.request, self._block_hashes, address, transfer_id, self.pool.page_size, self._decode_cached_pages
+            hops.request,
+            self._block_hashes,
+            address,
+            transfer_id,
+            self.pool.page_size,
+            self._decode_cached_pages,
+            self.pull,
         )
         timeout = self._prefill_by - asyncio.get_running_loop().time()
         stub = self.pool.prefill_stub(self.prefill)

@@ -100,6 +100,22 @@ class GatewayConfig:
         "that a shorter hit does not pay back",
         ge=1,
     )
+    pull_min_blocks: int = setting(
+        4,
+        "--pull-min-blocks",
+        "leading prompt blocks another prefill instance must hold beyond the chosen one's for the gateway to name "
+        "it as the place to pull them from (the chosen instance pulls when its estimate says that beats "
+        "computing them); 0: never",
+        ge=0,
+    )
+    tier_hit_weight: float = setting(
+        0.5,
+        "--tier-hit-weight",
+        "what a prompt block in a prefill instance's second KV tier saves in the routing cost, against one in its "
+        "page pool (1) and a miss (0)",
+        ge=0,
+        le=1,
+    )
     routing_policy: str = setting(
         "cache_aware",
         "--routing-policy",

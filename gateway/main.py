@@ -53,6 +53,8 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         model_fingerprint(files),
         config.decode_hit_slack,
         config.decode_reuse_min_blocks,
+        config.pull_min_blocks,
+        config.tier_hit_weight,
     )
     admission = AdmissionQueue(
         pool.decode_capacity,

@@ -48,7 +48,10 @@ class InstancePool:
         model_fingerprint: str = "",
         decode_hit_slack: int = 0,
         decode_reuse_min_blocks: int = 1,
+        pull_min_blocks: int = 0,
+        tier_hit_weight: float = 0.5,
     ) -> None:
+        self.pull_min_blocks = pull_min_blocks
         self.page_size = page_size
         self.decode_hit_slack = decode_hit_slack
         self.decode_reuse_min_blocks = decode_reuse_min_blocks
@@ -58,7 +61,11 @@ class InstancePool:
         self.prefills = [InstanceLoad(a) for a in prefill_addresses]
         self.decodes = [InstanceLoad(a) for a in decode_addresses]
         self.router = PrefillRouter(
-            self.prefills, cache_threshold=cache_threshold, load_weight=load_weight, policy=routing_policy
+            self.prefills,
+            cache_threshold=cache_threshold,
+            load_weight=load_weight,
+            policy=routing_policy,
+            tier_hit_weight=tier_hit_weight,
         )
         self.static_addresses = frozenset((*prefill_addresses, *decode_addresses))
         """The instances given on the command line: never retired."""
@@ -248,6 +255,25 @@ class InstancePool:
         metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if self.prefix.informed else "load_only").inc()
         metrics.INDEX_CACHED_TOKENS.inc(decision.cached_tokens)
         return prefill, decision.cached_tokens
+
+    def pull_source(
+        self, prefill: InstanceLoad, cached_blocks: Mapping[str, int], exclude: frozenset[str] = frozenset()
+    ) -> tuple[str, int]:
+        """(gRPC address, leading prompt blocks) of the routable prefill instance other than
+        `prefill` (and not in `exclude`) that holds the most of the prompt in its pool, when that
+        is at least pull_min_blocks more than `prefill` holds: where `prefill` may pull them
+        from instead of computing them. ("", 0) when none qualifies or pulls are off."""
+        if not self.pull_min_blocks:
+            return "", 0
+        own = cached_blocks.get(prefill.instance_id, 0) if prefill.instance_id else 0
+        best: tuple[str, int] = ("", 0)
+        for inst in self.prefills:
+            if inst is prefill or not inst.routable or inst.address in exclude or not inst.instance_id:
+                continue
+            held = cached_blocks.get(inst.instance_id, 0)
+            if held >= own + self.pull_min_blocks and held > best[1]:
+                best = (inst.address, held)
+        return best
 
     def max_queued_prefill_tokens(self, exclude: frozenset[str] = frozenset()) -> int:
         """The most prefill tokens queued on any routable prefill instance (not in `exclude`):

@@ -251,6 +251,8 @@ class RequestPath:
                     )
                 except LookupError as exc:
                     raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
+                # a peer holding more of the prompt: prefill may pull from it instead of computing
+                attempt.pull = self.pool.pull_source(prefill, cached_blocks, exclude)
                 # the prefill tokens this request adds to the instance's queue
                 attempt.route_prefill(prefill, n_prompt - cached_hint)
                 tracing.record(
@@ -263,6 +265,8 @@ class RequestPath:
                         "kvmesh.decode.instance": decode.instance_id or decode.address,
                         "kvmesh.index_cached_tokens": cached_hint,
                         "kvmesh.index_decode_cached_tokens": decode_blocks * self.pool.page_size,
+                        "kvmesh.pull.peer": attempt.pull[0],
+                        "kvmesh.pull.index_tokens": attempt.pull[1] * self.pool.page_size,
                         "kvmesh.routing_policy": self.pool.router.policy,
                     },
                 )

@@ -85,9 +85,11 @@ def prefill_request(
     transfer_id: int,
     page_size: int,
     decode_cached_pages: int = 0,
+    pull: tuple[str, int] = ("", 0),
 ) -> prefill_pb2.PrefillRequest:
     """Prefill the prompt and push its KV to decode's `kv_address` under `transfer_id`, all but
-    the `decode_cached_pages` leading pages decode holds already."""
+    the `decode_cached_pages` leading pages decode holds already; `pull`: (a peer prefill's
+    address, the leading blocks it holds) that prefill may pull instead of computing."""
     return prefill_pb2.PrefillRequest(
         request_id=inp.request_id,
         token_ids=inp.prompt_token_ids,
@@ -97,6 +99,8 @@ def prefill_request(
         page_size=page_size,
         block_hashes=block_hashes,  # hashed once, at the gateway: prefill reuses them
         decode_cached_pages=decode_cached_pages,
+        pull_from=pull[0],
+        pull_blocks=pull[1],
     )
 
 

@@ -23,6 +23,14 @@ class PrefillConfig(ModelServiceConfig):
         "prompt tokens computed per chunk; each chunk's KV is pushed to decode while the next computes (0: one chunk)",
         ge=0,
     )
+    kv_pull: bool = setting(
+        True,
+        "--kv-pull",
+        "pull a prompt's prefix from the peer prefill instance that holds it (the gateway names it) instead of "
+        "computing it, when the estimate says that is cheaper; needs a KV listener (--kv-port)",
+        kind="flag",
+    )
+    kv_port: int = setting(0, "--kv-port", "port of the KV listener peers push pulled blocks to (0: any free port)")
     push_timeout_s: float = setting(
         30.0, "--push-timeout", "seconds one KV push may take before it fails with UNAVAILABLE", gt=0
     )

@@ -100,6 +100,7 @@ class PrefillEngine:
         self.num_active = 0
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
+        self._tokens_per_s: float | None = None
 
     @property
     def pool(self):
@@ -146,6 +147,22 @@ class PrefillEngine:
         if self._pending:  # requests may be waiting for these pages
             self._drain()
 
+    def allocate_now(self, request: Request) -> bool:
+        """On the worker thread (through call): give the request its pages now, prefix-cache and
+        second-tier hits included (KVCacheManager.allocate_prompt), so a pull can land in them
+        before the compute; submit() then computes it without allocating again. False when the
+        pages are short now (the request then waits in the queue as any other)."""
+        try:
+            self.kv_cache.allocate_prompt(request)
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    def tokens_per_s(self) -> float | None:
+        """Prompt tokens this instance computed per second of compute, recently (an EWMA over
+        batches; None before the first). The pull's estimate compares with it."""
+        return self._tokens_per_s
+
     def call(self, fn, *args) -> concurrent.futures.Future:
         """Run fn(*args) on the worker thread (for stats and integrity checks)."""
         return self._executor.submit(fn, *args)
@@ -178,7 +195,15 @@ class PrefillEngine:
             for r in batch:
                 assert r.future is not None, r.request_id
                 if r.status is RequestStatus.ABORTED:
+                    if r.block_ids:  # allocated ahead of a pull: give the pages back
+                        self.kv_cache.free(r.block_ids, r.state_slot)
                     r.future.set_exception(Cancelled(r.request_id))
+                    continue
+                if r.block_ids:  # allocated ahead (allocate_now): computed as it is, in order
+                    if waiting:
+                        waiting.append(r)
+                    else:
+                        ready.append(r)
                     continue
                 if not self.kv_cache.fits_ever(r.num_prompt_tokens):
                     needs = self.kv_cache.num_pages_for(r.num_prompt_tokens)
@@ -234,6 +259,10 @@ class PrefillEngine:
             self._executor.submit(self._drain)
             return
         done = time.perf_counter()
+        computed = sum(r.num_prompt_tokens - r.num_cached_tokens for r in ready)
+        if computed >= 16 and done > started:
+            rate = computed / (done - started)
+            self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate
         # first tokens out first: caching the blocks (and their KV events) and the log lines
         # take ~1 ms for a 2K-token prompt that TTFT need not pay; nothing can read the cache
         # in between, since the next request runs on this thread after this one

@@ -11,10 +11,11 @@ from engine.loader import resolve_model
 from engine.runners import create_runner
 from kvstore.kv_tier import create_tier
 from kvstore.registry import InstanceRecord
-from kvstore.transports import create_sender
+from kvstore.transports import create_receiver, create_sender
 from prefill_svc import metrics
 from prefill_svc.config import PrefillConfig
 from prefill_svc.engine import PrefillEngine
+from prefill_svc.kv_pull import KVPuller
 from prefill_svc.servicer import PrefillServicer
 from protos.kvmesh.v1 import prefill_pb2_grpc
 from runtime import lifecycle, service
@@ -71,7 +72,12 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     sender = create_sender(config.kv_transport)
     model = ServedModel.of(files, instance_id)
-    servicer = PrefillServicer(engine, sender, model, config)
+    receiver, puller = None, None
+    if config.kv_pull:  # peers push the blocks this instance pulls into its own KV listener
+        receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
+        await receiver.start()
+        puller = KVPuller(engine, receiver, runner.page_layout.describe(), digest=config.kv_digest)
+    servicer = PrefillServicer(engine, sender, model, config, puller)
     prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
     metrics.bind(engine)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
@@ -80,6 +86,8 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     await asyncio.wrap_future(executor.submit(runner.warmup))
     registration = None
     release = [engine.shutdown, sender.close]
+    if puller is not None and receiver is not None:
+        release += [puller.close, receiver.close]
     if tier is not None:
         release.append(tier.close)
     if writer is not None:

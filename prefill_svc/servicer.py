@@ -12,15 +12,16 @@ from engine.outcomes import FailureCause
 from engine.request import Request
 from kvstore.block_hash import HASH_NBYTES
 from kvstore.block_pool import NoFreeBlocksError
-from kvstore.transport import KVPushSender, TransferError, parse_address
+from kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
 from prefill_svc import metrics
 from prefill_svc.config import PrefillConfig
 from prefill_svc.engine import Cancelled, PrefillEngine, PrefillResult
+from prefill_svc.kv_pull import KVPuller, Pulled, PullStuck
 from prefill_svc.kv_push import KVPush, PushReport
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from runtime import tracing
 from runtime.served_model import ServedModel
-from runtime.wire import abort, check_request_id, page_size_mismatch, sampling_from_pb
+from runtime.wire import abort, check_request_id, kv_layout_mismatch, page_size_mismatch, sampling_from_pb
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Runs each prefill on the engine's worker thread and pushes the request's pages to the
     decode instance (scatter-gather, in parts as chunked prefill completes them: KVPush)."""
 
-    def __init__(self, engine: PrefillEngine, sender: KVPushSender, model: ServedModel, config: PrefillConfig) -> None:
-        """config: its push_timeout_s bounds each part of a KV push; kv_digest hashes the pages pushed."""
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        sender: KVPushSender,
+        model: ServedModel,
+        config: PrefillConfig,
+        puller: KVPuller | None = None,
+    ) -> None:
+        """config: its push_timeout_s bounds each part of a KV push; kv_digest hashes the pages
+        pushed. puller: pulls a prefix a peer holds (PrefillRequest.pull_from); None: never."""
+        self.puller = puller
         self.engine = engine
         self.sender = sender
         self.model = model
@@ -113,6 +123,28 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             block_hashes=list(request.block_hashes) or None,
             on_pages_ready=kv_push.pages_ready if kv_push else None,
         )
+        pulled = Pulled(0, 0.0)
+        if request.pull_from and request.pull_blocks > 0 and self.puller is not None:
+            pull_ns = tracing.now_ns()
+            try:
+                pulled = await self.puller.pull(job, request.pull_from, request.pull_blocks)
+            except PullStuck as exc:
+                await abort(context, FailureCause.KV_PUSH_FAILED, str(exc))
+            except asyncio.CancelledError:
+                if job.block_ids:  # allocated for the pull: given back (a stuck receive gives them itself)
+                    self.engine.release(job.block_ids, job.state_slot)
+                raise
+            tracing.record(
+                span,
+                "prefill.pull",
+                pull_ns,
+                tracing.now_ns(),
+                {
+                    "kvmesh.pull.peer": request.pull_from,
+                    "kvmesh.pull.tokens": pulled.tokens,
+                    "kvmesh.pull.why_not": pulled.why_not,
+                },
+            )
         submitted_ns = tracing.now_ns()
         cfut = self.engine.submit(job)
         if kv_push is not None:  # a failed or abandoned request pushes no further part
@@ -218,6 +250,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             exposed_transfer_s=report.exposed_s,
             queue_s=result.queue_s,
             compute_s=result.compute_s,
+            num_pulled_tokens=pulled.tokens,
+            pull_s=pulled.seconds,
             instance_id=self.model.instance_id,
             kv_digest=report.digest,
             traceparent=tracing.traceparent(push_span),
@@ -250,6 +284,53 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if kv_push is not None:
                 await kv_push.wait_idle()
             self.engine.release(result.block_ids, result.state_slot)
+
+    async def PushBlocks(self, request, context):
+        """A peer pulls cached blocks: push the pages of the leading run of `block_hashes` this
+        instance holds to its KV receiver (none when it holds fewer than asked), holding them
+        against eviction meanwhile."""
+        with tracing.server_span("prefill.push_blocks", context, request.request_id, self.model.instance_id) as span:
+            response = await self._push_blocks(request, context)
+            span.set_attributes({"kvmesh.kv.pages": response.num_blocks, "kvmesh.kv.bytes": response.nbytes})
+            return response
+
+    async def _push_blocks(self, request, context):
+        rid, kv_cache = request.request_id, self.engine.kv_cache
+        try:
+            check_request_id(rid)
+            parse_address(request.kv_address)
+            if not 0 < request.transfer_id < 1 << 63:
+                raise ValueError(f"transfer_id must be in [1, 2^63), got {request.transfer_id}")
+            if len(request.block_hashes) > self.model.max_context // self.engine.page_size:
+                raise ValueError(f"at most {self.model.max_context // self.engine.page_size} block hashes")
+            if any(len(h) != HASH_NBYTES for h in request.block_hashes):
+                raise ValueError(f"block hashes must be {HASH_NBYTES} bytes each")
+        except ValueError as exc:
+            await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
+        mismatch = page_size_mismatch(f"prefill {self.model.instance_id}", self.engine.page_size, request.page_size)
+        mismatch = mismatch or kv_layout_mismatch(
+            f"prefill {self.model.instance_id}", self.engine.runner.page_layout.describe(), request.kv_layout
+        )
+        if mismatch:
+            await abort(context, FailureCause.MISMATCH, f"[{rid}] {mismatch}")
+        hashes = list(request.block_hashes)
+        block_ids = await asyncio.wrap_future(self.engine.call(kv_cache.hold_blocks, hashes))
+        try:
+            if len(block_ids) < len(hashes):  # evicted since the index said so: the puller computes
+                return prefill_pb2.PushBlocksResponse(num_blocks=len(block_ids))
+            buffers = await asyncio.wrap_future(self.engine.call(kv_cache.outbound, block_ids, None, False))
+            try:
+                sent = await asyncio.wait_for(
+                    self.sender.push(request.kv_address, request.transfer_id, buffers), self.config.push_timeout_s
+                )
+            except (TimeoutError, TransferError) as exc:
+                await abort(context, FailureCause.KV_PUSH_FAILED, f"[{rid}] push of pulled blocks failed: {exc}")
+            digest = pages_digest(buffers) if self.config.kv_digest else ""
+            return prefill_pb2.PushBlocksResponse(
+                num_blocks=len(block_ids), nbytes=sent.nbytes, seconds=sent.seconds, kv_digest=digest
+            )
+        finally:
+            self.engine.call(kv_cache.release_blocks, block_ids)
 
     async def GetStats(self, request, context):
         # a long prefill holds the worker for seconds; the gateway's poll must not wait on it

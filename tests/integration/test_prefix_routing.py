@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections import Counter
 
 import grpc
@@ -183,4 +185,97 @@ def test_trace_replay_records_and_plots(mesh, tmp_path):
     assert measured_prefill_rate(measured) > 0
     paths = write_plots(tmp_path, measured, [])
     assert [p.name for p in paths] == list(PLOT_FILES) and all(p.stat().st_size > 5_000 for p in paths)
+    wait_idle(mesh)
+
+
+def _prefill_on(
+    address: str, token_ids: list[int], request_id: str, **fields
+) -> tuple[prefill_pb2.PrefillResponse, float]:
+    """A prefill-only call (no decode) and its wall seconds."""
+
+    async def call():
+        async with grpc.aio.insecure_channel(address) as ch:
+            return await prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=request_id, token_ids=token_ids, sampling=common_pb2.SamplingParams(), **fields
+                ),
+                timeout=120,
+            )
+
+    started = time.monotonic()
+    response = asyncio.run(call())
+    return response, time.monotonic() - started
+
+
+PULL_DOC = ("A pull test: the orchard behind the old school grows pears, plums and quinces. " * 10).strip()
+"""Text no other test in this module sends: only the instance a test gives it holds its blocks."""
+
+
+def _wait_held(mesh, address: str, token_ids: list[int], blocks: int) -> None:
+    """Wait until the index says the prefill at `address` holds `blocks` leading blocks of token_ids
+    (its KV events are published off its model thread)."""
+    deadline = time.monotonic() + 30
+    while _held_by(mesh, address, token_ids) < blocks:
+        assert time.monotonic() < deadline, f"{address}'s KV events did not reach the index"
+        time.sleep(0.05)
+
+
+def _held_by(mesh, address: str, token_ids: list[int]) -> int:
+    """Leading full blocks of token_ids the index says the prefill at `address` holds in its pool."""
+    instance_id = instance_stats(address, "prefill").instance_id
+    index = RedisKVIndex(mesh.redis_url, model=resolve_model(None).name)
+    try:
+        return index.longest_prefix(hash_blocks(token_ids, PAGE), [instance_id])[instance_id]
+    finally:
+        index.close()
+
+
+def test_a_prefix_one_prefill_holds_is_pulled_by_the_other_instead_of_computed(mesh, tokenizer):
+    """Pull, don't recompute: B is asked (as the gateway asks it) to prefill a prompt only A
+    holds, names A as the peer, and copies A's pages (digest-checked: KVMESH_KV_DIGEST=1)
+    instead of computing them; the first token is the cold one, and B computed only the rest."""
+    a, b = mesh.prefill_addresses
+    ids = tokenizer.encode(PULL_DOC + " Which fruit ripens first?", add_special_tokens=False)
+    cold, _ = _prefill_on(a, ids, "pull-cold")  # A computes it all and keeps its blocks
+    assert cold.num_cached_tokens == 0
+    held = len(ids) // PAGE
+    _wait_held(mesh, a, ids, held)
+    assert _held_by(mesh, b, ids) == 0
+    before = instance_stats(b, "prefill")
+    pulled, _ = _prefill_on(b, ids, "pull-warm", pull_from=a, pull_blocks=held)
+    after = instance_stats(b, "prefill")
+    reusable = min(held, (len(ids) - 1) // PAGE)
+    assert pulled.num_pulled_tokens == pulled.num_cached_tokens == reusable * PAGE and pulled.pull_s > 0
+    assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed == len(ids) - reusable * PAGE
+    assert pulled.first_token == cold.first_token
+    # the pulled blocks joined B's own cache, and its KV events put them in the index
+    _wait_held(mesh, b, ids, reusable)
+    wait_idle(mesh)
+
+
+def test_a_pull_from_a_peer_that_lacks_the_blocks_or_is_frozen_falls_back_to_computing(mesh, tokenizer):
+    """A peer that holds fewer blocks than named (evicted since) answers so and B computes; a peer
+    frozen mid-way (SIGSTOP) makes the pull give up within its bound and B computes: the client
+    gets its answer, the same first token, and no page is left held anywhere."""
+    a, b = mesh.prefill_addresses
+    proc_a = next(p for n, p in mesh.procs if n == "prefill-0")
+    assert instance_stats(a, "prefill").instance_id  # prefill-0 serves the first address
+    ids = tokenizer.encode(PULL_DOC.replace("pears", "apples") + " How old is the school?", add_special_tokens=False)
+    # A holds none of it: it answers with 0 blocks, B computes the whole prompt
+    lacking, _ = _prefill_on(b, ids, "pull-lacking", pull_from=a, pull_blocks=8)
+    assert lacking.num_pulled_tokens == 0 and lacking.num_cached_tokens == 0
+    # now A holds it (B does too, from that run: a fresh prompt for the frozen case)
+    frozen_ids = tokenizer.encode(PULL_DOC.replace("plums", "figs") + " Who planted it?", add_special_tokens=False)
+    cold, _ = _prefill_on(a, frozen_ids, "pull-cold-2")
+    held = len(frozen_ids) // PAGE
+    _wait_held(mesh, a, frozen_ids, held)
+    proc_a.send_signal(signal.SIGSTOP)
+    try:
+        fallback, seconds = _prefill_on(b, frozen_ids, "pull-frozen", pull_from=a, pull_blocks=held)
+    finally:
+        proc_a.send_signal(signal.SIGCONT)
+    assert fallback.num_pulled_tokens == 0 and fallback.num_cached_tokens == 0
+    assert fallback.pull_s >= 0.9  # it waited for the peer its bound (1 s), no longer
+    assert seconds < 30, seconds  # then computed: never a hang
+    assert fallback.first_token == cold.first_token
     wait_idle(mesh)

@@ -464,3 +464,26 @@ def test_prefill_is_sent_again_under_the_transfer_id_an_older_decode_picked():
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_the_pull_source_is_the_peer_holding_the_most_beyond_the_chosen_instance():
+    async def scenario():
+        pool = InstancePool(["a:1", "b:1", "c:1"], ["d:1"], 16, None, 0.3, 0.02, 1.0, pull_min_blocks=4)
+        a, b, c = pool.prefills
+        a.instance_id, b.instance_id, c.instance_id = "a", "b", "c"
+        try:
+            # b was chosen (say a is busy); a holds 10 blocks, c 6, b 2: pull from a
+            assert pool.pull_source(b, {"a": 10, "b": 2, "c": 6}) == ("a:1", 10)
+            # a excluded (it failed this request once) or unreachable: c
+            assert pool.pull_source(b, {"a": 10, "b": 2, "c": 6}, frozenset({"a:1"})) == ("c:1", 6)
+            a.reachable = False
+            assert pool.pull_source(b, {"a": 10, "b": 2, "c": 6}) == ("c:1", 6)
+            # fewer than pull_min_blocks beyond the chosen one's: not worth naming
+            assert pool.pull_source(b, {"a": 10, "b": 2, "c": 5}) == ("", 0)
+            pool.pull_min_blocks = 0  # off
+            a.reachable = True
+            assert pool.pull_source(b, {"a": 10, "b": 2, "c": 6}) == ("", 0)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())

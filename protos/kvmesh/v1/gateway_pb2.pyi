@@ -88,7 +88,7 @@ class KVTransfer(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_digest: _Optional[str] = ..., decode_digest: _Optional[str] = ..., exposed_seconds: _Optional[float] = ..., decode_cached_pages: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s", "drafted_tokens", "accepted_tokens", "pulled_tokens", "pull_s")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,8 @@ class Final(_message.Message):
     ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULL_S_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
@@ -125,7 +127,9 @@ class Final(_message.Message):
     admission_s: float
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., retries: _Optional[int] = ..., admission_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    pulled_tokens: int
+    pull_s: float
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., retries: _Optional[int] = ..., admission_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

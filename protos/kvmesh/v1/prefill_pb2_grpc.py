@@ -46,6 +46,11 @@ class PrefillStub:
                 request_serializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
                 _registered_method=True)
+        self.PushBlocks = channel.unary_unary(
+                '/kvmesh.v1.Prefill/PushBlocks',
+                request_serializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.SerializeToString,
+                response_deserializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -64,6 +69,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushBlocks(self, request, context):
+        """Push the pages of these cached blocks to another instance's KV receiver (a peer prefill
+        pulling a prefix instead of computing it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
+            ),
+            'PushBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushBlocks,
+                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.FromString,
+                    response_serializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +151,33 @@ class Prefill:
             '/kvmesh.v1.Prefill/GetStats',
             protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
             protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Prefill/PushBlocks',
+            protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.SerializeToString,
+            protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,67 @@
+"""The pull's choice (prefill_svc/kv_pull.py): pull a peer's blocks only where the estimate says
+the pull beats computing them. The engine is a test double here (the choice is under test; the
+pull itself runs between real prefill processes in tests/integration/test_prefix_routing.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from engine.request import Request
+from kvstore.block_hash import hash_blocks
+from prefill_svc.kv_pull import ROUND_TRIP_S, KVPuller
+
+
+class Cache:
+    page_nbytes = 1_000_000
+
+
+class Engine:
+    page_size = 16
+    kv_cache = Cache()
+
+    def __init__(self, tokens_per_s: float | None, cached_tokens: int = 0) -> None:
+        self.rate = tokens_per_s
+        self.cached_tokens = cached_tokens
+        self.released: list = []
+
+    def tokens_per_s(self):
+        return self.rate
+
+    def allocate_now(self, request: Request) -> bool:
+        request.block_ids = list(range(request.num_prompt_tokens // 16 + 1))
+        request.num_cached_tokens = self.cached_tokens
+        return True
+
+    def call(self, fn, *args):
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_result(fn(*args))
+        return f
+
+
+def _job(n: int) -> Request:
+    ids = list(range(1000, 1000 + n))
+    return Request("r", ids, block_hashes=hash_blocks(ids, 16))
+
+
+def test_the_estimate_is_bytes_over_bandwidth_against_tokens_over_prefill_rate():
+    puller = KVPuller(Engine(tokens_per_s=2000.0), receiver=None, page_layout="x")  # type: ignore[arg-type]
+    puller.bytes_per_s = 1e9
+    pull_s, compute_s = puller.estimate(160, 10 * 1_000_000)
+    assert abs(pull_s - (ROUND_TRIP_S + 0.010)) < 1e-12 and compute_s == 160 / 2000.0
+    assert KVPuller(Engine(None), None, "x").estimate(160, 1)[1] is None  # type: ignore[arg-type]
+
+
+def test_no_pull_where_computing_is_cheaper_or_the_instance_holds_as_much():
+    # a fast prefill (1M tokens/s) beats a slow link (10 MB/s): 10 blocks of 1 MB take 1 s to
+    # pull and 160 us to compute; the job keeps its pages and is computed
+    slow = KVPuller(Engine(tokens_per_s=1e6), None, "x")  # type: ignore[arg-type]
+    slow.bytes_per_s = 1e7
+    job = _job(200)
+    got = asyncio.run(slow.pull(job, "peer:1", 10))
+    assert got.tokens == 0 and got.seconds == 0 and "computing is cheaper" in got.why_not
+    assert job.block_ids  # allocated: the compute uses them
+    # the instance holds 12 blocks already (its own cache): the peer's 10 add nothing
+    holder = KVPuller(Engine(tokens_per_s=10.0, cached_tokens=12 * 16), None, "x")  # type: ignore[arg-type]
+    got = asyncio.run(holder.pull(_job(200), "peer:1", 10))
+    assert got.tokens == 0 and got.why_not == "holds as much as the peer"
