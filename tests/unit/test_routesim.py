@@ -3,7 +3,7 @@ load guard on a trace whose every request shares its first block."""
 
 import random
 
-from bench.routing_sim import LRUBlocks, TraceRequest, oracle_hit_rate, router_chooser, simulate
+from bench.routing_sim import LRUBlocks, TraceRequest, fixed_chooser, oracle_hit_rate, router_chooser, simulate
 
 # four requests, all at t=0, prefill at 1024 tokens/s, 512-token blocks
 TINY = [
@@ -135,3 +135,20 @@ def test_multiturn_conversations_follow_whole_earlier_prompts_by_hand():
     ]
     # conversations go whole or not at all: a's three turns fit in 4, b's two would not
     assert [t.request.arrival_s for t in conversations(trace, limit=4)] == [0, 2, 4]
+
+
+def test_a_tier_keeps_what_the_cache_evicts_and_a_pull_takes_what_a_peer_holds_by_hand():
+    trace = [
+        TraceRequest(0.0, 2048, (1, 2, 3, 4)),  # -> instance 0 (fixed), cache of 4: holds 1 2 3 4
+        TraceRequest(1.0, 2048, (5, 6, 7, 8)),  # -> instance 0: evicts 1 2 3 4, which its tier keeps
+        TraceRequest(2.0, 2048, (1, 2, 3, 9)),  # -> instance 0: 1 2 3 from the tier, 9 computed
+        TraceRequest(3.0, 2048, (1, 2, 3, 10)),  # -> instance 1: 1 2 3 pulled from instance 0's cache
+    ]
+    res = simulate(trace, 2, 4, fixed_chooser([0, 0, 0, 1]), 1024.0, "fixed", tier_blocks=8, pull_min_blocks=2)
+    got = [(r.instance, r.hit_blocks, r.tier_blocks, r.pulled_blocks, r.computed_tokens) for r in res.requests]
+    assert got == [(0, 0, 0, 0, 2048), (0, 0, 0, 0, 2048), (0, 0, 3, 0, 512), (1, 0, 0, 3, 512)]
+    assert res.tier_hit_rate == 3 / 16 and res.pull_rate == 3 / 16
+    # one cache of the whole size (2 x (4 + 8) blocks) would compute the same: 2048 + 2048 + 512 + 512
+    assert res.computed_tokens == res.oracle_computed_tokens == 5120
+    # a pull costs pull_cost (5%) of computing its blocks: instance 1's prefill takes 0.5 + 0.075 s
+    assert abs(res.requests[3].finish_s - res.requests[3].start_s - (512 + 0.05 * 1536) / 1024.0) < 1e-9
