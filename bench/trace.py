@@ -187,6 +187,13 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=100, help="with --trace: the first N requests")
     p.add_argument("--prefill", type=int, default=2, help="with --trace: prefill instances")
     p.add_argument("--decode", type=int, default=2, help="with --trace --multiturn: decode instances")
+    p.add_argument("--prefill-pages", type=int, default=512, help="with --multiturn: pages of each prefill's pool")
+    p.add_argument(
+        "--tier-blocks", type=int, default=4096, help="with --multiturn: blocks of each prefill's second tier"
+    )
+    p.add_argument(
+        "--sim-tokens-per-s", type=float, default=3000.0, help="with --multiturn: the simulation's prefill rate"
+    )
     p.add_argument(
         "--multiturn",
         action="store_true",
