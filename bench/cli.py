@@ -27,10 +27,22 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="single-stream decode with and without n-gram speculation, quoting and plain prompts",
     )
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="with --speculative: drafts a step (default 4)")
+    parser.add_argument(
+        "--pull",
+        action="store_true",
+        help="prefill pulling a prefix from a peer against computing it, per prompt length (bench/pull.py)",
+    )
+    parser.add_argument(
+        "--pull-lengths", default="256,1024,2048", help="with --pull: prompt lengths, tokens, comma-separated"
+    )
     add_trace_arguments(parser)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.pull:
+        from bench.pull import run_pull_bench
+
+        return run_pull_bench(args)
     if args.speculative:
         from bench.speculative import run_speculative_bench
 

@@ -13,8 +13,9 @@ between prefill peers on load spill); Mooncake's and LMCache's P2P KV sharing.
 The choice: the pull's estimated seconds (its bytes over the pull bandwidth measured so far,
 plus a fixed round trip) against the compute's (the tokens over this instance's measured
 prefill rate, engine.tokens_per_s). The crossover is where KV bytes per token x prefill tokens
-per second = pull bytes per second: SmolLM2-135M's 46,080 B a token at ~3,000 tokens/s on two
-CPU cores needs ~140 MB/s, which loopback and shared memory beat by far.
+per second = pull bytes per second: SmolLM2-135M's 46,080 B a token at 1,000-3,000 tokens/s on
+two CPU cores needs 46-140 MB/s; a pull between two processes on one host ran 1.2-1.5 GB/s
+(docs/benchmarks.md).
 
 Every wait is bounded: the call and the landing together by a deadline of a few times the
 estimate (at least `min_timeout_s`); a peer that is gone, frozen (SIGSTOP) or holds fewer
