@@ -142,9 +142,11 @@ def wait_for_log(mesh: Mesh, needle: str, since: int = 0, count: int = 1, timeou
         time.sleep(0.1)
 
 
-def complete(mesh: Mesh, prompt, **kwargs) -> Completion:
+def complete(mesh: Mesh, prompt, address: str | None = None, **kwargs) -> Completion:
+    """One request through the mesh's gateway (or the gateway at `address`), to its end."""
+
     async def run() -> Completion:
-        async with GatewayClient(mesh.gateway_address) as client:
+        async with GatewayClient(address or mesh.gateway_address) as client:
             return await client.complete(make_request(prompt, **kwargs), timeout_s=300)
 
     return asyncio.run(run())

@@ -16,7 +16,17 @@ from kvstore.block_hash import hash_blocks
 from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.conftest import instance_stats
-from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle
+from tests.integration.meshutil import (
+    complete,
+    complete_many,
+    gateway_args,
+    reap,
+    running_mesh,
+    serving,
+    spawn_service,
+    terminate,
+    wait_idle,
+)
 
 PAGE = 16
 # 48 pages per prefill instance, so a few long prompts force LRU eviction
@@ -278,4 +288,36 @@ def test_a_pull_from_a_peer_that_lacks_the_blocks_or_is_frozen_falls_back_to_com
     assert fallback.pull_s >= 0.9  # it waited for the peer its bound (1 s), no longer
     assert seconds < 30, seconds  # then computed: never a hang
     assert fallback.first_token == cold.first_token
+    wait_idle(mesh)
+
+
+def test_a_gateway_that_routes_a_held_prompt_to_the_other_prefill_makes_it_pull(mesh, tokenizer):
+    """Through a gateway: one that routes round robin (so it sends a prompt away from the prefill
+    holding it, as load spill does) names the holder, the other prefill pulls, computes only the
+    last block, and answers what the holder answers from its own cache."""
+    a, b = mesh.prefill_addresses
+    by_id = {v: k for k, v in _by_id(mesh).items()}
+    ids = tokenizer.encode(PULL_DOC.replace("quinces", "cherries") + " Which tree is oldest?", add_special_tokens=False)
+    cold, _ = _prefill_on(a, ids, "rr-cold")  # A holds the prompt; B none of it
+    held = len(ids) // PAGE
+    _wait_held(mesh, a, ids, held)
+    proc, address = spawn_service("gateway", gateway_args(mesh, "--routing-policy", "round_robin"), mesh.log_path)
+    try:
+        serving([(proc, address)])
+        # the gateway learns the instances' ids from its first stats poll; two requests in a row go
+        # to A and B in some order
+        answers = [
+            complete(mesh, b"", prompt_token_ids=ids, max_tokens=8, ignore_eos=True, address=address) for _ in range(2)
+        ]
+    finally:
+        terminate([proc])
+        reap([proc])
+    on = {by_id[o.final.prefill_instance]: o for o in answers}
+    assert set(on) == {a, b}, [o.final.prefill_instance for o in answers]
+    reusable = min(held, (len(ids) - 1) // PAGE) * PAGE
+    # B reused what it held of the document's start (earlier tests) and pulled the rest of the prefix
+    assert on[b].final.cached_tokens == reusable and on[b].final.pulled_tokens >= reusable - 2 * PAGE
+    assert on[b].final.pull_s > 0
+    assert on[a].final.pulled_tokens == 0 and on[a].final.cached_tokens == reusable  # its own cache
+    assert on[a].token_ids == on[b].token_ids and on[a].token_ids[0] == cold.first_token
     wait_idle(mesh)
