@@ -58,6 +58,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise ValueError(f"token ids must be in [0, {self.model.vocab_size}), got {bad[:5]}")
         if request.decode_kv_address:
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
+        if request.pull_from:
+            parse_address(request.pull_from)  # a peer's gRPC "host:port"
+        if not 0 <= request.pull_blocks <= n // self.engine.page_size:
+            raise ValueError(f"pull_blocks must be in [0, {n // self.engine.page_size}], got {request.pull_blocks}")
         held = request.decode_cached_pages
         if not 0 <= held <= (n - 1) // self.engine.page_size:
             raise ValueError(

@@ -316,3 +316,75 @@ def test_speculative_decoding_through_the_mesh_gives_transformers_greedy_tokens(
             f = got.final
             assert f.accepted_tokens > 0 and f.drafted_tokens >= f.accepted_tokens, f
     wait_idle(mesh)
+
+
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (dict(pull_from="no-port", pull_blocks=1), "no-port"),
+        (dict(pull_from="127.0.0.1:1", pull_blocks=3), "pull_blocks must be in [0, 2], got 3"),
+        (dict(pull_blocks=-1), "pull_blocks must be in [0, 2], got -1"),
+        (dict(decode_cached_pages=3), "decode_cached_pages must be in [0, 2]"),
+    ],
+)
+def test_bad_pull_and_decode_reuse_fields_of_prefill_are_invalid_argument(mesh, fields, needle):
+    async def body(decode, prefill):
+        try:
+            await prefill.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="t", token_ids=LONG, sampling=common_pb2.SamplingParams(), **fields
+                ),
+                timeout=30,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+        return grpc.StatusCode.OK, ""
+
+    code, details = _run(mesh, body)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details, details
+    wait_idle(mesh)
+
+
+def test_bad_push_blocks_and_reserve_hashes_are_refused_and_hold_nothing(mesh):
+    async def body(decode, prefill):
+        got = []
+        for request in (
+            prefill_pb2.PushBlocksRequest(request_id="t", block_hashes=[b"\x01" * 15], kv_address="127.0.0.1:1",
+                                          transfer_id=5, page_size=16),
+            prefill_pb2.PushBlocksRequest(request_id="t", block_hashes=[b"\x01" * 16], kv_address="nowhere",
+                                          transfer_id=5, page_size=16),
+            prefill_pb2.PushBlocksRequest(request_id="t", block_hashes=[b"\x01" * 16], kv_address="127.0.0.1:1",
+                                          transfer_id=5, page_size=32),
+        ):  # fmt: skip
+            try:
+                await prefill.PushBlocks(request, timeout=30)
+                got.append(("OK", ""))
+            except grpc.aio.AioRpcError as exc:
+                got.append((exc.code().name, exc.details()))
+        # blocks nobody holds: answered with 0 blocks, nothing pushed (the puller computes them)
+        none = await prefill.PushBlocks(
+            prefill_pb2.PushBlocksRequest(
+                request_id="t", block_hashes=[b"\x07" * 16], kv_address="127.0.0.1:1", transfer_id=5, page_size=16
+            ),
+            timeout=30,
+        )
+        try:
+            await decode.Reserve(
+                decode_pb2.ReserveRequest(
+                    request_id="t", num_prompt_tokens=len(LONG), max_tokens=2, page_size=16,
+                    block_hashes=[b"\x01" * 16], reuse_cached=True,
+                ),
+                timeout=30,
+            )  # fmt: skip
+            got.append(("OK", ""))
+        except grpc.aio.AioRpcError as exc:
+            got.append((exc.code().name, exc.details()))
+        return got, none
+
+    got, none = _run(mesh, body)
+    assert [code for code, _ in got] == ["INVALID_ARGUMENT", "INVALID_ARGUMENT", "FAILED_PRECONDITION",
+                                         "INVALID_ARGUMENT"], got  # fmt: skip
+    assert "16 bytes" in got[0][1] and "nowhere" in got[1][1] and "page" in got[2][1]
+    assert "one 16-byte hash per full block of the prompt (2 of 16 tokens), got 1" in got[3][1]
+    assert none.num_blocks == 0 and none.nbytes == 0
+    wait_idle(mesh)
