@@ -65,3 +65,59 @@ def test_no_pull_where_computing_is_cheaper_or_the_instance_holds_as_much():
     holder = KVPuller(Engine(tokens_per_s=10.0, cached_tokens=12 * 16), None, "x")  # type: ignore[arg-type]
     got = asyncio.run(holder.pull(_job(200), "peer:1", 10))
     assert got.tokens == 0 and got.why_not == "holds as much as the peer"
+
+
+def test_a_pull_whose_bytes_do_not_check_out_is_cancelled_and_computed_never_used():
+    """The peer answers with a digest the landed bytes do not match (corrupted on the way): the
+    receive is cancelled, nothing counts as cached, and the compute does those blocks. The cache
+    and its pages are real (engine.kv_cache.KVCacheManager over host memory); the peer and the
+    receiver are doubles that land corrupted bytes."""
+    import numpy as np
+    import torch
+
+    from engine.kv_cache import KVCacheManager
+    from engine.kv_layout import llama_layout
+    from kvstore.transport import pages_digest
+    from protos.kvmesh.v1 import prefill_pb2
+    from tests.unit.test_kv_cache import MemoryRunner
+
+    runner = MemoryRunner(llama_layout(1, 16, 1, 2, torch.float32), 16)
+    cache = KVCacheManager(runner, 16, 16, True)
+
+    class RealEngine(Engine):
+        kv_cache = cache  # type: ignore[assignment]
+
+        def allocate_now(self, request):
+            cache.allocate_prompt(request)
+            return True
+
+    class Receiver:
+        address = "127.0.0.1:9"
+        cancelled: list[int] = []
+
+        def expect(self, transfer_id, buffers):
+            for b in buffers:
+                b[:] = 0xAB  # "landed", but not the peer's bytes
+            f = asyncio.get_running_loop().create_future()
+            f.set_result(None)
+            return f
+
+        def cancel(self, transfer_id):
+            self.cancelled.append(transfer_id)
+
+    good = [np.zeros(runner.page_nbytes, dtype=np.uint8) for _ in range(3)]
+
+    class Peer:
+        async def PushBlocks(self, request, timeout=None):
+            return prefill_pb2.PushBlocksResponse(num_blocks=len(request.block_hashes), kv_digest=pages_digest(good))
+
+    receiver = Receiver()
+    puller = KVPuller(RealEngine(tokens_per_s=None), receiver, "x", digest=True)  # type: ignore[arg-type]
+    puller._stub = lambda address: Peer()  # type: ignore[method-assign,assignment,return-value]
+    job = _job(60)  # 3 full blocks before the last token's
+    got = asyncio.run(puller.pull(job, "peer:1", 3))
+    assert got.tokens == 0 and "digest differs" in got.why_not and len(receiver.cancelled) == 1
+    assert job.num_cached_tokens == 0 and not cache.pool.cached_hashes()  # nothing taken as the prompt's KV
+    assert puller.num_failed == 1
+    cache.free(job.block_ids, job.state_slot)
+    cache.check_integrity()
