@@ -1,5 +1,5 @@
-"""kvstore: paged KV block pool, block hashing, KV events, the Redis prefix index and the KV
-transport (the interface in `kvstore.transport`, made by name with `create_sender` /
+"""kvstore: paged KV block pool, its second tier (`kvstore.kv_tier`), block hashing, KV events
+and their publisher thread, the Redis prefix index and the KV transport (the interface in `kvstore.transport`, made by name with `create_sender` /
 `create_receiver`; UCX is the implementation).
 
 The Redis and UCX parts load on first use (`import ucxx` alone takes ~0.6 s), so a
