@@ -18,7 +18,9 @@ push left in TTFT, the rest: lookup and RPCs), TTFT p50/p90, prefill tokens comp
 evenly prefill and decode were loaded (balancedness: mean / max); then what the ideal holds (a
 turn's parent's blocks, at the decode it reaches) against the bound pages pushed <= pages
 decode lacked + 1; and `kvmesh routesim`'s simulation of the same turns beside the measured
-prefill tokens computed, with the oracle (one cache of the mesh's whole size).
+prefill tokens computed, with the oracle (one cache of the mesh's whole size). `--spill` routes
+prefill round robin in every run, so turns leave the instance that holds their conversation (as
+load spill does at scale), which is where pulls pay.
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ def _mesh_args(mode: str, args, tier_dir: str) -> tuple[list[str], list[str], li
         prefill += ["--kv-tier-blocks", str(args.tier_blocks), "--kv-tier-dir", tier_dir]
     decode = ["--num-pages", "4096"] + ([] if n >= 1 else ["--no-prefix-caching"])
     gateway = [] if n >= 2 else ["--pull-min-blocks", "0"]
+    if args.spill:  # every turn to either prefill in turn, wherever its conversation is: all load spill
+        gateway += ["--routing-policy", "round_robin"]
     return prefill, decode, gateway
 
 
@@ -196,8 +200,8 @@ def run_multiturn_bench(args) -> int:
     n_conv = sum(t.parent is None for t in turns)
     print(
         f"{len(turns)} turns of {n_conv} conversations ({sum(map(len, prompts))} prompt tokens, blocks of {B} "
-        f"tokens) through {args.prefill} prefill ({args.prefill_pages} pages each) + {args.decode} decode; "
-        f"modes: {', '.join(MODES)} ...",
+        f"tokens) through {args.prefill} prefill ({args.prefill_pages} pages each) + {args.decode} decode"
+        f"{', prefill routed round robin (--spill)' if args.spill else ''}; modes: {', '.join(MODES)} ...",
         flush=True,
     )
     results: dict[str, list[Answered]] = {}
@@ -292,14 +296,15 @@ def _print_simulated(scaled: Sequence[TraceRequest], results: dict[str, list[Ans
     from bench.routing_sim import router_chooser, simulate
 
     B = args.block_tokens
+    policy = "round_robin" if args.spill else "cache_aware"
     print(f"\n{'prefill tokens computed':<38}{'measured':>14}{'simulated':>14}{'oracle':>14}{'sim/oracle':>12}")
     for mode, tier, pull in (("decode reuse", 0, 0), ("+ pull", 0, 4), ("+ tier", args.tier_blocks, 4)):
         rs = results[mode]
         timed = [TraceRequest(r.sent_s, t.input_tokens, t.hash_ids) for r, t in zip(rs, scaled)]
         order = sorted(range(len(timed)), key=lambda k: timed[k].arrival_s)
         sim = simulate(
-            [timed[k] for k in order], args.prefill, args.prefill_pages, router_chooser("cache_aware", B),
-            args.sim_tokens_per_s, "cache_aware", B, tier_blocks=tier, pull_min_blocks=pull,
+            [timed[k] for k in order], args.prefill, args.prefill_pages, router_chooser(policy, B),
+            args.sim_tokens_per_s, policy, B, tier_blocks=tier, pull_min_blocks=pull,
         )  # fmt: skip
         measured = sum(r.prompt_tokens - r.prefill_cached_tokens for r in rs)
         print(

@@ -195,6 +195,11 @@ def add_arguments(p) -> None:
         "--sim-tokens-per-s", type=float, default=3000.0, help="with --multiturn: the simulation's prefill rate"
     )
     p.add_argument(
+        "--spill",
+        action="store_true",
+        help="with --multiturn: route prefill round robin, so turns leave the prefill that holds them (pulls pay)",
+    )
+    p.add_argument(
         "--multiturn",
         action="store_true",
         help="with --trace: replay the trace's conversations (turns extending earlier prompts) with decode-side "

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,6 +49,15 @@ class CountingRunner:
 
     def expert_token_counts(self):
         return None  # dense
+
+    def page_buffer(self, page_id: int):
+        """A page's bytes (this double's model writes none: only what the push lands is read)."""
+        if not hasattr(self, "pages"):
+            self.pages = np.zeros((64, 8), dtype=np.uint8)
+        return self.pages[page_id]
+
+    def state_buffers(self, slot):
+        return []
 
 
 def _engine(**kw) -> tuple[DecodeEngine, CountingRunner]:
@@ -213,6 +223,11 @@ def test_a_finished_request_s_blocks_stay_cached_and_a_later_turn_reuses_them():
         second = engine.reserve("t2", len(turn2), 4, block_hashes=hashes2, reuse_cached=True)
         assert second.num_reused_pages == 4 and second.block_ids[:4] == t1_pages[:4]
         assert engine.pool.num_referenced_blocks == len(second.block_ids)
+        # the push lands in the prompt's pages after them, never in a page decode held already
+        landing = engine.transfer_buffers(second.transfer_id)
+        assert len(landing) == second.num_prompt_pages - 4 == 1
+        assert np.shares_memory(landing[0], runner.page_buffer(second.block_ids[4]))
+        assert not any(np.shares_memory(landing[0], runner.page_buffer(b)) for b in second.block_ids[:4])
         # not asked to reuse (Prefill already went out pushing every page), another tenant's
         # hashes, or too short a prompt: nothing is referenced
         plain = engine.reserve("t3", len(turn2), 4, block_hashes=hashes2)
