@@ -10,6 +10,7 @@ calls it under its lock or on its one worker thread.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -20,6 +21,8 @@ from kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvstore.kv_events import BlockStored
 from kvstore.kv_tier import KVTier
 from kvstore.staging import StagedLanding, choose_push_path, stage_out
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.forward import Runner
@@ -187,7 +190,12 @@ class KVCacheManager:
         new = self.pool.allocate(need).block_ids  # may evict (and spill) blocks; never the matched ones
         loaded = 0
         while tier is not None and loaded < in_tier:
-            if not tier.get(hashes[on_device + loaded], self.runner.page_buffer(new[loaded])):
+            try:
+                got = tier.get(hashes[on_device + loaded], self.runner.page_buffer(new[loaded]))
+            except Exception:  # a tier that fails is a miss: it must never fail the request
+                logger.exception("KV tier load failed; recomputing from there")
+                got = False
+            if not got:
                 break  # its bytes are gone: the run stops there and the rest is recomputed
             loaded += 1
         if loaded:
@@ -198,7 +206,10 @@ class KVCacheManager:
         """The pool evicted these blocks: their pages go to the second tier before reuse."""
         assert self.tier is not None
         for block_id, block_hash in evicted:
-            self.tier.put(block_hash, self.runner.page_buffer(block_id))
+            try:
+                self.tier.put(block_hash, self.runner.page_buffer(block_id))
+            except Exception:  # inside the pool's allocation: losing the copy is all a tier may cost
+                logger.exception("KV tier could not keep an evicted block; it is dropped")
 
     def snapshot(self) -> list[BlockStored]:
         """What this cache holds now, one BlockStored a medium (the index's resync)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +97,7 @@ class Attempt(AttemptAccounting):
             self._send_prefill()
             self._send_reserve()
 
-    async def stream(self, answer: Answer) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def stream(self, answer: Answer) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """Run the attempt to its end, yielding `answer`'s messages: the first token as soon as
         prefill answers, decode's as they come, then the Final one.
 

@@ -199,13 +199,17 @@ class RequestPath:
         try:
             if waited:
                 tracing.record(span, "gateway.admission", t0, tracing.now_ns())
-            async for msg in self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key)):
-                if unprefilled:
-                    # the first token came with prefill's answer: the prompt left the queue and
-                    # the key's queued tokens drop
-                    self.admission.prefilled(key, unprefilled)
-                    unprefilled = 0
-                yield msg
+            # closed here, not whenever the garbage collector finds it: a caller that leaves
+            # mid-answer must abort the attempt (and release its reservation) at once
+            attempts = self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key))
+            async with contextlib.aclosing(attempts):
+                async for msg in attempts:
+                    if unprefilled:
+                        # the first token came with prefill's answer: the prompt left the queue and
+                        # the key's queued tokens drop
+                        self.admission.prefilled(key, unprefilled)
+                        unprefilled = 0
+                    yield msg
         except RequestFailed as failure:
             logger.warning("%s (%s)", failure, failure.cause.value)
             raise
@@ -279,8 +283,9 @@ class RequestPath:
                     decode.address,
                 )
                 attempt.send()
-                async for msg in attempt.stream(answer):
-                    yield msg
+                async with contextlib.aclosing(attempt.stream(answer)) as messages:
+                    async for msg in messages:
+                        yield msg
                 return
             except RequestFailed as failure:
                 if attempt is not None:

@@ -218,6 +218,8 @@ class FileTier(_Tier):
         tmp = path.with_suffix(".tmp")
         digest = hashlib.blake2b(data.data, digest_size=16).digest()
         try:
+            if not self.directory.is_dir():  # removed under the running service: made again
+                self.directory.mkdir(parents=True, mode=0o700, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(_HEADER.pack(_MAGIC, digest, data.nbytes))
                 f.write(data.data)
@@ -227,7 +229,10 @@ class FileTier(_Tier):
             if not self._disk_full_logged:
                 logger.warning("KV tier %s cannot keep evicted blocks (%s); they are dropped", self.directory, exc)
                 self._disk_full_logged = True
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # the directory itself is gone or replaced: nothing was left there
+                pass
             return False
         return True
 
@@ -254,7 +259,10 @@ class FileTier(_Tier):
         return data
 
     def _drop(self, block_hash: BlockHash, slot: int) -> None:
-        self._path(block_hash).unlink(missing_ok=True)
+        try:
+            self._path(block_hash).unlink(missing_ok=True)
+        except OSError:  # the directory itself is gone or replaced
+            pass
 
     def close(self) -> None:
         """Remove the directory and every block in it."""

@@ -487,3 +487,38 @@ def test_the_pull_source_is_the_peer_holding_the_most_beyond_the_chosen_instance
             await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_caller_that_leaves_after_the_first_token_aborts_the_attempt_at_once():
+    """The request path closes its attempts when its caller closes it (a client gone after the
+    first token): the reservation is released then, not when the garbage collector gets to the
+    abandoned generator (decode otherwise kept the pages until the reservation expired)."""
+
+    class TokenBuilder(Builder):
+        def check_model(self, model: str) -> None:
+            pass
+
+        def tokenize(self, prompt, messages, chat, token_ids=()):
+            return list(token_ids)
+
+        def build(self, request_id, ids, temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos):
+            return GenerateInput(request_id, tuple(ids), SamplingParams(seed=1), max_tokens or 16, tuple(stop), True)
+
+    async def scenario():
+        events = Events()
+        servicer, pool = _servicer(events, FixedIndex())
+        servicer.builder = TokenBuilder()  # type: ignore[assignment]
+        pool._decode_stubs["d1:1"].answer.set()  # type: ignore[attr-defined]
+        request = make_request(prompt_token_ids=list(range(100, 150)), max_tokens=16, request_id="r9")
+        stream = servicer.generate(request)
+        first = await stream.__anext__()
+        assert first.delta.token_ids == [5] and pool.decodes[0].in_flight_requests == 1
+        await stream.aclose()  # the client went away after its first token
+        # aborted inside the close: nothing counted on decode any more, the Release on its way
+        assert pool.decodes[0].in_flight_requests == 0
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert any(e.startswith("release ") for e in events), events
+        await pool.close()
+
+    asyncio.run(scenario())

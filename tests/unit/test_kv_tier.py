@@ -95,3 +95,22 @@ def test_a_full_disk_loses_only_the_copy(tmp_path):
     assert len(tier) == 0 and h not in tier and events == [] and tier.num_failed_writes == 1
     assert list((tmp_path / "tier").iterdir()) == []  # nothing left behind
     assert tier.put(h, _pages(1)[0]) and h in tier  # room again: kept
+
+
+def test_a_directory_removed_or_replaced_under_the_tier_costs_copies_never_an_error(tmp_path):
+    import shutil
+
+    events: list = []
+    tier = FileTier(tmp_path / "tier", 8, PAGE, events.extend)
+    pages, hashes = _pages(3), _hashes(3)
+    assert tier.put(hashes[0], pages[0])
+    shutil.rmtree(tmp_path / "tier")  # rm -rf under the running service
+    out = np.zeros(PAGE, dtype=np.uint8)
+    assert not tier.get(hashes[0], out) and hashes[0] not in tier  # a miss, dropped
+    assert tier.put(hashes[1], pages[1]) and tier.get(hashes[1], out)  # the directory is made again
+    shutil.rmtree(tmp_path / "tier")
+    (tmp_path / "tier").write_bytes(b"not a directory")  # replaced by a file: no copy can be kept
+    assert not tier.put(hashes[2], pages[2]) and hashes[2] not in tier
+    assert not tier.get(hashes[1], out)  # nor read back
+    assert tier.num_failed_writes == 1 and len(tier) == 0
+    tier.close()
