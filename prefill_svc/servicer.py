@@ -59,7 +59,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if request.decode_kv_address:
             parse_address(request.decode_kv_address)  # fail before computing, not at push time
         if request.pull_from:
-            parse_address(request.pull_from)  # a peer's gRPC "host:port"
+            try:
+                parse_address(request.pull_from)  # a peer's gRPC "host:port"
+            except ValueError as exc:
+                raise ValueError(f"pull_from (a peer prefill's gRPC address): {exc}") from None
         if not 0 <= request.pull_blocks <= n // self.engine.page_size:
             raise ValueError(f"pull_blocks must be in [0, {n // self.engine.page_size}], got {request.pull_blocks}")
         held = request.decode_cached_pages

@@ -151,7 +151,7 @@ LONG = PROMPT * 6  # 36 tokens: two full 16-token blocks
         (dict(block_hashes=[b"\x01" * 16]), "one 16-byte hash per full block of the prompt (2 of 16 tokens), got 1"),
         (dict(block_hashes=[b"\x01" * 16, b"\x02" * 15]), "got 2"),
         (dict(block_hashes=[b"\x01" * 16] * 3), "got 3"),
-        (dict(pull_from="no-port", pull_blocks=1), "no-port"),
+        (dict(pull_from="no-port", pull_blocks=1), "pull_from (a peer prefill's gRPC address)"),
         (dict(pull_from="127.0.0.1:1", pull_blocks=3), "pull_blocks must be in [0, 2], got 3"),
         (dict(pull_blocks=-1), "pull_blocks must be in [0, 2], got -1"),
         (dict(decode_cached_pages=3), "decode_cached_pages must be in [0, 2]"),
