@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 
 from opentelemetry.trace import Status, StatusCode
 
@@ -153,7 +152,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     "kvmesh.pull.why_not": pulled.why_not,
                 },
             )
-        job.arrival_time = time.perf_counter()  # the engine's queue starts now: queue_s leaves the pull out
         submitted_ns = tracing.now_ns()
         cfut = self.engine.submit(job)
         if kv_push is not None:  # a failed or abandoned request pushes no further part
