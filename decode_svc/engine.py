@@ -31,7 +31,7 @@ from engine.kv_cache import KVCacheManager
 from engine.request import EmitFn, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.speculative import create_speculator
-from kvstore.block_hash import HASH_NBYTES, BlockHash
+from kvstore.block_hash import BlockHash, check_block_hashes
 from kvstore.kv_events import KVEvent
 from kvstore.kv_publisher import KVEventPublisher
 from kvstore.kv_tier import KVTier
@@ -143,12 +143,7 @@ class DecodeEngine:
         """
         if not 0 <= transfer_id < 1 << 63:
             raise ValueError(f"transfer_id must be in [0, 2^63), got {transfer_id}")
-        full = num_prompt_tokens // self.config.page_size
-        if block_hashes and (len(block_hashes) != full or any(len(h) != HASH_NBYTES for h in block_hashes)):
-            raise ValueError(
-                f"block_hashes must hold one {HASH_NBYTES}-byte hash per full block of the prompt "
-                f"({full} of {self.config.page_size} tokens), got {len(block_hashes)}"
-            )
+        check_block_hashes(block_hashes, num_prompt_tokens, self.config.page_size)
         request = Request(
             request_id,
             num_prompt_tokens=num_prompt_tokens,

@@ -41,12 +41,6 @@ class PrefixLookup:
         """Whether routing now has the index's answers (there is one and it answers)."""
         return self.index is not None and self.index_ok
 
-    async def leading_blocks(self, block_hashes: Sequence[BlockHash], instance_ids: list[str]) -> dict[str, int]:
-        """instance_id -> leading blocks of `block_hashes` it holds in its page pool, for
-        `instance_ids`; {} without an index or while it is unreachable (never raises; one
-        lookup is bounded by 1 s)."""
-        return (await self.leading_blocks_tiered(block_hashes, instance_ids, tiered=False))[0]
-
     async def leading_blocks_tiered(
         self, block_hashes: Sequence[BlockHash], instance_ids: list[str], tiered: bool = True
     ) -> tuple[dict[str, int], dict[str, int]]:

@@ -82,6 +82,17 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int] | np.ndarray) 
     return BlockHash(h.digest())
 
 
+def check_block_hashes(block_hashes: Sequence[bytes], num_tokens: int, block_size: int) -> None:
+    """Raise ValueError unless `block_hashes` (a caller's, for a prompt of num_tokens tokens) is
+    empty or holds one HASH_NBYTES-byte hash per full block of block_size tokens."""
+    full = num_tokens // block_size
+    if block_hashes and (len(block_hashes) != full or any(len(h) != HASH_NBYTES for h in block_hashes)):
+        raise ValueError(
+            f"block_hashes must hold one {HASH_NBYTES}-byte hash per full block of the prompt "
+            f"({full} of {block_size} tokens), got {len(block_hashes)}"
+        )
+
+
 def hash_blocks(
     token_ids: Sequence[int] | np.ndarray, block_size: int, parent: BlockHash | None = None
 ) -> list[BlockHash]:

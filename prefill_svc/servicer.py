@@ -10,7 +10,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from engine.outcomes import FailureCause
 from engine.request import Request
-from kvstore.block_hash import HASH_NBYTES
+from kvstore.block_hash import HASH_NBYTES, check_block_hashes
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
 from prefill_svc import metrics
@@ -71,13 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 f"decode_cached_pages must be in [0, {(n - 1) // self.engine.page_size}] (the prompt's full pages "
                 f"before its last token's), got {held}"
             )
-        if request.block_hashes:
-            full = n // self.engine.page_size
-            if len(request.block_hashes) != full or any(len(h) != HASH_NBYTES for h in request.block_hashes):
-                raise ValueError(
-                    f"block_hashes must hold one {HASH_NBYTES}-byte hash per full block of the prompt "
-                    f"({full} of {self.engine.page_size} tokens), got {len(request.block_hashes)}"
-                )
+        check_block_hashes(request.block_hashes, n, self.engine.page_size)
 
     def _connect_ahead(self, address: str) -> None:
         """Connect to the decode's KV receiver while the prompt computes, so the push finds the

@@ -26,6 +26,7 @@ from tests.integration.meshutil import (
     spawn_service,
     terminate,
     wait_idle,
+    wait_indexed,
 )
 
 PAGE = 16
@@ -224,10 +225,7 @@ PULL_DOC = ("A pull test: the orchard behind the old school grows pears, plums a
 def _wait_held(mesh, address: str, token_ids: list[int], blocks: int) -> None:
     """Wait until the index says the prefill at `address` holds `blocks` leading blocks of token_ids
     (its KV events are published off its model thread)."""
-    deadline = time.monotonic() + 30
-    while _held_by(mesh, address, token_ids) < blocks:
-        assert time.monotonic() < deadline, f"{address}'s KV events did not reach the index"
-        time.sleep(0.05)
+    wait_indexed(mesh, address, "prefill", token_ids[: blocks * PAGE], resolve_model(None).name)
 
 
 def _held_by(mesh, address: str, token_ids: list[int]) -> int:
