@@ -7,17 +7,19 @@ import asyncio
 from collections.abc import Callable
 
 from engine.request import EmitFn, Ending
+from engine.sampling_params import TokenLogprobs
 
-# One step's deliveries [(emit, token ids, ending)]; a DispatchFn runs them where the emit
-# functions may run (the service hands the whole list to its event loop in one call).
-Delivery = tuple[EmitFn, list[int], Ending]
+# One step's deliveries [(emit, token ids, ending, their logprobs or None)]; a DispatchFn runs
+# them where the emit functions may run (the service hands the whole list to its event loop in
+# one call).
+Delivery = tuple[EmitFn, list[int], Ending, list[TokenLogprobs] | None]
 DispatchFn = Callable[[list[Delivery]], object]
 
 
 def deliver_all(deliveries: list[Delivery]) -> None:
-    """Run each (emit, token ids, ending) delivery in order, here."""
-    for emit, tokens, ending in deliveries:
-        emit(tokens, ending)
+    """Run each (emit, token ids, ending, logprobs) delivery in order, here."""
+    for emit, tokens, ending, logprobs in deliveries:
+        emit(tokens, ending, logprobs)
 
 
 def deliver_on(loop: asyncio.AbstractEventLoop) -> DispatchFn:

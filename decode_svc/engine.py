@@ -29,7 +29,8 @@ from engine.eplb import expert_stats, runner_ep_stats
 from engine.forward import Runner
 from engine.kv_cache import KVCacheManager
 from engine.request import EmitFn, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampler import token_logprobs
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.speculative import create_speculator
 from kvstore.block_hash import BlockHash, check_block_hashes
 from kvstore.kv_events import KVEvent
@@ -200,7 +201,7 @@ class DecodeEngine:
             if not sampling.greedy:  # prefill sampled the first token with the seed; go on with another stream
                 r.generator = torch.Generator().manual_seed(((sampling.seed or 0) + 1) % 2**63)
             if r.finish is not None:
-                emit([], r.finish)
+                emit([], r.finish, None)
                 self._free(r)
                 return r
             self.speculator.start(r)
@@ -222,7 +223,7 @@ class DecodeEngine:
             if first:
                 was, r.status = r.status, RequestStatus.ABORTED
                 if r.emit is not None:
-                    self.dispatch([(r.emit, [], RequestReleased(f"[{r.request_id}] released while decoding"))])
+                    self.dispatch([(r.emit, [], RequestReleased(f"[{r.request_id}] released while decoding"), None)])
                 if was is RequestStatus.RUNNING:
                     self._cond.notify_all()  # the loop drops it between steps
                     return True
@@ -342,7 +343,7 @@ class DecodeEngine:
                             r.status = RequestStatus.ABORTED
                             self._free(r)
                             if r.emit is not None:
-                                self.dispatch([(r.emit, [], StepFailed(f"decode step failed: {exc!r}"))])
+                                self.dispatch([(r.emit, [], StepFailed(f"decode step failed: {exc!r}"), None)])
 
     def _step(self, batch: list[Request]) -> None:
         started = time.perf_counter()
@@ -351,6 +352,7 @@ class DecodeEngine:
         logits = self.runner.forward(rows.items)  # [rows, V]
         hidden = self.speculator.hidden()  # [rows, N, H], for a drafter that reads them
         kept = self.speculator.sample(batch, rows, logits)
+        logprobs = _kept_logprobs(batch, rows.starts, logits, kept)
         step_s = time.perf_counter() - started
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
         metrics.STEPS.inc()
@@ -363,13 +365,42 @@ class DecodeEngine:
                 if r.status is RequestStatus.ABORTED:
                     continue  # freed by the next _schedule
                 tokens = r.append_tokens(tokens)
+                lps = logprobs[i]
+                if lps is not None:
+                    lps = lps[: len(tokens)]
                 accepted = self.speculator.keep(r, i, rows, tokens, hidden if r.finish is None else None)
                 if rows.drafts[i]:
                     metrics.ACCEPTED.observe(accepted)
                 assert r.emit is not None, r.request_id
-                deliveries.append((r.emit, tokens, r.finish))
+                deliveries.append((r.emit, tokens, r.finish, lps))
                 if r.finish is not None:
                     self._running.remove(r)
                     self._free(r)
-        metrics.TOKENS.inc(sum(len(tokens) for _, tokens, _ in deliveries))
+        metrics.TOKENS.inc(sum(len(tokens) for _, tokens, _, _ in deliveries))
         self.dispatch(deliveries)
+
+
+def _kept_logprobs(
+    batch: Sequence[Request], starts: Sequence[int], logits: torch.Tensor, kept: Sequence[list[int]]
+) -> list[list[TokenLogprobs] | None]:
+    """The logprobs of each request's kept tokens, for those whose sampling asks for them (None
+    for the others): kept token j of request i was drawn from logits row starts[i] + j (its own
+    row without drafts, the verification row after draft j - 1 with them), so a token accepted
+    from a draft gets the target's logprob at its position. logits [rows, V]."""
+    out: list[list[TokenLogprobs] | None] = [None] * len(batch)
+    rows: list[int] = []
+    tokens: list[int] = []
+    params: list[SamplingParams] = []
+    for i, r in enumerate(batch):
+        if r.sampling.logprobs is None:
+            continue
+        rows += range(starts[i], starts[i] + len(kept[i]))
+        tokens += kept[i]
+        params += [r.sampling] * len(kept[i])
+    if not rows:
+        return out
+    found = iter(token_logprobs(logits[rows], tokens, params))
+    for i, r in enumerate(batch):
+        if r.sampling.logprobs is not None:
+            out[i] = [next(found) for _ in kept[i]]
+    return out

@@ -28,6 +28,7 @@ from runtime.wire import (
     abort,
     check_request_id,
     kv_layout_mismatch,
+    logprobs_to_pb,
     page_size_mismatch,
     sampling_from_pb,
 )
@@ -175,7 +176,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     request.first_token,
                     sampling,
                     stop_ids,
-                    lambda toks, end: queue.put_nowait((toks, end)),
+                    lambda toks, end, lps: queue.put_nowait((toks, end, lps)),
                 )  # runs on this loop
             except ValueError as exc:
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
@@ -184,12 +185,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             first = True
             generated = 0
             while True:
-                tokens, end = await queue.get()
+                tokens, end, logprobs = await queue.get()
                 # steps that went out while this stream waited for the loop go in one message:
                 # a loaded loop sends fewer, larger messages instead of falling behind
                 while end is None and not queue.empty():
-                    more, end = queue.get_nowait()
+                    more, end, more_logprobs = queue.get_nowait()
                     tokens = tokens + more
+                    if logprobs is not None and more_logprobs is not None:
+                        logprobs = logprobs + more_logprobs
                 if first:  # waiting for admission into the running batch, then the first step
                     tracing.record(span, "decode.admission", landed_ns, tracing.now_ns())
                     span.add_event("first_token")
@@ -199,6 +202,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if isinstance(end, Exception):
                     await abort(context, FailureCause.INTERNAL, f"[{rid}] {end}")
                 msg = decode_pb2.DecodeResponse(token_ids=tokens)
+                if logprobs:
+                    msg.logprobs.extend(logprobs_to_pb(lp) for lp in logprobs)
                 if end is not None:
                     msg.finish_reason = FINISH_TO_PB[FinishReason(end)]
                     msg.num_drafted, msg.num_accepted = t.num_drafted, t.num_accepted

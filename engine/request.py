@@ -27,12 +27,14 @@ if TYPE_CHECKING:
     import asyncio
     import concurrent.futures
 
+    from engine.sampling_params import TokenLogprobs
     from kvstore.block_hash import BlockHash
 
-# How a decode request's tokens leave the engine: (new token ids, how it ended), where the end is
-# None while it goes on, a FinishReason when it finished, the exception when a failure ended it.
+# How a decode request's tokens leave the engine: (new token ids, how it ended, their logprobs),
+# where the end is None while it goes on, a FinishReason when it finished, the exception when a
+# failure ended it; the logprobs (one per token) only when the request's sampling asks for them.
 Ending = FinishReason | Exception | None
-EmitFn = Callable[[list[int], Ending], None]
+EmitFn = Callable[[list[int], Ending, "list[TokenLogprobs] | None"], None]
 
 
 def finish_reason(

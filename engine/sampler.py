@@ -4,6 +4,7 @@
 Filtering follows transformers' logits warpers in generate's order: temperature, then
 `TopKLogitsWarper` (keeps every token tied with the k-th logit), then `TopPLogitsWarper` (drops
 the smallest tokens whose cumulative probability stays <= 1 - top_p, always keeping the top one).
+`token_logprobs` reports what a request asks for with SamplingParams.logprobs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MIN_TEMPERATURE, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,51 @@ def sample_ids(
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
     index = torch.tensor(rows, device=logits.device)
     return out.index_copy_(0, index, drawn)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], params: Sequence[SamplingParams]
+) -> list[TokenLogprobs]:
+    """Each row's sampled token's log probability and its params.logprobs most likely tokens'.
+
+    logits [n, V] (any float dtype, any device; computed in fp32), token_ids [n] the tokens
+    sampled from those rows, params [n] their requests' settings (logprobs None counts as 0).
+    The distribution is the one the token is drawn from before truncation:
+    log_softmax(logits / temperature), with the raw logits when temperature is below
+    MIN_TEMPERATURE (greedy), and before top-k and top-p (vLLM's default logprobs, processed by
+    temperature only; OpenAI's API leaves it unsaid). Ties among the top tokens keep
+    torch.topk's order. One device-to-host copy. Raises ValueError when the lengths disagree.
+    """
+    n = logits.shape[0]
+    if len(token_ids) != n or len(params) != n:
+        raise ValueError(f"need one token and one SamplingParams per row: {n} rows, {len(token_ids)}, {len(params)}")
+    if n == 0:
+        return []
+    dev = logits.device
+    scale = torch.tensor(
+        [p.temperature if p.temperature >= MIN_TEMPERATURE else 1.0 for p in params], dtype=torch.float32, device=dev
+    )
+    lp = torch.log_softmax(logits.float() / scale[:, None], dim=-1)  # [n, V]
+    chosen = lp.gather(-1, torch.tensor(list(token_ids), device=dev)[:, None])[:, 0]  # [n]
+    k = max(p.logprobs or 0 for p in params)
+    if k:
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)  # [n, k] values, indices; most likely first
+        host = torch.cat([chosen[:, None], top.values, top.indices.float()], dim=-1).cpu()  # [n, 1 + 2k]
+        values, indices = host[:, 1 : 1 + k], host[:, 1 + k :].long()
+    else:
+        host = chosen[:, None].cpu()
+    out = []
+    for i, (token, p) in enumerate(zip(token_ids, params)):
+        m = p.logprobs or 0
+        out.append(
+            TokenLogprobs(
+                int(token),
+                float(host[i, 0]),
+                tuple(indices[i, :m].tolist()) if m else (),
+                tuple(values[i, :m].tolist()) if m else (),
+            )
+        )
+    return out
 
 
 def _argmax_rows(logits: torch.Tensor) -> list[int]:

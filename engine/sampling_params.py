@@ -10,6 +10,9 @@ from dataclasses import dataclass
 # fp32 to inf and the softmax to NaN.
 MIN_TEMPERATURE = 1e-5
 
+MAX_LOGPROBS = 20
+"""Most top alternatives a token's logprobs may list (OpenAI's top_logprobs bound)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +27,9 @@ class SamplingParams:
     seed: int | None = None
     """Seed of the request's own generator (prefill draws the first token from seed, decode the
     rest from seed + 1); None uses torch's global RNG."""
+    logprobs: int | None = None
+    """Report each sampled token's logprob and this many top alternatives' (0..MAX_LOGPROBS),
+    of the distribution it is drawn from (engine.sampler.token_logprobs); None: no logprobs."""
 
     def __post_init__(self) -> None:
         if not (
@@ -38,8 +44,25 @@ class SamplingParams:
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature below MIN_TEMPERATURE, or top_k 1)."""
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log probability (natural log, fp32) and the top tokens' at its
+    position, most likely first; engine.sampler.token_logprobs computes them."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()

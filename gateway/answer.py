@@ -60,15 +60,20 @@ class Answer:
         self._decode_digest = ""
         self._drafted = self._accepted = 0
 
-    def first(self, token: int) -> gateway_pb2.GenerateResponse:
-        """The delta of the first token (prefill's answer): it goes out at once, even empty.
-        Sets `finish` when this token already ends the answer (EOS, max_tokens 1, a stop string)."""
+    def first(self, prefill: prefill_pb2.PrefillResponse) -> gateway_pb2.GenerateResponse:
+        """The delta of the first token (prefill's answer, with its logprobs when asked for): it
+        goes out at once, even empty. Sets `finish` when this token already ends the answer
+        (EOS, max_tokens 1, a stop string)."""
+        token = prefill.first_token
         self.first_at = time.perf_counter()
         ended = finish_reason(token, 1, self.request.max_tokens, self._stop_token_ids)
         text, hit = self._stops.feed(self._detok.add([token]), final=ended is not None)
         self.token_ids.append(token)
         self.finish = FinishReason.STOP if hit else ended
-        return _delta(text, [token])
+        delta = _delta(text, [token])
+        if prefill.HasField("first_logprobs"):
+            delta.delta.logprobs.append(prefill.first_logprobs)
+        return delta
 
     def add(self, msg: decode_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse | None:
         """The delta of one decode message (None when it carries neither text nor tokens).
@@ -83,7 +88,11 @@ class Answer:
         if ended is not None and not hit:
             text += self._stops.feed(self._detok.flush(), final=True)[0]
         self.finish = FinishReason.STOP if hit else ended
-        return _delta(text, token_ids) if text or token_ids else None
+        if not text and not token_ids:
+            return None
+        delta = _delta(text, token_ids)
+        delta.delta.logprobs.extend(msg.logprobs)
+        return delta
 
     def final(
         self, prefill: prefill_pb2.PrefillResponse, reserve: decode_pb2.ReserveResponse

@@ -106,7 +106,7 @@ class Attempt(AttemptAccounting):
         deadlines = self._hops.deadlines
         legs = await self._both_legs()
         # the first token comes with prefill's answer and goes out now: it never waits for decode
-        yield answer.first(legs.prefill.first_token)
+        yield answer.first(legs.prefill)
         if answer.finish is None:
             messages = self._generate(legs).__aiter__()
             # the first message waits for admission into decode's batch; then one step each

@@ -80,3 +80,45 @@ class StopStringMatcher:
         out = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return out, False
+
+
+class TokenText:
+    """Each token's own text and bytes, as OpenAI's logprobs show them (`token`, `bytes`).
+
+    Byte-level BPE tokenizers (GPT-2's alphabet: SmolLM2, Llama 3, DeepSeek) give a token's
+    exact bytes, a part of a multi-byte character included (its text then carries U+FFFD
+    where the part stands, as vLLM shows it); others give the token decoded alone, encoded
+    as UTF-8. Special tokens show as their content. Cached per id (a vocabulary's worth at most).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_of: dict[str, int] | None = None
+        if type(decoder).__name__ == "ByteLevel":
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        self._special = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        """(text, UTF-8 bytes) of one token id."""
+        found = self._cache.get(token_id)
+        if found is not None:
+            return found
+        if token_id in self._special:
+            text = self._special[token_id]
+            raw = text.encode("utf-8")
+        elif self._byte_of is not None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""
+            if all(c in self._byte_of for c in piece):
+                raw = bytes(self._byte_of[c] for c in piece)
+            else:  # a token outside the byte alphabet (an added normal token): as it reads
+                raw = piece.encode("utf-8")
+            text = raw.decode("utf-8", "replace")
+        else:
+            text = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+            raw = text.encode("utf-8")
+        self._cache[token_id] = (text, raw)
+        return text, raw

@@ -34,9 +34,10 @@ from starlette.routing import Route
 
 from engine.outcomes import FailureCause
 from gateway import openai_api
+from gateway.detokenizer import TokenText
 from gateway.failure import RequestFailed
 from gateway.http_stream import ClientGone, EventStream, cancel_on_disconnect
-from gateway.openai_api import BadField, OpenAIRequest
+from gateway.openai_api import BadField, LogprobsShaper, OpenAIRequest
 from gateway.request_path import RequestPath
 from protos.kvmesh.v1 import gateway_pb2
 from runtime.service import MAX_MESSAGE_BYTES
@@ -77,6 +78,7 @@ class HttpFront:
         self, path: RequestPath, host: str, port: int, tls_cert: str = "", tls_key: str = "", grace_s: float = 25.0
     ) -> None:
         self.path = path
+        self._token_texts: TokenText | None = None  # made on first use: logprobs are rare
         self.serving = False
         self.grace_s = grace_s
         self.created = int(time.time())
@@ -210,24 +212,46 @@ class HttpFront:
             return error_response(400, str(exc), FailureCause.BAD_REQUEST, exc.param)
         messages = self.path.generate(ask.request, list(request.headers.items()), authorization)
         model, created = self.path.builder.model_name, int(time.time())
+        echoed = self._echoed(ask)
+        shaper = LogprobsShaper(ask, self._token_text, len(echoed))
         try:
             async with cancel_on_disconnect(request.receive):
                 if ask.stream:
                     # the first token decides the status: every failure before it has its own
                     first = await anext(messages)
-                    return EventStream(self._events(ask, model, created, first, messages))  # type: ignore[return-value]
-                text: list[str] = []
+                    events = self._events(ask, model, created, first, messages, shaper, echoed)
+                    return EventStream(events)  # type: ignore[return-value]
+                text: list[str] = [echoed]
+                logprobs: list = []
                 async with contextlib.aclosing(messages):
                     async for msg in messages:
                         if msg.HasField("final"):
-                            return JSONResponse(openai_api.response(ask, model, created, "".join(text), msg.final))
+                            body = openai_api.response(
+                                ask, model, created, "".join(text), msg.final, shaper.shape(logprobs)
+                            )
+                            return JSONResponse(body)
                         text.append(msg.delta.text)
+                        logprobs.extend(msg.delta.logprobs)
         except RequestFailed as failure:
             return failure_response(failure)
         except ClientGone:
             logger.info("client disconnected before the answer; request cancelled")
             return Response(status_code=499)
         raise AssertionError("the request path ended without a final message")
+
+    def _token_text(self, token_id: int) -> tuple[str, bytes]:
+        """A token's (text, bytes) for logprobs (gateway.detokenizer.TokenText)."""
+        if self._token_texts is None:
+            self._token_texts = TokenText(self.path.builder.tokenizer)
+        return self._token_texts(token_id)
+
+    def _echoed(self, ask: OpenAIRequest) -> str:
+        """The prompt's text when a completion asks for `echo` ('' otherwise)."""
+        if not ask.echo:
+            return ""
+        if ask.request.prompt_token_ids:
+            return self.path.builder.tokenizer.decode(ask.request.prompt_token_ids, clean_up_tokenization_spaces=False)
+        return ask.request.prompt.decode("utf-8", "replace")
 
     async def _events(
         self,
@@ -236,20 +260,32 @@ class HttpFront:
         created: int,
         first: gateway_pb2.GenerateResponse,
         messages: AsyncGenerator[gateway_pb2.GenerateResponse, None],
+        shaper: LogprobsShaper,
+        echoed: str = "",
     ) -> AsyncGenerator[bytes, None]:
-        """The answer as server-sent events: text chunks, the finish reason, usage when asked
-        for, `data: [DONE]`; a failure mid-stream is an error event before [DONE]."""
+        """The answer as server-sent events: text chunks (with their tokens' logprobs when asked
+        for), the finish reason, usage when asked for, `data: [DONE]`; a failure mid-stream is an
+        error event before [DONE]. Tokens whose text is held back (a character not yet whole)
+        have their logprobs sent with the next chunk that has text, or with the finish reason."""
         msg, is_first = first, True
+        pending: list = []  # logprobs of tokens not sent yet
         try:
             while True:
                 if msg.HasField("final"):
-                    yield openai_api.sse(openai_api.chunk(ask, model, created, None, msg.final.finish_reason))
+                    yield openai_api.sse(
+                        openai_api.chunk(
+                            ask, model, created, None, msg.final.finish_reason, logprobs=shaper.shape(pending)
+                        )
+                    )
                     if ask.include_usage:
                         yield openai_api.sse(openai_api.usage_chunk(ask, model, created, msg.final))
                     break
-                if msg.delta.text or (is_first and ask.chat):
-                    yield openai_api.sse(openai_api.chunk(ask, model, created, msg.delta.text, first=is_first))
-                    is_first = False
+                pending.extend(msg.delta.logprobs)
+                text = (echoed + msg.delta.text) if is_first else msg.delta.text
+                if text or (is_first and ask.chat):
+                    part = openai_api.chunk(ask, model, created, text, first=is_first, logprobs=shaper.shape(pending))
+                    yield openai_api.sse(part)
+                    is_first, pending = False, []
                 msg = await anext(messages)
         except RequestFailed as failure:
             status = openai_api.http_status(status_of(failure.cause))

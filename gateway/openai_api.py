@@ -6,8 +6,13 @@ and Completions (POST /v1/completions, .../api-reference/completions). Only the 
 checked here (a wrong type is a BadField, HTTP 400, naming the field); every limit and range
 (max_tokens, temperature, top_p, the context) is the request path's own check
 (gateway.requests.PromptBuilder), so HTTP and gRPC refuse the same requests with the same
-words. Unknown fields are ignored, as OpenAI does; vLLM's extensions `top_k` and
-`ignore_eos` are honoured.
+words. OpenAI's own fields that kvmesh does not implement yet (UNSUPPORTED) are refused with
+HTTP 400 naming the field, unless they hold the value that turns them off, so a client never
+gets free text where it asked for JSON, tools or audio; other unknown fields (another vendor's
+extensions) are ignored, as OpenAI does. vLLM's extensions `top_k` and `ignore_eos` are
+honoured. logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs` 0..5) come from
+where each token is sampled (engine.sampler.token_logprobs) and are shaped here with
+`TokenText`'s strings and bytes.
 """
 
 from __future__ import annotations
@@ -15,16 +20,62 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from engine.outcomes import FailureCause
-from protos.kvmesh.v1 import gateway_pb2
+from engine.sampling_params import MAX_LOGPROBS
+from protos.kvmesh.v1 import common_pb2, gateway_pb2
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI's message roles -> the chat template's ("developer" is OpenAI's newer name for system)."""
+
+
+def _off(*values: Any) -> Callable[[Any], bool]:
+    """A field is off when it holds one of `values` (null always is)."""
+    return lambda value: value is None or any(value == v and type(value) is type(v) for v in values)
+
+
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "audio": _off(),
+    "modalities": _off(["text"]),
+    "prediction": _off(),
+    "web_search_options": _off(),
+    "frequency_penalty": _off(0, 0.0),
+    "presence_penalty": _off(0, 0.0),
+    "logit_bias": _off({}),
+    "tools": _off([]),
+    "tool_choice": _off("none"),
+    "functions": _off([]),
+    "function_call": _off("none"),
+    "response_format": _off({"type": "text"}),
+    "reasoning_effort": _off(),
+    "verbosity": _off(),
+    "store": _off(False),
+    "service_tier": _off("auto", "default"),
+    "best_of": _off(1),
+    "suffix": _off(""),
+    # vLLM's extensions of the same kinds: refused too, never silently dropped
+    "guided_json": _off(),
+    "guided_regex": _off(),
+    "guided_choice": _off(),
+    "guided_grammar": _off(),
+    "structured_outputs": _off(),
+    "prompt_logprobs": _off(),
+    "min_tokens": _off(0),
+    "repetition_penalty": _off(1, 1.0),
+    "min_p": _off(0, 0.0),
+}
+"""OpenAI's request fields (and vLLM's extensions of them) that kvmesh does not implement yet,
+each with the test for the value that turns it off: any other value is a 400 naming the field.
+Accepted with no effect: `user`, `metadata`, `safety_identifier`, `prompt_cache_key`,
+`parallel_tool_calls` (tools are refused)."""
+
+MAX_COMPLETION_LOGPROBS = 5
+"""Most top alternatives /v1/completions' `logprobs` may ask for (OpenAI's bound)."""
 
 
 class BadField(ValueError):
@@ -45,6 +96,8 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     """stream_options.include_usage: a last chunk carries `usage`."""
+    echo: bool = False
+    """Completions' `echo`: the answer's text starts with the prompt's."""
 
     @property
     def response_id(self) -> str:
@@ -110,16 +163,44 @@ def _prompt(body: dict) -> tuple[str, list[int]]:
     raise BadField("prompt must be a string or a non-empty list of token ids", "prompt")
 
 
+def _refuse_unsupported(body: dict) -> None:
+    """BadField naming the first UNSUPPORTED field that is not off."""
+    for name, is_off in UNSUPPORTED.items():
+        if name in body and not is_off(body[name]):
+            raise BadField(
+                f"{name} is not supported by this server yet; leave it out (or send the value that turns it off)",
+                name,
+            )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives each token's logprobs list (None: no logprobs): chat's
+    `logprobs` (a boolean) with `top_logprobs` (0..20), or completions' `logprobs` (0..5)."""
+    if chat:
+        wanted = _get(body, "logprobs", (bool,), "a boolean")
+        top = _get(body, "top_logprobs", (int,), "an integer")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise BadField(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        if top is not None and not wanted:
+            raise BadField("top_logprobs needs logprobs set to true", "top_logprobs")
+        return (top or 0) if wanted else None
+    wanted = _get(body, "logprobs", (int,), "an integer")
+    if wanted is not None and not 0 <= wanted <= MAX_COMPLETION_LOGPROBS:
+        raise BadField(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {wanted}", "logprobs")
+    return wanted
+
+
 def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
     """Translate the JSON body of /v1/chat/completions (`chat`) or /v1/completions.
 
     Chat messages go through the model's chat template; a completion prompt is sent as it is.
     `request_id` (from an X-Request-Id header) names the request; empty: a new uuid.
     Raises BadField for a body that is not an object, a missing or mistyped field, n != 1,
-    or a batch of prompts.
+    a batch of prompts, or an UNSUPPORTED field that is not off.
     """
     if not isinstance(body, dict):
         raise BadField("the body must be a JSON object", None)
+    _refuse_unsupported(body)
     model = _get(body, "model", (str,), "a string") or ""
     n = _get(body, "n", (int,), "an integer")
     if n is not None and n != 1:
@@ -142,6 +223,10 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
     include_usage = _get(options, "include_usage", (bool,), "a boolean") or False
     ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean") or False
     _get(body, "user", (str,), "a string")  # accepted and unused, as OpenAI's abuse-tracking field
+    logprobs = _logprobs(body, chat)
+    echo = False if chat else _get(body, "echo", (bool,), "a boolean") or False
+    if echo and logprobs is not None:
+        raise BadField("echo with logprobs (the prompt's logprobs) is not supported yet; send one of them", "echo")
     sampling = gateway_pb2.GenerateOptions(
         temperature=float(temperature) if temperature is not None else 1.0,  # OpenAI's default
         top_k=top_k or 0,
@@ -156,6 +241,8 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
         sampling.max_tokens = max_tokens
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     request = gateway_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, model=model, sampling=sampling, chat=False
     )
@@ -167,7 +254,56 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
             request.prompt_token_ids.extend(ids)
         else:
             request.prompt = text.encode("utf-8", "surrogatepass")
-    return OpenAIRequest(request=request, chat=chat, stream=stream, include_usage=include_usage)
+    return OpenAIRequest(request=request, chat=chat, stream=stream, include_usage=include_usage, echo=echo)
+
+
+class LogprobsShaper:
+    """OpenAI's `logprobs` objects from the answer's TokenLogprobs messages, chunk by chunk.
+
+    Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+    "bytes"}]}], "refusal": null}. Completions: {"tokens", "token_logprobs", "top_logprobs"
+    (a {token: logprob} map of the top alternatives and the sampled token, as the legacy API
+    sends up to logprobs + 1), "text_offset" (each token's character offset in the choice's
+    text, counted over the tokens' own texts)}. token_text: id -> (text, bytes)
+    (gateway.detokenizer.TokenText); offset: where the first token's text starts (the echoed
+    prompt's length).
+    """
+
+    def __init__(self, ask: OpenAIRequest, token_text: Callable[[int], tuple[str, bytes]], offset: int = 0) -> None:
+        self.chat = ask.chat
+        self.wanted = ask.request.sampling.HasField("logprobs")
+        self.token_text = token_text
+        self.offset = offset
+
+    def shape(self, entries: Sequence[common_pb2.TokenLogprobs]) -> dict | None:
+        """The logprobs object of these tokens (None when the request did not ask for them)."""
+        if not self.wanted:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(e) for e in entries], "refusal": None}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text = self.token_text(e.token_id)[0]
+            top = {self.token_text(t)[0]: lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+            top.setdefault(text, e.logprob)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def _chat_entry(self, e: common_pb2.TokenLogprobs) -> dict:
+        text, raw = self.token_text(e.token_id)
+        return {
+            "token": text,
+            "logprob": e.logprob,
+            "bytes": list(raw),
+            "top_logprobs": [
+                {"token": t_text, "logprob": lp, "bytes": list(t_raw)}
+                for (t_text, t_raw), lp in ((self.token_text(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs))
+            ],
+        }
 
 
 def usage(final: gateway_pb2.Final) -> dict:
@@ -180,17 +316,20 @@ def usage(final: gateway_pb2.Final) -> dict:
     }
 
 
-def response(ask: OpenAIRequest, model: str, created: int, text: str, final: gateway_pb2.Final) -> dict:
-    """The whole (non-streaming) answer: a chat.completion or a text_completion object."""
+def response(
+    ask: OpenAIRequest, model: str, created: int, text: str, final: gateway_pb2.Final, logprobs: dict | None = None
+) -> dict:
+    """The whole (non-streaming) answer: a chat.completion or a text_completion object;
+    logprobs: LogprobsShaper's object of all its tokens (None: not asked for)."""
     if ask.chat:
         choice: dict = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": final.finish_reason,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
     return {
         "id": ask.response_id,
         "object": "chat.completion" if ask.chat else "text_completion",
@@ -208,18 +347,20 @@ def chunk(
     text: str | None,
     finish_reason: str | None = None,
     first: bool = False,
+    logprobs: dict | None = None,
 ) -> dict:
     """One streamed chunk (chat.completion.chunk or text_completion): `text` (None: no text,
-    as in the chunk that carries the finish reason); the first chat chunk names the role."""
+    as in the chunk that carries the finish reason); the first chat chunk names the role;
+    logprobs: LogprobsShaper's object of the chunk's tokens."""
     if ask.chat:
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     out: dict[str, Any] = {
         "id": ask.response_id,
         "object": "chat.completion.chunk" if ask.chat else "text_completion",

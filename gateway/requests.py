@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -224,8 +224,10 @@ class PromptBuilder:
         seed: int | None,
         stop: Sequence[str],
         ignore_eos: bool,
+        logprobs: int | None = None,
     ) -> GenerateInput:
-        """Check sampling settings and lengths; raises ValueError naming what to change."""
+        """Check sampling settings and lengths; raises ValueError naming what to change.
+        logprobs: report each token's logprob and this many top alternatives (None: none)."""
         if max_tokens is None:
             max_tokens = self.default_max_tokens
         if not 1 <= max_tokens <= self.max_tokens_limit:
@@ -236,6 +238,8 @@ class PromptBuilder:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (top alternatives per token), got {logprobs}")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty after tokenization; send some text")
@@ -251,6 +255,7 @@ class PromptBuilder:
             top_p=1.0 if top_p is None else top_p,
             top_k=top_k,
             seed=seed if seed is not None else random.getrandbits(63),
+            logprobs=logprobs,
         )
         return GenerateInput(
             request_id=request_id,

@@ -38,6 +38,7 @@ def generate_input(builder: PromptBuilder, request: gateway_pb2.GenerateRequest)
         s.seed if s.HasField("seed") else None,
         list(s.stop),
         s.ignore_eos,
+        s.logprobs if s.HasField("logprobs") else None,
     )
 
 

@@ -7,16 +7,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos.kvmesh.v1 import gateway_pb2, gateway_pb2_grpc
+from protos.kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from runtime.service import GRPC_OPTIONS
 
 
 @dataclass
 class Completion:
-    """A whole answer: text, token ids and the gateway's Final message."""
+    """A whole answer: text, token ids (with their logprobs when asked for) and the gateway's
+    Final message."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     final: gateway_pb2.Final | None = None
 
 
@@ -35,8 +37,10 @@ def make_request(
     model: str = "",
     request_id: str = "",
     prompt_token_ids: list[int] | None = None,
+    logprobs: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
-    """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids."""
+    """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids.
+    logprobs: each answer token's logprob and this many top alternatives (None: none)."""
     sampling = gateway_pb2.GenerateOptions(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
     if top_p is not None:
         sampling.top_p = top_p
@@ -44,6 +48,8 @@ def make_request(
         sampling.max_tokens = max_tokens
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         model=model,
@@ -94,6 +100,7 @@ class GatewayClient:
             if msg.HasField("delta"):
                 out.text += msg.delta.text
                 out.token_ids.extend(msg.delta.token_ids)
+                out.logprobs.extend(msg.delta.logprobs)
             else:
                 out.final = msg.final
         return out

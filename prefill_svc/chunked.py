@@ -20,7 +20,8 @@ import torch
 from engine.forward import ForwardItem, Runner, chunk_ends
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
-from engine.sampler import sample
+from engine.sampler import sample, token_logprobs
+from engine.sampling_params import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,14 @@ def prefill_batch(
     batch: list[Request],
     chunk_size: int,
     forward_mark: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
     """Compute the uncached prompt of every request in `batch` (pages allocated, num_computed_tokens
     at its cached prefix) and sample each one's first token (its sampling params; a seeded
     generator unless greedy). chunk_size: tokens a chunk (0 = the whole prompt at once);
     forward_mark: entered around each forward (runtime.cpu_share). Advances num_computed_tokens.
 
-    Returns (the first token of each request, the chunks each took). Raises what the forward or
+    Returns (the first token of each request, its logprobs when its sampling asks for them
+    (engine.sampler.token_logprobs) else None, the chunks each took). Raises what the forward or
     the sampler raises; the caller frees the batch then.
     """
     size = kv_cache.page_size
@@ -63,8 +65,9 @@ def prefill_batch(
                 pages_ready(r, r.num_computed_tokens // size)
             else:
                 last_logits[k] = logits[row]
+    logits = torch.stack([t for t in last_logits if t is not None])  # [B, V]
     first_tokens = sample(
-        torch.stack([t for t in last_logits if t is not None]),  # [B, V]
+        logits,
         [r.sampling for r in batch],
         [
             torch.Generator().manual_seed(r.sampling.seed)
@@ -73,7 +76,13 @@ def prefill_batch(
             for r in batch
         ],
     )
-    return first_tokens, num_chunks
+    first_logprobs: list[TokenLogprobs | None] = [None] * len(batch)
+    want = [k for k, r in enumerate(batch) if r.sampling.logprobs is not None]
+    if want:
+        found = token_logprobs(logits[want], [first_tokens[k] for k in want], [batch[k].sampling for k in want])
+        for k, lp in zip(want, found):
+            first_logprobs[k] = lp
+    return first_tokens, first_logprobs, num_chunks
 
 
 def pages_ready(r: Request, n: int) -> None:

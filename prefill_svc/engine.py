@@ -27,6 +27,7 @@ from engine.eplb import expert_stats
 from engine.forward import Runner
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sampling_params import TokenLogprobs
 from kvstore.block_pool import NoFreeBlocksError
 from kvstore.kv_events import KVEvent
 from kvstore.kv_tier import KVTier
@@ -53,6 +54,8 @@ class PrefillResult:
     num_computed_tokens: int
     queue_s: float
     compute_s: float
+    first_logprobs: TokenLogprobs | None = None
+    """The first token's logprobs, when the request's sampling asks for them."""
 
 
 class PrefillEngine:
@@ -245,7 +248,7 @@ class PrefillEngine:
             for r in ready:
                 r.status = RequestStatus.RUNNING
         try:
-            first_tokens, num_chunks = prefill_batch(
+            first_tokens, first_logprobs, num_chunks = prefill_batch(
                 self.runner, self.kv_cache, ready, self.chunked_prefill_size, self._forward_mark
             )
         except Exception as exc:
@@ -266,7 +269,7 @@ class PrefillEngine:
         # first tokens out first: caching the blocks (and their KV events) and the log lines
         # take ~1 ms for a 2K-token prompt that TTFT need not pay; nothing can read the cache
         # in between, since the next request runs on this thread after this one
-        for r, first_token in zip(ready, first_tokens):
+        for r, first_token, logprobs in zip(ready, first_tokens, first_logprobs):
             r.token_ids.append(first_token)
             r.status = RequestStatus.FINISHED
             assert r.future is not None
@@ -279,6 +282,7 @@ class PrefillEngine:
                     r.num_prompt_tokens - r.num_cached_tokens,
                     queue_s=started - r.arrival_time,
                     compute_s=done - started,
+                    first_logprobs=logprobs,
                 )
             )
         # let the event loop thread, woken by set_result, take the GIL now: otherwise it waits

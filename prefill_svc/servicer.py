@@ -21,7 +21,14 @@ from prefill_svc.kv_push import KVPush, PushReport
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from runtime import tracing
 from runtime.served_model import ServedModel
-from runtime.wire import abort, check_request_id, kv_layout_mismatch, page_size_mismatch, sampling_from_pb
+from runtime.wire import (
+    abort,
+    check_request_id,
+    kv_layout_mismatch,
+    logprobs_to_pb,
+    page_size_mismatch,
+    sampling_from_pb,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +263,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             instance_id=self.model.instance_id,
             kv_digest=report.digest,
             traceparent=tracing.traceparent(push_span),
+            first_logprobs=logprobs_to_pb(result.first_logprobs) if result.first_logprobs else None,
         )
 
     def _release_when_computed(self, cfut, kv_push: KVPush | None) -> None:

@@ -11,7 +11,7 @@ import re
 import grpc
 
 from engine.outcomes import FailureCause, FinishReason
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from protos.kvmesh.v1 import common_pb2
 
 
@@ -26,6 +26,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int | None = N
         top_p=pb.top_p if pb.HasField("top_p") else 1.0,
         top_k=pb.top_k,
         seed=pb.seed if pb.HasField("seed") else default_seed,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
     )
 
 
@@ -34,7 +35,16 @@ def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
     pb = common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     if sampling.seed is not None:
         pb.seed = sampling.seed
+    if sampling.logprobs is not None:
+        pb.logprobs = sampling.logprobs
     return pb
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    """The wire message of one token's logprobs (engine.sampler.TokenLogprobs)."""
+    return common_pb2.TokenLogprobs(
+        token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs
+    )
 
 
 # The trailing-metadata key naming a failure's cause (kvmesh.v1.FailureCause without its prefix).

@@ -297,7 +297,8 @@ def test_unknown_chat_role_and_oversized_prompt_are_invalid_argument(mesh):
 
 def test_speculative_decoding_through_the_mesh_gives_transformers_greedy_tokens(mesh):
     """With n-gram drafts on decode: the same tokens as transformers' greedy generate, and on a
-    prompt that quotes its input most of them come from kept drafts (fewer steps)."""
+    prompt that quotes its input most of them come from kept drafts (fewer steps); each token's
+    logprob, a kept draft's too, is transformers' log-softmax at its position within 1e-4."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -315,8 +316,15 @@ def test_speculative_decoding_through_the_mesh_gives_transformers_greedy_tokens(
         )
         with torch.inference_mode():
             ref = model.generate(**ids, max_new_tokens=32, do_sample=False)[0, ids["input_ids"].shape[1] :].tolist()
-        got = complete(mesh, prompt, chat=True, max_tokens=32)
+        got = complete(mesh, prompt, chat=True, max_tokens=32, logprobs=2)
         assert got.token_ids == ref[: len(got.token_ids)] and len(got.token_ids) == len(ref), prompt
+        prompt_ids = ids["input_ids"][0].tolist()
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt_ids + ref[:-1]])).logits[0, len(prompt_ids) - 1 :]
+        want = torch.log_softmax(logits.float(), dim=-1)
+        assert [lp.token_id for lp in got.logprobs] == ref
+        assert max(abs(lp.logprob - float(want[i, t])) for i, (t, lp) in enumerate(zip(ref, got.logprobs))) < 1e-4
+        assert [list(lp.top_token_ids) for lp in got.logprobs] == want.topk(2).indices.tolist()
         if prompt.startswith("Repeat"):
             f = got.final
             assert f.accepted_tokens > 0 and f.drafted_tokens >= f.accepted_tokens, f

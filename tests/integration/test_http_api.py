@@ -338,6 +338,64 @@ def test_errors_are_openai_error_objects_with_the_right_status(mesh, front):
     wait_idle(mesh)
 
 
+def test_openai_logprobs_are_the_grpc_path_s_streamed_or_whole_and_echo_prepends_the_prompt(mesh, front):
+    want = complete(mesh, "", messages=[("user", QUESTION)], max_tokens=10, logprobs=3)  # gRPC, checked
+    assert len(want.logprobs) == len(want.token_ids)  # against transformers in test_mesh
+    ask = dict(model=_model(), messages=[{"role": "user", "content": QUESTION}], max_tokens=10, temperature=0)
+    with front.openai() as client:
+        whole = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
+        chunks = list(client.chat.completions.create(**ask, logprobs=True, top_logprobs=3, stream=True))
+        plain = client.chat.completions.create(**ask)
+        completion = client.completions.create(model=_model(), prompt=QUESTION, max_tokens=6, temperature=0, logprobs=2)
+        echoed = client.completions.create(model=_model(), prompt=QUESTION, max_tokens=6, temperature=0, echo=True)
+    content = whole.choices[0].logprobs.content
+    # the same numbers within 1e-4 (a cached prefix or another batch moves the last digits)
+    assert [e.logprob for e in content] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    got_top = [t.logprob for e in content for t in e.top_logprobs]
+    assert got_top == pytest.approx([v for lp in want.logprobs for v in lp.top_logprobs], abs=1e-4)
+    # each token's bytes, end to end, are the answer's text (the last token, EOS, has none)
+    text = whole.choices[0].message.content
+    assert b"".join(bytes(e.bytes) for e in content).decode().removesuffix("<|im_end|>") == text == want.text
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    # streamed: every token's entry once, in order, over the chunks
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    assert plain.choices[0].logprobs is None
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == completion.usage.completion_tokens
+    assert all(2 <= len(top) <= 3 and top[t] == v for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert echoed.choices[0].text == QUESTION + completion.choices[0].text
+    wait_idle(mesh)
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ],
+)
+def test_an_openai_field_kvmesh_lacks_is_refused_by_name_and_the_front_keeps_serving(mesh, front, body, param):
+    chat = {"model": _model(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    a = {"Authorization": f"Bearer {KEY_A}"}
+    with front.http() as c:
+        error = _error(c.post("/chat/completions", json={**chat, **body}, headers=a), 400)
+        assert error["param"] == param and param in error["message"]
+        # the same field with the value that turns it off, or the next request: answered
+        r = c.post("/chat/completions", json={**chat, "tools": [], "tool_choice": "none"}, headers=a)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
 def _wait_freed(mesh, timeout_s: float) -> float:
     """Seconds until decode holds no request and no page and prefill references no page;
     fails after timeout_s (an answer that was not cancelled runs far longer)."""

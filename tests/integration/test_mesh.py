@@ -219,3 +219,39 @@ def test_stop_string_and_sampling(mesh):
     greedy = complete(mesh, "Write a word.", chat=True, max_tokens=8)
     assert a.token_ids != greedy.token_ids, (a.text, greedy.text)
     wait_idle(mesh)
+
+
+def hf_logprobs(reference, prompt_ids: list[int], answer: list[int], temperature: float = 0.0) -> torch.Tensor:
+    """transformers' log_softmax (of logits / temperature when sampling) at each answer token's
+    position, from one forward over the prompt and the answer: [len(answer), V] fp32."""
+    model, _, _ = reference
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + answer[:-1]])).logits[0, len(prompt_ids) - 1 :]
+    return torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.8, 11)])
+def test_logprobs_of_the_first_and_later_tokens_equal_transformers_log_softmax(mesh, reference, temperature, seed):
+    # the first token's logprobs come from prefill, the rest from decode: both equal transformers'
+    # log-softmax at the same position within 1e-4, the top alternatives too (most likely first)
+    _, tok, _ = reference
+    prompt_ids = list(
+        tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+    )
+    out = complete(
+        mesh, b"", prompt_token_ids=prompt_ids, max_tokens=12, temperature=temperature, seed=seed, logprobs=5
+    )
+    assert len(out.logprobs) == len(out.token_ids) >= 2
+    want = hf_logprobs(reference, prompt_ids, out.token_ids, temperature)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.token_id == token
+        assert abs(lp.logprob - float(want[i, token])) < 1e-4, (i, lp.logprob, float(want[i, token]))
+        top = want[i].topk(5)
+        assert list(lp.top_token_ids) == top.indices.tolist(), i
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top.values.tolist())) < 1e-4, i
+    if temperature == 0.0:  # greedy: the token is the most likely one
+        assert [lp.top_token_ids[0] for lp in out.logprobs] == out.token_ids
+    # without the field no logprobs travel
+    assert not complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=3).logprobs

@@ -66,16 +66,24 @@ def _engine(**kw) -> tuple[DecodeEngine, CountingRunner]:
     return engine, runner
 
 
-def _start(engine, rid, prompt, first, max_tokens, stop=frozenset()):
+def _start(engine, rid, prompt, first, max_tokens, stop=frozenset(), sampling=None, logprobs=None):
+    """Reserve and begin a request; its (tokens, ending) go to the queue returned, and their
+    logprobs onto the `logprobs` list when one is given."""
     res = engine.reserve(rid, len(prompt), max_tokens)
     out: queue.Queue = queue.Queue()
-    engine.begin(res.transfer_id, prompt, first, SamplingParams(), stop, lambda t, f: out.put((t, f)))
+
+    def emit(t, f, lp):
+        if logprobs is not None and lp is not None:
+            logprobs.extend(lp)
+        out.put((t, f))
+
+    engine.begin(res.transfer_id, prompt, first, sampling or SamplingParams(), stop, emit)
     return res, out
 
 
 def _start_reserved(engine, res, prompt, first):
     out: queue.Queue = queue.Queue()
-    engine.begin(res.transfer_id, prompt, first, SamplingParams(), frozenset(), lambda t, f: out.put((t, f)))
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), frozenset(), lambda t, f, lp: out.put((t, f)))
     return out
 
 
@@ -244,3 +252,23 @@ def test_a_finished_request_s_blocks_stay_cached_and_a_later_turn_reuses_them():
         engine.shutdown()
     engine.pool.check_integrity()
     assert engine.pool.num_referenced_blocks == 0 and engine.pool.num_cached_blocks == 4
+
+
+def test_logprobs_travel_only_for_the_requests_that_ask_and_stop_with_their_tokens():
+    # the double's logits are 1 at last + 1 and 0 elsewhere: that token's logprob is
+    # 1 - log(e + V - 1), every other token's -log(e + V - 1)
+    engine, _ = _engine()
+    engine.start()
+    try:
+        asked: list = []
+        _, a = _start(engine, "a", [1, 2, 3], 4, 5, sampling=SamplingParams(logprobs=2), logprobs=asked)
+        unasked: list = []
+        _, b = _start(engine, "b", [7, 8], 9, 4, logprobs=unasked)
+        assert _drain(a) == ([5, 6, 7, 8], "length") and _drain(b) == ([10, 11, 12], "length")
+    finally:
+        engine.shutdown()
+    norm = float(np.log(np.e + VOCAB - 1))
+    assert [lp.token_id for lp in asked] == [5, 6, 7, 8] and not unasked
+    assert all(lp.logprob == pytest.approx(1 - norm, abs=1e-5) for lp in asked)
+    assert all(lp.top_token_ids[0] == lp.token_id and len(lp.top_token_ids) == 2 for lp in asked)
+    assert all(lp.top_logprobs[1] == pytest.approx(-norm, abs=1e-5) for lp in asked)

@@ -6,7 +6,7 @@ import pytest
 
 from engine.checkpoint import load_tokenizer
 from engine.loader import resolve_model
-from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenText
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,16 @@ def test_prompt_token_ids_pass_through_checked(tokenizer):
         b.tokenize(b"hi", [], False, [5])
     with pytest.raises(ValueError, match="alone"):
         b.tokenize(b"", [], True, [5])
+
+
+def test_each_token_s_bytes_put_together_are_the_text_even_split_characters(tokenizer):
+    # OpenAI's logprobs `bytes`: a character split over tokens (CJK, emoji) is rebuilt from them
+    text = "Grüße, 日本語 and 🙂!\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    token_text = TokenText(tokenizer)
+    pieces = [token_text(i) for i in ids]
+    assert b"".join(raw for _, raw in pieces).decode() == text
+    assert any("\ufffd" in t for t, _ in pieces)  # a token holding part of a character shows U+FFFD
+    assert all(t == raw.decode() for t, raw in pieces if "\ufffd" not in t)
+    eos = tokenizer.eos_token_id
+    assert token_text(eos) == (tokenizer.eos_token, tokenizer.eos_token.encode())

@@ -12,7 +12,7 @@ import pytest
 from engine.outcomes import FailureCause
 from gateway import openai_api
 from gateway.openai_api import BadField, parse
-from protos.kvmesh.v1 import gateway_pb2
+from protos.kvmesh.v1 import common_pb2, gateway_pb2
 from runtime.wire import status_of
 
 
@@ -35,7 +35,8 @@ def test_a_chat_body_becomes_messages_and_sampling():
             "stream_options": {"include_usage": True},
             "n": 1,
             "user": "u-1",
-            "logit_bias": {"1": 2},  # unknown to the gateway: ignored, as OpenAI ignores unknown fields
+            "logit_bias": {},  # an OpenAI field kvmesh lacks, turned off: accepted
+            "x_vendor_hint": 1,  # no OpenAI field: ignored, as OpenAI ignores unknown fields
         },
         chat=True,
         request_id="rid-1",
@@ -92,6 +93,22 @@ def test_a_completion_prompt_is_text_or_token_ids_alone_or_as_a_batch_of_one(pro
         ({"prompt": []}, False, "prompt"),
         ({"messages": [{"role": "user", "content": "hi"}]}, False, "prompt"),
         ([1, 2], False, None),
+        ({"prompt": "hi", "logprobs": 6}, False, "logprobs"),  # completions: at most 5
+        ({"prompt": "hi", "logprobs": True}, False, "logprobs"),
+        ({"prompt": "hi", "logprobs": 1, "echo": True}, False, "echo"),  # prompt logprobs: not yet
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, True, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, True, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            True,
+            "response_format",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, True, "tool_choice"),
+        ({"prompt": "hi", "best_of": 2}, False, "best_of"),
+        ({"prompt": "hi", "suffix": "end"}, False, "suffix"),
+        ({"prompt": "hi", "guided_json": {}}, False, "guided_json"),
+        ({"prompt": "hi", "store": True}, False, "store"),
     ],
 )
 def test_a_wrong_type_or_shape_names_the_field(body, chat, param):
@@ -165,3 +182,54 @@ def test_each_cause_has_the_http_status_of_its_grpc_status_and_an_openai_error_o
 def test_statuses_outside_the_table_are_500():
     assert openai_api.http_status(grpc.StatusCode.DATA_LOSS) == 500
     assert openai_api.http_status(grpc.StatusCode.RESOURCE_EXHAUSTED) == 429
+
+
+@pytest.mark.parametrize(
+    "field,off", sorted((name, v) for name, v in {
+        "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"],
+        "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "store": False, "audio": None,
+        "service_tier": "auto", "best_of": 1, "min_p": 0,
+    }.items()),
+)  # fmt: skip
+def test_an_unsupported_field_that_is_turned_off_is_accepted(field, off):
+    parse({"messages": [{"role": "user", "content": "hi"}], field: off}, chat=True)
+    # every unsupported field is listed with a check; a value not off is refused
+    assert field in openai_api.UNSUPPORTED
+
+
+def test_logprobs_ask_for_the_top_alternatives_and_are_shaped_as_openai_shows_them():
+    chat = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, chat=True)
+    assert chat.request.sampling.logprobs == 2
+    assert (
+        parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, chat=True).request.sampling.logprobs
+        == 0
+    )
+    assert not parse({"prompt": "hi"}, chat=False).request.sampling.HasField("logprobs")
+    texts = {1: ("He", b"He"), 2: ("llo", b"llo"), 3: (" \ufffd", b" \xe6")}
+    entries = [
+        common_pb2.TokenLogprobs(token_id=1, logprob=-0.5, top_token_ids=[1, 3], top_logprobs=[-0.5, -1.5]),
+        common_pb2.TokenLogprobs(token_id=3, logprob=-2.0, top_token_ids=[2, 1], top_logprobs=[-0.25, -1.0]),
+    ]
+    shaped = openai_api.LogprobsShaper(chat, texts.__getitem__).shape(entries)
+    assert shaped == {
+        "content": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101], "top_logprobs": [
+                {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
+                {"token": " \ufffd", "logprob": -1.5, "bytes": [32, 0xE6]}]},
+            {"token": " \ufffd", "logprob": -2.0, "bytes": [32, 0xE6], "top_logprobs": [
+                {"token": "llo", "logprob": -0.25, "bytes": [108, 108, 111]},
+                {"token": "He", "logprob": -1.0, "bytes": [72, 101]}]},
+        ],
+        "refusal": None,
+    }  # fmt: skip
+    completion = parse({"prompt": "hi", "logprobs": 1}, chat=False)
+    shaper = openai_api.LogprobsShaper(completion, texts.__getitem__, offset=2)  # after an echoed "hi"
+    first, second = shaper.shape(entries[:1]), shaper.shape(entries[1:])
+    assert first == {"tokens": ["He"], "token_logprobs": [-0.5], "top_logprobs": [{"He": -0.5, " \ufffd": -1.5}],
+                     "text_offset": [2]}  # fmt: skip
+    # the sampled token is always in top_logprobs (up to logprobs + 1 entries), offsets run on
+    assert second["top_logprobs"] == [{"llo": -0.25, "He": -1.0, " \ufffd": -2.0}] and second["text_offset"] == [4]
+    assert openai_api.LogprobsShaper(parse({"prompt": "hi"}, chat=False), texts.__getitem__).shape(entries) is None
+    whole = openai_api.response(chat, "M", 5, "Hello", _final(), shaped)
+    assert whole["choices"][0]["logprobs"] is shaped
+    assert openai_api.chunk(chat, "M", 5, "x", logprobs=shaped)["choices"][0]["logprobs"] is shaped

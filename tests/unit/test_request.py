@@ -54,8 +54,8 @@ def test_done_means_finished_or_aborted():
 def test_a_decode_request_starts_after_prefills_token_and_keeps_a_step_up_to_its_finish():
     r = Request("r", num_prompt_tokens=3, max_tokens=5, status=RequestStatus.RESERVED)
     with pytest.raises(ValueError, match="prompt has 2 tokens, reserved 3"):
-        r.start_decoding([5, 6], 9, SamplingParams(), frozenset({2}), lambda tokens, end: None)
-    r.start_decoding([5, 6, 7], 9, SamplingParams(), frozenset({2}), lambda tokens, end: None)
+        r.start_decoding([5, 6], 9, SamplingParams(), frozenset({2}), lambda tokens, end, logprobs: None)
+    r.start_decoding([5, 6, 7], 9, SamplingParams(), frozenset({2}), lambda tokens, end, logprobs: None)
     # the prompt's KV landed: 3 computed, the first token (9) still without KV
     assert (r.token_ids, r.num_computed_tokens, r.num_cached_tokens, r.finish) == ([5, 6, 7, 9], 3, 3, None)
     assert r.append_tokens([4, 1]) == [4, 1] and r.num_computed_tokens == 5 and r.finish is None

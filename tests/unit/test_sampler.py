@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.sampler import sample
+from engine.sampler import sample, token_logprobs
 from engine.sampling_params import SamplingParams
 
 V = 50
@@ -121,6 +121,8 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
         (dict(top_k=-2), "top_k must be an integer >= 0"),
         (dict(top_k=2.5), "top_k must be an integer >= 0"),
         (dict(seed=-1), "seed must be None or an integer"),
+        (dict(logprobs=21), r"logprobs must be None or an integer in \[0, 20\], got 21"),
+        (dict(logprobs=-1), "logprobs must be None or an integer"),
     ],
 )
 def test_validation_says_what_to_change(kwargs, message):
@@ -141,3 +143,30 @@ def test_temperatures_too_small_for_fp32_sample_as_greedy():
     assert tiny.greedy
     gen = torch.Generator().manual_seed(0)
     assert sample(logits, [tiny, SamplingParams(temperature=1.0)], [gen, gen])[0] == 1
+
+
+def test_token_logprobs_are_the_sampled_distribution_s_before_truncation():
+    # greedy rows: log_softmax of the raw logits; sampled rows: of logits / temperature, before
+    # top-k and top-p (the filtered distribution would give -inf outside the kept tokens)
+    logits = _logits(3)
+    params = [
+        SamplingParams(logprobs=3),
+        SamplingParams(temperature=0.5, top_k=2, top_p=0.5, logprobs=0),
+        SamplingParams(temperature=2.0, logprobs=None),
+    ]
+    tokens = [int(logits[0].argmax()), 11, int(logits[2].argmin())]
+    got = token_logprobs(logits, tokens, params)
+    want = [
+        torch.log_softmax(logits[0], -1),
+        torch.log_softmax(logits[1] / 0.5, -1),
+        torch.log_softmax(logits[2] / 2.0, -1),
+    ]
+    for g, w, t in zip(got, want, tokens):
+        assert g.token_id == t and g.logprob == pytest.approx(float(w[t]), abs=1e-6)
+    assert got[0].top_token_ids == tuple(want[0].topk(3).indices.tolist())
+    assert got[0].top_logprobs == pytest.approx(want[0].topk(3).values.tolist(), abs=1e-6)
+    assert got[0].top_token_ids[0] == tokens[0]  # greedy: the token is the most likely one
+    assert got[1].top_token_ids == () and got[2].top_token_ids == ()  # 0 and None: no alternatives
+    assert token_logprobs(logits[:0], [], []) == []
+    with pytest.raises(ValueError, match="one token and one SamplingParams per row"):
+        token_logprobs(logits, tokens[:2], params)

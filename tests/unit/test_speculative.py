@@ -111,7 +111,7 @@ def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) 
     res = engine.reserve("r", len(prompt), max_tokens)
     first = int(runner.forward([ForwardItem(prompt, 0, list(res.block_ids), res.state_slot)]).argmax())
     out: queue.Queue = queue.Queue()
-    engine.begin(res.transfer_id, prompt, first, SamplingParams(), frozenset(), lambda t, f: out.put((t, f)))
+    engine.begin(res.transfer_id, prompt, first, SamplingParams(), frozenset(), lambda t, f, lp: out.put((t, f)))
     engine.start()
     tokens = [first]
     try:

@@ -44,16 +44,30 @@ FAILURE_CAUSE_UNKNOWN_MODEL: FailureCause
 FAILURE_CAUSE_UNAUTHENTICATED: FailureCause
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
     __slots__ = ("instance_id", "num_pages", "num_free_pages", "num_cached_pages", "num_referenced_pages", "num_active_requests", "num_queued_tokens", "max_batch_size", "num_steps", "integrity_error", "num_prompt_tokens_computed", "num_prompt_tokens_cached", "page_size", "model_fingerprint", "max_requests", "kv_address", "num_experts", "expert_tokens", "step_seconds", "ep_ranks", "ep_rank_tokens", "ep_slots_per_layer", "ep_phy2log", "kv_layout", "kv_tier_medium", "num_tier_blocks", "num_tier_loads", "num_tier_failed_loads")
