@@ -30,7 +30,7 @@ from engine.forward import Runner
 from engine.kv_cache import KVCacheManager
 from engine.request import EmitFn, Request, RequestStatus
 from engine.sampler import token_logprobs
-from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.sampling_params import MAX_CHOICES, SamplingParams, TokenLogprobs
 from engine.speculative import create_speculator
 from kvstore.block_hash import BlockHash, check_block_hashes
 from kvstore.kv_events import KVEvent
@@ -86,6 +86,8 @@ class DecodeEngine:
         self._cond = threading.Condition()
         self._requests: dict[int, Request] = {}
         """Every request from its reservation until its pages are freed, by transfer id."""
+        self._num_sequences = 0
+        """Choices reserved, waiting or running (a request with n choices counts n)."""
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._stopping = False
@@ -128,8 +130,12 @@ class DecodeEngine:
         transfer_id: int = 0,
         block_hashes: Sequence[BlockHash] = (),
         reuse_cached: bool = False,
+        n: int = 1,
     ) -> Request:
         """Reserve pages for the prompt's KV and every token the answer can add: a RESERVED request.
+        With n > 1 choices, each further choice gets its own pages for the answer (and a copy of
+        the prompt's partial last page) and shares the prompt's full pages once it begins; the
+        choices count n against the batch (`Request.choices`).
 
         The last sampled token never has KV, so the request needs pages for
         num_prompt_tokens + max_tokens - 1 tokens; the push lands in its prompt pages after the
@@ -144,6 +150,8 @@ class DecodeEngine:
         """
         if not 0 <= transfer_id < 1 << 63:
             raise ValueError(f"transfer_id must be in [0, 2^63), got {transfer_id}")
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
         check_block_hashes(block_hashes, num_prompt_tokens, self.config.page_size)
         request = Request(
             request_id,
@@ -155,8 +163,10 @@ class DecodeEngine:
         with self._cond:
             if transfer_id in self._requests:
                 raise ValueError(f"transfer_id {transfer_id:x} is in use; pick another")
-            if len(self._requests) >= self.config.max_batch_size:
-                raise CapacityError(f"decode batch is full ({self.config.max_batch_size} requests); retry later")
+            if self._num_sequences + n > self.config.max_batch_size:
+                if n > self.config.max_batch_size:
+                    raise ValueError(f"n is {n}, more than this decode's batch of {self.config.max_batch_size}")
+                raise CapacityError(f"decode batch is full ({self.config.max_batch_size} sequences); retry later")
             self.kv_cache.allocate(
                 request,
                 num_prompt_tokens + max_tokens - 1,
@@ -165,10 +175,15 @@ class DecodeEngine:
                 # recomputes that token rather than reuse its block)
                 reuse=block_hashes[: (num_prompt_tokens - 1) // self.config.page_size] if reuse_cached else (),
             )
+            if n > 1:
+                self._reserve_choices(request, n)
             while not transfer_id or transfer_id in self._requests:
                 transfer_id = random.getrandbits(63)
             request.transfer_id = transfer_id
+            for c in request.choices or ():
+                c.transfer_id = transfer_id
             self._requests[transfer_id] = request
+            self._num_sequences += n
         logger.info(
             "[%s] reserved %d pages, %d of them held already (transfer %x)",
             request_id,
@@ -177,6 +192,31 @@ class DecodeEngine:
             transfer_id,
         )
         return request
+
+    def _reserve_choices(self, request: Request, n: int) -> None:
+        """Under the lock, after `request` got its pages: pages for choices 1..n-1 (all or
+        nothing: CapacityError frees every page taken, the request's too)."""
+        shared = request.num_prompt_tokens // self.config.page_size  # the prompt's full pages
+        choices = [request]
+        try:
+            for i in range(1, n):
+                c = Request(
+                    request.request_id,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    max_tokens=request.max_tokens,
+                    status=RequestStatus.RESERVED,
+                    block_hashes=request.block_hashes,
+                    index=i,
+                )
+                self.kv_cache.allocate_choice(
+                    c, request.num_prompt_tokens + request.max_tokens - 1, shared, CapacityError
+                )
+                choices.append(c)
+        except BaseException:
+            for c in choices:
+                self.kv_cache.free(c.block_ids, c.state_slot)
+            raise
+        request.choices = choices
 
     def get(self, transfer_id: int) -> Request | None:
         """The request reserved under `transfer_id`, until its pages are freed."""
@@ -195,18 +235,44 @@ class DecodeEngine:
         its tokens go to `emit` (through dispatch). sampling.seed: the seed prefill drew the
         first token with (None: 0). Raises KeyError for an unknown transfer, ValueError when the
         prompt length differs from the reservation."""
+        return self.begin_choices(transfer_id, prompt_token_ids, [first_token], sampling, stop_token_ids, [emit])
+
+    def begin_choices(
+        self,
+        transfer_id: int,
+        prompt_token_ids: Sequence[int],
+        first_tokens: Sequence[int],
+        sampling: SamplingParams,
+        stop_token_ids: frozenset[int],
+        emits: Sequence[EmitFn],
+    ) -> Request:
+        """`begin` for every choice of the reservation: choice i continues after first_tokens[i],
+        sampling as sampling.for_choice(i) (prefill drew its first token with seed + i; decode
+        goes on with seed + i + 1), its tokens to emits[i]; choices 1..n-1 share the prompt's full
+        pages (KVCacheManager.fork). Raises KeyError for an unknown transfer, ValueError when the
+        prompt length differs from the reservation or the counts from its n."""
         with self._cond:
             r = self._requests[transfer_id]
-            r.start_decoding(prompt_token_ids, first_token, sampling, stop_token_ids, emit)
-            if not sampling.greedy:  # prefill sampled the first token with the seed; go on with another stream
-                r.generator = torch.Generator().manual_seed(((sampling.seed or 0) + 1) % 2**63)
-            if r.finish is not None:
-                emit([], r.finish, None)
-                self._free(r)
-                return r
-            self.speculator.start(r)
-            r.status = RequestStatus.WAITING
-            self._waiting.append(r)
+            choices = r.choices or [r]
+            if not len(first_tokens) == len(emits) == len(choices):
+                raise ValueError(f"reserved {len(choices)} choices, got {len(first_tokens)} first tokens")
+            shared = r.num_prompt_tokens // self.config.page_size
+            for c, first_token, emit in zip(choices, first_tokens, emits):
+                params = sampling.for_choice(c.index) if len(choices) > 1 else sampling
+                c.start_decoding(prompt_token_ids, first_token, params, stop_token_ids, emit)
+                if c is not r:
+                    self.kv_cache.fork(r, c, shared)
+            for c in choices:
+                if not c.sampling.greedy:  # prefill sampled the first token with the seed; go on with another stream
+                    c.generator = torch.Generator().manual_seed(((c.sampling.seed or 0) + 1) % 2**63)
+                if c.finish is not None:
+                    assert c.emit is not None
+                    c.emit([], c.finish, None)
+                    self._free(c)
+                    continue
+                self.speculator.start(c)
+                c.status = RequestStatus.WAITING
+                self._waiting.append(c)
             self._cond.notify_all()
             return r
 
@@ -220,19 +286,24 @@ class DecodeEngine:
             if r is None:
                 return False
             first = r.status is not RequestStatus.ABORTED
-            if first:
-                was, r.status = r.status, RequestStatus.ABORTED
-                if r.emit is not None:
-                    self.dispatch([(r.emit, [], RequestReleased(f"[{r.request_id}] released while decoding"), None)])
-                if was is RequestStatus.RUNNING:
-                    self._cond.notify_all()  # the loop drops it between steps
-                    return True
-                if was is RequestStatus.WAITING:
-                    self._waiting.remove(r)
-            elif r in self._running:
-                return False  # the loop frees it
+            for c in r.choices or [r]:  # every choice ends with it
+                if c.freed:
+                    continue
+                if c.status is not RequestStatus.ABORTED:
+                    was, c.status = c.status, RequestStatus.ABORTED
+                    if c.emit is not None:
+                        ended = RequestReleased(f"[{c.request_id}] released while decoding")
+                        self.dispatch([(c.emit, [], ended, None)])
+                    if was is RequestStatus.RUNNING:
+                        self._cond.notify_all()  # the loop drops it between steps
+                        continue
+                    if was is RequestStatus.WAITING:
+                        self._waiting.remove(c)
+                elif c in self._running:
+                    continue  # the loop frees it
+                if not keep_pages:
+                    self._free(c)
             if not keep_pages:
-                self._free(r)
                 logger.info("[%s] released", r.request_id)
             return first
 
@@ -293,14 +364,21 @@ class DecodeEngine:
     # --- the engine thread -----------------------------------------------------------
 
     def _free(self, r: Request) -> None:
+        """Give back one choice's pages and slot; the transfer is forgotten once every choice of
+        it is freed (its table entry lives while any choice runs, so a release finds them)."""
+        assert not r.freed, r.request_id
         if r.status is not RequestStatus.ABORTED:
             r.status = RequestStatus.FINISHED
             if r.finish is not None:  # every byte landed and every step wrote: its full blocks stay
                 self.kv_cache.cache_sequence(r)
         self.kv_cache.free(r.block_ids, r.state_slot)
-        self.kv_cache.forget_landing(r.transfer_id)
         self.speculator.forget(r)
-        del self._requests[r.transfer_id]
+        r.freed = True
+        self._num_sequences -= 1
+        owner = self._requests.get(r.transfer_id)
+        if owner is not None and all(c.freed for c in owner.choices or [owner]):
+            self.kv_cache.forget_landing(r.transfer_id)
+            del self._requests[r.transfer_id]
 
     def _schedule(self) -> list[Request]:
         """Under the lock: drop aborted requests, admit new ones, return this step's batch."""

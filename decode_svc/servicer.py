@@ -86,6 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 request.transfer_id,
                 list(request.block_hashes),
                 request.reuse_cached,
+                request.n or 1,
             )
         except ValueError as exc:
             self._refuse(request.transfer_id)
@@ -114,8 +115,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _check(self, request) -> SamplingParams:
         """Sampling settings of a Generate call (an unset seed is 0); ValueError says what is wrong."""
-        if not 0 <= request.first_token < self.model.vocab_size:
-            raise ValueError(f"first_token must be in [0, {self.model.vocab_size}), got {request.first_token}")
+        for token in [request.first_token, *request.choice_first_tokens]:
+            if not 0 <= token < self.model.vocab_size:
+                raise ValueError(f"first tokens must be in [0, {self.model.vocab_size}), got {token}")
         if not (math.isfinite(request.kv_timeout_s) and request.kv_timeout_s >= 0):
             raise ValueError(f"kv_timeout_s must be a finite number >= 0, got {request.kv_timeout_s}")
         return sampling_from_pb(request.sampling, default_seed=0)  # checks the seed's range too
@@ -169,14 +171,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 pages_digest(self.engine.transfer_buffers(tid, landing=False)) if self.engine.config.kv_digest else ""
             )
             stop_ids = frozenset() if request.ignore_eos else self.model.eos_token_ids
+            first_tokens = list(request.choice_first_tokens) or [request.first_token]
             try:
-                self.engine.begin(
+                self.engine.begin_choices(
                     tid,
                     list(request.prompt_token_ids),
-                    request.first_token,
+                    first_tokens,
                     sampling,
                     stop_ids,
-                    lambda toks, end, lps: queue.put_nowait((toks, end, lps)),
+                    [_emit_to(queue, i) for i in range(len(first_tokens))],
                 )  # runs on this loop
             except ValueError as exc:
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
@@ -184,13 +187,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 await abort(context, FailureCause.CANCELLED, f"[{rid}] reservation released")
             first = True
             generated = 0
+            open_choices = len(first_tokens)
+            held = None  # a message taken from the queue for another choice: the next one out
             while True:
-                tokens, end, logprobs = await queue.get()
-                # steps that went out while this stream waited for the loop go in one message:
-                # a loaded loop sends fewer, larger messages instead of falling behind
+                index, tokens, end, logprobs = held or await queue.get()
+                held = None
+                # steps that went out while this stream waited for the loop go in one message a
+                # choice: a loaded loop sends fewer, larger messages instead of falling behind
                 while end is None and not queue.empty():
-                    more, end, more_logprobs = queue.get_nowait()
-                    tokens = tokens + more
+                    more = queue.get_nowait()
+                    if more[0] != index:
+                        held = more
+                        break
+                    _, more_tokens, end, more_logprobs = more
+                    tokens = tokens + more_tokens
                     if logprobs is not None and more_logprobs is not None:
                         logprobs = logprobs + more_logprobs
                 if first:  # waiting for admission into the running batch, then the first step
@@ -201,16 +211,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     await abort(context, FailureCause.CANCELLED, str(end))
                 if isinstance(end, Exception):
                     await abort(context, FailureCause.INTERNAL, f"[{rid}] {end}")
-                msg = decode_pb2.DecodeResponse(token_ids=tokens)
+                msg = decode_pb2.DecodeResponse(token_ids=tokens, index=index)
                 if logprobs:
                     msg.logprobs.extend(logprobs_to_pb(lp) for lp in logprobs)
                 if end is not None:
+                    choice = (t.choices or [t])[index]
                     msg.finish_reason = FINISH_TO_PB[FinishReason(end)]
-                    msg.num_drafted, msg.num_accepted = t.num_drafted, t.num_accepted
+                    msg.num_drafted, msg.num_accepted = choice.num_drafted, choice.num_accepted
+                    open_choices -= 1
                 if first:
                     msg.kv_digest = digest
                     first = False
-                if end is not None:
+                if end is not None and not open_choices:
                     # per-step work summarized on the request's span, not a span per token; set
                     # before the last message goes out: the gateway cancels the call once it has
                     # it, and on a busy machine that cancel closes this generator at its yield
@@ -228,7 +240,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     span.set_status(Status(StatusCode.OK))
                     logger.info("[%s] decode finished: %s after %d tokens", rid, end, generated)
                 yield msg
-                if end is not None:
+                if end is not None and not open_choices:
                     return
         finally:
             # finished: the engine freed the pages already and this only forgets the transfer;
@@ -246,3 +258,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             kv_layout=self.engine.runner.page_layout.describe(),
             **stats,
         )
+
+
+def _emit_to(queue: asyncio.Queue, index: int):
+    """Choice `index`'s EmitFn: its (tokens, ending, logprobs) onto the Generate call's queue."""
+    return lambda toks, end, lps: queue.put_nowait((index, toks, end, lps))

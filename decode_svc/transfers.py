@@ -48,15 +48,16 @@ class Transfers:
         transfer_id: int = 0,
         block_hashes: Sequence[BlockHash] = (),
         reuse_cached: bool = False,
+        n: int = 1,
     ) -> Request:
-        """Reserve pages (DecodeEngine.reserve, with the prompt's block hashes and whether to
-        reuse the pages held for them), expect the push into the rest, arm the expiry.
+        """Reserve pages (DecodeEngine.reserve, with the prompt's block hashes, whether to reuse
+        the pages held for them, and the n choices), expect the push into the rest, arm the expiry.
 
         transfer_id: the caller's id for the push (0: one is picked). Raises ValueError /
         CapacityError as DecodeEngine.reserve does.
         """
         loop = asyncio.get_running_loop()
-        r = self.engine.reserve(request_id, num_prompt_tokens, max_tokens, transfer_id, block_hashes, reuse_cached)
+        r = self.engine.reserve(request_id, num_prompt_tokens, max_tokens, transfer_id, block_hashes, reuse_cached, n)
         try:
             r.landed = self.receiver.expect(r.transfer_id, self.engine.transfer_buffers(r.transfer_id))
         except BaseException:

@@ -146,6 +146,37 @@ class KVCacheManager:
         request.num_prompt_pages = self.num_pages_for(request.num_prompt_tokens)
         self.num_holders += 1
 
+    def allocate_choice(self, request: Request, num_tokens: int, num_shared: int, error: type[Exception]) -> None:
+        """Decode, n > 1: pages for one more choice of a request whose first `num_shared` pages
+        (the prompt's full pages) it will share (`fork`): its own pages for the rest of
+        num_tokens tokens and a state slot, all or nothing. Raises `error` when short."""
+        self._require_slot(error)
+        need = self.num_pages_for(num_tokens) - num_shared
+        if need > self.pool.num_free_blocks:
+            raise error(
+                f"request needs {need} more KV pages for another choice, {self.pool.num_free_blocks} of "
+                f"{self.pool.num_blocks} are free; lower n or max_tokens, or retry later"
+            )
+        request.block_ids = list(self.pool.allocate(need).block_ids)
+        request.state_slot = self.slots.allocate()
+        request.num_prompt_pages = self.num_pages_for(request.num_prompt_tokens)
+        self.num_holders += 1
+
+    def fork(self, parent: Request, child: Request, num_shared: int) -> None:
+        """Decode, n > 1, once the parent's prompt KV landed: the child (allocate_choice) shares
+        the parent's first num_shared pages (one more reference each, freed with the child)
+        and gets a copy of what its own pages must start with: the parent's partial last prompt
+        page (copy-on-write, done at the fork since every choice writes its first token there)
+        and its state slot (DeepSeek-V4)."""
+        shared = parent.block_ids[:num_shared]
+        self.pool.share(shared)
+        if parent.num_prompt_pages > num_shared:  # the prompt ends inside a page: each choice its own
+            src = self.runner.page_buffer(parent.block_ids[num_shared])
+            self.runner.page_buffer(child.block_ids[0])[...] = src  # type: ignore[assignment]
+        child.block_ids = [*shared, *child.block_ids]
+        if parent.state_slot is not None and child.state_slot is not None:
+            self.runner.copy_state_slot(parent.state_slot, child.state_slot)
+
     def allocate_prompt(self, request: Request) -> None:
         """Prefill: reuse the longest cached prefix of the prompt's blocks and allocate pages for
         the rest, plus a state slot (resumed from the cached prefix's end). Sets block_ids,

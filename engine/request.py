@@ -144,6 +144,14 @@ class Request:
     expiry: asyncio.TimerHandle | None = None
     draft_state: Any = None
     """What the speculative drafter keeps for this request (engine.speculative)."""
+    choices: list[Request] | None = None
+    """n > 1: every choice of the request, this one (choice 0, the one the push lands in and the
+    transfer id names) first; the others share its prompt's full pages (KVCacheManager.fork).
+    None: one choice."""
+    index: int = 0
+    """Which choice this is (0..n-1)."""
+    freed: bool = False
+    """Its pages and slot went back (decode: each choice frees its own, once)."""
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids:

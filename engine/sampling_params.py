@@ -3,6 +3,7 @@ without loading torch (`engine.sampler` applies it to logits)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,9 @@ MIN_TEMPERATURE = 1e-5
 
 MAX_LOGPROBS = 20
 """Most top alternatives a token's logprobs may list (OpenAI's top_logprobs bound)."""
+
+MAX_CHOICES = 128
+"""Most choices (n) one request may ask for (OpenAI's bound)."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,10 @@ class SamplingParams:
     seed: int | None = None
     """Seed of the request's own generator (prefill draws the first token from seed, decode the
     rest from seed + 1); None uses torch's global RNG."""
+    n: int = 1
+    """Choices to generate from one prompt (1..MAX_CHOICES): prefill samples n first tokens from
+    the prompt's last logits and decode continues n sequences sharing the prompt's pages;
+    choice i samples as a request of its own seeded seed + i (`for_choice`)."""
     logprobs: int | None = None
     """Report each sampled token's logprob and this many top alternatives' (0..MAX_LOGPROBS),
     of the distribution it is drawn from (engine.sampler.token_logprobs); None: no logprobs."""
@@ -44,12 +52,20 @@ class SamplingParams:
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int)
             or isinstance(self.logprobs, bool)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """How choice `index` of n samples: these settings, n = 1, seed + index (mod 2^63), so
+        each choice is reproducible alone (vLLM's parallel sampling seeds its children so)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

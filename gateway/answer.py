@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.outcomes import FinishReason
+from engine.outcomes import FailureCause, FinishReason
 from engine.request import finish_reason
 from gateway import metrics
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.failure import RequestFailed
 from gateway.requests import GenerateInput
 from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
 from runtime.wire import FINISH_FROM_PB, FINISH_TO_PB
@@ -24,12 +25,23 @@ from runtime.wire import FINISH_FROM_PB, FINISH_TO_PB
 logger = logging.getLogger(__name__)
 
 
+class _Choice:
+    """One choice's text state: its detokenizer, stop strings, tokens and ending."""
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStringMatcher(stop)
+        self.num_tokens = 0
+        self.finish: FinishReason | None = None
+        self.drafted = self.accepted = 0
+
+
 class Answer:
-    """The text of one attempt and its ending.
+    """The text of one attempt and its ending, for each of its n choices (sampling.n).
 
     Args:
         tokenizer: the served model's tokenizer (its `decode`).
-        request: the validated request (stop strings, max_tokens, ignore_eos).
+        request: the validated request (stop strings, max_tokens, ignore_eos, n).
         eos_token_ids: the ids that end an answer unless the request ignores EOS.
         arrived: when the request reached the gateway (time.perf_counter(), seconds).
         waited: seconds it waited in the admission queue.
@@ -50,90 +62,122 @@ class Answer:
         self.waited = waited
         self.retries = retries
         self.token_ids: list[int] = []
-        """Token ids sent to the client so far: once there is one, the attempt is not retried."""
-        self.finish: FinishReason | None = None
-        """Why the answer ended; None while it goes on."""
+        """Token ids sent to the client so far, every choice's: once there is one, the attempt
+        is not retried."""
         self.first_at = 0.0
-        self._detok = IncrementalDetokenizer(tokenizer)
-        self._stops = StopStringMatcher(list(request.stop))
+        self._choices = [_Choice(tokenizer, list(request.stop)) for _ in range(request.sampling.n)]
         self._stop_token_ids = frozenset() if request.ignore_eos else eos_token_ids
         self._decode_digest = ""
-        self._drafted = self._accepted = 0
 
-    def first(self, prefill: prefill_pb2.PrefillResponse) -> gateway_pb2.GenerateResponse:
-        """The delta of the first token (prefill's answer, with its logprobs when asked for): it
-        goes out at once, even empty. Sets `finish` when this token already ends the answer
-        (EOS, max_tokens 1, a stop string)."""
-        token = prefill.first_token
+    @property
+    def finish(self) -> FinishReason | None:
+        """Why the answer ended (choice 0's reason) once every choice ended; None while one goes on."""
+        if any(c.finish is None for c in self._choices):
+            return None
+        return self._choices[0].finish
+
+    def first(self, prefill: prefill_pb2.PrefillResponse) -> list[gateway_pb2.GenerateResponse]:
+        """The deltas of each choice's first token (prefill's answer, with its logprobs when
+        asked for): they go out at once, even empty. A choice whose first token already ends
+        it (EOS, max_tokens 1, a stop string) is finished."""
         self.first_at = time.perf_counter()
-        ended = finish_reason(token, 1, self.request.max_tokens, self._stop_token_ids)
-        text, hit = self._stops.feed(self._detok.add([token]), final=ended is not None)
-        self.token_ids.append(token)
-        self.finish = FinishReason.STOP if hit else ended
-        delta = _delta(text, [token])
-        if prefill.HasField("first_logprobs"):
-            delta.delta.logprobs.append(prefill.first_logprobs)
-        return delta
+        tokens = list(prefill.choice_first_tokens) or [prefill.first_token]
+        logprobs = list(prefill.choice_first_logprobs) or (
+            [prefill.first_logprobs] if prefill.HasField("first_logprobs") else []
+        )
+        if len(tokens) != len(self._choices):
+            raise RequestFailed(
+                FailureCause.INTERNAL,
+                f"[{self.request.request_id}] prefill sampled {len(tokens)} first tokens for {len(self._choices)} choices",
+            )
+        deltas = []
+        for i, (choice, token) in enumerate(zip(self._choices, tokens)):
+            ended = finish_reason(token, 1, self.request.max_tokens, self._stop_token_ids)
+            text, hit = choice.stops.feed(choice.detok.add([token]), final=ended is not None)
+            if ended is not None and not hit:
+                text += choice.stops.feed(choice.detok.flush(), final=True)[0]
+            self.token_ids.append(token)
+            choice.num_tokens += 1
+            choice.finish = FinishReason.STOP if hit else ended
+            delta = _delta(text, [token], i)
+            if logprobs:
+                delta.delta.logprobs.append(logprobs[i])
+            deltas.append(delta)
+        return deltas
 
     def add(self, msg: decode_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse | None:
-        """The delta of one decode message (None when it carries neither text nor tokens).
-        Sets `finish` on decode's last message or on a stop string; the text ends before it."""
+        """The delta of one decode message for its choice (msg.index; None when it carries
+        neither text nor tokens). Ends the choice on its last message or on a stop string; the
+        text ends before the stop string. Raises RequestFailed (INTERNAL) for a choice that is
+        not there or has ended."""
         if not self._decode_digest:
             self._decode_digest = msg.kv_digest
-        self._drafted, self._accepted = max(self._drafted, msg.num_drafted), max(self._accepted, msg.num_accepted)
+        if not 0 <= msg.index < len(self._choices) or self._choices[msg.index].finish is not None:
+            raise RequestFailed(
+                FailureCause.INTERNAL, f"[{self.request.request_id}] decode sent tokens for choice {msg.index}"
+            )
+        choice = self._choices[msg.index]
+        choice.drafted, choice.accepted = max(choice.drafted, msg.num_drafted), max(choice.accepted, msg.num_accepted)
         token_ids = list(msg.token_ids)
         self.token_ids.extend(token_ids)
+        choice.num_tokens += len(token_ids)
         ended = FINISH_FROM_PB.get(msg.finish_reason)
-        text, hit = self._stops.feed(self._detok.add(token_ids), final=ended is not None)
+        text, hit = choice.stops.feed(choice.detok.add(token_ids), final=ended is not None)
         if ended is not None and not hit:
-            text += self._stops.feed(self._detok.flush(), final=True)[0]
-        self.finish = FinishReason.STOP if hit else ended
+            text += choice.stops.feed(choice.detok.flush(), final=True)[0]
+        choice.finish = FinishReason.STOP if hit else ended
         if not text and not token_ids:
             return None
-        delta = _delta(text, token_ids)
+        delta = _delta(text, token_ids, msg.index)
         delta.delta.logprobs.extend(msg.logprobs)
         return delta
 
     def final(
         self, prefill: prefill_pb2.PrefillResponse, reserve: decode_pb2.ReserveResponse
     ) -> gateway_pb2.GenerateResponse:
-        """The last message: why the answer ended and its figures (seconds; token counts)."""
-        assert self.finish is not None, self.request.request_id
+        """The last message: why the answer ended and its figures (seconds; token counts, every
+        choice's added up; with n > 1 each choice's finish and tokens too)."""
+        finish = self.finish
+        assert finish is not None, self.request.request_id
         done = time.perf_counter()
         n_gen = len(self.token_ids)
-        return gateway_pb2.GenerateResponse(
-            final=gateway_pb2.Final(
-                finish_reason=self.finish.value,
-                finish=FINISH_TO_PB[self.finish],
-                prompt_tokens=len(self.request.prompt_token_ids),
-                cached_tokens=prefill.num_cached_tokens,
-                generated_tokens=n_gen,
-                ttft_s=self.first_at - self.arrived,
-                e2e_s=done - self.arrived,
-                itl_s=(done - self.first_at) / (n_gen - 1) if n_gen > 1 else 0.0,
-                prefill_instance=prefill.instance_id,
-                decode_instance=reserve.instance_id,
-                request_id=self.request.request_id,
-                queue_s=prefill.queue_s,
-                pulled_tokens=prefill.num_pulled_tokens,
-                pull_s=prefill.pull_s,
-                prefill_s=prefill.compute_s,
-                retries=self.retries,
-                admission_s=self.waited,
-                drafted_tokens=self._drafted,
-                accepted_tokens=self._accepted,
-                kv_transfer=gateway_pb2.KVTransfer(
-                    num_pages=prefill.num_pages,
-                    page_nbytes=prefill.page_nbytes,
-                    nbytes=prefill.nbytes_sent,
-                    seconds=prefill.transfer_s,
-                    exposed_seconds=prefill.exposed_transfer_s,
-                    prefill_digest=prefill.kv_digest,
-                    decode_digest=self._decode_digest,
-                    decode_cached_pages=reserve.num_cached_pages,
-                ),
-            )
+        first = self._choices[0]
+        out = gateway_pb2.Final(
+            finish_reason=finish.value,
+            finish=FINISH_TO_PB[finish],
+            prompt_tokens=len(self.request.prompt_token_ids),
+            cached_tokens=prefill.num_cached_tokens,
+            generated_tokens=n_gen,
+            ttft_s=self.first_at - self.arrived,
+            e2e_s=done - self.arrived,
+            # each choice's tokens after its first, over the time after the first tokens
+            itl_s=(done - self.first_at) / (first.num_tokens - 1) if first.num_tokens > 1 else 0.0,
+            prefill_instance=prefill.instance_id,
+            decode_instance=reserve.instance_id,
+            request_id=self.request.request_id,
+            queue_s=prefill.queue_s,
+            pulled_tokens=prefill.num_pulled_tokens,
+            pull_s=prefill.pull_s,
+            prefill_s=prefill.compute_s,
+            retries=self.retries,
+            admission_s=self.waited,
+            drafted_tokens=sum(c.drafted for c in self._choices),
+            accepted_tokens=sum(c.accepted for c in self._choices),
+            kv_transfer=gateway_pb2.KVTransfer(
+                num_pages=prefill.num_pages,
+                page_nbytes=prefill.page_nbytes,
+                nbytes=prefill.nbytes_sent,
+                seconds=prefill.transfer_s,
+                exposed_seconds=prefill.exposed_transfer_s,
+                prefill_digest=prefill.kv_digest,
+                decode_digest=self._decode_digest,
+                decode_cached_pages=reserve.num_cached_pages,
+            ),
         )
+        if len(self._choices) > 1:
+            out.choice_finish.extend(FINISH_TO_PB[c.finish] for c in self._choices if c.finish is not None)
+            out.choice_generated_tokens.extend(c.num_tokens for c in self._choices)
+        return gateway_pb2.GenerateResponse(final=out)
 
 
 def record_final(span, f: gateway_pb2.Final) -> None:
@@ -169,5 +213,5 @@ def record_final(span, f: gateway_pb2.Final) -> None:
     )
 
 
-def _delta(text: str, token_ids: list[int]) -> gateway_pb2.GenerateResponse:
-    return gateway_pb2.GenerateResponse(delta=gateway_pb2.TextDelta(text=text, token_ids=token_ids))
+def _delta(text: str, token_ids: list[int], index: int = 0) -> gateway_pb2.GenerateResponse:
+    return gateway_pb2.GenerateResponse(delta=gateway_pb2.TextDelta(text=text, token_ids=token_ids, index=index))

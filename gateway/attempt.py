@@ -106,7 +106,8 @@ class Attempt(AttemptAccounting):
         deadlines = self._hops.deadlines
         legs = await self._both_legs()
         # the first token comes with prefill's answer and goes out now: it never waits for decode
-        yield answer.first(legs.prefill)
+        for first in answer.first(legs.prefill):
+            yield first
         if answer.finish is None:
             messages = self._generate(legs).__aiter__()
             # the first message waits for admission into decode's batch; then one step each
@@ -208,7 +209,7 @@ class Attempt(AttemptAccounting):
         """Open decode's stream of the tokens after the first."""
         hops = self._hops
         request = wire.decode_request(
-            hops.request, legs.reserve.transfer_id, legs.prefill.first_token, hops.deadlines.rpc_timeout_s
+            hops.request, legs.reserve.transfer_id, legs.prefill, hops.deadlines.rpc_timeout_s
         )
         # decode's work continues the KV push, so its spans hang under prefill's
         traceparent = legs.prefill.traceparent

@@ -213,25 +213,31 @@ class HttpFront:
         messages = self.path.generate(ask.request, list(request.headers.items()), authorization)
         model, created = self.path.builder.model_name, int(time.time())
         echoed = self._echoed(ask)
-        shaper = LogprobsShaper(ask, self._token_text, len(echoed))
+        n = ask.request.sampling.n or 1
+        shapers = [LogprobsShaper(ask, self._token_text, len(echoed)) for _ in range(n)]
         try:
             async with cancel_on_disconnect(request.receive):
                 if ask.stream:
                     # the first token decides the status: every failure before it has its own
                     first = await anext(messages)
-                    events = self._events(ask, model, created, first, messages, shaper, echoed)
+                    events = self._events(ask, model, created, first, messages, shapers, echoed)
                     return EventStream(events)  # type: ignore[return-value]
-                text: list[str] = [echoed]
-                logprobs: list = []
+                texts: list[list[str]] = [[echoed] for _ in range(n)]
+                logprobs: list[list] = [[] for _ in range(n)]
                 async with contextlib.aclosing(messages):
                     async for msg in messages:
                         if msg.HasField("final"):
                             body = openai_api.response(
-                                ask, model, created, "".join(text), msg.final, shaper.shape(logprobs)
+                                ask,
+                                model,
+                                created,
+                                ["".join(t) for t in texts],
+                                msg.final,
+                                [shaper.shape(lp) for shaper, lp in zip(shapers, logprobs)],
                             )
                             return JSONResponse(body)
-                        text.append(msg.delta.text)
-                        logprobs.extend(msg.delta.logprobs)
+                        texts[msg.delta.index].append(msg.delta.text)
+                        logprobs[msg.delta.index].extend(msg.delta.logprobs)
         except RequestFailed as failure:
             return failure_response(failure)
         except ClientGone:
@@ -260,32 +266,37 @@ class HttpFront:
         created: int,
         first: gateway_pb2.GenerateResponse,
         messages: AsyncGenerator[gateway_pb2.GenerateResponse, None],
-        shaper: LogprobsShaper,
+        shapers: list[LogprobsShaper],
         echoed: str = "",
     ) -> AsyncGenerator[bytes, None]:
-        """The answer as server-sent events: text chunks (with their tokens' logprobs when asked
-        for), the finish reason, usage when asked for, `data: [DONE]`; a failure mid-stream is an
-        error event before [DONE]. Tokens whose text is held back (a character not yet whole)
-        have their logprobs sent with the next chunk that has text, or with the finish reason."""
-        msg, is_first = first, True
-        pending: list = []  # logprobs of tokens not sent yet
+        """The answer as server-sent events: text chunks of each choice (with their tokens'
+        logprobs when asked for), each choice's finish reason, usage when asked for,
+        `data: [DONE]`; a failure mid-stream is an error event before [DONE]. Tokens whose text
+        is held back (a character not yet whole) have their logprobs sent with the choice's next
+        chunk that has text, or with its finish reason."""
+        msg = first
+        is_first = [True] * len(shapers)
+        pending: list[list] = [[] for _ in shapers]  # each choice's logprobs not sent yet
         try:
             while True:
                 if msg.HasField("final"):
-                    yield openai_api.sse(
-                        openai_api.chunk(
-                            ask, model, created, None, msg.final.finish_reason, logprobs=shaper.shape(pending)
+                    for i, finish in enumerate(openai_api.finish_reasons(msg.final)):
+                        tail = shapers[i].shape(pending[i])
+                        yield openai_api.sse(
+                            openai_api.chunk(ask, model, created, None, finish, logprobs=tail, index=i)
                         )
-                    )
                     if ask.include_usage:
                         yield openai_api.sse(openai_api.usage_chunk(ask, model, created, msg.final))
                     break
-                pending.extend(msg.delta.logprobs)
-                text = (echoed + msg.delta.text) if is_first else msg.delta.text
-                if text or (is_first and ask.chat):
-                    part = openai_api.chunk(ask, model, created, text, first=is_first, logprobs=shaper.shape(pending))
+                i = msg.delta.index
+                pending[i].extend(msg.delta.logprobs)
+                text = (echoed + msg.delta.text) if is_first[i] else msg.delta.text
+                if text or (is_first[i] and ask.chat):
+                    part = openai_api.chunk(
+                        ask, model, created, text, first=is_first[i], logprobs=shapers[i].shape(pending[i]), index=i
+                    )
                     yield openai_api.sse(part)
-                    is_first, pending = False, []
+                    is_first[i], pending[i] = False, []
                 msg = await anext(messages)
         except RequestFailed as failure:
             status = openai_api.http_status(status_of(failure.cause))

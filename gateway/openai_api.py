@@ -27,8 +27,9 @@ from typing import Any
 import grpc
 
 from engine.outcomes import FailureCause
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS
 from protos.kvmesh.v1 import common_pb2, gateway_pb2
+from runtime.wire import FINISH_FROM_PB
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI's message roles -> the chat template's ("developer" is OpenAI's newer name for system)."""
@@ -195,16 +196,16 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
 
     Chat messages go through the model's chat template; a completion prompt is sent as it is.
     `request_id` (from an X-Request-Id header) names the request; empty: a new uuid.
-    Raises BadField for a body that is not an object, a missing or mistyped field, n != 1,
-    a batch of prompts, or an UNSUPPORTED field that is not off.
+    Raises BadField for a body that is not an object, a missing or mistyped field, n outside
+    [1, 128], a batch of prompts, or an UNSUPPORTED field that is not off.
     """
     if not isinstance(body, dict):
         raise BadField("the body must be a JSON object", None)
     _refuse_unsupported(body)
     model = _get(body, "model", (str,), "a string") or ""
     n = _get(body, "n", (int,), "an integer")
-    if n is not None and n != 1:
-        raise BadField(f"n must be 1 (this gateway returns one choice per request), got {n}", "n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise BadField(f"n must be in [1, {MAX_CHOICES}], got {n}", "n")
     max_tokens = _get(body, "max_tokens", (int,), "an integer")
     max_completion_tokens = _get(body, "max_completion_tokens", (int,), "an integer")
     if max_completion_tokens is not None:
@@ -243,6 +244,8 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if n is not None and n > 1:
+        sampling.n = n
     request = gateway_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, model=model, sampling=sampling, chat=False
     )
@@ -316,26 +319,42 @@ def usage(final: gateway_pb2.Final) -> dict:
     }
 
 
+def finish_reasons(final: gateway_pb2.Final) -> list[str]:
+    """Each choice's finish reason ("stop" or "length"), in choice order."""
+    if not final.choice_finish:
+        return [final.finish_reason]
+    return [FINISH_FROM_PB[f].value for f in final.choice_finish]
+
+
 def response(
-    ask: OpenAIRequest, model: str, created: int, text: str, final: gateway_pb2.Final, logprobs: dict | None = None
+    ask: OpenAIRequest,
+    model: str,
+    created: int,
+    texts: Sequence[str],
+    final: gateway_pb2.Final,
+    logprobs: Sequence[dict | None] = (),
 ) -> dict:
-    """The whole (non-streaming) answer: a chat.completion or a text_completion object;
-    logprobs: LogprobsShaper's object of all its tokens (None: not asked for)."""
-    if ask.chat:
-        choice: dict = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": final.finish_reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}
+    """The whole (non-streaming) answer: a chat.completion or a text_completion object with a
+    choice per text (choice i's text, and LogprobsShaper's object of its tokens when asked for)."""
+    choices = []
+    for i, (text, finish) in enumerate(zip(texts, finish_reasons(final))):
+        lp = logprobs[i] if i < len(logprobs) else None
+        if ask.chat:
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": finish,
+            }
+        else:
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+        choices.append(choice)
     return {
         "id": ask.response_id,
         "object": "chat.completion" if ask.chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(final),
     }
 
@@ -348,19 +367,20 @@ def chunk(
     finish_reason: str | None = None,
     first: bool = False,
     logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
-    """One streamed chunk (chat.completion.chunk or text_completion): `text` (None: no text,
-    as in the chunk that carries the finish reason); the first chat chunk names the role;
-    logprobs: LogprobsShaper's object of the chunk's tokens."""
+    """One streamed chunk (chat.completion.chunk or text_completion) of choice `index`: `text`
+    (None: no text, as in the chunk that carries the finish reason); a choice's first chat
+    chunk names the role; logprobs: LogprobsShaper's object of the chunk's tokens."""
     if ask.chat:
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     out: dict[str, Any] = {
         "id": ask.response_id,
         "object": "chat.completion.chunk" if ask.chat else "text_completion",

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -225,9 +225,11 @@ class PromptBuilder:
         stop: Sequence[str],
         ignore_eos: bool,
         logprobs: int | None = None,
+        n: int = 1,
     ) -> GenerateInput:
         """Check sampling settings and lengths; raises ValueError naming what to change.
-        logprobs: report each token's logprob and this many top alternatives (None: none)."""
+        logprobs: report each token's logprob and this many top alternatives (None: none);
+        n: choices to generate from the prompt."""
         if max_tokens is None:
             max_tokens = self.default_max_tokens
         if not 1 <= max_tokens <= self.max_tokens_limit:
@@ -238,17 +240,21 @@ class PromptBuilder:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (top alternatives per token), got {logprobs}")
-        n = len(prompt_token_ids)
-        if n == 0:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
             raise ValueError("prompt is empty after tokenization; send some text")
-        if n >= self.max_context:
-            raise ValueError(f"prompt has {n} tokens but the context holds {self.max_context}; shorten the prompt")
-        if n + max_tokens > self.max_context:
+        if num_prompt >= self.max_context:
             raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                f"{self.max_context} tokens; lower max_tokens to {self.max_context - n} or less"
+                f"prompt has {num_prompt} tokens but the context holds {self.max_context}; shorten the prompt"
+            )
+        if num_prompt + max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                f"{self.max_context} tokens; lower max_tokens to {self.max_context - num_prompt} or less"
             )
         sampling = SamplingParams(
             temperature=temperature,
@@ -256,6 +262,7 @@ class PromptBuilder:
             top_k=top_k,
             seed=seed if seed is not None else random.getrandbits(63),
             logprobs=logprobs,
+            n=n,
         )
         return GenerateInput(
             request_id=request_id,

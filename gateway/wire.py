@@ -38,7 +38,8 @@ def generate_input(builder: PromptBuilder, request: gateway_pb2.GenerateRequest)
         s.seed if s.HasField("seed") else None,
         list(s.stop),
         s.ignore_eos,
-        s.logprobs if s.HasField("logprobs") else None,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        n=s.n or 1,
     )
 
 
@@ -76,6 +77,7 @@ def reserve_request(
         kv_layout=kv_layout,
         block_hashes=block_hashes,
         reuse_cached=reuse_cached,
+        n=inp.sampling.n,
     )
 
 
@@ -105,13 +107,15 @@ def prefill_request(
     )
 
 
-def decode_request(inp: GenerateInput, transfer_id: int, first_token: int, kv_timeout_s: float):
-    """Decode the tokens after `first_token` from the KV pushed under `transfer_id`."""
+def decode_request(inp: GenerateInput, transfer_id: int, prefill: prefill_pb2.PrefillResponse, kv_timeout_s: float):
+    """Decode the tokens after prefill's first token (each choice's, n > 1) from the KV pushed
+    under `transfer_id`."""
     return decode_pb2.DecodeRequest(
         request_id=inp.request_id,
         transfer_id=transfer_id,
         prompt_token_ids=inp.prompt_token_ids,
-        first_token=first_token,
+        first_token=prefill.first_token,
+        choice_first_tokens=prefill.choice_first_tokens,
         sampling=sampling_to_pb(inp.sampling),
         kv_timeout_s=kv_timeout_s,
         ignore_eos=inp.ignore_eos,

@@ -14,12 +14,13 @@ from runtime.service import GRPC_OPTIONS
 @dataclass
 class Completion:
     """A whole answer: text, token ids (with their logprobs when asked for) and the gateway's
-    Final message."""
+    Final message; with n > 1, `choices` holds every choice's (this one's fields are choice 0's)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     final: gateway_pb2.Final | None = None
+    choices: list[Completion] = field(default_factory=list)
 
 
 def make_request(
@@ -38,9 +39,11 @@ def make_request(
     request_id: str = "",
     prompt_token_ids: list[int] | None = None,
     logprobs: int | None = None,
+    n: int = 1,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids.
-    logprobs: each answer token's logprob and this many top alternatives (None: none)."""
+    logprobs: each answer token's logprob and this many top alternatives (None: none);
+    n: choices to generate."""
     sampling = gateway_pb2.GenerateOptions(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
     if top_p is not None:
         sampling.top_p = top_p
@@ -50,6 +53,8 @@ def make_request(
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if n != 1:
+        sampling.n = n
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         model=model,
@@ -94,13 +99,18 @@ class GatewayClient:
             yield msg
 
     async def complete(self, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None) -> Completion:
-        """The whole answer at once."""
-        out = Completion()
+        """The whole answer at once (every choice's)."""
+        choices = [Completion() for _ in range(max(1, request.sampling.n))]
+        final = None
         async for msg in self.stream(request, timeout_s):
             if msg.HasField("delta"):
-                out.text += msg.delta.text
-                out.token_ids.extend(msg.delta.token_ids)
-                out.logprobs.extend(msg.delta.logprobs)
+                choice = choices[msg.delta.index]
+                choice.text += msg.delta.text
+                choice.token_ids.extend(msg.delta.token_ids)
+                choice.logprobs.extend(msg.delta.logprobs)
             else:
-                out.final = msg.final
+                final = msg.final
+        out = choices[0]
+        out.final = final
+        out.choices = choices
         return out

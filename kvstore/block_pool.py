@@ -207,6 +207,20 @@ class BlockPool:
         if stored:
             self._emit([BlockStored(tuple(stored))])
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each of these blocks, which the caller holds already
+        (sequences sharing a prompt's pages: n > 1 choices); each is freed once per reference.
+
+        Raises:
+            ValueError: an id is out of range or not referenced (nothing changes then).
+        """
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if self._refcount[block_id] == 0:
+                raise ValueError(f"block {block_id} is not allocated; only referenced blocks can be shared")
+        for block_id in block_ids:
+            self._ref(block_id)
+
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block, in the given order.
 

@@ -32,13 +32,14 @@ def prefill_batch(
     batch: list[Request],
     chunk_size: int,
     forward_mark: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> tuple[list[int], list[TokenLogprobs | None], list[int]]:
+) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], list[int]]:
     """Compute the uncached prompt of every request in `batch` (pages allocated, num_computed_tokens
     at its cached prefix) and sample each one's first token (its sampling params; a seeded
     generator unless greedy). chunk_size: tokens a chunk (0 = the whole prompt at once);
     forward_mark: entered around each forward (runtime.cpu_share). Advances num_computed_tokens.
 
-    Returns (the first token of each request, its logprobs when its sampling asks for them
+    Returns (the first token of each request's choices (sampling.n of them, choice i drawn with
+    sampling.for_choice(i)), their logprobs when its sampling asks for them
     (engine.sampler.token_logprobs) else None, the chunks each took). Raises what the forward or
     the sampler raises; the caller frees the batch then.
     """
@@ -66,22 +67,25 @@ def prefill_batch(
             else:
                 last_logits[k] = logits[row]
     logits = torch.stack([t for t in last_logits if t is not None])  # [B, V]
-    first_tokens = sample(
-        logits,
-        [r.sampling for r in batch],
-        [
-            torch.Generator().manual_seed(r.sampling.seed)
-            if not r.sampling.greedy and r.sampling.seed is not None
-            else None
-            for r in batch
-        ],
+    # one row a choice: a request with n choices draws n first tokens from its logits, choice i
+    # as a request of its own seeded seed + i
+    owner = [k for k, r in enumerate(batch) for _ in range(r.sampling.n)]
+    params = [r.sampling.for_choice(i) if r.sampling.n > 1 else r.sampling for r in batch for i in range(r.sampling.n)]
+    choice_logits = logits if len(owner) == len(batch) else logits[owner]  # [choices, V]
+    drawn = sample(
+        choice_logits,
+        params,
+        [torch.Generator().manual_seed(p.seed) if not p.greedy and p.seed is not None else None for p in params],
     )
-    first_logprobs: list[TokenLogprobs | None] = [None] * len(batch)
-    want = [k for k, r in enumerate(batch) if r.sampling.logprobs is not None]
+    first_tokens: list[list[int]] = [[] for _ in batch]
+    for k, token in zip(owner, drawn):
+        first_tokens[k].append(token)
+    first_logprobs: list[list[TokenLogprobs] | None] = [None] * len(batch)
+    want = [j for j, p in enumerate(params) if p.logprobs is not None]
     if want:
-        found = token_logprobs(logits[want], [first_tokens[k] for k in want], [batch[k].sampling for k in want])
-        for k, lp in zip(want, found):
-            first_logprobs[k] = lp
+        found = token_logprobs(choice_logits[want], [drawn[j] for j in want], [params[j] for j in want])
+        for j, lp in zip(want, found):
+            first_logprobs[owner[j]] = [*(first_logprobs[owner[j]] or []), lp]
     return first_tokens, first_logprobs, num_chunks
 
 

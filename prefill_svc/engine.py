@@ -56,6 +56,10 @@ class PrefillResult:
     compute_s: float
     first_logprobs: TokenLogprobs | None = None
     """The first token's logprobs, when the request's sampling asks for them."""
+    choice_first_tokens: tuple[int, ...] = ()
+    """n > 1: every choice's first token (first_token is choice 0's); () for one choice."""
+    choice_first_logprobs: tuple[TokenLogprobs, ...] = ()
+    """n > 1 with logprobs: every choice's first token's logprobs."""
 
 
 class PrefillEngine:
@@ -269,20 +273,22 @@ class PrefillEngine:
         # first tokens out first: caching the blocks (and their KV events) and the log lines
         # take ~1 ms for a 2K-token prompt that TTFT need not pay; nothing can read the cache
         # in between, since the next request runs on this thread after this one
-        for r, first_token, logprobs in zip(ready, first_tokens, first_logprobs):
-            r.token_ids.append(first_token)
+        for r, choice_tokens, logprobs in zip(ready, first_tokens, first_logprobs):
+            r.token_ids.append(choice_tokens[0])
             r.status = RequestStatus.FINISHED
             assert r.future is not None
             r.future.set_result(
                 PrefillResult(
-                    first_token,
+                    choice_tokens[0],
                     tuple(r.block_ids),
                     r.state_slot,
                     r.num_cached_tokens,
                     r.num_prompt_tokens - r.num_cached_tokens,
                     queue_s=started - r.arrival_time,
                     compute_s=done - started,
-                    first_logprobs=logprobs,
+                    first_logprobs=logprobs[0] if logprobs else None,
+                    choice_first_tokens=tuple(choice_tokens) if len(choice_tokens) > 1 else (),
+                    choice_first_logprobs=tuple(logprobs) if logprobs and len(choice_tokens) > 1 else (),
                 )
             )
         # let the event loop thread, woken by set_result, take the GIL now: otherwise it waits

@@ -264,6 +264,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kv_digest=report.digest,
             traceparent=tracing.traceparent(push_span),
             first_logprobs=logprobs_to_pb(result.first_logprobs) if result.first_logprobs else None,
+            choice_first_tokens=result.choice_first_tokens,
+            choice_first_logprobs=[logprobs_to_pb(lp) for lp in result.choice_first_logprobs],
         )
 
     def _release_when_computed(self, cfut, kv_push: KVPush | None) -> None:

@@ -27,6 +27,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int | None = N
         top_k=pb.top_k,
         seed=pb.seed if pb.HasField("seed") else default_seed,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        n=pb.n or 1,
     )
 
 
@@ -37,6 +38,8 @@ def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
         pb.seed = sampling.seed
     if sampling.logprobs is not None:
         pb.logprobs = sampling.logprobs
+    if sampling.n != 1:
+        pb.n = sampling.n
     return pb
 
 

@@ -301,7 +301,10 @@ def test_errors_are_openai_error_objects_with_the_right_status(mesh, front):
         assert _error(c.post("/chat/completions", json={**chat, "temperature": "hot"}, headers=a), 400)["param"] == (
             "temperature"
         )
-        assert "n must be 1" in _error(c.post("/chat/completions", json={**chat, "n": 2}, headers=a), 400)["message"]
+        assert (
+            "n must be in [1, 128]"
+            in _error(c.post("/chat/completions", json={**chat, "n": 0}, headers=a), 400)["message"]
+        )
         too_few = _error(c.post("/chat/completions", json={**chat, "max_tokens": 0}, headers=a), 400)
         assert too_few["message"].startswith("max_tokens must be in [1, ") and too_few["code"] == "bad_request"
         assert _error(c.post("/completions", content=b"{not json", headers=a), 400)
@@ -317,7 +320,7 @@ def test_errors_are_openai_error_objects_with_the_right_status(mesh, front):
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="gpt-4", messages=chat["messages"], max_tokens=1)
         with pytest.raises(openai.BadRequestError):
-            client.completions.create(model=_model(), prompt="Hi", n=2)
+            client.completions.create(model=_model(), prompt="Hi", n=129)
 
     # gRPC: no key is UNAUTHENTICATED, an unknown model NOT_FOUND (both fronts, one path)
     async def grpc_code(address, key, ca, **kwargs) -> grpc.StatusCode:
@@ -367,6 +370,25 @@ def test_openai_logprobs_are_the_grpc_path_s_streamed_or_whole_and_echo_prepends
     assert all(2 <= len(top) <= 3 and top[t] == v for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert echoed.choices[0].text == QUESTION + completion.choices[0].text
+    wait_idle(mesh)
+
+
+def test_openai_n_choices_whole_and_streamed_assemble_per_choice(mesh, front):
+    want = complete(mesh, "", messages=[("user", QUESTION)], max_tokens=8)
+    ask = dict(model=_model(), messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0, n=3)
+    with front.openai() as client:
+        whole = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert [(c.index, c.message.content) for c in whole.choices] == [(i, want.text) for i in range(3)]
+    assert whole.usage.completion_tokens == 3 * want.final.generated_tokens
+    texts = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [want.text] * 3
+    finishes = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
+    assert finishes == {i: want.final.finish_reason for i in range(3)}
+    assert chunks[-1].usage.completion_tokens == 3 * want.final.generated_tokens
     wait_idle(mesh)
 
 

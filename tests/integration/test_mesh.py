@@ -255,3 +255,54 @@ def test_logprobs_of_the_first_and_later_tokens_equal_transformers_log_softmax(m
         assert [lp.top_token_ids[0] for lp in out.logprobs] == out.token_ids
     # without the field no logprobs travel
     assert not complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=3).logprobs
+
+
+def test_n_choices_are_prefilled_and_pushed_once_and_each_is_reproducible_alone(mesh, reference):
+    _, tok, _ = reference
+    prompt_ids = list(
+        tok.apply_chat_template([{"role": "user", "content": "Tell me a colour."}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+    )
+    # greedy: every choice is the one greedy answer, with the same logprobs
+    single = complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=10, logprobs=1)
+    greedy = complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=10, n=3, logprobs=1)
+    assert [c.token_ids for c in greedy.choices] == [single.token_ids] * 3
+    for c in greedy.choices:
+        assert [lp.logprob for lp in c.logprobs] == pytest.approx([lp.logprob for lp in single.logprobs], abs=1e-4)
+    f = greedy.final
+    assert (
+        f.generated_tokens == 3 * len(single.token_ids)
+        and list(f.choice_generated_tokens) == [len(single.token_ids)] * 3
+    )
+    # the prompt went over once: the pages one request pushes, not three times as many
+    assert f.kv_transfer.num_pages + f.kv_transfer.decode_cached_pages == math.ceil(len(prompt_ids) / 16)
+    # sampled with a seed: choice i is the request alone with seed + i (prefill drew its first
+    # token, decode the rest), and the choices differ from each other
+    sampled = complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=12, n=3, temperature=1.0, seed=40)
+    alone = [
+        complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=12, temperature=1.0, seed=40 + i).token_ids
+        for i in range(3)
+    ]
+    assert [c.token_ids for c in sampled.choices] == alone
+    assert len({tuple(t) for t in alone}) > 1
+    wait_idle(mesh)
+
+
+def test_a_cancel_of_n_choices_mid_stream_ends_them_all_and_frees_every_page(mesh):
+    async def run() -> tuple[int, set[int]]:
+        seen: set[int] = set()
+        deltas = 0
+        async with GatewayClient(mesh.gateway_address) as client:
+            request = make_request("Count to a thousand.", chat=True, max_tokens=1500, ignore_eos=True, n=3)
+            async for msg in client.stream(request, timeout_s=120):
+                if msg.HasField("delta"):
+                    seen.add(msg.delta.index)
+                    deltas += 1
+                if len(seen) == 3 and deltas >= 12:
+                    break  # leaving the stream cancels the call
+        return deltas, seen
+
+    deltas, seen = asyncio.run(run())
+    assert seen == {0, 1, 2} and deltas >= 12
+    wait_idle(mesh)  # decode ended all three choices and freed their pages, prefill its own

@@ -272,3 +272,91 @@ def test_logprobs_travel_only_for_the_requests_that_ask_and_stop_with_their_toke
     assert all(lp.logprob == pytest.approx(1 - norm, abs=1e-5) for lp in asked)
     assert all(lp.top_token_ids[0] == lp.token_id and len(lp.top_token_ids) == 2 for lp in asked)
     assert all(lp.top_logprobs[1] == pytest.approx(-norm, abs=1e-5) for lp in asked)
+
+
+def _start_choices(engine, rid, prompt, firsts, max_tokens, before_begin=None):
+    """Reserve n = len(firsts) choices and begin them; one queue of (tokens, ending) a choice."""
+    res = engine.reserve(rid, len(prompt), max_tokens, n=len(firsts))
+    if before_begin is not None:
+        before_begin(res)
+    outs = [queue.Queue() for _ in firsts]
+    emits = [lambda t, f, lp, q=q: q.put((t, f)) for q in outs]
+    engine.begin_choices(res.transfer_id, prompt, firsts, SamplingParams(), frozenset(), emits)
+    return res, outs
+
+
+def test_n_choices_share_the_prompt_s_full_pages_and_copy_its_partial_one():
+    # page size 4: a 6-token prompt has one full page (shared) and a partial one (copied into
+    # each choice's own first page: every choice writes its first token's KV there)
+    engine, runner = _engine()
+    runner.page_buffer(0)  # the double's pages exist
+    res = engine.reserve("n", 6, 4, n=3)
+    parent_pages = list(res.block_ids)  # 3 pages: (6 + 4 - 1) tokens
+    assert len(parent_pages) == 3 and [len(c.block_ids) for c in res.choices[1:]] == [2, 2]
+    assert engine.pool.num_free_blocks == 32 - 7
+    runner.pages[parent_pages[1]] = 7  # the landed partial page
+    outs = [queue.Queue() for _ in range(3)]
+    engine.begin_choices(
+        res.transfer_id, [1, 2, 3, 4, 5, 6], [7, 20, 30], SamplingParams(), frozenset(),
+        [lambda t, f, lp, q=q: q.put((t, f)) for q in outs],
+    )  # fmt: skip
+    for c in res.choices[1:]:
+        assert c.block_ids[0] == parent_pages[0]  # shared, one more reference each
+        assert (runner.pages[c.block_ids[1]] == 7).all()  # a copy of the partial page, its own
+        assert c.block_ids[1] not in parent_pages
+    engine.start()
+    try:
+        # each choice continues after its own first token; the double's model counts on
+        assert [_drain(q) for q in outs] == [([8, 9, 10], "length"), ([21, 22, 23], "length"), ([31, 32, 33], "length")]
+    finally:
+        engine.shutdown()
+    assert engine.pool.num_free_blocks == 32 and engine.stats()["num_active_requests"] == 0
+    engine.pool.check_integrity()
+
+
+def test_releasing_n_choices_mid_answer_ends_them_all_and_frees_every_page():
+    engine, runner = _engine()
+    runner.gate.clear()
+    res, outs = _start_choices(engine, "n", [1, 2, 3, 4, 5], [6, 6, 6, 6], 20)
+    engine.start()
+    try:
+        assert runner.entered.wait(10)  # the choices are in the step being computed
+        assert engine.release(res.transfer_id)
+        runner.gate.set()
+        deadline = time.monotonic() + 10
+        while engine.pool.num_free_blocks != 32 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        runner.gate.set()
+        engine.shutdown()
+    assert engine.pool.num_free_blocks == 32 and engine.stats()["num_active_requests"] == 0
+    for q in outs:  # every choice hears it was released
+        tokens, end = q.get_nowait()
+        assert tokens == [] and isinstance(end, RequestReleased)
+    engine.pool.check_integrity()
+    # a reservation of n choices counts n against the batch; more than the batch is refused
+    small, _ = _engine(max_batch_size=4)
+    small.reserve("a", 3, 2, n=3)
+    with pytest.raises(CapacityError, match="batch is full"):
+        small.reserve("b", 3, 2, n=2)
+    with pytest.raises(ValueError, match="more than this decode's batch"):
+        small.reserve("c", 3, 2, n=5)
+
+
+def test_n_choices_that_end_at_different_times_free_their_pages_as_they_end():
+    engine, _ = _engine()
+    stop = frozenset({9})
+    res = engine.reserve("n", 4, 6, n=2)
+    outs = [queue.Queue() for _ in range(2)]
+    engine.begin_choices(
+        res.transfer_id, [1, 2, 3, 4], [7, 50], SamplingParams(), stop,
+        [lambda t, f, lp, q=q: q.put((t, f)) for q in outs],
+    )  # fmt: skip
+    engine.start()
+    try:
+        # choice 0 reaches the stop id 9 after two tokens; choice 1 runs to max_tokens
+        assert _drain(outs[0]) == ([8, 9], "stop") and _drain(outs[1]) == ([51, 52, 53, 54, 55], "length")
+    finally:
+        engine.shutdown()
+    assert engine.pool.num_free_blocks == 32 and engine.stats()["num_active_requests"] == 0
+    engine.pool.check_integrity()

@@ -501,7 +501,7 @@ def test_a_caller_that_leaves_after_the_first_token_aborts_the_attempt_at_once()
         def tokenize(self, prompt, messages, chat, token_ids=()):
             return list(token_ids)
 
-        def build(self, request_id, ids, temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos, logprobs=None):
+        def build(self, request_id, ids, temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos, **options):
             return GenerateInput(request_id, tuple(ids), SamplingParams(seed=1), max_tokens or 16, tuple(stop), True)
 
     async def scenario():

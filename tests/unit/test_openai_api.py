@@ -78,7 +78,8 @@ def test_a_completion_prompt_is_text_or_token_ids_alone_or_as_a_batch_of_one(pro
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, True, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, True, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": True}, True, "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, True, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, True, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 129}, True, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": [1]}, True, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, True, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, True, "seed"),
@@ -123,7 +124,7 @@ def _final(**kw) -> gateway_pb2.Final:
 
 def test_answers_carry_usage_with_cached_tokens_and_the_finish_reason():
     chat = parse({"messages": [{"role": "user", "content": "hi"}]}, chat=True, request_id="r")
-    whole = openai_api.response(chat, "M", 5, "Hello", _final())
+    whole = openai_api.response(chat, "M", 5, ["Hello"], _final())
     assert whole["object"] == "chat.completion" and whole["id"] == "chatcmpl-r" and whole["model"] == "M"
     assert whole["choices"] == [
         {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "length"}
@@ -135,7 +136,7 @@ def test_answers_carry_usage_with_cached_tokens_and_the_finish_reason():
         "prompt_tokens_details": {"cached_tokens": 8},
     }
     text = parse({"prompt": "x"}, chat=False, request_id="r")
-    assert openai_api.response(text, "M", 5, "Hi", _final())["choices"][0]["text"] == "Hi"
+    assert openai_api.response(text, "M", 5, ["Hi"], _final())["choices"][0]["text"] == "Hi"
 
 
 def test_stream_chunks_name_the_role_first_and_usage_only_when_asked():
@@ -230,6 +231,20 @@ def test_logprobs_ask_for_the_top_alternatives_and_are_shaped_as_openai_shows_th
     # the sampled token is always in top_logprobs (up to logprobs + 1 entries), offsets run on
     assert second["top_logprobs"] == [{"llo": -0.25, "He": -1.0, " \ufffd": -2.0}] and second["text_offset"] == [4]
     assert openai_api.LogprobsShaper(parse({"prompt": "hi"}, chat=False), texts.__getitem__).shape(entries) is None
-    whole = openai_api.response(chat, "M", 5, "Hello", _final(), shaped)
+    whole = openai_api.response(chat, "M", 5, ["Hello"], _final(), [shaped])
     assert whole["choices"][0]["logprobs"] is shaped
     assert openai_api.chunk(chat, "M", 5, "x", logprobs=shaped)["choices"][0]["logprobs"] is shaped
+
+
+def test_n_choices_are_asked_for_and_answered_each_with_its_own_finish():
+    ask = parse({"prompt": "hi", "n": 3}, chat=False)
+    assert ask.request.sampling.n == 3
+    assert parse({"prompt": "hi", "n": 1}, chat=False).request.sampling.n == 0  # the default: one
+    final = _final(choice_finish=[common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP] * 1 + [1])
+    whole = openai_api.response(ask, "M", 5, ["a", "b", "c"], final)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
+        (0, "a", "length"),
+        (1, "b", "stop"),
+        (2, "c", "stop"),
+    ]
+    assert openai_api.chunk(ask, "M", 5, "x", index=2)["choices"][0]["index"] == 2

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.kvmesh.v1 import common_pb2 as protos_dot_kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x1dprotos/kvmesh/v1/common.proto\"\xd1\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x15\n\rkv_deadline_s\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_id\x18\x06 \x01(\x04\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x14\n\x0creuse_cached\x18\t \x01(\x08\"\x91\x01\n\x0fReserveResponse\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x13\n\x0bpage_nbytes\x18\x04 \x01(\x03\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\x18\n\x10num_cached_pages\x18\x06 \x01(\x05\"\xbe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x14\n\x0ckv_timeout_s\x18\x06 \x01(\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"\xc3\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tkv_digest\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x06 \x01(\x05\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobsJ\x04\x08\x02\x10\x03\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8e\x02\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12\x41\n\x08Generate\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse\x12=\n\x08GetStats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.InstanceStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/kvmesh/v1/decode.proto\x12\tkvmesh.v1\x1a\x1dprotos/kvmesh/v1/common.proto\"\xdc\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x15\n\rkv_deadline_s\x18\x05 \x01(\x01\x12\x13\n\x0btransfer_id\x18\x06 \x01(\x04\x12\x11\n\tkv_layout\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x14\n\x0creuse_cached\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\x05\"\x91\x01\n\x0fReserveResponse\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x11\n\tnum_pages\x18\x03 \x01(\x05\x12\x13\n\x0bpage_nbytes\x18\x04 \x01(\x03\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\x12\x18\n\x10num_cached_pages\x18\x06 \x01(\x05\"\xdb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x14\n\x0ckv_timeout_s\x18\x06 \x01(\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1b\n\x13\x63hoice_first_tokens\x18\x08 \x03(\x05\"\xd2\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x11\n\tkv_digest\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12\x13\n\x0bnum_drafted\x18\x05 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x06 \x01(\x05\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\r\n\x05index\x18\x08 \x01(\x05J\x04\x08\x02\x10\x03\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\x8e\x02\n\x06\x44\x65\x63ode\x12@\n\x07Reserve\x12\x19.kvmesh.v1.ReserveRequest\x1a\x1a.kvmesh.v1.ReserveResponse\x12\x41\n\x08Generate\x12\x18.kvmesh.v1.DecodeRequest\x1a\x19.kvmesh.v1.DecodeResponse0\x01\x12@\n\x07Release\x12\x19.kvmesh.v1.ReleaseRequest\x1a\x1a.kvmesh.v1.ReleaseResponse\x12=\n\x08GetStats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.InstanceStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kvmesh.v1.decode_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RESERVEREQUEST']._serialized_start=76
-  _globals['_RESERVEREQUEST']._serialized_end=285
-  _globals['_RESERVERESPONSE']._serialized_start=288
-  _globals['_RESERVERESPONSE']._serialized_end=433
-  _globals['_DECODEREQUEST']._serialized_start=436
-  _globals['_DECODEREQUEST']._serialized_end=626
-  _globals['_DECODERESPONSE']._serialized_start=629
-  _globals['_DECODERESPONSE']._serialized_end=824
-  _globals['_RELEASEREQUEST']._serialized_start=826
-  _globals['_RELEASEREQUEST']._serialized_end=883
-  _globals['_RELEASERESPONSE']._serialized_start=885
-  _globals['_RELEASERESPONSE']._serialized_end=920
-  _globals['_DECODE']._serialized_start=923
-  _globals['_DECODE']._serialized_end=1193
+  _globals['_RESERVEREQUEST']._serialized_end=296
+  _globals['_RESERVERESPONSE']._serialized_start=299
+  _globals['_RESERVERESPONSE']._serialized_end=444
+  _globals['_DECODEREQUEST']._serialized_start=447
+  _globals['_DECODEREQUEST']._serialized_end=666
+  _globals['_DECODERESPONSE']._serialized_start=669
+  _globals['_DECODERESPONSE']._serialized_end=879
+  _globals['_RELEASEREQUEST']._serialized_start=881
+  _globals['_RELEASEREQUEST']._serialized_end=938
+  _globals['_RELEASERESPONSE']._serialized_start=940
+  _globals['_RELEASERESPONSE']._serialized_end=975
+  _globals['_DECODE']._serialized_start=978
+  _globals['_DECODE']._serialized_end=1248
 # @@protoc_insertion_point(module_scope)

@@ -34,7 +34,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[GenerateOptions, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos", "logprobs", "n")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateOptions(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -51,7 +52,8 @@ class GenerateOptions(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    n: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")
@@ -62,14 +64,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[TextDelta, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs")
+    __slots__ = ("text", "token_ids", "logprobs", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class KVTransfer(_message.Message):
     __slots__ = ("num_pages", "page_nbytes", "nbytes", "seconds", "prefill_digest", "decode_digest", "exposed_seconds", "decode_cached_pages")
@@ -92,7 +96,7 @@ class KVTransfer(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_digest: _Optional[str] = ..., decode_digest: _Optional[str] = ..., exposed_seconds: _Optional[float] = ..., decode_cached_pages: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s", "drafted_tokens", "accepted_tokens", "pulled_tokens", "pull_s")
+    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s", "drafted_tokens", "accepted_tokens", "pulled_tokens", "pull_s", "choice_finish", "choice_generated_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +117,8 @@ class Final(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PULL_S_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FINISH_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
@@ -133,7 +139,9 @@ class Final(_message.Message):
     accepted_tokens: int
     pulled_tokens: int
     pull_s: float
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., retries: _Optional[int] = ..., admission_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ...) -> None: ...
+    choice_finish: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
+    choice_generated_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., retries: _Optional[int] = ..., admission_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ..., choice_finish: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., choice_generated_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
