@@ -27,7 +27,9 @@ from decode_svc.config import DecodeConfig
 from decode_svc.delivery import CapacityError, Delivery, DispatchFn, RequestReleased, StepFailed, deliver_all
 from engine.eplb import expert_stats, runner_ep_stats
 from engine.forward import Runner
+from engine.grammar import GrammarState, fill_draft_masks
 from engine.kv_cache import KVCacheManager
+from engine.outcomes import FinishReason
 from engine.request import EmitFn, Request, RequestStatus
 from engine.sampler import token_logprobs
 from engine.sampling_params import MAX_CHOICES, SamplingParams, TokenLogprobs
@@ -245,12 +247,14 @@ class DecodeEngine:
         sampling: SamplingParams,
         stop_token_ids: frozenset[int],
         emits: Sequence[EmitFn],
+        grammars: Sequence[GrammarState] | None = None,
     ) -> Request:
         """`begin` for every choice of the reservation: choice i continues after first_tokens[i],
         sampling as sampling.for_choice(i) (prefill drew its first token with seed + i; decode
         goes on with seed + i + 1), its tokens to emits[i]; choices 1..n-1 share the prompt's full
-        pages (KVCacheManager.fork). Raises KeyError for an unknown transfer, ValueError when the
-        prompt length differs from the reservation or the counts from its n."""
+        pages (KVCacheManager.fork). grammars: each choice's grammar state past its first token
+        (structured output; None: free text). Raises KeyError for an unknown transfer,
+        ValueError when the prompt length differs from the reservation or the counts from its n."""
         with self._cond:
             r = self._requests[transfer_id]
             choices = r.choices or [r]
@@ -260,6 +264,7 @@ class DecodeEngine:
             for c, first_token, emit in zip(choices, first_tokens, emits):
                 params = sampling.for_choice(c.index) if len(choices) > 1 else sampling
                 c.start_decoding(prompt_token_ids, first_token, params, stop_token_ids, emit)
+                c.grammar = grammars[c.index] if grammars else None
                 if c is not r:
                     self.kv_cache.fork(r, c, shared)
             for c in choices:
@@ -428,6 +433,7 @@ class DecodeEngine:
         cpu_started = time.process_time()
         rows = self.speculator.rows(batch)  # one row a request, k + 1 with k drafts
         logits = self.runner.forward(rows.items)  # [rows, V]
+        _mask_grammars(batch, rows.starts, rows.drafts, logits)
         hidden = self.speculator.hidden()  # [rows, N, H], for a drafter that reads them
         kept = self.speculator.sample(batch, rows, logits)
         logprobs = _kept_logprobs(batch, rows.starts, logits, kept)
@@ -442,7 +448,12 @@ class DecodeEngine:
             for i, (r, tokens) in enumerate(zip(batch, kept)):
                 if r.status is RequestStatus.ABORTED:
                     continue  # freed by the next _schedule
+                ended_by_grammar = False
+                if r.grammar is not None:
+                    tokens, ended_by_grammar = r.grammar.advance(tokens)
                 tokens = r.append_tokens(tokens)
+                if ended_by_grammar and r.finish is None:
+                    r.finish = FinishReason.STOP  # the grammar is complete (or refused a token): the answer ends
                 lps = logprobs[i]
                 if lps is not None:
                     lps = lps[: len(tokens)]
@@ -456,6 +467,27 @@ class DecodeEngine:
                     self._free(r)
         metrics.TOKENS.inc(sum(len(tokens) for _, tokens, _, _ in deliveries))
         self.dispatch(deliveries)
+
+
+def _mask_grammars(
+    batch: Sequence[Request], starts: Sequence[int], drafts: Sequence[list[int]], logits: torch.Tensor
+) -> None:
+    """Structured output: the rows of each request with a grammar keep only the tokens its
+    grammar allows there, in place (logits [rows, V]); a verification row's mask assumes the
+    drafts before it kept (engine.grammar.fill_draft_masks), so drafts are checked against it."""
+    masked = [i for i, r in enumerate(batch) if r.grammar is not None]
+    if not masked:
+        return
+    grammars = batch[masked[0]].grammar.grammars
+    rows: list[int] = []
+    for i in masked:
+        rows += range(starts[i], starts[i] + len(drafts[i]) + 1)
+    bitmask = grammars.new_bitmask(len(rows))
+    at = 0
+    for i in masked:
+        fill_draft_masks(batch[i].grammar.matcher, drafts[i], bitmask, at)
+        at += len(drafts[i]) + 1
+    grammars.apply(logits, bitmask, rows)
 
 
 def _kept_logprobs(

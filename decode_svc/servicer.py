@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.transport import KVPushReceiver, pages_digest
 from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from runtime import tracing
-from runtime.served_model import ServedModel
+from runtime.served_model import ServedModel, grammar_state
 from runtime.wire import (
     FINISH_TO_PB,
     abort,
@@ -173,6 +173,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             stop_ids = frozenset() if request.ignore_eos else self.model.eos_token_ids
             first_tokens = list(request.choice_first_tokens) or [request.first_token]
             try:
+                grammars = None
+                if sampling.grammar is not None:  # each choice's matcher, past its first token
+                    grammars = await asyncio.to_thread(_choice_grammars, self.model, sampling.grammar, first_tokens)
                 self.engine.begin_choices(
                     tid,
                     list(request.prompt_token_ids),
@@ -180,6 +183,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     sampling,
                     stop_ids,
                     [_emit_to(queue, i) for i in range(len(first_tokens))],
+                    grammars,
                 )  # runs on this loop
             except ValueError as exc:
                 await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
@@ -263,3 +267,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 def _emit_to(queue: asyncio.Queue, index: int):
     """Choice `index`'s EmitFn: its (tokens, ending, logprobs) onto the Generate call's queue."""
     return lambda toks, end, lps: queue.put_nowait((index, toks, end, lps))
+
+
+def _choice_grammars(model: ServedModel, spec, first_tokens: list[int]) -> list:
+    """Each choice's engine.grammar.GrammarState, past its first token (prefill sampled it under
+    the same grammar). Raises ValueError when the grammar does not compile or refuses a first
+    token."""
+    states = []
+    for token in first_tokens:
+        state = grammar_state(model, spec)
+        if not state.accept([token]):
+            raise ValueError(f"grammar: the first token {token} is outside the grammar")
+        states.append(state)
+    return states

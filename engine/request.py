@@ -144,6 +144,9 @@ class Request:
     expiry: asyncio.TimerHandle | None = None
     draft_state: Any = None
     """What the speculative drafter keeps for this request (engine.speculative)."""
+    grammar: Any = None
+    """Structured output: the engine.grammar.GrammarState this answer's tokens follow (None:
+    free text). Prefill masks the first token with it; decode has one a choice, past the first."""
     choices: list[Request] | None = None
     """n > 1: every choice of the request, this one (choice 0, the one the push lands in and the
     transfer id names) first; the others share its prompt's full pages (KVCacheManager.fork).

@@ -35,6 +35,9 @@ class SamplingParams:
     """Choices to generate from one prompt (1..MAX_CHOICES): prefill samples n first tokens from
     the prompt's last logits and decode continues n sequences sharing the prompt's pages;
     choice i samples as a request of its own seeded seed + i (`for_choice`)."""
+    grammar: GrammarSpec | None = None
+    """Structured output: the answer must follow this grammar (engine.grammar masks each
+    sampled token); None: free text."""
     logprobs: int | None = None
     """Report each sampled token's logprob and this many top alternatives' (0..MAX_LOGPROBS),
     of the distribution it is drawn from (engine.sampler.token_logprobs); None: no logprobs."""
@@ -82,3 +85,27 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "choice")
+"""json_object: any JSON object (OpenAI's response_format json_object); json_schema: a JSON
+Schema (OpenAI's json_schema, strict); regex: a regular expression (vLLM's extension); choice:
+one of a JSON list of strings (vLLM's extension)."""
+
+MAX_GRAMMAR_CHARS = 64 * 1024
+"""Longest grammar spec (characters) a request may send."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What the answer must follow: `kind` (one of GRAMMAR_KINDS) and its `spec` text (the
+    schema as JSON, the regex, the choices as a JSON list of strings; "" for json_object)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {list(GRAMMAR_KINDS)}, got {self.kind[:32]!r}")
+        if len(self.spec) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the grammar is {len(self.spec)} characters, more than {MAX_GRAMMAR_CHARS}")

@@ -58,12 +58,14 @@ def error_response(
     return JSONResponse(openai_api.error(status, message, cause, param), status_code=status, headers=headers)
 
 
-def failure_response(failure: RequestFailed) -> JSONResponse:
-    """The HTTP answer to a RequestFailed: the status of its cause's gRPC status."""
+def failure_response(failure: RequestFailed, param: str | None = None) -> JSONResponse:
+    """The HTTP answer to a RequestFailed: the status of its cause's gRPC status; `param`
+    names the field at fault (an unknown model's is `model`)."""
     retry = failure.retry_after_s
     if failure.cause == FailureCause.OVERLOADED and retry is None:
         retry = 1.0
-    param = "model" if failure.cause == FailureCause.UNKNOWN_MODEL else None
+    if failure.cause == FailureCause.UNKNOWN_MODEL:
+        param = "model"
     return error_response(openai_api.http_status(status_of(failure.cause)), str(failure), failure.cause, param, retry)
 
 
@@ -239,7 +241,9 @@ class HttpFront:
                         texts[msg.delta.index].append(msg.delta.text)
                         logprobs[msg.delta.index].extend(msg.delta.logprobs)
         except RequestFailed as failure:
-            return failure_response(failure)
+            # a grammar the instances could not compile, or that matches nothing: name the field
+            grammar_error = failure.cause == FailureCause.BAD_REQUEST and "grammar: " in str(failure)
+            return failure_response(failure, ask.grammar_field if grammar_error else None)
         except ClientGone:
             logger.info("client disconnected before the answer; request cancelled")
             return Response(status_code=499)

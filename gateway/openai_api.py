@@ -52,7 +52,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": _off("none"),
     "functions": _off([]),
     "function_call": _off("none"),
-    "response_format": _off({"type": "text"}),
     "reasoning_effort": _off(),
     "verbosity": _off(),
     "store": _off(False),
@@ -60,11 +59,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _off(1),
     "suffix": _off(""),
     # vLLM's extensions of the same kinds: refused too, never silently dropped
-    "guided_json": _off(),
-    "guided_regex": _off(),
-    "guided_choice": _off(),
     "guided_grammar": _off(),
-    "structured_outputs": _off(),
     "prompt_logprobs": _off(),
     "min_tokens": _off(0),
     "repetition_penalty": _off(1, 1.0),
@@ -99,6 +94,9 @@ class OpenAIRequest:
     """stream_options.include_usage: a last chunk carries `usage`."""
     echo: bool = False
     """Completions' `echo`: the answer's text starts with the prompt's."""
+    grammar_field: str = ""
+    """The field that asked for structured output (GRAMMAR_FIELDS; "" for free text): the
+    `param` of an error about the grammar."""
 
     @property
     def response_id(self) -> str:
@@ -174,6 +172,61 @@ def _refuse_unsupported(body: dict) -> None:
             )
 
 
+GRAMMAR_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
+"""Where a request may ask for structured output: OpenAI's response_format, vLLM's
+structured_outputs ({"json" | "regex" | "choice": ...}) and its older guided_* fields."""
+
+
+def _grammar(body: dict) -> tuple[str, tuple[str, str] | None]:
+    """The structured output a request asks for: (the field that asked, (kind, spec)), or
+    ("", None) for free text. Raises BadField for a malformed one or for two at once."""
+    found: list[tuple[str, tuple[str, str]]] = []
+    response_format = _get(body, "response_format", (dict,), "an object")
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            found.append(("response_format", ("json_object", "")))
+        elif kind == "json_schema":
+            inner = response_format.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema", {}), dict | bool):
+                raise BadField(
+                    "response_format.json_schema must be an object with a 'name' and a 'schema'", "response_format"
+                )
+            found.append(("response_format", ("json_schema", json.dumps(inner.get("schema", {})))))
+        elif kind != "text":
+            raise BadField(
+                f"response_format.type must be 'text', 'json_object' or 'json_schema', got {json.dumps(kind)[:40]}",
+                "response_format",
+            )
+    outputs = _get(body, "structured_outputs", (dict,), "an object")
+    legacy = {
+        key: body[f"guided_{key}"] for key in ("json", "regex", "choice") if body.get(f"guided_{key}") is not None
+    }
+    for field, given in (("structured_outputs", outputs or {}), *((f"guided_{k}", {k: v}) for k, v in legacy.items())):
+        for key, value in given.items():
+            if value is None:
+                continue
+            if key == "json":
+                if not isinstance(value, dict | str | bool):
+                    raise BadField(f"{field}: json must be a JSON Schema (an object or its text)", field)
+                found.append((field, ("json_schema", value if isinstance(value, str) else json.dumps(value))))
+            elif key == "regex":
+                if not isinstance(value, str):
+                    raise BadField(f"{field}: regex must be a string", field)
+                found.append((field, ("regex", value)))
+            elif key == "choice":
+                if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+                    raise BadField(f"{field}: choice must be a non-empty list of strings", field)
+                found.append((field, ("choice", json.dumps(value))))
+            else:
+                raise BadField(f"{field}.{key} is not supported (json, regex or choice are)", field)
+    if len(found) > 1:
+        raise BadField(
+            f"ask for one structured output, got {len(found)} ({', '.join(f for f, _ in found)})", found[1][0]
+        )
+    return found[0] if found else ("", None)
+
+
 def _logprobs(body: dict, chat: bool) -> int | None:
     """How many top alternatives each token's logprobs list (None: no logprobs): chat's
     `logprobs` (a boolean) with `top_logprobs` (0..20), or completions' `logprobs` (0..5)."""
@@ -246,6 +299,9 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
         sampling.logprobs = logprobs
     if n is not None and n > 1:
         sampling.n = n
+    grammar_field, grammar = _grammar(body)
+    if grammar is not None:
+        sampling.grammar.kind, sampling.grammar.spec = grammar
     request = gateway_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, model=model, sampling=sampling, chat=False
     )
@@ -257,7 +313,14 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
             request.prompt_token_ids.extend(ids)
         else:
             request.prompt = text.encode("utf-8", "surrogatepass")
-    return OpenAIRequest(request=request, chat=chat, stream=stream, include_usage=include_usage, echo=echo)
+    return OpenAIRequest(
+        request=request,
+        chat=chat,
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+        grammar_field=grammar_field,
+    )
 
 
 class LogprobsShaper:

@@ -11,13 +11,14 @@ exact ids.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, GrammarSpec, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -226,10 +227,12 @@ class PromptBuilder:
         ignore_eos: bool,
         logprobs: int | None = None,
         n: int = 1,
+        grammar: tuple[str, str] | None = None,
     ) -> GenerateInput:
         """Check sampling settings and lengths; raises ValueError naming what to change.
         logprobs: report each token's logprob and this many top alternatives (None: none);
-        n: choices to generate from the prompt."""
+        n: choices to generate from the prompt; grammar: (kind, spec) the answer must follow
+        (engine.sampling_params.GrammarSpec; its compile is the instances' check)."""
         if max_tokens is None:
             max_tokens = self.default_max_tokens
         if not 1 <= max_tokens <= self.max_tokens_limit:
@@ -244,6 +247,17 @@ class PromptBuilder:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (top alternatives per token), got {logprobs}")
+        try:
+            spec = GrammarSpec(*grammar) if grammar is not None else None
+        except ValueError as exc:
+            raise ValueError(f"grammar: {exc}") from None
+        if spec is not None and spec.kind == "json_schema":
+            try:
+                schema = json.loads(spec.spec)
+            except ValueError:
+                raise ValueError("grammar: the json_schema is not JSON") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("grammar: the json_schema must be a JSON object")
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("prompt is empty after tokenization; send some text")
@@ -263,6 +277,7 @@ class PromptBuilder:
             seed=seed if seed is not None else random.getrandbits(63),
             logprobs=logprobs,
             n=n,
+            grammar=spec,
         )
         return GenerateInput(
             request_id=request_id,

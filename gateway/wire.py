@@ -40,6 +40,7 @@ def generate_input(builder: PromptBuilder, request: gateway_pb2.GenerateRequest)
         s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         n=s.n or 1,
+        grammar=(s.grammar.kind, s.grammar.spec) if s.HasField("grammar") else None,
     )
 
 

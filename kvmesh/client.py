@@ -40,10 +40,12 @@ def make_request(
     prompt_token_ids: list[int] | None = None,
     logprobs: int | None = None,
     n: int = 1,
+    grammar: tuple[str, str] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids.
     logprobs: each answer token's logprob and this many top alternatives (None: none);
-    n: choices to generate."""
+    n: choices to generate; grammar: (kind, spec) the answer must follow (structured output:
+    "json_object", "json_schema" with the schema's JSON, "regex", "choice" with a JSON list)."""
     sampling = gateway_pb2.GenerateOptions(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
     if top_p is not None:
         sampling.top_p = top_p
@@ -55,6 +57,8 @@ def make_request(
         sampling.logprobs = logprobs
     if n != 1:
         sampling.n = n
+    if grammar is not None:
+        sampling.grammar.kind, sampling.grammar.spec = grammar
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         model=model,

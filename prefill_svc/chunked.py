@@ -72,6 +72,7 @@ def prefill_batch(
     owner = [k for k, r in enumerate(batch) for _ in range(r.sampling.n)]
     params = [r.sampling.for_choice(i) if r.sampling.n > 1 else r.sampling for r in batch for i in range(r.sampling.n)]
     choice_logits = logits if len(owner) == len(batch) else logits[owner]  # [choices, V]
+    _mask_first_tokens(batch, owner, choice_logits)
     drawn = sample(
         choice_logits,
         params,
@@ -87,6 +88,19 @@ def prefill_batch(
         for j, lp in zip(want, found):
             first_logprobs[owner[j]] = [*(first_logprobs[owner[j]] or []), lp]
     return first_tokens, first_logprobs, num_chunks
+
+
+def _mask_first_tokens(batch: list[Request], owner: list[int], logits: torch.Tensor) -> None:
+    """Structured output: each choice row of a request with a grammar keeps only the tokens
+    that can start its answer (the grammar's first mask, the same for every choice), in place.
+    logits [choices, V]; owner[j]: the request of row j."""
+    for k, r in enumerate(batch):
+        if r.grammar is None:
+            continue
+        mask = r.grammar.grammars.new_bitmask(1)
+        r.grammar.fill(mask, 0)
+        rows = [j for j, o in enumerate(owner) if o == k]
+        r.grammar.grammars.apply(logits, mask.expand(len(rows), -1).contiguous(), rows)
 
 
 def pages_ready(r: Request, n: int) -> None:

@@ -20,7 +20,7 @@ from prefill_svc.kv_pull import KVPuller, Pulled, PullStuck
 from prefill_svc.kv_push import KVPush, PushReport
 from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from runtime import tracing
-from runtime.served_model import ServedModel
+from runtime.served_model import ServedModel, grammar_state
 from runtime.wire import (
     abort,
     check_request_id,
@@ -107,9 +107,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         mismatch = page_size_mismatch(f"prefill {self.model.instance_id}", self.engine.page_size, request.page_size)
         if mismatch:
             await abort(context, FailureCause.MISMATCH, f"[{rid}] {mismatch}")
+        grammar = None
         try:
             self._validate(request)
             sampling = sampling_from_pb(request.sampling, default_seed=random.getrandbits(63))
+            if sampling.grammar is not None:  # compiled off the loop (the first one loads xgrammar)
+                grammar = await asyncio.to_thread(grammar_state, self.model, sampling.grammar)
         except ValueError as exc:
             await abort(context, FailureCause.BAD_REQUEST, f"[{rid}] {exc}")
         kv_push = None
@@ -130,6 +133,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             transfer_id=request.transfer_id,
             block_hashes=list(request.block_hashes) or None,
             on_pages_ready=kv_push.pages_ready if kv_push else None,
+            grammar=grammar,
         )
         pulled = Pulled(0, 0.0)
         if request.pull_from and request.pull_blocks > 0 and self.puller is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.checkpoint import ModelFiles, model_fingerprint
 from engine.loader import load_config
@@ -26,6 +26,22 @@ class ServedModel:
     """Identifies the checkpoint: a gateway refuses instances whose fingerprints differ."""
     eos_token_ids: frozenset[int] = frozenset()
     """The ids that end an answer (decode stops on them unless the request ignores EOS)."""
+    files: ModelFiles | None = None
+    """The checkpoint (its tokenizer compiles grammars); None: structured output is refused."""
+    _grammars: list = field(default_factory=list, compare=False, repr=False)
+
+    def grammars(self):
+        """The instance's engine.grammar.Grammars (its tokenizer, vocabulary and EOS ids), made
+        on the first request with a grammar (it loads xgrammar and the tokenizer). Raises
+        ValueError when the instance has no checkpoint files to read a tokenizer from."""
+        if not self._grammars:
+            if self.files is None:
+                raise ValueError("this instance serves no tokenizer: structured output is not available")
+            from engine.checkpoint import load_tokenizer
+            from engine.grammar import Grammars
+
+            self._grammars.append(Grammars(load_tokenizer(self.files), self.vocab_size, sorted(self.eos_token_ids)))
+        return self._grammars[0]
 
     @classmethod
     def of(cls, files: ModelFiles, instance_id: str) -> ServedModel:
@@ -38,4 +54,19 @@ class ServedModel:
             config.max_position_embeddings,
             model_fingerprint(files),
             frozenset(config.eos_token_ids),
+            files,
         )
+
+
+def grammar_state(model: ServedModel, spec):
+    """A matcher at the answer's start for grammar `spec` (engine.sampling_params.GrammarSpec)
+    on `model`'s tokenizer, checked: an engine.grammar.GrammarState. Raises ValueError, prefixed
+    "grammar: ", when the spec does not compile or no text can match it."""
+    from engine.grammar import GrammarState
+
+    try:
+        grammars = model.grammars()
+        grammars.check(spec)
+        return GrammarState(grammars, grammars.matcher(spec))
+    except ValueError as exc:
+        raise ValueError(f"grammar: {exc}") from None

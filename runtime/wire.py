@@ -11,7 +11,7 @@ import re
 import grpc
 
 from engine.outcomes import FailureCause, FinishReason
-from engine.sampling_params import SamplingParams, TokenLogprobs
+from engine.sampling_params import GrammarSpec, SamplingParams, TokenLogprobs
 from protos.kvmesh.v1 import common_pb2
 
 
@@ -28,6 +28,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int | None = N
         seed=pb.seed if pb.HasField("seed") else default_seed,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         n=pb.n or 1,
+        grammar=GrammarSpec(pb.grammar.kind, pb.grammar.spec) if pb.HasField("grammar") else None,
     )
 
 
@@ -40,6 +41,8 @@ def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
         pb.logprobs = sampling.logprobs
     if sampling.n != 1:
         pb.n = sampling.n
+    if sampling.grammar is not None:
+        pb.grammar.kind, pb.grammar.spec = sampling.grammar.kind, sampling.grammar.spec
     return pb
 
 

@@ -374,3 +374,28 @@ def test_bad_push_blocks_and_reserve_hashes_are_refused_and_hold_nothing(mesh):
     assert "one 16-byte hash per full block of the prompt (2 of 16 tokens), got 1" in got[3][1]
     assert none.num_blocks == 0 and none.nbytes == 0
     wait_idle(mesh)
+
+
+def test_structured_output_with_speculation_checks_each_draft_against_the_mask(mesh):
+    """n-gram drafts of a quoted JSON object: drafts are proposed and kept, and every kept one
+    passed the grammar's mask at its row, so the answer validates against the schema."""
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 30}, "legs": {"enum": [2, 4, 6, 8]}},
+        "required": ["name", "legs"],
+        "additionalProperties": False,
+    }
+    quote = '{"name": "spider", "legs": 8}'
+    prompt = f"Repeat exactly, twice: {quote} {quote}"
+    got = complete(mesh, prompt, chat=True, max_tokens=40, grammar=("json_schema", json.dumps(schema)))
+    jsonschema.validate(json.loads(got.text), schema)
+    assert got.final.finish_reason == "stop" and got.final.drafted_tokens > 0, got.final
+    # a schema the instances cannot compile: INVALID_ARGUMENT, and the mesh goes on
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        complete(mesh, prompt, chat=True, max_tokens=4, grammar=("json_schema", '{"type": "nonsense"}'))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar" in err.value.details()
+    wait_idle(mesh)

@@ -16,6 +16,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -520,4 +521,87 @@ def test_each_key_is_a_tenant_of_the_prefix_cache_and_a_shared_namespace_shares_
         time.sleep(0.1)
     # the keyless gateway is one more tenant: none of the keys' blocks is a hit for it
     assert complete(mesh, TENANT_PROMPT, max_tokens=1).final.cached_tokens == 0
+    wait_idle(mesh)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"enum": ["France", "Spain", "Italy"]},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "capital"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_follows_the_schema_regex_or_choice_from_the_first_token(mesh, front):
+    import jsonschema
+
+    schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    ask = dict(model=_model(), max_tokens=60)
+    with front.openai() as client:
+        # a prompt whose free answer starts with words: the mask on prefill's token makes it "{"
+        greedy = client.chat.completions.create(
+            **ask, messages=[{"role": "user", "content": "Say hello."}], temperature=0, response_format=schema_format
+        )
+        sampled = client.chat.completions.create(
+            **ask, messages=[{"role": "user", "content": "Name a city."}], temperature=1.0, seed=5, n=2,
+            response_format=schema_format,
+        )  # fmt: skip
+        streamed = client.chat.completions.create(
+            **ask, messages=[{"role": "user", "content": "Name a city."}], temperature=0, stream=True,
+            response_format=schema_format,
+        )  # fmt: skip
+        streamed_text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        regex = client.completions.create(
+            **ask, prompt="My phone number is", temperature=0.8, seed=3,
+            extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}},
+        )  # fmt: skip
+        choice = client.chat.completions.create(
+            **ask, messages=[{"role": "user", "content": "What is the capital of Italy?"}], temperature=0,
+            extra_body={"guided_choice": ["Paris", "Rome", "Madrid"]},
+        )  # fmt: skip
+        anything = client.chat.completions.create(
+            **ask, messages=[{"role": "user", "content": 'Reply with {"ok": true} and nothing else.'}], temperature=0,
+            response_format={"type": "json_object"}, max_completion_tokens=200,
+        )  # fmt: skip
+    free = complete(mesh, "", messages=[("user", "Say hello.")], max_tokens=3)
+    assert not free.text.startswith("{")  # unconstrained, the answer starts otherwise
+    for text in [greedy.choices[0].message.content, *(c.message.content for c in sampled.choices), streamed_text]:
+        jsonschema.validate(json.loads(text), SCHEMA)  # parses and validates, every time
+    assert greedy.choices[0].finish_reason == "stop"
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", regex.choices[0].text), regex.choices[0].text
+    assert choice.choices[0].message.content in {"Paris", "Rome", "Madrid"}
+    assert anything.choices[0].finish_reason == "stop"  # the object closed before max_tokens
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    # gRPC carries the same grammar
+    rx = complete(mesh, "My phone number is", max_tokens=20, grammar=("regex", "[0-9]{3}-[0-9]{4}"))
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", rx.text) and rx.final.finish_reason == "stop"
+    wait_idle(mesh)
+
+
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+         "response_format", "does not compile"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+         "response_format", "must be an object"),
+        ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+        ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "matches no text"),
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs", "does not compile"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "not supported"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
+    ],
+)  # fmt: skip
+def test_a_bad_grammar_is_a_400_naming_its_field_and_nothing_is_held(mesh, front, body, param, words):
+    chat = {"model": _model(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    a = {"Authorization": f"Bearer {KEY_A}"}
+    with front.http() as c:
+        error = _error(c.post("/chat/completions", json={**chat, **body}, headers=a), 400)
+        assert error["param"] == param and words in error["message"], error
+        assert c.post("/chat/completions", json=chat, headers=a).status_code == 200
     wait_idle(mesh)
