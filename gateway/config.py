@@ -17,6 +17,15 @@ def port_or_off(text: str) -> int:
     return 0 if text.strip().lower() in ("off", "none") else int(text)
 
 
+def _tool_parser(name: str) -> str:
+    """A --tool-parser value: a name in gateway.tools.TOOL_PARSERS (ValueError otherwise)."""
+    from gateway.tools import TOOL_PARSERS
+
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool parser {name!r}: one of {', '.join(sorted(TOOL_PARSERS))}")
+    return name
+
+
 def _instance_addresses_setting(role: str) -> Any:
     """The `--prefill` / `--decode` field: instances named on the command line (a list)."""
     return setting(
@@ -46,6 +55,13 @@ class GatewayConfig:
         "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health); "
         "0 or off: none (`kvmesh up` serves it on 8000)",
         type=port_or_off,
+    )
+    tool_parser: str = setting(
+        "json",
+        "--tool-parser",
+        "how tool calls are found in a free answer (tool_choice auto): json (the answer is a JSON array of "
+        "{name, arguments}, what kvmesh's tool prompt asks for) or hermes (<tool_call> blocks)",
+        type=_tool_parser,
     )
     api_key_file: str = setting(
         "",

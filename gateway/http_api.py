@@ -77,9 +77,17 @@ class HttpFront:
     loaded."""
 
     def __init__(
-        self, path: RequestPath, host: str, port: int, tls_cert: str = "", tls_key: str = "", grace_s: float = 25.0
+        self,
+        path: RequestPath,
+        host: str,
+        port: int,
+        tls_cert: str = "",
+        tls_key: str = "",
+        grace_s: float = 25.0,
+        tool_parser: str = "json",
     ) -> None:
         self.path = path
+        self.tool_parser = tool_parser
         self._token_texts: TokenText | None = None  # made on first use: logprobs are rare
         self.serving = False
         self.grace_s = grace_s
@@ -209,7 +217,7 @@ class HttpFront:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(400, "the body is not valid JSON", FailureCause.BAD_REQUEST)
         try:
-            ask = openai_api.parse(body, chat, request.headers.get("x-request-id", ""))
+            ask = openai_api.parse(body, chat, request.headers.get("x-request-id", ""), self.tool_parser)
         except BadField as exc:
             return error_response(400, str(exc), FailureCause.BAD_REQUEST, exc.param)
         messages = self.path.generate(ask.request, list(request.headers.items()), authorization)
@@ -281,10 +289,18 @@ class HttpFront:
         msg = first
         is_first = [True] * len(shapers)
         pending: list[list] = [[] for _ in shapers]  # each choice's logprobs not sent yet
+        # a chat answer that may call tools is held back, each choice's, until it is whole: only
+        # then can its text be told from its calls
+        hold = ask.tools is not None and ask.tools.may_call
+        held = ["" for _ in shapers]
         try:
             while True:
                 if msg.HasField("final"):
                     for i, finish in enumerate(openai_api.finish_reasons(msg.final)):
+                        if hold:
+                            for part in openai_api.tool_chunks(ask, model, created, i, held[i], finish):
+                                yield openai_api.sse(part)
+                            continue
                         tail = shapers[i].shape(pending[i])
                         yield openai_api.sse(
                             openai_api.chunk(ask, model, created, None, finish, logprobs=tail, index=i)
@@ -293,6 +309,13 @@ class HttpFront:
                         yield openai_api.sse(openai_api.usage_chunk(ask, model, created, msg.final))
                     break
                 i = msg.delta.index
+                if hold:
+                    held[i] += msg.delta.text
+                    if is_first[i]:  # the role at once; the rest once the answer is whole
+                        yield openai_api.sse(openai_api.chunk(ask, model, created, None, first=True, index=i))
+                        is_first[i] = False
+                    msg = await anext(messages)
+                    continue
                 pending[i].extend(msg.delta.logprobs)
                 text = (echoed + msg.delta.text) if is_first[i] else msg.delta.text
                 if text or (is_first[i] and ask.chat):

@@ -93,7 +93,15 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     if config.http_port:
         from gateway.http_api import HttpFront  # starlette and uvicorn load only when HTTP is on
 
-        http = HttpFront(path, config.host, config.http_port, config.tls_cert, config.tls_key, config.drain_grace_s)
+        http = HttpFront(
+            path,
+            config.host,
+            config.http_port,
+            config.tls_cert,
+            config.tls_key,
+            config.drain_grace_s,
+            tool_parser=config.tool_parser,
+        )
     if config.wait_for_instances_s:
         # started beside its instances (`kvmesh up`): the tokenizer loaded while they loaded
         # their models; SERVING only once every listed instance is, so the first poll finds them

@@ -28,6 +28,7 @@ import grpc
 
 from engine.outcomes import FailureCause
 from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS
+from gateway.tools import ToolError, ToolRequest, call_schema, parse_tools, tool_calls, with_tools
 from protos.kvmesh.v1 import common_pb2, gateway_pb2
 from runtime.wire import FINISH_FROM_PB
 
@@ -48,8 +49,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": _off(0, 0.0),
     "presence_penalty": _off(0, 0.0),
     "logit_bias": _off({}),
-    "tools": _off([]),
-    "tool_choice": _off("none"),
     "functions": _off([]),
     "function_call": _off("none"),
     "reasoning_effort": _off(),
@@ -67,8 +66,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 """OpenAI's request fields (and vLLM's extensions of them) that kvmesh does not implement yet,
 each with the test for the value that turns it off: any other value is a 400 naming the field.
-Accepted with no effect: `user`, `metadata`, `safety_identifier`, `prompt_cache_key`,
-`parallel_tool_calls` (tools are refused)."""
+Accepted with no effect: `user`, `metadata`, `safety_identifier`, `prompt_cache_key`.
+`tools`, `tool_choice` and `parallel_tool_calls` are gateway/tools.py's (chat only)."""
 
 MAX_COMPLETION_LOGPROBS = 5
 """Most top alternatives /v1/completions' `logprobs` may ask for (OpenAI's bound)."""
@@ -95,8 +94,10 @@ class OpenAIRequest:
     echo: bool = False
     """Completions' `echo`: the answer's text starts with the prompt's."""
     grammar_field: str = ""
-    """The field that asked for structured output (GRAMMAR_FIELDS; "" for free text): the
-    `param` of an error about the grammar."""
+    """The field that asked for structured output (GRAMMAR_FIELDS, or "tools"; "" for free
+    text): the `param` of an error about the grammar."""
+    tools: ToolRequest | None = None
+    """The request's tools (chat), whose calls are parsed from the answer."""
 
     @property
     def response_id(self) -> str:
@@ -132,6 +133,28 @@ def _text(content: Any, where: str) -> str:
     raise BadField(f"{where} must be a string or a list of text parts", where)
 
 
+def _content(m: dict, where: str) -> str:
+    """A message's text; an assistant's earlier tool calls are shown as the JSON array the tool
+    prompt asks for (gateway.tools), so the model sees what it called."""
+    text = _text(m.get("content"), f"{where}.content")
+    calls = m.get("tool_calls")
+    if m.get("role") == "assistant" and calls:
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+        ):
+            raise BadField(f"{where}.tool_calls must be a list of function calls", f"{where}.tool_calls")
+        shown = []
+        for c in calls:
+            fn = c["function"]
+            try:
+                arguments = json.loads(fn.get("arguments") or "{}")
+            except (TypeError, ValueError):
+                raise BadField(f"{where}.tool_calls: arguments must be JSON text", f"{where}.tool_calls") from None
+            shown.append({"name": fn.get("name"), "arguments": arguments})
+        text = (text + "\n" if text else "") + json.dumps(shown, ensure_ascii=False)
+    return text
+
+
 def _messages(body: dict) -> list[gateway_pb2.ChatMessage]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -142,7 +165,7 @@ def _messages(body: dict) -> list[gateway_pb2.ChatMessage]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadField(f"{where} must be an object with a string role", where)
         role = CHAT_ROLES.get(m["role"], m["role"])  # an unknown role: the request path names the allowed ones
-        out.append(gateway_pb2.ChatMessage(role=role, content=_text(m.get("content"), f"{where}.content")))
+        out.append(gateway_pb2.ChatMessage(role=role, content=_content(m, where)))
     return out
 
 
@@ -244,11 +267,13 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return wanted
 
 
-def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
+def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json") -> OpenAIRequest:
     """Translate the JSON body of /v1/chat/completions (`chat`) or /v1/completions.
 
     Chat messages go through the model's chat template; a completion prompt is sent as it is.
     `request_id` (from an X-Request-Id header) names the request; empty: a new uuid.
+    Chat `tools` are described in the system message and, for tool_choice required or a named
+    function, enforced by a grammar (gateway/tools.py); `tool_parser` finds calls in the answer.
     Raises BadField for a body that is not an object, a missing or mistyped field, n outside
     [1, 128], a batch of prompts, or an UNSUPPORTED field that is not off.
     """
@@ -300,13 +325,30 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
     if n is not None and n > 1:
         sampling.n = n
     grammar_field, grammar = _grammar(body)
+    tools = None
+    if chat:
+        try:
+            tools = parse_tools(body, tool_parser)
+        except ToolError as exc:
+            raise BadField(str(exc), exc.param) from None
+    elif body.get("tools"):
+        raise BadField("tools are for /v1/chat/completions", "tools")
+    schema = call_schema(tools) if tools is not None else None
+    if schema is not None:
+        if grammar is not None:
+            raise BadField(f"this tool_choice constrains the answer: send no {grammar_field} with it", grammar_field)
+        grammar_field, grammar = "tools", ("json_schema", schema)
     if grammar is not None:
         sampling.grammar.kind, sampling.grammar.spec = grammar
     request = gateway_pb2.GenerateRequest(
         request_id=request_id or uuid.uuid4().hex, model=model, sampling=sampling, chat=False
     )
     if chat:
-        request.messages.extend(_messages(body))
+        messages = _messages(body)
+        if tools is not None:
+            shown = with_tools([(m.role, m.content) for m in messages], tools)
+            messages = [gateway_pb2.ChatMessage(role=r, content=c) for r, c in shown]
+        request.messages.extend(messages)
     else:
         text, ids = _prompt(body)
         if ids:
@@ -320,6 +362,7 @@ def parse(body: Any, chat: bool, request_id: str = "") -> OpenAIRequest:
         include_usage=include_usage,
         echo=echo,
         grammar_field=grammar_field,
+        tools=tools,
     )
 
 
@@ -403,12 +446,12 @@ def response(
     for i, (text, finish) in enumerate(zip(texts, finish_reasons(final))):
         lp = logprobs[i] if i < len(logprobs) else None
         if ask.chat:
-            choice = {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": lp,
-                "finish_reason": finish,
-            }
+            message: dict = {"role": "assistant", "content": text}
+            if ask.tools is not None:
+                content, calls = tool_calls(ask.tools, text)
+                if calls:
+                    message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            choice = {"index": i, "message": message, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
         choices.append(choice)
@@ -453,6 +496,25 @@ def chunk(
     }
     if ask.include_usage:
         out["usage"] = None  # every chunk but the last, as OpenAI sends them
+    return out
+
+
+def tool_chunks(ask: OpenAIRequest, model: str, created: int, index: int, text: str, finish: str) -> list[dict]:
+    """The end of a streamed chat choice whose text was held back for tool calls: its calls as
+    one tool_calls delta each (id, name and whole arguments: deltas the openai client
+    assembles) or its text, then the finish reason ("tool_calls" when there are calls)."""
+    assert ask.tools is not None
+    content, calls = tool_calls(ask.tools, text)
+    out = []
+    if calls:
+        for k, call in enumerate(calls):
+            part = chunk(ask, model, created, None, index=index)
+            part["choices"][0]["delta"]["tool_calls"] = [{"index": k, **call}]
+            out.append(part)
+        finish = "tool_calls"
+    if content:
+        out.append(chunk(ask, model, created, content, index=index))
+    out.append(chunk(ask, model, created, None, finish, index=index))
     return out
 
 

@@ -396,9 +396,9 @@ def test_openai_n_choices_whole_and_streamed_assemble_per_choice(mesh, front):
 @pytest.mark.parametrize(
     "body,param",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the deprecated form of tools
+        ({"tool_choice": "required"}, "tool_choice"),  # with no tools
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -604,4 +604,60 @@ def test_a_bad_grammar_is_a_400_naming_its_field_and_nothing_is_held(mesh, front
         error = _error(c.post("/chat/completions", json={**chat, **body}, headers=a), 400)
         assert error["param"] == param and words in error["message"], error
         assert c.post("/chat/completions", json=chat, headers=a).status_code == 200
+    wait_idle(mesh)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tool_choice_required_or_named_makes_any_model_call_a_tool_streamed_or_whole(mesh, front):
+    import jsonschema
+
+    ask = dict(
+        model=_model(),
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        max_tokens=60,
+        temperature=0,
+    )
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with front.openai() as client:
+        whole = client.chat.completions.create(**ask, tool_choice="required")
+        forced = client.chat.completions.create(**ask, tool_choice=named)
+        chunks = list(client.chat.completions.create(**ask, tool_choice=named, stream=True))
+        with pytest.raises(openai.BadRequestError) as err:
+            bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+            client.chat.completions.create(**{**ask, "tools": [bad]}, tool_choice="required")
+    assert err.value.body["param"] == "tools"
+    for r in (whole, forced):
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert [c.function.name for c in forced.choices[0].message.tool_calls] == ["get_weather"]
+    # streamed: the openai client's deltas assemble into the same call
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == json.loads(forced.choices[0].message.tool_calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     wait_idle(mesh)

@@ -101,14 +101,17 @@ def test_a_completion_prompt_is_text_or_token_ids_alone_or_as_a_batch_of_one(pro
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, True, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
             True,
             "response_format",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, True, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, True, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True, "tools"),
+        ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, False, "tools"),
         ({"prompt": "hi", "best_of": 2}, False, "best_of"),
         ({"prompt": "hi", "suffix": "end"}, False, "suffix"),
-        ({"prompt": "hi", "guided_json": {}}, False, "guided_json"),
+        ({"prompt": "hi", "guided_json": 5}, False, "guided_json"),
+        ({"prompt": "hi", "guided_grammar": "root ::= 'a'"}, False, "guided_grammar"),
         ({"prompt": "hi", "store": True}, False, "store"),
     ],
 )
@@ -187,7 +190,7 @@ def test_statuses_outside_the_table_are_500():
 
 @pytest.mark.parametrize(
     "field,off", sorted((name, v) for name, v in {
-        "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "modalities": ["text"],
+        "modalities": ["text"], "functions": [], "function_call": "none",
         "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "store": False, "audio": None,
         "service_tier": "auto", "best_of": 1, "min_p": 0,
     }.items()),
