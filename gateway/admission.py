@@ -12,12 +12,20 @@ instance). A key past either is refused at once, before it queues: one client's 
 waits on the client, never on prefill, and never ahead of the other keys' requests.
 In total, the mesh holds at most its decode slots plus max_queued_requests requests, and
 max_queued_tokens prompt tokens wait here.
+
+Keys have a class from the operator's key file (gateway.auth): a priority and a weight. Waiting
+requests are granted by strict priority bands (the highest band with a waiter first) and, within
+a band, by weighted fair queueing between its keys (each waiter's virtual finish tag is
+max(the band's virtual time, its key's last tag) + 1 / weight, the smallest tag goes first, as
+in start-time fair queueing, Goyal et al. 1996): two busy keys of one band share it in the ratio
+of their weights, and a key that was idle gets no stored-up credit. When the queue is full, a
+request of a higher band takes the place of the newest waiter of the lowest band below it (that
+one is shed: 429 with a retry hint); a request no waiter ranks below is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +54,10 @@ class KeyLoad:
 @dataclass(eq=False)
 class _Waiter:
     num_tokens: int
+    key: str = ""
+    priority: int = 0
+    tag: float = 0.0
+    """Virtual finish tag within its band: the smallest is granted first."""
     granted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -89,7 +101,12 @@ class AdmissionQueue:
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.max_queue_time_s = max_queue_time_s
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._waiters: list[_Waiter] = []
+        """In arrival order."""
+        self._band_time: dict[int, float] = {}
+        """Each band's virtual time: the tag of its last granted waiter."""
+        self._key_tag: dict[tuple[int, str], float] = {}
+        """(band, key) -> the tag of the key's newest waiter in the band, while it has one."""
         self.num_admitted = 0
         """Requests admitted and not yet done (they hold a decode slot or are about to)."""
         self.queued_tokens = 0
@@ -98,16 +115,20 @@ class AdmissionQueue:
     def num_queued(self) -> int:
         return len(self._waiters)
 
-    async def admit(self, num_tokens: int, key: str = "") -> float:
+    async def admit(self, num_tokens: int, key: str = "", priority: int = 0, weight: float = 1.0) -> float:
         """Wait for a turn; return the seconds waited. The caller must call `done(key, ...)`
-        once after (and `prefilled(key, num_tokens)` once the prompt is computed).
+        once after (and `prefilled(key, num_tokens)` once the prompt is computed). priority,
+        weight: the key's class (higher priority first; a band shared by weight).
 
-        Raises OverloadedError when `key` is past its own bounds, the queue is full or the
+        Raises OverloadedError when `key` is past its own bounds, the queue is full (of
+        requests of this priority or higher), the request is shed for a higher one, or the
         wait passes max_queue_time_s.
         """
+        if not weight > 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
         self._charge(key, num_tokens)
         try:
-            return await self._admit(num_tokens)
+            return await self._admit(num_tokens, key, priority, weight)
         except BaseException:
             self._discharge(key, 1, num_tokens)
             raise
@@ -141,10 +162,15 @@ class AdmissionQueue:
         longer count against the key's queued-token bound."""
         self._discharge(key, 0, num_tokens)
 
-    async def _admit(self, num_tokens: int) -> float:
+    async def _admit(self, num_tokens: int, key: str, priority: int, weight: float) -> float:
         if not self._waiters and self.num_admitted < self._capacity():
             self.num_admitted += 1
             return 0.0
+        while len(self._waiters) >= self.max_queued_requests or (
+            self.queued_tokens + num_tokens > self.max_queued_tokens
+        ):
+            if not self._shed_below(priority):
+                break
         if len(self._waiters) >= self.max_queued_requests:
             raise OverloadedError(
                 f"the gateway's admission queue is full ({self.max_queued_requests} requests waiting); retry later",
@@ -156,7 +182,10 @@ class AdmissionQueue:
                 f"{num_tokens} more would pass its bound of {self.max_queued_tokens}; retry later",
                 self._retry_hint(),
             )
-        waiter = _Waiter(num_tokens)
+        band = (priority, key)
+        tag = max(self._band_time.get(priority, 0.0), self._key_tag.get(band, 0.0)) + 1.0 / weight
+        self._key_tag[band] = tag
+        waiter = _Waiter(num_tokens, key, priority, tag)
         self._waiters.append(waiter)
         self.queued_tokens += num_tokens
         loop = asyncio.get_running_loop()
@@ -164,7 +193,8 @@ class AdmissionQueue:
         try:
             await asyncio.wait_for(asyncio.shield(waiter.granted), self.max_queue_time_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
-            if waiter.granted.done() and not waiter.granted.cancelled():
+            granted = waiter.granted
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
                 self.num_admitted -= 1  # granted in the same moment: hand the slot on
                 self.pump()
             else:
@@ -187,22 +217,45 @@ class AdmissionQueue:
         self.pump()
 
     def pump(self) -> None:
-        """Grant waiting requests, in order, while there is capacity (also call it when
-        capacity grows: an instance appeared or reported more room)."""
+        """Grant waiting requests while there is capacity, the highest band first and within it
+        the smallest tag (also call it when capacity grows: an instance appeared or reported
+        more room)."""
         while self._waiters and self.num_admitted < self._capacity():
-            waiter = self._waiters.popleft()
-            self.queued_tokens -= waiter.num_tokens
+            waiter = min(self._waiters, key=lambda w: (-w.priority, w.tag))  # ties: arrival order
+            self._remove(waiter)
             if waiter.granted.done():  # gave up in the meantime
                 continue
+            self._band_time[waiter.priority] = waiter.tag
             self.num_admitted += 1
             waiter.granted.set_result(None)
+
+    def _shed_below(self, priority: int) -> bool:
+        """Shed the newest waiter of the lowest band below `priority` (its admit raises
+        OverloadedError); False when no waiter ranks below."""
+        lower = [w for w in self._waiters if w.priority < priority and not w.granted.done()]
+        if not lower:
+            return False
+        lowest = min(w.priority for w in lower)
+        victim = [w for w in lower if w.priority == lowest][-1]
+        self._remove(victim)
+        victim.granted.set_exception(
+            OverloadedError(
+                "the gateway's admission queue is full and a higher-priority request took this one's place; "
+                "retry later",
+                self._retry_hint(),
+            )
+        )
+        return True
 
     def _remove(self, waiter: _Waiter) -> None:
         try:
             self._waiters.remove(waiter)
-            self.queued_tokens -= waiter.num_tokens
         except ValueError:
-            pass  # already popped by pump()
+            return  # already granted or shed
+        self.queued_tokens -= waiter.num_tokens
+        band = (waiter.priority, waiter.key)
+        if not any((w.priority, w.key) == band for w in self._waiters):
+            self._key_tag.pop(band, None)  # an idle key stores up no credit
 
     def _retry_hint(self) -> float:
         """Seconds after which a retry may find room: grows with the queue, 1 s at least."""

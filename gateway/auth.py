@@ -1,8 +1,11 @@
 """API keys of the gateway: who may call Generate, ListModels and the HTTP /v1 routes.
 
 Keys come from a file (one a line, optionally followed by a cache namespace it shares with
-other keys: `<key> <namespace>`; blank lines and lines starting with # are skipped) and from
-KVMESH_API_KEYS (comma-separated). A caller presents one as `authorization: Bearer <key>`
+other keys and by its admission class: `<key> [<namespace>] [priority=<int>] [weight=<number>]`;
+blank lines and lines starting with # are skipped) and from KVMESH_API_KEYS (comma-separated,
+priority 0, weight 1). The admission queue serves higher priority bands first and shares a
+band between its keys by weight (gateway.admission); both come from the operator's file,
+never from a request. A caller presents one as `authorization: Bearer <key>`
 (the HTTP header, or gRPC metadata of that name), as OpenAI's API takes them. Health,
 metrics and reflection stay open. A key is compared in constant time against every known
 key (hmac.compare_digest, no early exit), and it is never logged: logs, errors and the
@@ -28,13 +31,21 @@ _NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 class ApiKeys:
     """The known API keys; empty: the gateway is open to anyone."""
 
-    def __init__(self, keys: Iterable[str], namespaces: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        keys: Iterable[str],
+        namespaces: dict[str, str] | None = None,
+        classes: dict[str, tuple[int, float]] | None = None,
+    ) -> None:
         """keys; namespaces: key -> the cache namespace it shares with other keys (a key without
-        one is a namespace of its own). Raises ValueError for a key with whitespace in it (it
-        could never be sent as given) or a namespace outside [A-Za-z0-9._-]{1,64}."""
+        one is a namespace of its own); classes: key -> (priority, weight) in the admission
+        queue (default (0, 1.0)). Raises ValueError for a key with whitespace in it (it could
+        never be sent as given) or a namespace outside [A-Za-z0-9._-]{1,64}."""
         self._digests: list[bytes] = []
         self._tenants: list[str] = []
+        self._classes: list[tuple[int, float]] = []
         namespaces = namespaces or {}
+        classes = classes or {}
         for key in keys:
             if not key or any(c.isspace() for c in key):
                 raise ValueError("an API key must be non-empty and hold no whitespace")
@@ -48,27 +59,43 @@ class ApiKeys:
             # a key's own tenant is named by its digest: stable whatever the file's order,
             # and nothing another tenant could name
             self._tenants.append(f"ns:{shared}" if shared else f"key:{digest.hex()}")
+            self._classes.append(classes.get(key, (0, 1.0)))
 
     @classmethod
     def load(cls, path: str = "", env_value: str = "") -> ApiKeys:
         """The keys in file `path` (if given) and in `env_value` (comma-separated).
 
-        Raises OSError when the file cannot be read, ValueError for a bad key or a line of
-        more than a key and a namespace."""
+        Raises OSError when the file cannot be read, ValueError for a bad key, a line of more
+        than a key, a namespace and priority=/weight=, a priority that is not an integer in
+        [-1000, 1000] or a weight that is not a number in (0, 1000]."""
         keys = [k.strip() for k in env_value.split(",") if k.strip()]
         namespaces: dict[str, str] = {}
+        classes: dict[str, tuple[int, float]] = {}
         if path:
             with open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, start=1):
                     fields = line.split()
                     if not fields or fields[0].startswith("#"):
                         continue
-                    if len(fields) > 2:
-                        raise ValueError(f"{path} line {n}: expected '<key>' or '<key> <namespace>'")
-                    keys.append(fields[0])
-                    if len(fields) == 2:
-                        namespaces[fields[0]] = fields[1]
-        return cls(keys, namespaces)
+                    key, rest = fields[0], fields[1:]
+                    options = dict(r.split("=", 1) for r in rest if "=" in r)
+                    plain = [r for r in rest if "=" not in r]
+                    if len(plain) > 1 or set(options) - {"priority", "weight"}:
+                        raise ValueError(
+                            f"{path} line {n}: expected '<key> [<namespace>] [priority=<int>] [weight=<number>]'"
+                        )
+                    keys.append(key)
+                    if plain:
+                        namespaces[key] = plain[0]
+                    try:
+                        priority = int(options.get("priority", "0"))
+                        weight = float(options.get("weight", "1"))
+                    except ValueError:
+                        raise ValueError(f"{path} line {n}: priority must be an integer, weight a number") from None
+                    if not -1000 <= priority <= 1000 or not 0 < weight <= 1000:
+                        raise ValueError(f"{path} line {n}: priority must be in [-1000, 1000], weight in (0, 1000]")
+                    classes[key] = (priority, weight)
+        return cls(keys, namespaces, classes)
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -92,6 +119,13 @@ class ApiKeys:
         if not found:
             raise PermissionError("the API key is not valid for this gateway")
         return f"key-{found}"
+
+    def class_of(self, label: str) -> tuple[int, float]:
+        """(priority, weight) of the key labelled `label` in the admission queue; (0, 1.0) for
+        the open gateway's label ""."""
+        if not label:
+            return 0, 1.0
+        return self._classes[int(label.removeprefix("key-")) - 1]
 
     def tenant_of(self, label: str) -> str:
         """The prefix-cache tenant of the key labelled `label` (as `identify` names it): its

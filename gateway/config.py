@@ -75,6 +75,19 @@ class GatewayConfig:
     redis_url: str = redis_url_setting(
         "Redis holding the prefix index and the instance registry (empty: route by load alone, to the listed instances)"
     )
+    max_sessions: int = setting(
+        100_000,
+        "--max-sessions",
+        "sessions (x-session-id) whose last turn's instances the gateway remembers, least recently used "
+        "dropped first; 0: no session affinity",
+        ge=0,
+    )
+    session_from_user: bool = setting(
+        False,
+        "--session-from-user",
+        "an OpenAI request's `user` field names its session when it sends no x-session-id header",
+        kind="flag",
+    )
     discover: bool = setting(
         True,
         "--discover",

@@ -71,7 +71,9 @@ def failure_response(failure: RequestFailed, param: str | None = None) -> JSONRe
 
 class HttpFront:
     """The HTTP server: binds `host:port` at once (OSError when taken), serves from `start()`
-    to `stop()`; TLS when `tls_cert` and `tls_key` (PEM files) are given.
+    to `stop()`; TLS when `tls_cert` and `tls_key` (PEM files) are given. tool_parser: how
+    calls are found in a free answer (gateway.tools.TOOL_PARSERS); session_from_user: the
+    `user` field names a request's session when no x-session-id header does.
 
     Raises OSError when the port is taken, ValueError when the certificate or key cannot be
     loaded."""
@@ -85,9 +87,11 @@ class HttpFront:
         tls_key: str = "",
         grace_s: float = 25.0,
         tool_parser: str = "json",
+        session_from_user: bool = False,
     ) -> None:
         self.path = path
         self.tool_parser = tool_parser
+        self.session_from_user = session_from_user
         self._token_texts: TokenText | None = None  # made on first use: logprobs are rare
         self.serving = False
         self.grace_s = grace_s
@@ -220,7 +224,11 @@ class HttpFront:
             ask = openai_api.parse(body, chat, request.headers.get("x-request-id", ""), self.tool_parser)
         except BadField as exc:
             return error_response(400, str(exc), FailureCause.BAD_REQUEST, exc.param)
-        messages = self.path.generate(ask.request, list(request.headers.items()), authorization)
+        metadata = list(request.headers.items())
+        user = body.get("user")
+        if self.session_from_user and isinstance(user, str) and user and "x-session-id" not in request.headers:
+            metadata.append(("x-session-id", user))  # the operator's choice: `user` names the session
+        messages = self.path.generate(ask.request, metadata, authorization)
         model, created = self.path.builder.model_name, int(time.time())
         echoed = self._echoed(ask)
         n = ask.request.sampling.n or 1

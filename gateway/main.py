@@ -19,6 +19,7 @@ from gateway.pool import InstancePool
 from gateway.request_path import RequestPath
 from gateway.requests import PromptBuilder
 from gateway.servicer import GatewayServicer
+from gateway.sessions import SessionTable
 from kvstore.redis_index import AsyncRedisKVIndexReader
 from kvstore.registry import AsyncRegistryReader
 from protos.kvmesh.v1 import gateway_pb2_grpc
@@ -79,6 +80,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.prefill_min_tokens_per_s,
         config.token_timeout_s,
         keys,
+        SessionTable(config.max_sessions),
     )
     tls = None
     if config.tls_cert:
@@ -101,6 +103,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
             config.tls_key,
             config.drain_grace_s,
             tool_parser=config.tool_parser,
+            session_from_user=config.session_from_user,
         )
     if config.wait_for_instances_s:
         # started beside its instances (`kvmesh up`): the tokenizer loaded while they loaded

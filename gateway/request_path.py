@@ -43,6 +43,7 @@ from gateway.config import Deadlines
 from gateway.failure import RequestFailed
 from gateway.pool import InstancePool, MismatchError
 from gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
+from gateway.sessions import SessionTable
 from kvstore.block_hash import hash_blocks, tenant_root
 from protos.kvmesh.v1 import gateway_pb2
 from runtime import tracing
@@ -51,6 +52,9 @@ from runtime.wire import status_of
 
 logger = logging.getLogger(__name__)
 
+
+SESSION_HEADER = "x-session-id"
+"""The header (HTTP) or metadata key (gRPC) that names a request's conversation."""
 
 INLINE_PROMPT_BYTES = 1024
 """Prompts of at most this many bytes of text (prompt plus message contents) are tokenized on
@@ -86,6 +90,7 @@ class RequestPath:
             base + (tokens queued on the instance, this prompt's included) / rate.
         token_timeout_s: longest wait for the next message of a decode stream.
         keys: the API keys callers must present (None or empty: the gateway is open).
+        sessions: where each session's last turn went (gateway.sessions; None: no affinity).
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class RequestPath:
         prefill_min_tokens_per_s: float,
         token_timeout_s: float,
         keys: ApiKeys | None = None,
+        sessions: SessionTable | None = None,
     ) -> None:
         self.builder = builder
         self.pool = pool
@@ -106,6 +112,7 @@ class RequestPath:
         self.eos_token_ids = eos_token_ids
         self.deadlines = Deadlines(rpc_timeout_s, token_timeout_s, prefill_timeout_base_s, prefill_min_tokens_per_s)
         self.keys = keys or ApiKeys(())
+        self.sessions = sessions or SessionTable(0)
 
     def authenticate(self, authorization: str | None) -> str:
         """The caller's key label ("" on an open gateway) from its `authorization` value
@@ -131,7 +138,8 @@ class RequestPath:
         """Run one request: yield its text deltas as they are decoded, then one `final`.
 
         One trace per request (continuing a `traceparent` in `metadata`: gRPC metadata or HTTP
-        headers), its metrics and its log lines. Raises RequestFailed, before or during the
+        headers), its metrics and its log lines. An `x-session-id` in `metadata` names the
+        conversation (gateway.sessions: its next turn goes back to the instances of the last). Raises RequestFailed, before or during the
         stream, with the cause that fixes the caller's status: UNAUTHENTICATED (key),
         BAD_REQUEST / UNKNOWN_MODEL (input), OVERLOADED (a bound; `retry_after_s` set),
         NO_INSTANCE / INSTANCE_LOST / KV_PUSH_FAILED (retry later), MISMATCH, DEADLINE,
@@ -143,7 +151,8 @@ class RequestPath:
         finished = False
         try:
             key = self.authenticate(authorization)
-            async with contextlib.aclosing(self._generate(request, key, span, arrived)) as messages:
+            session = next((str(v) for k, v in metadata if k.lower() == SESSION_HEADER), "")
+            async with contextlib.aclosing(self._generate(request, key, span, arrived, session)) as messages:
                 async for msg in messages:
                     if msg.HasField("final"):
                         # counted as it goes out: a caller may stop reading once it has it
@@ -166,9 +175,10 @@ class RequestPath:
         finally:
             span.end()
 
-    async def _generate(self, request: gateway_pb2.GenerateRequest, key: str, span, arrived: float):
+    async def _generate(self, request: gateway_pb2.GenerateRequest, key: str, span, arrived: float, session: str):
         t0 = tracing.now_ns()
         try:
+            session_key = self.sessions.key(self.keys.tenant_of(key), session) if session else b""
             if _tokenize_inline(request):
                 inp = wire.generate_input(self.builder, request)
             else:
@@ -192,7 +202,8 @@ class RequestPath:
         t0 = tracing.now_ns()
         n_prompt = len(inp.prompt_token_ids)
         try:
-            waited = await self.admission.admit(n_prompt, key)
+            priority, weight = self.keys.class_of(key)
+            waited = await self.admission.admit(n_prompt, key, priority, weight)
         except OverloadedError as exc:
             raise RequestFailed(FailureCause.OVERLOADED, f"[{rid}] {exc}", retry_after_s=exc.retry_after_s) from None
         unprefilled = n_prompt  # the key's prompt tokens still waiting for prefill
@@ -201,7 +212,7 @@ class RequestPath:
                 tracing.record(span, "gateway.admission", t0, tracing.now_ns())
             # closed here, not whenever the garbage collector finds it: a caller that leaves
             # mid-answer must abort the attempt (and release its reservation) at once
-            attempts = self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key))
+            attempts = self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key), session_key)
             async with contextlib.aclosing(attempts):
                 async for msg in attempts:
                     if unprefilled:
@@ -216,9 +227,13 @@ class RequestPath:
         finally:
             self.admission.done(key, unprefilled)
 
-    async def _attempts(self, inp: GenerateInput, span, arrived: float, waited: float, tenant: str = ""):
+    async def _attempts(
+        self, inp: GenerateInput, span, arrived: float, waited: float, tenant: str = "", session_key: bytes = b""
+    ):
         """Route and run the request; retry once on other instances while no token was sent.
-        Its block hashes chain from `tenant`'s root (the key's cache namespace; "" without keys)."""
+        Its block hashes chain from `tenant`'s root (the key's cache namespace; "" without keys);
+        session_key (SessionTable.key; b"": none) adds the session's last turn to what the index
+        says its instances hold, and remembers this turn's."""
         rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
         hops = Hops(inp, span, self.deadlines)
         excluded: set[str] = set()
@@ -238,6 +253,11 @@ class RequestPath:
                     hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size, tenant_root(tenant))
                 # one lookup for both roles: which prefill and which decode hold how much of it
                 cached_blocks, tiered_blocks = await self.pool.lookup_prefix_tiered(hashes)
+                if session_key:
+                    cached_blocks, tiered_blocks = dict(cached_blocks), dict(tiered_blocks)
+                    self.sessions.add_held(
+                        session_key, hashes, cached_blocks, *([tiered_blocks] if tiered_blocks else [])
+                    )
                 try:
                     decode = self.pool.pick_decode(exclude, cached_blocks)
                 except LookupError as exc:
@@ -259,6 +279,8 @@ class RequestPath:
                 attempt.pull = self.pool.pull_source(prefill, cached_blocks, exclude)
                 # the prefill tokens this request adds to the instance's queue
                 attempt.route_prefill(prefill, n_prompt - cached_hint)
+                if session_key:
+                    self.sessions.remember(session_key, prefill.instance_id, decode.instance_id, hashes)
                 tracing.record(
                     span,
                     "gateway.route",

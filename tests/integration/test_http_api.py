@@ -122,7 +122,10 @@ class Front:
 def front(mesh, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("front")
     cert, key = _self_signed(tmp)
-    (tmp / "keys").write_text(f"# the test's keys: A and C share a cache namespace\n{KEY_A} team-a\n{KEY_C} team-a\n")
+    (tmp / "keys").write_text(
+        f"# the test's keys: A and C share a cache namespace; A's requests go first\n"
+        f"{KEY_A} team-a priority=5 weight=2\n{KEY_C} team-a\n"
+    )
     grpc_port, http_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-http-gateway-", suffix=".log", delete=False)
     cmd = [
@@ -660,4 +663,18 @@ def test_tool_choice_required_or_named_makes_any_model_call_a_tool_streamed_or_w
     assert [c["name"] for c in calls.values()] == ["get_weather"]
     assert json.loads(calls[0]["arguments"]) == json.loads(forced.choices[0].message.tool_calls[0].function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    wait_idle(mesh)
+
+
+def test_a_session_header_is_taken_and_a_session_id_too_long_is_a_400(mesh, front):
+    chat = {"model": _model(), "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2, "temperature": 0}
+    a = {"Authorization": f"Bearer {KEY_A}"}
+    with front.http() as c:
+        first = c.post("/chat/completions", json=chat, headers={**a, "x-session-id": "chat-42"})
+        again = c.post("/chat/completions", json=chat, headers={**a, "x-session-id": "chat-42"})
+        assert first.status_code == again.status_code == 200
+        assert again.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+        error = _error(c.post("/chat/completions", json=chat, headers={**a, "x-session-id": "s" * 300}), 400)
+        assert "session id" in error["message"]
+    assert "chat-42" not in front.log()  # a session id is user text: never logged
     wait_idle(mesh)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from bench.mesh import orchestration_s
 from engine.outcomes import FailureCause
@@ -23,7 +24,9 @@ from gateway.pool import InstancePool
 from gateway.request_path import INLINE_PROMPT_BYTES, RequestPath, _tokenize_inline
 from gateway.requests import GenerateInput
 from gateway.router import InstanceLoad
+from gateway.sessions import SessionTable
 from kvmesh.client import make_request
+from kvstore.block_hash import hash_blocks
 from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
 
 
@@ -522,3 +525,74 @@ def test_a_caller_that_leaves_after_the_first_token_aborts_the_attempt_at_once()
         await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_a_session_s_next_turn_goes_back_to_its_instances_within_the_load_guard():
+    """The index knows nothing (the last turn's KV events have not landed): the session's next
+    turn, whose prompt extends the last one's, goes back to the prefill that computed it, though
+    the other is idler; a stranger's identical prompt, or a far busier instance, goes by load."""
+
+    class EmptyIndex:
+        async def longest_prefix(self, block_hashes, instance_ids):
+            return {}
+
+        async def close(self) -> None:
+            pass
+
+    def routed(pool) -> dict[str, int]:
+        return {p.instance_id: p.total_routed_tokens for p in pool.prefills}
+
+    async def scenario():
+        events = Events()
+        servicer, pool = _servicer(events, EmptyIndex(), FakeDecode(events))
+        pool._decode_stubs["d1:1"].answer.set()  # type: ignore[attr-defined]
+        servicer.sessions = SessionTable(10)
+        session = SessionTable.key("", "conversation-1")
+        turn1, turn2 = _input(64), _input(96)  # turn 2's prompt starts with turn 1's
+        try:
+            before = routed(pool)
+            await _collect(servicer._attempts(turn1, None, 0.0, 0.0, "", session))
+            first = next(k for k, v in routed(pool).items() if v > before[k])
+            other = next(p for p in pool.prefills if p.instance_id != first)
+            mine = next(p for p in pool.prefills if p.instance_id == first)
+            mine.reported_queued_tokens = 40  # a little busier than the other
+            before = routed(pool)
+            await _collect(servicer._attempts(turn2, None, 0.0, 0.0, "", session))
+            after = routed(pool)
+            assert after[first] > before[first] and after[other.instance_id] == before[other.instance_id]
+            # without the session the same prompt goes to the idler instance
+            before = after
+            await _collect(servicer._attempts(turn2, None, 0.0, 0.0, "", SessionTable.key("", "stranger")))
+            after = routed(pool)
+            assert after[other.instance_id] > before[other.instance_id]
+            # far busier: the load guard wins over the session
+            mine.reported_queued_tokens = 200_000
+            before = after
+            await _collect(servicer._attempts(turn2, None, 0.0, 0.0, "", session))
+            assert routed(pool)[other.instance_id] > before[other.instance_id]
+            # a prompt that does not extend the remembered one (another conversation, same id)
+            unrelated = GenerateInput("r2", tuple(range(500, 600)), SamplingParams(seed=1), 1, (), False)
+            held: dict[str, int] = {}
+            servicer.sessions.add_held(session, hash_blocks(unrelated.prompt_token_ids, 16), held)
+            assert held == {}
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_session_table_is_bounded_and_keys_ids_by_tenant():
+    table = SessionTable(2)
+    a, b, c = (SessionTable.key("", s) for s in "abc")
+    assert SessionTable.key("tenant-1", "a") != a  # two tenants' ids never meet
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    for k in (a, b, c):
+        table.remember(k, "p1", "d1", hashes)
+    assert len(table) == 2
+    held: dict[str, int] = {}
+    table.add_held(a, hashes, held)
+    assert held == {}  # a was the least recently used: dropped
+    table.add_held(c, [*hashes, b"\x09" * 16], held)
+    assert held == {"p1": 4, "d1": 4}
+    with pytest.raises(ValueError, match="at most 256"):
+        SessionTable.key("", "x" * 257)
