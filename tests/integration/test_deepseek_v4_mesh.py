@@ -206,3 +206,25 @@ def test_decode_ran_expert_parallel_with_mtp_drafts(mesh):
     held = started[0].split("routed experts held per rank: ")[1]
     a, b = (float(x) for x in held.strip(" MB[]").split(","))
     assert a == b > 0
+
+
+def test_n_choices_fork_the_state_slot_and_logprobs_are_transformers_on_v4(mesh, reference):
+    """n = 3 on V4 (2 EP ranks, MTP drafts): choices 1 and 2 share the prompt's full pages and
+    start from copies of its partial page and of its state slot (open windows, CSA overlap), so
+    each gives transformers' greedy tokens; every token's logprob, prefill's first and decode's
+    (drafted or not), is transformers' log-softmax at its position within 1e-4."""
+    model, tok = reference
+    prompt = PROMPTS[1]
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert len(ids) % 16, "the prompt must end inside a page (its partial page is copied)"
+    got = complete(mesh, prompt, chat=False, max_tokens=24, ignore_eos=True, n=3, logprobs=2)
+    want = hf_greedy(reference, prompt, 24)
+    assert [c.token_ids for c in got.choices] == [want] * 3
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + want[:-1]])).logits[0, len(ids) - 1 :]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for c in got.choices:
+        assert [lp.token_id for lp in c.logprobs] == want
+        assert max(abs(lp.logprob - float(ref[i, t])) for i, (t, lp) in enumerate(zip(want, c.logprobs))) < 1e-4
+    assert got.final.drafted_tokens > 0  # MTP drafted for the choices too
+    wait_idle(mesh)
