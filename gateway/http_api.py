@@ -252,6 +252,7 @@ class HttpFront:
                                 ["".join(t) for t in texts],
                                 msg.final,
                                 [shaper.shape(lp) for shaper, lp in zip(shapers, logprobs)],
+                                openai_api.best_choices(ask, logprobs),
                             )
                             return JSONResponse(body)
                         texts[msg.delta.index].append(msg.delta.text)

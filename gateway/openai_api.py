@@ -55,7 +55,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "verbosity": _off(),
     "store": _off(False),
     "service_tier": _off("auto", "default"),
-    "best_of": _off(1),
     "suffix": _off(""),
     # vLLM's extensions of the same kinds: refused too, never silently dropped
     "guided_grammar": _off(),
@@ -98,6 +97,13 @@ class OpenAIRequest:
     text): the `param` of an error about the grammar."""
     tools: ToolRequest | None = None
     """The request's tools (chat), whose calls are parsed from the answer."""
+    best_of: int = 0
+    """Completions' best_of (> n; 0: none): that many choices are generated and the n whose
+    tokens have the highest summed logprob are returned (`best_choices`)."""
+    n: int = 1
+    """Choices the client gets."""
+    logprobs: bool = False
+    """The client asked for logprobs (best_of asks for them itself, to score the choices)."""
 
     @property
     def response_id(self) -> str:
@@ -306,6 +312,14 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
     echo = False if chat else _get(body, "echo", (bool,), "a boolean") or False
     if echo and logprobs is not None:
         raise BadField("echo with logprobs (the prompt's logprobs) is not supported yet; send one of them", "echo")
+    best_of = None if chat else _get(body, "best_of", (int,), "an integer")
+    if best_of is not None:
+        if not (n or 1) <= best_of <= MAX_CHOICES:
+            raise BadField(f"best_of must be in [n, {MAX_CHOICES}] (n = {n or 1}), got {best_of}", "best_of")
+        if stream and best_of > (n or 1):
+            raise BadField("best_of cannot be streamed (the best choices are known only at the end)", "best_of")
+        if best_of == (n or 1):
+            best_of = None  # nothing to pick from
     sampling = gateway_pb2.GenerateOptions(
         temperature=float(temperature) if temperature is not None else 1.0,  # OpenAI's default
         top_k=top_k or 0,
@@ -322,7 +336,12 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
-    if n is not None and n > 1:
+    if best_of is not None:
+        # best_of choices, each scored by its tokens' logprobs (asked for if the client did not)
+        sampling.n = best_of
+        if logprobs is None:
+            sampling.logprobs = 0
+    elif n is not None and n > 1:
         sampling.n = n
     grammar_field, grammar = _grammar(body)
     tools = None
@@ -363,6 +382,9 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
         echo=echo,
         grammar_field=grammar_field,
         tools=tools,
+        best_of=best_of or 0,
+        n=n or 1,
+        logprobs=logprobs is not None,
     )
 
 
@@ -380,7 +402,7 @@ class LogprobsShaper:
 
     def __init__(self, ask: OpenAIRequest, token_text: Callable[[int], tuple[str, bytes]], offset: int = 0) -> None:
         self.chat = ask.chat
-        self.wanted = ask.request.sampling.HasField("logprobs")
+        self.wanted = ask.logprobs
         self.token_text = token_text
         self.offset = offset
 
@@ -432,6 +454,16 @@ def finish_reasons(final: gateway_pb2.Final) -> list[str]:
     return [FINISH_FROM_PB[f].value for f in final.choice_finish]
 
 
+def best_choices(ask: OpenAIRequest, logprobs: Sequence[Sequence[common_pb2.TokenLogprobs]]) -> list[int]:
+    """The choices the client gets, in order: all of them, or with best_of the n whose tokens'
+    logprobs sum highest (ties: the lower index), best first (OpenAI's best_of; vLLM ranked
+    by the same cumulative logprob)."""
+    if not ask.best_of:
+        return list(range(len(logprobs)))
+    scores = [sum(lp.logprob for lp in entries) for entries in logprobs]
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))[: ask.n]
+
+
 def response(
     ask: OpenAIRequest,
     model: str,
@@ -439,12 +471,17 @@ def response(
     texts: Sequence[str],
     final: gateway_pb2.Final,
     logprobs: Sequence[dict | None] = (),
+    order: Sequence[int] | None = None,
 ) -> dict:
     """The whole (non-streaming) answer: a chat.completion or a text_completion object with a
-    choice per text (choice i's text, and LogprobsShaper's object of its tokens when asked for)."""
+    choice per text (choice i's text, and LogprobsShaper's object of its tokens when asked for);
+    order: which choices, in what order (best_choices; None: all). usage counts every choice's
+    tokens, the ones not returned too (OpenAI bills best_of so)."""
+    finishes = finish_reasons(final)
     choices = []
-    for i, (text, finish) in enumerate(zip(texts, finish_reasons(final))):
-        lp = logprobs[i] if i < len(logprobs) else None
+    for i, k in enumerate(range(len(texts)) if order is None else order):
+        text, finish = texts[k], finishes[k]
+        lp = logprobs[k] if k < len(logprobs) else None
         if ask.chat:
             message: dict = {"role": "assistant", "content": text}
             if ask.tools is not None:

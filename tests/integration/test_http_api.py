@@ -678,3 +678,18 @@ def test_a_session_header_is_taken_and_a_session_id_too_long_is_a_400(mesh, fron
         assert "session id" in error["message"]
     assert "chat-42" not in front.log()  # a session id is user text: never logged
     wait_idle(mesh)
+
+
+def test_best_of_returns_the_choice_whose_tokens_have_the_highest_summed_logprob(mesh, front):
+    ask = dict(model=_model(), prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=21)
+    with front.openai() as client:
+        every = client.completions.create(**ask, n=3, logprobs=0)
+        best = client.completions.create(**ask, best_of=3)
+    # best_of=3 draws the same three choices as n=3 with the same seed (choice i: seed + i)
+    scores = [sum(c.logprobs.token_logprobs) for c in every.choices]
+    assert len(set(c.text for c in every.choices)) > 1
+    winner = max(range(3), key=lambda i: (scores[i], -i))
+    assert [c.text for c in best.choices] == [every.choices[winner].text]
+    assert best.choices[0].logprobs is None  # scored with logprobs the client did not ask for
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # every drawn token counts
+    wait_idle(mesh)

@@ -108,7 +108,9 @@ def test_a_completion_prompt_is_text_or_token_ids_alone_or_as_a_batch_of_one(pro
         ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, True, "tool_choice"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, True, "tools"),
         ({"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, False, "tools"),
-        ({"prompt": "hi", "best_of": 2}, False, "best_of"),
+        ({"prompt": "hi", "best_of": 129}, False, "best_of"),
+        ({"prompt": "hi", "n": 3, "best_of": 2}, False, "best_of"),
+        ({"prompt": "hi", "best_of": 2, "stream": True}, False, "best_of"),
         ({"prompt": "hi", "suffix": "end"}, False, "suffix"),
         ({"prompt": "hi", "guided_json": 5}, False, "guided_json"),
         ({"prompt": "hi", "guided_grammar": "root ::= 'a'"}, False, "guided_grammar"),
@@ -192,7 +194,7 @@ def test_statuses_outside_the_table_are_500():
     "field,off", sorted((name, v) for name, v in {
         "modalities": ["text"], "functions": [], "function_call": "none",
         "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "store": False, "audio": None,
-        "service_tier": "auto", "best_of": 1, "min_p": 0,
+        "service_tier": "auto", "min_p": 0,
     }.items()),
 )  # fmt: skip
 def test_an_unsupported_field_that_is_turned_off_is_accepted(field, off):
@@ -251,3 +253,20 @@ def test_n_choices_are_asked_for_and_answered_each_with_its_own_finish():
         (2, "c", "stop"),
     ]
     assert openai_api.chunk(ask, "M", 5, "x", index=2)["choices"][0]["index"] == 2
+
+
+def test_best_of_generates_more_and_returns_the_n_with_the_highest_summed_logprob():
+    ask = parse({"prompt": "hi", "best_of": 3, "n": 2}, chat=False)
+    s = ask.request.sampling
+    assert s.n == 3 and s.logprobs == 0 and not ask.logprobs  # scored by logprobs nobody asked to see
+    lp = [[common_pb2.TokenLogprobs(logprob=v) for v in values] for values in ([-1.0, -2.0], [-0.5], [-0.5, -0.1])]
+    assert openai_api.best_choices(ask, lp) == [1, 2]  # -0.5, then -0.6; -3.0 is dropped
+    final = _final(choice_finish=[1, 2, 1])
+    body = openai_api.response(ask, "M", 5, ["a", "b", "c"], final, [None] * 3, openai_api.best_choices(ask, lp))
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "b", "length"),
+        (1, "c", "stop"),
+    ]
+    assert body["usage"]["completion_tokens"] == final.generated_tokens  # every choice's tokens
+    assert openai_api.LogprobsShaper(ask, lambda t: ("", b"")).shape(lp[0]) is None
+    assert parse({"prompt": "hi", "best_of": 2, "n": 2}, chat=False).best_of == 0  # nothing to pick from
