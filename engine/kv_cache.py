@@ -180,15 +180,17 @@ class KVCacheManager:
     def allocate_prompt(self, request: Request) -> None:
         """Prefill: reuse the longest cached prefix of the prompt's blocks and allocate pages for
         the rest, plus a state slot (resumed from the cached prefix's end). Sets block_ids,
-        num_cached_tokens, num_computed_tokens (= cached), state_slot, block_hashes.
+        num_cached_tokens, num_computed_tokens (= cached), state_slot, block_hashes. A request
+        that asks for prompt logprobs reuses nothing (every position's logits are computed).
         Raises NoFreeBlocksError when pages or slots are short; nothing is held then."""
         self._require_slot(NoFreeBlocksError)
         tokens, size = request.prompt_token_ids, self.page_size
         if request.block_hashes is None:
             request.block_hashes = hash_blocks(tokens, size)
         # recompute at least the last prompt token so its logits exist
+        reusable = 0 if request.sampling.prompt_logprobs is not None else (len(tokens) - 1) // size
         request.block_ids, num_cached = self._match_and_allocate(
-            request.block_hashes[: (len(tokens) - 1) // size], self.num_pages_for(len(tokens)), NoFreeBlocksError
+            request.block_hashes[:reusable], self.num_pages_for(len(tokens)), NoFreeBlocksError
         )
         request.num_prompt_pages = len(request.block_ids)
         request.num_cached_tokens = request.num_computed_tokens = num_cached * size

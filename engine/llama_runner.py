@@ -150,6 +150,15 @@ class LlamaRunner:
         an empty batch, an item without new tokens, a token id outside the vocabulary, too few
         pages, a page id out of range, or a position beyond max_position_embeddings.
         """
+        return self._forward(items, all_positions=False)
+
+    def forward_all(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """`forward`, returning the logits after every new token: fp32 [T, V], T the items' new
+        tokens in order (a prompt's logprobs need each position's). Through the same dense path
+        as a prefill's last rows (never the quantized decode kernels). Raises as `forward`."""
+        return self._forward(items, all_positions=True)
+
+    def _forward(self, items: Sequence[ForwardItem], all_positions: bool) -> torch.Tensor:
         if not items:
             raise ValueError("forward needs at least one ForwardItem")
         max_pos = self.config.max_position_embeddings
@@ -170,7 +179,7 @@ class LlamaRunner:
             raise ValueError(
                 f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size}) of {self.config.name}"
             )
-        if self.decode_graphs is not None and self.decode_graphs.fits(items):
+        if self.decode_graphs is not None and not all_positions and self.decode_graphs.fits(items):
             for b, it in enumerate(items):
                 if not it.block_ids or min(it.block_ids) < 0 or max(it.block_ids) >= self.num_pages:
                     raise ValueError(f"item {b}: page ids must be in [0, {self.num_pages}), got {list(it.block_ids)}")
@@ -193,7 +202,9 @@ class LlamaRunner:
         cos = self._cos.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
         sin_rot = self._sin_rot.index_select(0, pos).unsqueeze(1)  # [T, 1, D]
         logits_index = None
-        if len(ids) != len(items):  # some item has several new tokens: pick each one's last
+        if all_positions:  # every row, by index: the dense path, as a prefill's last rows take
+            logits_index = to_device(torch.arange(len(ids)), self.device)  # [T]
+        elif len(ids) != len(items):  # some item has several new tokens: pick each one's last
             logits_index = to_device(torch.tensor([n - 1 for n in itertools.accumulate(num_new)]), self.device)  # [B]
         input_ids = to_device(torch.tensor(ids), self.device)  # [T]
         return self.model.forward(input_ids, cos, sin_rot, meta, self.kv_cache, logits_index)

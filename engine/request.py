@@ -147,6 +147,9 @@ class Request:
     grammar: Any = None
     """Structured output: the engine.grammar.GrammarState this answer's tokens follow (None:
     free text). Prefill masks the first token with it; decode has one a choice, past the first."""
+    prompt_logprobs: list | None = None
+    """Prefill, with sampling.prompt_logprobs: each prompt token's TokenLogprobs as its chunk is
+    computed (the first token's logprob NaN)."""
     choices: list[Request] | None = None
     """n > 1: every choice of the request, this one (choice 0, the one the push lands in and the
     transfer id names) first; the others share its prompt's full pages (KVCacheManager.fork).

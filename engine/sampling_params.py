@@ -35,6 +35,10 @@ class SamplingParams:
     """Choices to generate from one prompt (1..MAX_CHOICES): prefill samples n first tokens from
     the prompt's last logits and decode continues n sequences sharing the prompt's pages;
     choice i samples as a request of its own seeded seed + i (`for_choice`)."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's logprob given the tokens before it, and this many top
+    alternatives (0..MAX_LOGPROBS); prefill then computes the whole prompt (no prefix-cache
+    hit: every position's logits are needed). None: none."""
     grammar: GrammarSpec | None = None
     """Structured output: the answer must follow this grammar (engine.grammar masks each
     sampled token); None: free text."""
@@ -57,6 +61,14 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int)
             or isinstance(self.logprobs, bool)

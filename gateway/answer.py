@@ -102,6 +102,8 @@ class Answer:
             delta = _delta(text, [token], i)
             if logprobs:
                 delta.delta.logprobs.append(logprobs[i])
+            if i == 0:
+                delta.delta.prompt_logprobs.extend(prefill.prompt_logprobs)
             deltas.append(delta)
         return deltas
 

@@ -232,7 +232,9 @@ class HttpFront:
         model, created = self.path.builder.model_name, int(time.time())
         echoed = self._echoed(ask)
         n = ask.request.sampling.n or 1
-        shapers = [LogprobsShaper(ask, self._token_text, len(echoed)) for _ in range(n)]
+        # with prompt logprobs the echoed prompt's own tokens are shaped, from offset 0
+        start = 0 if ask.request.sampling.HasField("prompt_logprobs") else len(echoed)
+        shapers = [LogprobsShaper(ask, self._token_text, start) for _ in range(n)]
         try:
             async with cancel_on_disconnect(request.receive):
                 if ask.stream:
@@ -242,6 +244,7 @@ class HttpFront:
                     return EventStream(events)  # type: ignore[return-value]
                 texts: list[list[str]] = [[echoed] for _ in range(n)]
                 logprobs: list[list] = [[] for _ in range(n)]
+                prompt: list = []  # the echoed prompt's logprobs, each choice's text starts with
                 async with contextlib.aclosing(messages):
                     async for msg in messages:
                         if msg.HasField("final"):
@@ -251,12 +254,13 @@ class HttpFront:
                                 created,
                                 ["".join(t) for t in texts],
                                 msg.final,
-                                [shaper.shape(lp) for shaper, lp in zip(shapers, logprobs)],
+                                [shaper.shape(prompt + lp) for shaper, lp in zip(shapers, logprobs)],
                                 openai_api.best_choices(ask, logprobs),
                             )
                             return JSONResponse(body)
                         texts[msg.delta.index].append(msg.delta.text)
                         logprobs[msg.delta.index].extend(msg.delta.logprobs)
+                        prompt.extend(msg.delta.prompt_logprobs)
         except RequestFailed as failure:
             # a grammar the instances could not compile, or that matches nothing: name the field
             grammar_error = failure.cause == FailureCause.BAD_REQUEST and "grammar: " in str(failure)
@@ -302,6 +306,8 @@ class HttpFront:
         # then can its text be told from its calls
         hold = ask.tools is not None and ask.tools.may_call
         held = ["" for _ in shapers]
+        prompt = list(first.delta.prompt_logprobs)  # echo with logprobs: each choice's first chunk
+        primed = [False] * len(shapers)
         try:
             while True:
                 if msg.HasField("final"):
@@ -325,6 +331,9 @@ class HttpFront:
                         is_first[i] = False
                     msg = await anext(messages)
                     continue
+                if not primed[i]:
+                    pending[i].extend(prompt)
+                    primed[i] = True
                 pending[i].extend(msg.delta.logprobs)
                 text = (echoed + msg.delta.text) if is_first[i] else msg.delta.text
                 if text or (is_first[i] and ask.chat):

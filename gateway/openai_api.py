@@ -310,8 +310,6 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
     _get(body, "user", (str,), "a string")  # accepted and unused, as OpenAI's abuse-tracking field
     logprobs = _logprobs(body, chat)
     echo = False if chat else _get(body, "echo", (bool,), "a boolean") or False
-    if echo and logprobs is not None:
-        raise BadField("echo with logprobs (the prompt's logprobs) is not supported yet; send one of them", "echo")
     best_of = None if chat else _get(body, "best_of", (int,), "an integer")
     if best_of is not None:
         if not (n or 1) <= best_of <= MAX_CHOICES:
@@ -336,6 +334,8 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+        if echo:  # the echoed prompt's tokens get their logprobs too
+            sampling.prompt_logprobs = logprobs
     if best_of is not None:
         # best_of choices, each scored by its tokens' logprobs (asked for if the client did not)
         sampling.n = best_of
@@ -395,9 +395,10 @@ class LogprobsShaper:
     "bytes"}]}], "refusal": null}. Completions: {"tokens", "token_logprobs", "top_logprobs"
     (a {token: logprob} map of the top alternatives and the sampled token, as the legacy API
     sends up to logprobs + 1), "text_offset" (each token's character offset in the choice's
-    text, counted over the tokens' own texts)}. token_text: id -> (text, bytes)
+    text, counted over the tokens' own texts)}; with echo, the prompt's tokens come first (the
+    very first with null logprobs: nothing predicts it). token_text: id -> (text, bytes)
     (gateway.detokenizer.TokenText); offset: where the first token's text starts (the echoed
-    prompt's length).
+    prompt's length, when its tokens are not shaped too).
     """
 
     def __init__(self, ask: OpenAIRequest, token_text: Callable[[int], tuple[str, bytes]], offset: int = 0) -> None:
@@ -415,10 +416,13 @@ class LogprobsShaper:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             text = self.token_text(e.token_id)[0]
-            top = {self.token_text(t)[0]: lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
-            top.setdefault(text, e.logprob)
+            top: dict | None = {self.token_text(t)[0]: lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+            if math.isnan(e.logprob):  # an echoed prompt's first token: nothing predicts it
+                top = None
+            else:
+                top.setdefault(text, e.logprob)  # type: ignore[union-attr]
             out["tokens"].append(text)
-            out["token_logprobs"].append(e.logprob)
+            out["token_logprobs"].append(None if math.isnan(e.logprob) else e.logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)

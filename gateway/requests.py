@@ -228,11 +228,13 @@ class PromptBuilder:
         logprobs: int | None = None,
         n: int = 1,
         grammar: tuple[str, str] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerateInput:
         """Check sampling settings and lengths; raises ValueError naming what to change.
         logprobs: report each token's logprob and this many top alternatives (None: none);
         n: choices to generate from the prompt; grammar: (kind, spec) the answer must follow
-        (engine.sampling_params.GrammarSpec; its compile is the instances' check)."""
+        (engine.sampling_params.GrammarSpec; its compile is the instances' check);
+        prompt_logprobs: each prompt token's logprob and this many top alternatives (None: none)."""
         if max_tokens is None:
             max_tokens = self.default_max_tokens
         if not 1 <= max_tokens <= self.max_tokens_limit:
@@ -245,6 +247,8 @@ class PromptBuilder:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         if not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {n}")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (top alternatives per token), got {logprobs}")
         try:
@@ -278,6 +282,7 @@ class PromptBuilder:
             logprobs=logprobs,
             n=n,
             grammar=spec,
+            prompt_logprobs=prompt_logprobs,
         )
         return GenerateInput(
             request_id=request_id,

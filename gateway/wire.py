@@ -41,6 +41,7 @@ def generate_input(builder: PromptBuilder, request: gateway_pb2.GenerateRequest)
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         n=s.n or 1,
         grammar=(s.grammar.kind, s.grammar.spec) if s.HasField("grammar") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 

@@ -21,6 +21,8 @@ class Completion:
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     final: gateway_pb2.Final | None = None
     choices: list[Completion] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    """With prompt_logprobs asked for: each prompt token's (the first one's logprob NaN)."""
 
 
 def make_request(
@@ -41,11 +43,13 @@ def make_request(
     logprobs: int | None = None,
     n: int = 1,
     grammar: tuple[str, str] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids.
     logprobs: each answer token's logprob and this many top alternatives (None: none);
     n: choices to generate; grammar: (kind, spec) the answer must follow (structured output:
-    "json_object", "json_schema" with the schema's JSON, "regex", "choice" with a JSON list)."""
+    "json_object", "json_schema" with the schema's JSON, "regex", "choice" with a JSON list);
+    prompt_logprobs: each prompt token's logprob and this many top alternatives."""
     sampling = gateway_pb2.GenerateOptions(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
     if top_p is not None:
         sampling.top_p = top_p
@@ -59,6 +63,8 @@ def make_request(
         sampling.n = n
     if grammar is not None:
         sampling.grammar.kind, sampling.grammar.spec = grammar
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         model=model,
@@ -112,6 +118,7 @@ class GatewayClient:
                 choice.text += msg.delta.text
                 choice.token_ids.extend(msg.delta.token_ids)
                 choice.logprobs.extend(msg.delta.logprobs)
+                choices[0].prompt_logprobs.extend(msg.delta.prompt_logprobs)
             else:
                 final = msg.final
         out = choices[0]

@@ -21,7 +21,7 @@ from engine.forward import ForwardItem, Runner, chunk_ends
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 from engine.sampler import sample, token_logprobs
-from engine.sampling_params import TokenLogprobs
+from engine.sampling_params import SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def prefill_batch(
     the sampler raises; the caller frees the batch then.
     """
     size = kv_cache.page_size
-    plans = [chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, chunk_size, size) for r in batch]
+    plans = [chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, _chunk_tokens(r, chunk_size), size) for r in batch]
     num_chunks = [len(plan) for plan in plans]
     last_logits: list[torch.Tensor | None] = [None] * len(batch)
     for r in batch:
@@ -57,15 +57,23 @@ def prefill_batch(
             new = r.prompt_token_ids[r.num_computed_tokens : end]
             pages = r.block_ids[: kv_cache.num_pages_for(end)]
             items.append(ForwardItem(new, r.num_computed_tokens, pages, r.state_slot))
+        # a request that asks for its prompt's logprobs computes alone, every position's logits
+        every = {row for row, k in enumerate(rows) if batch[k].sampling.prompt_logprobs is not None}
+        rest = [row for row in range(len(rows)) if row not in every]
+        last: dict[int, torch.Tensor] = {}  # row -> the logits after its last new token [V]
         with forward_mark():
-            logits = runner.forward(items)  # [rows, V]
+            if rest:
+                logits = runner.forward([items[row] for row in rest])  # [rest, V]
+                last = {row: logits[i] for i, row in enumerate(rest)}
+            for row in sorted(every):
+                last[row] = _prompt_logprobs(runner, items[row], batch[rows[row]])
         for row, k in enumerate(rows):
             r = batch[k]
             r.num_computed_tokens = plans[k].pop(0)
             if plans[k]:
                 pages_ready(r, r.num_computed_tokens // size)
             else:
-                last_logits[k] = logits[row]
+                last_logits[k] = last[row]
     logits = torch.stack([t for t in last_logits if t is not None])  # [B, V]
     # one row a choice: a request with n choices draws n first tokens from its logits, choice i
     # as a request of its own seeded seed + i
@@ -88,6 +96,38 @@ def prefill_batch(
         for j, lp in zip(want, found):
             first_logprobs[owner[j]] = [*(first_logprobs[owner[j]] or []), lp]
     return first_tokens, first_logprobs, num_chunks
+
+
+PROMPT_LOGPROBS_CHUNK = 512
+"""Most prompt tokens one forward computes for a request that asks for its prompt's logprobs:
+its logits are [tokens, V] fp32 (100 MB for 512 tokens of a 49K vocabulary)."""
+
+
+def _chunk_tokens(r: Request, chunk_size: int) -> int:
+    """Tokens a chunk of r's prompt: chunk_size, at most PROMPT_LOGPROBS_CHUNK with prompt logprobs."""
+    if r.sampling.prompt_logprobs is None:
+        return chunk_size
+    return min(chunk_size, PROMPT_LOGPROBS_CHUNK) if chunk_size > 0 else PROMPT_LOGPROBS_CHUNK
+
+
+def _prompt_logprobs(runner: Runner, item: ForwardItem, r: Request) -> torch.Tensor:
+    """Compute one chunk of r's prompt with every position's logits (runner.forward_all), add
+    the logprobs of the prompt tokens they predict to r.prompt_logprobs (the prompt's first
+    token, which nothing predicts, gets NaN), and return the chunk's last row [V] (the first
+    token's logits when the chunk ends the prompt). Raises ValueError for a runner without
+    forward_all."""
+    forward_all = getattr(runner, "forward_all", None)
+    if forward_all is None:
+        raise ValueError("this model's runner gives no prompt logprobs")
+    logits = forward_all([item])  # [n, V]
+    start, n = item.num_computed_tokens, len(item.token_ids)
+    if r.prompt_logprobs is None:
+        r.prompt_logprobs = [TokenLogprobs(r.prompt_token_ids[0], float("nan"))]
+    targets = list(r.prompt_token_ids[start + 1 : start + n + 1])  # what each row predicts
+    if targets:  # of the raw logits, as vLLM's prompt logprobs: no temperature for a given text
+        params = [SamplingParams(logprobs=r.sampling.prompt_logprobs)] * len(targets)
+        r.prompt_logprobs += token_logprobs(logits[: len(targets)], targets, params)
+    return logits[n - 1]
 
 
 def _mask_first_tokens(batch: list[Request], owner: list[int], logits: torch.Tensor) -> None:

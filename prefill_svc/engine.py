@@ -60,6 +60,8 @@ class PrefillResult:
     """n > 1: every choice's first token (first_token is choice 0's); () for one choice."""
     choice_first_logprobs: tuple[TokenLogprobs, ...] = ()
     """n > 1 with logprobs: every choice's first token's logprobs."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """With sampling.prompt_logprobs: each prompt token's (the first one's logprob NaN)."""
 
 
 class PrefillEngine:
@@ -289,6 +291,7 @@ class PrefillEngine:
                     first_logprobs=logprobs[0] if logprobs else None,
                     choice_first_tokens=tuple(choice_tokens) if len(choice_tokens) > 1 else (),
                     choice_first_logprobs=tuple(logprobs) if logprobs and len(choice_tokens) > 1 else (),
+                    prompt_logprobs=tuple(r.prompt_logprobs or ()),
                 )
             )
         # let the event loop thread, woken by set_result, take the GIL now: otherwise it waits

@@ -111,6 +111,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             self._validate(request)
             sampling = sampling_from_pb(request.sampling, default_seed=random.getrandbits(63))
+            if sampling.prompt_logprobs is not None and not hasattr(self.engine.runner, "forward_all"):
+                raise ValueError("prompt logprobs are not available for this model yet")
             if sampling.grammar is not None:  # compiled off the loop (the first one loads xgrammar)
                 grammar = await asyncio.to_thread(grammar_state, self.model, sampling.grammar)
         except ValueError as exc:
@@ -136,7 +138,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             grammar=grammar,
         )
         pulled = Pulled(0, 0.0)
-        if request.pull_from and request.pull_blocks > 0 and self.puller is not None:
+        # a prompt whose logprobs are asked for is computed whole: nothing to pull
+        if (
+            request.pull_from
+            and request.pull_blocks > 0
+            and self.puller is not None
+            and sampling.prompt_logprobs is None
+        ):
             pull_ns = tracing.now_ns()
             try:
                 pulled = await self.puller.pull(job, request.pull_from, request.pull_blocks)
@@ -270,6 +278,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             first_logprobs=logprobs_to_pb(result.first_logprobs) if result.first_logprobs else None,
             choice_first_tokens=result.choice_first_tokens,
             choice_first_logprobs=[logprobs_to_pb(lp) for lp in result.choice_first_logprobs],
+            prompt_logprobs=[logprobs_to_pb(lp) for lp in result.prompt_logprobs],
         )
 
     def _release_when_computed(self, cfut, kv_push: KVPush | None) -> None:

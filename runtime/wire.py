@@ -27,6 +27,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int | None = N
         top_k=pb.top_k,
         seed=pb.seed if pb.HasField("seed") else default_seed,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
         n=pb.n or 1,
         grammar=GrammarSpec(pb.grammar.kind, pb.grammar.spec) if pb.HasField("grammar") else None,
     )
@@ -39,6 +40,8 @@ def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
         pb.seed = sampling.seed
     if sampling.logprobs is not None:
         pb.logprobs = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        pb.prompt_logprobs = sampling.prompt_logprobs
     if sampling.n != 1:
         pb.n = sampling.n
     if sampling.grammar is not None:

@@ -693,3 +693,24 @@ def test_best_of_returns_the_choice_whose_tokens_have_the_highest_summed_logprob
     assert best.choices[0].logprobs is None  # scored with logprobs the client did not ask for
     assert best.usage.completion_tokens == every.usage.completion_tokens  # every drawn token counts
     wait_idle(mesh)
+
+
+def test_echo_with_logprobs_gives_the_prompt_s_tokens_their_logprobs_first(mesh, front):
+    prompt = "The capital of France is"
+    want = complete(mesh, prompt, max_tokens=4, prompt_logprobs=1, logprobs=1)  # gRPC
+    ask = dict(model=_model(), prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    with front.openai() as client:
+        whole = client.completions.create(**ask)
+        chunks = list(client.completions.create(**ask, stream=True))
+    lp = whole.choices[0].logprobs
+    n_prompt = len(want.prompt_logprobs)
+    assert whole.choices[0].text == prompt + want.text
+    assert len(lp.tokens) == n_prompt + len(want.token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first
+    expected = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert "".join(lp.tokens[:n_prompt]) == prompt and lp.text_offset[0] == 0
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    wait_idle(mesh)

@@ -306,3 +306,27 @@ def test_a_cancel_of_n_choices_mid_stream_ends_them_all_and_frees_every_page(mes
     deltas, seen = asyncio.run(run())
     assert seen == {0, 1, 2} and deltas >= 12
     wait_idle(mesh)  # decode ended all three choices and freed their pages, prefill its own
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_over_the_whole_prompt_even_when_cached(mesh, reference):
+    # asked for, the prompt is computed whole (its cached blocks are not reused): each token's
+    # logprob given the ones before it equals transformers' within 1e-4, with its top tokens
+    model, tok, _ = reference
+    # over 512 tokens: two chunks, each position's logits from its own chunk's forward
+    prompt_ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 60, add_special_tokens=False)
+    assert len(prompt_ids) > 600
+    complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=1)  # now cached on prefill
+    got = complete(mesh, b"", prompt_token_ids=prompt_ids, max_tokens=3, prompt_logprobs=3, logprobs=0)
+    assert got.final.cached_tokens == 0  # computed whole
+    assert [lp.token_id for lp in got.prompt_logprobs] == prompt_ids
+    assert math.isnan(got.prompt_logprobs[0].logprob) and not got.prompt_logprobs[0].top_token_ids
+    with torch.inference_mode():
+        want = torch.log_softmax(model(torch.tensor([prompt_ids + got.token_ids[:-1]])).logits[0].float(), dim=-1)
+    for i in range(1, len(prompt_ids)):
+        lp = got.prompt_logprobs[i]
+        assert abs(lp.logprob - float(want[i - 1, prompt_ids[i]])) < 1e-4, i
+        assert list(lp.top_token_ids) == want[i - 1].topk(3).indices.tolist(), i
+    # the answer's own logprobs go on from there, the first token's from the prompt's last row
+    n = len(prompt_ids)
+    assert abs(got.logprobs[0].logprob - float(want[n - 1, got.token_ids[0]])) < 1e-4
+    wait_idle(mesh)

@@ -96,7 +96,6 @@ def test_a_completion_prompt_is_text_or_token_ids_alone_or_as_a_batch_of_one(pro
         ([1, 2], False, None),
         ({"prompt": "hi", "logprobs": 6}, False, "logprobs"),  # completions: at most 5
         ({"prompt": "hi", "logprobs": True}, False, "logprobs"),
-        ({"prompt": "hi", "logprobs": 1, "echo": True}, False, "echo"),  # prompt logprobs: not yet
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 2}, True, "logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, True, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
@@ -270,3 +269,21 @@ def test_best_of_generates_more_and_returns_the_n_with_the_highest_summed_logpro
     assert body["usage"]["completion_tokens"] == final.generated_tokens  # every choice's tokens
     assert openai_api.LogprobsShaper(ask, lambda t: ("", b"")).shape(lp[0]) is None
     assert parse({"prompt": "hi", "best_of": 2, "n": 2}, chat=False).best_of == 0  # nothing to pick from
+
+
+def test_echo_with_logprobs_asks_for_the_prompt_s_and_shapes_its_first_token_as_null():
+    ask = parse({"prompt": "hi", "logprobs": 2, "echo": True}, chat=False)
+    assert ask.echo and ask.request.sampling.prompt_logprobs == 2 and ask.request.sampling.logprobs == 2
+    assert not parse({"prompt": "hi", "echo": True}, chat=False).request.sampling.HasField("prompt_logprobs")
+    texts = {1: ("Hi", b"Hi"), 2: (" there", b" there")}
+    entries = [
+        common_pb2.TokenLogprobs(token_id=1, logprob=float("nan")),
+        common_pb2.TokenLogprobs(token_id=2, logprob=-1.5, top_token_ids=[1], top_logprobs=[-0.5]),
+    ]
+    shaped = openai_api.LogprobsShaper(ask, texts.__getitem__).shape(entries)
+    assert shaped == {
+        "tokens": ["Hi", " there"],
+        "token_logprobs": [None, -1.5],
+        "top_logprobs": [None, {"Hi": -0.5, " there": -1.5}],
+        "text_offset": [0, 2],
+    }

@@ -60,7 +60,7 @@ class PushBlocksResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., kv_digest: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "num_pages", "page_nbytes", "nbytes_sent", "transfer_s", "queue_s", "compute_s", "instance_id", "kv_digest", "traceparent", "exposed_transfer_s", "num_pulled_tokens", "pull_s", "first_logprobs", "choice_first_tokens", "choice_first_logprobs")
+    __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "num_pages", "page_nbytes", "nbytes_sent", "transfer_s", "queue_s", "compute_s", "instance_id", "kv_digest", "traceparent", "exposed_transfer_s", "num_pulled_tokens", "pull_s", "first_logprobs", "choice_first_tokens", "choice_first_logprobs", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class PrefillResponse(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_cached_tokens: int
     num_computed_tokens: int
@@ -97,4 +98,5 @@ class PrefillResponse(_message.Message):
     first_logprobs: _common_pb2.TokenLogprobs
     choice_first_tokens: _containers.RepeatedScalarFieldContainer[int]
     choice_first_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes_sent: _Optional[int] = ..., transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., kv_digest: _Optional[str] = ..., traceparent: _Optional[str] = ..., exposed_transfer_s: _Optional[float] = ..., num_pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., choice_first_tokens: _Optional[_Iterable[int]] = ..., choice_first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes_sent: _Optional[int] = ..., transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., kv_digest: _Optional[str] = ..., traceparent: _Optional[str] = ..., exposed_transfer_s: _Optional[float] = ..., num_pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., choice_first_tokens: _Optional[_Iterable[int]] = ..., choice_first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
