@@ -109,16 +109,19 @@ class Answer:
 
     def add(self, msg: decode_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse | None:
         """The delta of one decode message for its choice (msg.index; None when it carries
-        neither text nor tokens). Ends the choice on its last message or on a stop string; the
-        text ends before the stop string. Raises RequestFailed (INTERNAL) for a choice that is
-        not there or has ended."""
+        neither text nor tokens, or when its choice has ended here already: a stop string ends
+        a choice at the gateway while decode, which matches no text, goes on with it until the
+        others end). Ends the choice on its last message or on a stop string; the text ends
+        before the stop string. Raises RequestFailed (INTERNAL) for a choice that is not there."""
         if not self._decode_digest:
             self._decode_digest = msg.kv_digest
-        if not 0 <= msg.index < len(self._choices) or self._choices[msg.index].finish is not None:
+        if not 0 <= msg.index < len(self._choices):
             raise RequestFailed(
                 FailureCause.INTERNAL, f"[{self.request.request_id}] decode sent tokens for choice {msg.index}"
             )
         choice = self._choices[msg.index]
+        if choice.finish is not None:
+            return None
         choice.drafted, choice.accepted = max(choice.drafted, msg.num_drafted), max(choice.accepted, msg.num_accepted)
         token_ids = list(msg.token_ids)
         self.token_ids.extend(token_ids)

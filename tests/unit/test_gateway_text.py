@@ -79,3 +79,33 @@ def test_each_token_s_bytes_put_together_are_the_text_even_split_characters(toke
     assert all(t == raw.decode() for t, raw in pieces if "\ufffd" not in t)
     eos = tokenizer.eos_token_id
     assert token_text(eos) == (tokenizer.eos_token, tokenizer.eos_token.encode())
+
+
+def test_n_choices_end_on_their_own_and_a_stop_string_ends_one_while_decode_goes_on(tokenizer):
+    from engine.sampling_params import SamplingParams
+    from gateway.answer import Answer
+    from gateway.requests import GenerateInput
+    from protos.kvmesh.v1 import common_pb2, decode_pb2, prefill_pb2
+
+    ids = {w: tokenizer.encode(w, add_special_tokens=False) for w in (" red", " green", " blue", " sky")}
+    inp = GenerateInput("r", (1, 2, 3), SamplingParams(n=2, seed=1), 10, (" blue",), False)
+    answer = Answer(tokenizer, inp, frozenset({2}), arrived=0.0, waited=0.0, retries=0)
+    first = answer.first(
+        prefill_pb2.PrefillResponse(first_token=ids[" red"][0], choice_first_tokens=[ids[" red"][0], ids[" green"][0]])
+    )
+    assert [(d.delta.index, d.delta.text) for d in first] == [(0, " red"), (1, " green")]
+    # choice 0 reaches the stop string: it ends here, the text before it
+    hit = answer.add(decode_pb2.DecodeResponse(token_ids=ids[" blue"], index=0))
+    assert hit is not None and hit.delta.text == "" and answer.finish is None
+    # decode, which matches no text, goes on with choice 0: those tokens are dropped
+    assert answer.add(decode_pb2.DecodeResponse(token_ids=ids[" sky"], index=0)) is None
+    more = answer.add(
+        decode_pb2.DecodeResponse(token_ids=ids[" sky"], index=1, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    )
+    assert more.delta.index == 1 and more.delta.text == " sky" and answer.finish is not None
+    final = answer.final(prefill_pb2.PrefillResponse(), decode_pb2.ReserveResponse()).final
+    assert list(final.choice_finish) == [common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH]
+    assert final.finish_reason == "stop" and list(final.choice_generated_tokens) == [
+        1 + len(ids[" blue"]),
+        1 + len(ids[" sky"]),
+    ]
