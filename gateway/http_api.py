@@ -248,7 +248,7 @@ class HttpFront:
                 async with contextlib.aclosing(messages):
                     async for msg in messages:
                         if msg.HasField("final"):
-                            body = openai_api.response(
+                            whole = openai_api.response(
                                 ask,
                                 model,
                                 created,
@@ -257,7 +257,7 @@ class HttpFront:
                                 [shaper.shape(prompt + lp) for shaper, lp in zip(shapers, logprobs)],
                                 openai_api.best_choices(ask, logprobs),
                             )
-                            return JSONResponse(body)
+                            return JSONResponse(whole)
                         texts[msg.delta.index].append(msg.delta.text)
                         logprobs[msg.delta.index].extend(msg.delta.logprobs)
                         prompt.extend(msg.delta.prompt_logprobs)
