@@ -35,6 +35,16 @@ class _Choice:
         self.finish: FinishReason | None = None
         self.drafted = self.accepted = 0
 
+    def feed(self, token_ids: list[int], ended: FinishReason | None) -> str:
+        """Take the choice's new tokens (`ended`: the engines' finish rule ends it there): the
+        text to send, cut before a stop string, which ends the choice too."""
+        self.num_tokens += len(token_ids)
+        text, hit = self.stops.feed(self.detok.add(token_ids), final=ended is not None)
+        if ended is not None and not hit:
+            text += self.stops.feed(self.detok.flush(), final=True)[0]
+        self.finish = FinishReason.STOP if hit else ended
+        return text
+
 
 class Answer:
     """The text of one attempt and its ending, for each of its n choices (sampling.n).
@@ -92,13 +102,8 @@ class Answer:
             )
         deltas = []
         for i, (choice, token) in enumerate(zip(self._choices, tokens)):
-            ended = finish_reason(token, 1, self.request.max_tokens, self._stop_token_ids)
-            text, hit = choice.stops.feed(choice.detok.add([token]), final=ended is not None)
-            if ended is not None and not hit:
-                text += choice.stops.feed(choice.detok.flush(), final=True)[0]
+            text = choice.feed([token], finish_reason(token, 1, self.request.max_tokens, self._stop_token_ids))
             self.token_ids.append(token)
-            choice.num_tokens += 1
-            choice.finish = FinishReason.STOP if hit else ended
             delta = _delta(text, [token], i)
             if logprobs:
                 delta.delta.logprobs.append(logprobs[i])
@@ -125,12 +130,7 @@ class Answer:
         choice.drafted, choice.accepted = max(choice.drafted, msg.num_drafted), max(choice.accepted, msg.num_accepted)
         token_ids = list(msg.token_ids)
         self.token_ids.extend(token_ids)
-        choice.num_tokens += len(token_ids)
-        ended = FINISH_FROM_PB.get(msg.finish_reason)
-        text, hit = choice.stops.feed(choice.detok.add(token_ids), final=ended is not None)
-        if ended is not None and not hit:
-            text += choice.stops.feed(choice.detok.flush(), final=True)[0]
-        choice.finish = FinishReason.STOP if hit else ended
+        text = choice.feed(token_ids, FINISH_FROM_PB.get(msg.finish_reason))
         if not text and not token_ids:
             return None
         delta = _delta(text, token_ids, msg.index)
