@@ -35,10 +35,20 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pull-lengths", default="256,1024,2048", help="with --pull: prompt lengths, tokens, comma-separated"
     )
+    parser.add_argument(
+        "--fields",
+        action="store_true",
+        help="n choices against n requests, and one stream plain / with logprobs / under a grammar (bench/fields.py)",
+    )
+    parser.add_argument("--fields-prompt", type=int, default=512, help="with --fields: prompt tokens (default 512)")
     add_trace_arguments(parser)
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.fields:
+        from bench.fields import run_fields_bench
+
+        return run_fields_bench(args)
     if args.pull:
         from bench.pull import run_pull_bench
 
