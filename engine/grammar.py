@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.sampling_params import GrammarSpec
@@ -104,6 +105,14 @@ class Grammars:
             if not bool((bitmask[i] != 0).any()):
                 for t in self.stop_token_ids:
                     bitmask[i, t // 32] |= 1 << (t % 32)
+        if logits.device.type == "cpu":  # numpy, one thread: no OpenMP team woken on shared cores
+            V = logits.shape[-1]
+            words = bitmask.numpy().view(np.uint8)  # little-endian int32 words: bit t of the row is token t
+            allowed = np.unpackbits(words, axis=-1, bitorder="little")[:, :V].astype(bool)  # [rows, V]
+            values = logits.detach().numpy()
+            for i, row in enumerate(rows):
+                values[row, ~allowed[i]] = -np.inf
+            return
         with torch.inference_mode():  # the step's logits are inference tensors
             device_mask = bitmask.to(logits.device, non_blocking=True)
             index = list(rows)

@@ -96,6 +96,8 @@ def token_logprobs(
         raise ValueError(f"need one token and one SamplingParams per row: {n} rows, {len(token_ids)}, {len(params)}")
     if n == 0:
         return []
+    if logits.device.type == "cpu":
+        return _token_logprobs_host(logits, token_ids, params)
     dev = logits.device
     scale = torch.tensor(
         [p.temperature if p.temperature >= MIN_TEMPERATURE else 1.0 for p in params], dtype=torch.float32, device=dev
@@ -118,6 +120,34 @@ def token_logprobs(
                 float(host[i, 0]),
                 tuple(indices[i, :m].tolist()) if m else (),
                 tuple(values[i, :m].tolist()) if m else (),
+            )
+        )
+    return out
+
+
+def _token_logprobs_host(
+    logits: torch.Tensor, token_ids: Sequence[int], params: Sequence[SamplingParams]
+) -> list[TokenLogprobs]:
+    """token_logprobs on the CPU through numpy, one thread: torch's ops would wake an OpenMP
+    team per op, which costs more than the work on cores the other services share (as
+    `_argmax_rows`). The same numbers: log_softmax in fp32, top tokens most likely first."""
+    scale = np.array([p.temperature if p.temperature >= MIN_TEMPERATURE else 1.0 for p in params], np.float32)
+    x = logits.detach().float().numpy() / scale[:, None]  # [n, V]
+    peak = x.max(axis=-1, keepdims=True)
+    lse = peak + np.log(np.exp(x - peak).sum(axis=-1, keepdims=True))  # [n, 1]
+    out = []
+    for i, (token, p) in enumerate(zip(token_ids, params)):
+        k = min(p.logprobs or 0, x.shape[-1])
+        top: tuple[int, ...] = ()
+        if k:
+            part = np.argpartition(-x[i], k - 1)[:k]
+            top = tuple(int(t) for t in part[np.argsort(-x[i, part], kind="stable")])
+        out.append(
+            TokenLogprobs(
+                int(token),
+                float(x[i, token] - lse[i, 0]),
+                top,
+                tuple(float(x[i, t] - lse[i, 0]) for t in top),
             )
         )
     return out
