@@ -213,3 +213,19 @@ def test_a_service_asked_for_a_gpu_it_lacks_exits_at_once_naming_the_flag(servic
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("error: --device cuda:99: torch "), proc.stderr[-2000:]
     assert "serving on" not in proc.stderr + proc.stdout and "loaded" not in proc.stderr
+
+
+def test_logprobs_and_a_prompt_s_every_position_cost_one_host_copy_on_the_device(smollm2):
+    from engine.sampler import token_logprobs
+
+    def step():
+        logits = smollm2.forward_all([ForwardItem(list(range(100, 120)), 0, [0, 1])])  # [20, V]
+        assert tuple(logits.shape) == (20, smollm2.config.vocab_size)
+        # the fake host copy holds no values: reading them is where the test stops
+        with pytest.raises(DataDependentOutputException):
+            token_logprobs(logits[:2], [7, 9], [SamplingParams(logprobs=3)] * 2)
+
+    trace = _traced(step)
+    assert trace.violations() == []
+    (copy,) = trace.to_host_copies()  # chosen logprob, top values and top ids: one [2, 7] copy
+    assert copy[1] == (2, 7) and copy[2] == torch.float32
