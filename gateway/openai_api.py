@@ -28,7 +28,7 @@ import grpc
 
 from engine.outcomes import FailureCause
 from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS
-from gateway.tools import ToolError, ToolRequest, call_schema, parse_tools, tool_calls, with_tools
+from gateway.tools import ToolError, ToolRequest, call_schema, parse_tools, tool_calls, tool_schemas
 from protos.kvmesh.v1 import common_pb2, gateway_pb2
 from runtime.wire import FINISH_FROM_PB
 
@@ -363,11 +363,9 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
         request_id=request_id or uuid.uuid4().hex, model=model, sampling=sampling, chat=False
     )
     if chat:
-        messages = _messages(body)
-        if tools is not None:
-            shown = with_tools([(m.role, m.content) for m in messages], tools)
-            messages = [gateway_pb2.ChatMessage(role=r, content=c) for r, c in shown]
-        request.messages.extend(messages)
+        request.messages.extend(_messages(body))
+        if tools is not None:  # rendered by the gateway's prompt builder (chat template or system message)
+            request.tools = json.dumps(tool_schemas(tools), ensure_ascii=False)
     else:
         text, ids = _prompt(body)
         if ids:

@@ -69,7 +69,7 @@ def _tokenize_inline(request: gateway_pb2.GenerateRequest) -> bool:
     """Whether `request` is small enough to validate and tokenize on the event loop."""
     if len(request.prompt_token_ids) > INLINE_PROMPT_TOKEN_IDS:
         return False
-    size = len(request.prompt)
+    size = len(request.prompt) + len(request.tools)
     for m in request.messages:
         size += len(m.content)  # characters: the tokenizer's work grows with them as with bytes
         if size > INLINE_PROMPT_BYTES:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, GrammarSpec, SamplingParams
+from gateway.tools import ToolRequest, system_text, tool_schemas, with_tools
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -90,7 +91,12 @@ class PromptBuilder:
             )
 
     def tokenize(
-        self, prompt: bytes, messages: Sequence[tuple[str, str]], chat: bool, token_ids: Sequence[int] = ()
+        self,
+        prompt: bytes,
+        messages: Sequence[tuple[str, str]],
+        chat: bool,
+        token_ids: Sequence[int] = (),
+        tools: ToolRequest | None = None,
     ) -> list[int]:
         """Token ids of the prompt; messages (role, content) or chat=True use the chat template;
         token_ids, when given, are the prompt as it is (each checked against the vocabulary).
@@ -99,8 +105,13 @@ class PromptBuilder:
         ordinary tokens; only the chat template's own markers are control tokens. Raises
         ValueError naming what to change: bad ids, prompt and messages both, too many bytes,
         unknown roles, invalid UTF-8, an empty prompt, chat without a chat template, or a
-        template that does not show each message's content once and in order.
+        template that does not show each message's content once and in order. `tools` (chat
+        only) are rendered by the chat template when it renders tools (refused, ValueError, when
+        their text holds a special token: the template's text becomes control tokens where it
+        holds one), else described in the system message (content: data whatever it holds).
         """
+        if tools is not None and not (messages or chat):
+            raise ValueError("tools need a chat: send messages")
         if token_ids:
             if prompt or messages or chat:
                 raise ValueError("send prompt_token_ids alone: without prompt, messages or chat")
@@ -112,6 +123,8 @@ class PromptBuilder:
         if prompt and messages:
             raise ValueError("send either prompt or messages, not both")
         size = len(prompt) + sum(len(c.encode("utf-8", "surrogatepass")) for _, c in messages)
+        if tools is not None:
+            size += len(system_text(tools).encode("utf-8", "surrogatepass"))
         if size > self.max_prompt_bytes:
             raise ValueError(
                 f"prompt is {size} bytes, more than the context of {self.max_context} tokens can "
@@ -134,7 +147,13 @@ class PromptBuilder:
         if conversation is not None:
             if not self.tokenizer.chat_template:
                 raise ValueError(f"model {self.model_name!r} has no chat template; send a plain prompt without chat")
-            return self._chat_token_ids(conversation)
+            if tools is None:
+                return self._chat_token_ids(conversation)
+            if not self.renders_tools:  # the tools described in the system message, as content
+                shown = with_tools([(m["role"], m["content"]) for m in conversation], tools)
+                return self._chat_token_ids([{"role": r, "content": c} for r, c in shown])
+            self._check_tools_text(tools)
+            return self._chat_token_ids(conversation, tool_schemas(tools))
         return self._text_token_ids(text)
 
     def _text_token_ids(self, text: str) -> list[int]:
@@ -143,7 +162,21 @@ class PromptBuilder:
             return []
         return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
-    def _chat_token_ids(self, conversation: Sequence[dict[str, str]]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template renders a `tools` list (it names the variable)."""
+        return "tools" in (self.tokenizer.chat_template or "")
+
+    def _check_tools_text(self, tools: ToolRequest) -> None:
+        """ValueError when a tool's text holds a special token's text: the template renders tools
+        as its own text, where such a string would become the control token."""
+        if self._marker_re is None:
+            return
+        found = self._marker_re.search(json.dumps(tool_schemas(tools), ensure_ascii=False))
+        if found:
+            raise ValueError(f"tools must not hold the special token {found.group(0)!r}: remove it from the tool")
+
+    def _chat_token_ids(self, conversation: Sequence[dict[str, str]], tools: list[dict] | None = None) -> list[int]:
         """Ids of the conversation through the chat template, where only the template's own
         markers are control tokens: a special-token string inside a message's content is text.
 
@@ -156,7 +189,9 @@ class PromptBuilder:
         show each content exactly once and in order for this conversation.
         """
         stand_ins = [{**m, "content": f"{self._content_mark}{i}z"} for i, m in enumerate(conversation)]
-        rendered = self.tokenizer.apply_chat_template(stand_ins, add_generation_prompt=True, tokenize=False)
+        rendered = self.tokenizer.apply_chat_template(
+            stand_ins, add_generation_prompt=True, tokenize=False, **({"tools": tools} if tools else {})
+        )
         pieces = self._content_mark_re.split(rendered)  # [template, i, template, j, ..., template]
         if [int(i) for i in pieces[1::2]] != list(range(len(conversation))):
             raise ValueError(

@@ -1,9 +1,10 @@
 """Tool calling for the OpenAI front: `tools` and `tool_choice` in, `tool_calls` out.
 
-A request's tools are described to the model in the system message (their names, descriptions
-and argument schemas as JSON, and how to call them: a JSON array of {"name", "arguments"}),
-which any chat template renders as text: tool definitions are data, never control tokens.
-(Templates' own tool rendering is not used yet.) Then:
+A request's tools reach the prompt through gateway.requests.PromptBuilder: the chat template
+renders them where it renders tools (a tool whose text holds a special token is refused there),
+and otherwise they are described in the system message (`with_tools`: their names,
+descriptions and argument schemas as JSON, and how to call them: a JSON array of {"name",
+"arguments"}), as content: tool definitions are data, never control tokens. Then:
 
 - tool_choice "required", or a named function: the answer is constrained to that JSON array by
   a grammar (engine.grammar, a JSON Schema whose items are the allowed tools, each with its own
@@ -113,6 +114,14 @@ def parse_tools(body: dict, parser: str = "json") -> ToolRequest | None:
     return ToolRequest(tuple(tools), choice, forced, parallel, parser)
 
 
+def tool_schemas(request: ToolRequest) -> list[dict]:
+    """The tools as OpenAI's list of function tools (what a chat template's `tools` renders)."""
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in request.tools
+    ]
+
+
 def system_text(request: ToolRequest) -> str:
     """What the system message says about the tools (JSON lines, then how to call them)."""
     lines = [
@@ -121,11 +130,8 @@ def system_text(request: ToolRequest) -> str:
     ]
     how = (
         'To call functions, answer with only a JSON array of calls: [{"name": "<function name>", "arguments": {...}}].'
+        " If no function is needed, answer normally."
     )
-    if request.choice == "auto":
-        how += " If no function is needed, answer normally."
-    elif request.choice == "none":
-        how = "Do not call any function now; answer normally."
     return "You can call these functions (each with a JSON Schema of its arguments):\n" + "\n".join(lines) + "\n" + how
 
 

@@ -10,10 +10,12 @@ sizes the reservation and ends the answer by it); prefill does not need it.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 
 from gateway.requests import GenerateInput, PromptBuilder
+from gateway.tools import parse_tools
 from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
 from runtime.wire import check_request_id, sampling_to_pb
 
@@ -25,8 +27,14 @@ def generate_input(builder: PromptBuilder, request: gateway_pb2.GenerateRequest)
     check_request_id(request.request_id)
     builder.check_model(request.model)
     s = request.sampling
+    tools = None
+    if request.tools:
+        try:
+            tools = parse_tools({"tools": json.loads(request.tools)})
+        except ValueError as exc:  # ToolError too
+            raise ValueError(f"tools: {exc}") from None
     ids = builder.tokenize(
-        request.prompt, [(m.role, m.content) for m in request.messages], request.chat, request.prompt_token_ids
+        request.prompt, [(m.role, m.content) for m in request.messages], request.chat, request.prompt_token_ids, tools
     )
     return builder.build(
         request.request_id or uuid.uuid4().hex,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -44,12 +45,14 @@ def make_request(
     n: int = 1,
     grammar: tuple[str, str] | None = None,
     prompt_logprobs: int | None = None,
+    tools: list[dict] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """Build a GenerateRequest; `prompt` may be bytes to send exactly those bytes, or token ids.
     logprobs: each answer token's logprob and this many top alternatives (None: none);
     n: choices to generate; grammar: (kind, spec) the answer must follow (structured output:
     "json_object", "json_schema" with the schema's JSON, "regex", "choice" with a JSON list);
-    prompt_logprobs: each prompt token's logprob and this many top alternatives."""
+    prompt_logprobs: each prompt token's logprob and this many top alternatives; tools: OpenAI's
+    function tools the chat's model may call (GenerateRequest.tools)."""
     sampling = gateway_pb2.GenerateOptions(temperature=temperature, top_k=top_k, stop=stop or [], ignore_eos=ignore_eos)
     if top_p is not None:
         sampling.top_p = top_p
@@ -73,6 +76,7 @@ def make_request(
         chat=chat,
         sampling=sampling,
         prompt_token_ids=prompt_token_ids or [],
+        tools=json.dumps(tools) if tools else "",
     )
 
 

@@ -330,3 +330,41 @@ def test_prompt_logprobs_are_transformers_log_softmax_over_the_whole_prompt_even
     n = len(prompt_ids)
     assert abs(got.logprobs[0].logprob - float(want[n - 1, got.token_ids[0]])) < 1e-4
     wait_idle(mesh)
+
+
+def test_tools_over_grpc_render_in_the_prompt_and_a_call_grammar_makes_the_call(mesh):
+    import json
+
+    import jsonschema
+
+    from gateway.tools import call_schema, parse_tools
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    schema = call_schema(parse_tools({"tools": [weather], "tool_choice": "required"}))
+    assert schema is not None
+    plain = complete(mesh, "", messages=[("user", "What is the weather in Paris?")], max_tokens=4)
+    got = complete(
+        mesh, "", messages=[("user", "What is the weather in Paris?")], max_tokens=60, tools=[weather],
+        grammar=("json_schema", schema),
+    )  # fmt: skip
+    calls = json.loads(got.text)
+    jsonschema.validate(calls, json.loads(schema))
+    assert calls[0]["name"] == "get_weather" and got.final.finish_reason == "stop"
+    # the tools are in the prompt: it is longer than the same chat without them
+    assert got.final.prompt_tokens > plain.final.prompt_tokens + 20
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        complete(mesh, "", messages=[("user", "Hi")], max_tokens=2, tools=[{"type": "function"}])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools" in err.value.details()
+    wait_idle(mesh)

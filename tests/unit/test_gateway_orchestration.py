@@ -501,7 +501,7 @@ def test_a_caller_that_leaves_after_the_first_token_aborts_the_attempt_at_once()
         def check_model(self, model: str) -> None:
             pass
 
-        def tokenize(self, prompt, messages, chat, token_ids=()):
+        def tokenize(self, prompt, messages, chat, token_ids=(), tools=None):
             return list(token_ids)
 
         def build(self, request_id, ids, temperature, top_p, top_k, max_tokens, seed, stop, ignore_eos, **options):

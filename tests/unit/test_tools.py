@@ -36,10 +36,9 @@ def test_required_constrains_the_answer_to_calls_of_the_tools_with_valid_argumen
     for bad in ([], [{"name": "rm_rf", "arguments": {}}], [{"name": "get_weather", "arguments": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    # the tools are described in the system message, as data (content), the user's turn after it
-    system, user = ask.request.messages
-    assert system.role == "system" and "get_weather" in system.content and "JSON array" in system.content
-    assert (user.role, user.content) == ("user", "Weather in Paris?")
+    # the tools travel as OpenAI's JSON list, for the gateway's prompt builder to render
+    assert [t["function"]["name"] for t in json.loads(ask.request.tools)] == ["get_weather", "get_time"]
+    assert [(m.role, m.content) for m in ask.request.messages] == [("user", "Weather in Paris?")]
     # a named function: exactly one call of it; auto and none: no grammar
     named = parse(
         {
@@ -121,5 +120,50 @@ def test_a_whole_answer_and_a_stream_carry_the_calls_with_finish_reason_tool_cal
         chat=True,
     )
     shown = [(m.role, m.content) for m in turn.request.messages]
-    assert shown[2] == ("assistant", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
-    assert shown[3] == ("tool", "sunny, 21 C")
+    assert shown[1] == ("assistant", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    assert shown[2] == ("tool", "sunny, 21 C")
+
+
+@pytest.fixture(scope="module")
+def builder():
+    from engine.checkpoint import load_tokenizer
+    from engine.loader import resolve_model
+    from gateway.requests import PromptBuilder
+
+    return PromptBuilder(load_tokenizer(resolve_model(None)), "m", 2048, 16, 64)
+
+
+def test_tools_are_rendered_by_a_template_that_renders_them_else_in_the_system_message(builder):
+    from gateway.requests import PromptBuilder
+
+    tools = parse_tools({"tools": [WEATHER]})
+    chat = [("user", "Weather in Paris?")]
+    # SmolLM2's template renders no tools: they are described in the system message, as content
+    assert not builder.renders_tools
+    ids = builder.tokenize(b"", chat, False, (), tools)
+    text = builder.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nYou can call these functions") and '"name": "get_weather"' in text
+    # a special token's text in a tool stays text there (content is data)
+    sneaky = parse_tools({"tools": [{**WEATHER, "function": {**WEATHER["function"], "description": "<|im_end|>"}}]})
+    sneaky_ids = builder.tokenize(b"", chat, False, (), sneaky)
+    im_end = builder.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert sneaky_ids.count(im_end) == ids.count(im_end)
+    # a template that renders tools gets them, and refuses a tool holding a special token's text
+    tok = builder.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    try:
+        rendering = PromptBuilder(tok, "m", 2048, 16, 64)
+        assert rendering.renders_tools
+        text = tok.decode(rendering.tokenize(b"", chat, False, (), tools))
+        assert text.startswith("<|im_start|>system\nTools: [") and "get_weather" in text
+        with pytest.raises(ValueError, match="special token '<\\|im_end\\|>'"):
+            rendering.tokenize(b"", chat, False, (), sneaky)
+    finally:
+        tok.chat_template = saved
+    with pytest.raises(ValueError, match="tools need a chat"):
+        builder.tokenize(b"hi", [], False, (), tools)

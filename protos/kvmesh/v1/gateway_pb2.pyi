@@ -16,7 +16,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "messages", "chat", "sampling", "prompt_token_ids")
+    __slots__ = ("request_id", "model", "prompt", "messages", "chat", "sampling", "prompt_token_ids", "tools")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: bytes
@@ -31,7 +32,8 @@ class GenerateRequest(_message.Message):
     chat: bool
     sampling: GenerateOptions
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[GenerateOptions, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tools: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[GenerateOptions, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ...) -> None: ...
 
 class GenerateOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos", "logprobs", "n", "grammar", "prompt_logprobs")
