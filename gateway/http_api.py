@@ -220,6 +220,8 @@ class HttpFront:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(400, "the body is not valid JSON", FailureCause.BAD_REQUEST)
+        except RecursionError:
+            return error_response(400, "the body nests too deeply", FailureCause.BAD_REQUEST)
         try:
             ask = openai_api.parse(body, chat, request.headers.get("x-request-id", ""), self.tool_parser)
         except BadField as exc:

@@ -386,6 +386,18 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
     )
 
 
+LOGPROB_FLOOR = -9999.0
+"""What a logprob of -inf (a token a grammar's mask or top-k ruled out) reads as in JSON, which
+has no infinity: OpenAI's and vLLM's value for it."""
+
+
+def _finite(value: float) -> float | None:
+    """A logprob as JSON can hold it: -inf as LOGPROB_FLOOR, NaN (nothing predicts the token) None."""
+    if math.isnan(value):
+        return None
+    return max(value, LOGPROB_FLOOR)
+
+
 class LogprobsShaper:
     """OpenAI's `logprobs` objects from the answer's TokenLogprobs messages, chunk by chunk.
 
@@ -414,13 +426,13 @@ class LogprobsShaper:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             text = self.token_text(e.token_id)[0]
-            top: dict | None = {self.token_text(t)[0]: lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
-            if math.isnan(e.logprob):  # an echoed prompt's first token: nothing predicts it
-                top = None
-            else:
-                top.setdefault(text, e.logprob)  # type: ignore[union-attr]
+            logprob = _finite(e.logprob)
+            top: dict | None = None
+            if logprob is not None:  # None: an echoed prompt's first token, which nothing predicts
+                top = {self.token_text(t)[0]: _finite(lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+                top.setdefault(text, logprob)
             out["tokens"].append(text)
-            out["token_logprobs"].append(None if math.isnan(e.logprob) else e.logprob)
+            out["token_logprobs"].append(logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
@@ -430,10 +442,10 @@ class LogprobsShaper:
         text, raw = self.token_text(e.token_id)
         return {
             "token": text,
-            "logprob": e.logprob,
+            "logprob": _finite(e.logprob),
             "bytes": list(raw),
             "top_logprobs": [
-                {"token": t_text, "logprob": lp, "bytes": list(t_raw)}
+                {"token": t_text, "logprob": _finite(lp), "bytes": list(t_raw)}
                 for (t_text, t_raw), lp in ((self.token_text(t), lp) for t, lp in zip(e.top_token_ids, e.top_logprobs))
             ],
         }

@@ -119,3 +119,10 @@ def test_health_says_503_until_started_and_models_list_the_served_one(front):
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["M"]
     assert client.get("/v1/models/m").json()["max_model_len"] == 100  # any case, as the gateway matches
     assert client.get("/v1/models/gpt-4").status_code == 404
+
+
+def test_a_body_nested_too_deeply_for_the_json_parser_is_a_400(front):
+    client, path = front([FINAL])
+    r = client.post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
+    assert path.requests == []

@@ -287,3 +287,15 @@ def test_echo_with_logprobs_asks_for_the_prompt_s_and_shapes_its_first_token_as_
         "top_logprobs": [None, {"Hi": -0.5, " there": -1.5}],
         "text_offset": [0, 2],
     }
+
+
+def test_a_logprob_of_minus_infinity_reads_as_openai_s_floor_in_json():
+    # a grammar's mask leaves fewer allowed tokens than top_logprobs asks for: the rest are -inf
+    chat = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, chat=True)
+    entry = common_pb2.TokenLogprobs(token_id=1, logprob=0.0, top_token_ids=[1, 2], top_logprobs=[0.0, float("-inf")])
+    shaped = openai_api.LogprobsShaper(chat, lambda t: (str(t), b"x")).shape([entry])
+    assert [t["logprob"] for t in shaped["content"][0]["top_logprobs"]] == [0.0, openai_api.LOGPROB_FLOOR]
+    json.dumps(shaped, allow_nan=False)  # valid JSON
+    completion = parse({"prompt": "hi", "logprobs": 1}, chat=False)
+    shaped = openai_api.LogprobsShaper(completion, lambda t: (str(t), b"x")).shape([entry])
+    assert shaped["top_logprobs"] == [{"1": 0.0, "2": openai_api.LOGPROB_FLOOR}]
