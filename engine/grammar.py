@@ -57,8 +57,10 @@ class Grammars:
         not parse, choices that are not a non-empty list of strings."""
         try:
             with self._lock:
-                if spec.kind == "json_object":
-                    return self._compiler.compile_builtin_json_grammar()
+                if spec.kind == "json_object":  # any object (not any JSON value), additional keys allowed
+                    return self._compiler.compile_json_schema(
+                        '{"type": "object"}', any_whitespace=False, strict_mode=False
+                    )
                 if spec.kind == "json_schema":
                     try:
                         json.loads(spec.spec)  # a clear error for text that is not JSON at all

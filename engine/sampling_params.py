@@ -4,6 +4,7 @@ without loading torch (`engine.sampler` applies it to logits)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -121,3 +122,58 @@ class GrammarSpec:
             raise ValueError(f"grammar kind must be one of {list(GRAMMAR_KINDS)}, got {self.kind[:32]!r}")
         if len(self.spec) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the grammar is {len(self.spec)} characters, more than {MAX_GRAMMAR_CHARS}")
+        if self.kind == "json_object" and self.spec:
+            raise ValueError("json_object takes no spec (send a json_schema to constrain the object)")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.spec)
+            except (ValueError, RecursionError):
+                raise ValueError("the json_schema is not JSON") from None
+            check_json_schema(schema)
+
+
+JSON_SCHEMA_KEYWORDS = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+        "enum", "const", "anyOf", "$ref", "$defs", "definitions", "minLength", "maxLength", "pattern", "format",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "title", "description", "default", "examples",
+        "$schema", "$id", "$comment",
+    }
+)  # fmt: skip
+"""The JSON Schema keywords a json_schema may use: those the grammar enforces (xgrammar's, close
+to OpenAI's strict structured outputs) and annotations. Any other keyword (`not`, `if`,
+`contains`, `allOf`, `oneOf`, `dependentSchemas`, `uniqueItems`, ...) is refused rather than
+silently not enforced."""
+
+MAX_SCHEMA_DEPTH = 64
+"""Deepest nesting of schemas a json_schema may have."""
+
+
+def check_json_schema(schema, depth: int = 0, where: str = "schema") -> None:
+    """ValueError naming the first keyword outside JSON_SCHEMA_KEYWORDS (at any depth), a $ref
+    that is not local ("#/..."), or nesting past MAX_SCHEMA_DEPTH. `schema`: parsed JSON."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the json_schema nests more than {MAX_SCHEMA_DEPTH} levels")
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON Schema (an object or a boolean)")
+    for key, value in schema.items():
+        if key not in JSON_SCHEMA_KEYWORDS:
+            raise ValueError(
+                f"the json_schema keyword {key[:40]!r} at {where} is not supported (it would not be enforced)"
+            )
+        if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            raise ValueError(f"{where}: only local $refs ('#/...') are supported")
+        if key in ("properties", "$defs", "definitions"):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}.{key} must be an object of schemas")
+            for name, sub in value.items():
+                check_json_schema(sub, depth + 1, f"{where}.{key}.{name}"[:200])
+        elif key in ("items", "additionalProperties") and not isinstance(value, bool):
+            check_json_schema(value, depth + 1, f"{where}.{key}"[:200])
+        elif key in ("prefixItems", "anyOf"):
+            if not isinstance(value, list):
+                raise ValueError(f"{where}.{key} must be a list of schemas")
+            for i, sub in enumerate(value):
+                check_json_schema(sub, depth + 1, f"{where}.{key}[{i}]"[:200])

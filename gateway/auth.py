@@ -54,7 +54,7 @@ class ApiKeys:
             digest = hashlib.sha256(key.encode()).digest()
             self._digests.append(digest)
             shared = namespaces.get(key, "")
-            if shared and not _NAMESPACE.match(shared):
+            if shared and not _NAMESPACE.fullmatch(shared):
                 raise ValueError(f"a cache namespace must match [A-Za-z0-9._-]{{1,64}}, got {shared!r}")
             # a key's own tenant is named by its digest: stable whatever the file's order,
             # and nothing another tenant could name

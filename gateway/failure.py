@@ -24,11 +24,14 @@ class RequestFailed(Exception):
         message: str,
         instance: InstanceLoad | None = None,
         retry_after_s: float | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.cause = cause
         self.instance = instance
         self.retry_after_s = retry_after_s
+        self.param = param
+        """The request field at fault (OpenAI's error `param`), when one is."""
         self.wait_for_room = False
         """The attempt found a full pool and may be tried again once answers end."""
 

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import socket
 import time
 from collections.abc import AsyncGenerator
@@ -67,6 +68,32 @@ def failure_response(failure: RequestFailed, param: str | None = None) -> JSONRe
     if failure.cause == FailureCause.UNKNOWN_MODEL:
         param = "model"
     return error_response(openai_api.http_status(status_of(failure.cause)), str(failure), failure.cause, param, retry)
+
+
+_FIELD_AT_FAULT = re.compile(
+    r"^(?:\[[^\]]*\] )?(max_tokens|temperature|top_p|top_k|seed|logprobs|prompt_logprobs|n|message roles|"
+    r"the session id|prompt|tools)\b"
+)
+_PARAM_OF_WORDS = {"message roles": "messages", "the session id": "x-session-id", "prompt": "prompt"}
+
+
+def _param_of(failure: RequestFailed, ask: OpenAIRequest) -> str | None:
+    """The request field a refused request names (OpenAI's error `param`): the failure's own,
+    the field that asked for a grammar the instances refused, or the field the message starts
+    with (the request path's checks say what to change, field first)."""
+    if failure.cause != FailureCause.BAD_REQUEST:
+        return failure.param
+    if failure.param == "n" and ask.best_of:
+        return "best_of"
+    if failure.param:
+        return failure.param
+    text = str(failure)
+    if "grammar: " in text:
+        return ask.grammar_field or None
+    found = _FIELD_AT_FAULT.match(text)
+    if found is None:
+        return None
+    return _PARAM_OF_WORDS.get(found.group(1), found.group(1))
 
 
 class HttpFront:
@@ -264,9 +291,7 @@ class HttpFront:
                         logprobs[msg.delta.index].extend(msg.delta.logprobs)
                         prompt.extend(msg.delta.prompt_logprobs)
         except RequestFailed as failure:
-            # a grammar the instances could not compile, or that matches nothing: name the field
-            grammar_error = failure.cause == FailureCause.BAD_REQUEST and "grammar: " in str(failure)
-            return failure_response(failure, ask.grammar_field if grammar_error else None)
+            return failure_response(failure, _param_of(failure, ask))
         except ClientGone:
             logger.info("client disconnected before the answer; request cancelled")
             return Response(status_code=499)

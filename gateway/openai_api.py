@@ -309,6 +309,11 @@ def parse(body: Any, chat: bool, request_id: str = "", tool_parser: str = "json"
     ignore_eos = _get(body, "ignore_eos", (bool,), "a boolean") or False
     _get(body, "user", (str,), "a string")  # accepted and unused, as OpenAI's abuse-tracking field
     logprobs = _logprobs(body, chat)
+    for name, off, endpoint in (("echo", False, "completions"), ("best_of", 1, "completions")):
+        if chat and body.get(name) not in (None, off):
+            raise BadField(f"{name} is for /v1/{endpoint}", name)
+    if not chat and body.get("tool_choice") not in (None, "none"):
+        raise BadField("tool_choice is for /v1/chat/completions", "tool_choice")
     echo = False if chat else _get(body, "echo", (bool,), "a boolean") or False
     best_of = None if chat else _get(body, "best_of", (int,), "an integer")
     if best_of is not None:

@@ -168,6 +168,11 @@ class InstancePool:
         """Requests the routable decode instances take at once (their reported slots)."""
         return sum(d.max_requests or DEFAULT_DECODE_SLOTS for d in self.decodes if d.routable)
 
+    def max_decode_batch(self) -> int:
+        """The largest batch a routable decode instance reported (sequences at once); 0 while
+        none has reported one."""
+        return max((d.max_requests for d in self.decodes if d.routable), default=0)
+
     def check_usable(self) -> None:
         """Raises MismatchError when every prefill or every decode instance disagrees with
         this gateway (page size, model), LookupError when none of one kind is routable."""

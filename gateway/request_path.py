@@ -199,6 +199,14 @@ class RequestPath:
             raise RequestFailed(FailureCause.MISMATCH, f"[{rid}] {exc}") from None
         except LookupError as exc:
             raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
+        largest = self.pool.max_decode_batch()
+        if largest and inp.sampling.n > largest:  # refused before any leg runs: no decode could hold it
+            raise RequestFailed(
+                FailureCause.BAD_REQUEST,
+                f"[{rid}] n is {inp.sampling.n}, more than the largest decode batch ({largest} sequences); "
+                f"ask for at most {largest} choices",
+                param="n",
+            )
         t0 = tracing.now_ns()
         n_prompt = len(inp.prompt_token_ids)
         try:
@@ -241,6 +249,7 @@ class RequestPath:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self.admission.max_queue_time_s
         hashes: Sequence[bytes] | None = None
+        waited_for_room = False  # decode was full: Reserve goes first from then on (no Prefill wasted)
         while True:
             attempt: Attempt | None = None
             answer = Answer(self.builder.tokenizer, inp, self.eos_token_ids, arrived, waited, retries)
@@ -268,7 +277,10 @@ class RequestPath:
                     self.pool.max_queued_prefill_tokens(exclude) + n_prompt
                 )
                 decode_blocks = self.pool.decode_reuse(decode, cached_blocks)
-                await attempt.open(hops, prefill_by, hashes, decode_hit=decode_blocks > 0)
+                # Reserve first (Prefill waits for it) when decode holds some of the prompt, when
+                # a full decode was waited for, or for n choices (a larger reservation)
+                reserve_first = decode_blocks > 0 or waited_for_room or inp.sampling.n > 1
+                await attempt.open(hops, prefill_by, hashes, decode_hit=reserve_first)
                 try:
                     prefill, cached_hint = self.pool.pick_prefill(
                         n_prompt, cached_blocks, hashes, exclude, tiered_blocks
@@ -317,6 +329,7 @@ class RequestPath:
                 if failure.wait_for_room and loop.time() < give_up_at:
                     # decode had no pages after all (or another gateway filled it): answers end
                     # every step, so try again shortly, within the queue's time bound
+                    waited_for_room = True
                     await asyncio.sleep(min(0.5, give_up_at - loop.time()))
                     continue
                 if failure.cause.retryable and failure.instance is not None and retries == 0:

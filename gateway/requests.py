@@ -290,13 +290,6 @@ class PromptBuilder:
             spec = GrammarSpec(*grammar) if grammar is not None else None
         except ValueError as exc:
             raise ValueError(f"grammar: {exc}") from None
-        if spec is not None and spec.kind == "json_schema":
-            try:
-                schema = json.loads(spec.spec)
-            except ValueError:
-                raise ValueError("grammar: the json_schema is not JSON") from None
-            if not isinstance(schema, dict | bool):
-                raise ValueError("grammar: the json_schema must be a JSON object")
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("prompt is empty after tokenization; send some text")

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ToolError(ValueError):
@@ -84,7 +84,7 @@ def parse_tools(body: dict, parser: str = "json") -> ToolRequest | None:
         if not isinstance(fn, dict):
             raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
         name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ToolError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}", "tools")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict) or params.get("type", "object") != "object":

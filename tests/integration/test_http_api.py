@@ -598,6 +598,12 @@ def test_structured_output_follows_the_schema_regex_or_choice_from_the_first_tok
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "not supported"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+         "response_format", "'not'"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+          {"x": {"type": "array", "contains": {"const": 1}}}}}}], "tool_choice": "required"}, "tools", "'contains'"),
+        ({"n": 1000}, "n", "n must be in"),
+        ({"n": 100}, "n", "largest decode batch"),
     ],
 )  # fmt: skip
 def test_a_bad_grammar_is_a_400_naming_its_field_and_nothing_is_held(mesh, front, body, param, words):

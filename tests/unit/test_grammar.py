@@ -100,19 +100,19 @@ def _stop_mask(g: Grammars) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "spec,message",
+    "kind,spec,message",
     [
-        (GrammarSpec("json_schema", "{not json"), "not JSON|does not compile"),
-        (GrammarSpec("json_schema", json.dumps({"type": "nonsense"})), "does not compile"),
-        (GrammarSpec("regex", "a("), "does not compile"),
-        (GrammarSpec("regex", "[^\\s\\S]"), "matches no text"),
-        (GrammarSpec("choice", json.dumps([])), "non-empty list of strings"),
+        ("json_schema", "{not json", "not JSON"),
+        ("json_schema", json.dumps({"type": "nonsense"}), "does not compile"),
+        ("regex", "a(", "does not compile"),
+        ("regex", "[^\\s\\S]", "matches no text"),
+        ("choice", json.dumps([]), "non-empty list of strings"),
     ],
 )
-def test_bad_grammars_say_what_is_wrong(grammars, spec, message):
+def test_bad_grammars_say_what_is_wrong(grammars, kind, spec, message):
     g, _ = grammars
     with pytest.raises(ValueError, match=message):
-        g.check(spec)
+        g.check(GrammarSpec(kind, spec))
 
 
 def test_a_dead_end_allows_the_stop_tokens_so_the_answer_ends():
@@ -128,3 +128,34 @@ def test_a_dead_end_allows_the_stop_tokens_so_the_answer_ends():
     assert torch.isinf(logits[1]).sum() == 39 and logits[1, 3] == 0 and not torch.isinf(logits[0]).any()
     with pytest.raises(ValueError, match="grammar kind"):
         GrammarSpec("yaml")
+
+
+@pytest.mark.parametrize(
+    "schema,words",
+    [
+        ({"type": "array", "contains": {"const": 42}}, "'contains'"),
+        ({"not": {"type": "string"}}, "'not'"),
+        ({"if": {"type": "string"}, "then": {"maxLength": 3}}, "'if'"),
+        ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}, "'uniqueItems' at schema.properties.a"),
+        ({"$ref": "https://example.com/schema.json"}, "local \\$refs"),
+        ({"anyOf": [{"type": "string"}, {"oneOf": []}]}, "'oneOf'"),
+    ],
+)  # fmt: skip
+def test_a_json_schema_keyword_the_grammar_would_not_enforce_is_refused(schema, words):
+    with pytest.raises(ValueError, match=words):
+        GrammarSpec("json_schema", json.dumps(schema))
+    nested: dict = {"type": "string"}
+    for _ in range(70):
+        nested = {"type": "array", "items": nested}
+    with pytest.raises(ValueError, match="nests more than"):
+        GrammarSpec("json_schema", json.dumps(nested))
+    with pytest.raises(ValueError, match="takes no spec"):
+        GrammarSpec("json_object", "{}")
+
+
+def test_json_object_is_any_object_never_another_json_value(grammars):
+    g, tok = grammars
+    state = GrammarState(g, g.matcher(GrammarSpec("json_object")))
+    first = _allowed(g, state)
+    assert first and all(tok.decode([t]).lstrip().startswith("{") for t in first)
+    assert not (first & set(tok.encode("[", add_special_tokens=False)))

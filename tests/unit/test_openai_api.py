@@ -299,3 +299,17 @@ def test_a_logprob_of_minus_infinity_reads_as_openai_s_floor_in_json():
     completion = parse({"prompt": "hi", "logprobs": 1}, chat=False)
     shaped = openai_api.LogprobsShaper(completion, lambda t: (str(t), b"x")).shape([entry])
     assert shaped["top_logprobs"] == [{"1": 0.0, "2": openai_api.LOGPROB_FLOOR}]
+
+
+@pytest.mark.parametrize(
+    "body,chat,param",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, True, "echo"),
+        ({"messages": [{"role": "user", "content": "hi"}], "best_of": 3}, True, "best_of"),
+        ({"prompt": "hi", "tool_choice": "auto"}, False, "tool_choice"),
+    ],
+)
+def test_a_field_of_the_other_endpoint_is_refused_not_ignored(body, chat, param):
+    with pytest.raises(BadField) as err:
+        parse(body, chat=chat)
+    assert err.value.param == param
