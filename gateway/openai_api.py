@@ -8,11 +8,14 @@ checked here (a wrong type is a BadField, HTTP 400, naming the field); every lim
 (gateway.requests.PromptBuilder), so HTTP and gRPC refuse the same requests with the same
 words. OpenAI's own fields that kvmesh does not implement yet (UNSUPPORTED) are refused with
 HTTP 400 naming the field, unless they hold the value that turns them off, so a client never
-gets free text where it asked for JSON, tools or audio; other unknown fields (another vendor's
+gets something other than what it asked for; other unknown fields (another vendor's
 extensions) are ignored, as OpenAI does. vLLM's extensions `top_k` and `ignore_eos` are
-honoured. logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs` 0..5) come from
-where each token is sampled (engine.sampler.token_logprobs) and are shaped here with
-`TokenText`'s strings and bytes.
+honoured. logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs` 0..5, with
+`echo` the prompt's too) come from where each token is sampled (engine.sampler.token_logprobs)
+and are shaped here (`LogprobsShaper`) with gateway.detokenizer.TokenText's strings and bytes;
+`n` choices and completions' `best_of` (`best_choices`), structured output
+(`response_format`, vLLM's `structured_outputs` and `guided_*`: a GenerateOptions.grammar) and
+tools (gateway/tools.py) are translated here too.
 """
 
 from __future__ import annotations
