@@ -396,29 +396,30 @@ def test_openai_n_choices_whole_and_streamed_assemble_per_choice(mesh, front):
     wait_idle(mesh)
 
 
-@pytest.mark.parametrize(
-    "body,param",
-    [
-        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the deprecated form of tools
-        ({"tool_choice": "required"}, "tool_choice"),  # with no tools
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
-        ({"modalities": ["text", "audio"]}, "modalities"),
-        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
-        ({"logit_bias": {"42": 5}}, "logit_bias"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ],
-)
-def test_an_openai_field_kvmesh_lacks_is_refused_by_name_and_the_front_keeps_serving(mesh, front, body, param):
+REFUSED = [
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),  # the deprecated form of tools
+    ({"tool_choice": "required"}, "tool_choice"),  # with no tools
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+]
+
+
+def test_an_openai_field_kvmesh_lacks_is_refused_by_name_and_the_front_keeps_serving(mesh, front):
     chat = {"model": _model(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     a = {"Authorization": f"Bearer {KEY_A}"}
     with front.http() as c:
-        error = _error(c.post("/chat/completions", json={**chat, **body}, headers=a), 400)
-        assert error["param"] == param and param in error["message"]
-        # the same field with the value that turns it off, or the next request: answered
-        r = c.post("/chat/completions", json={**chat, "tools": [], "tool_choice": "none"}, headers=a)
+        for body, param in REFUSED:
+            error = _error(c.post("/chat/completions", json={**chat, **body}, headers=a), 400)
+            assert error["param"] == param and param in error["message"], (body, error)
+        # fields with the value that turns them off, after all those refusals: answered
+        off = {"tools": [], "tool_choice": "none", "frequency_penalty": 0, "logit_bias": {}, "modalities": ["text"]}
+        r = c.post("/chat/completions", json={**chat, **off}, headers=a)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
 
 
@@ -585,33 +586,33 @@ def test_structured_output_follows_the_schema_regex_or_choice_from_the_first_tok
     wait_idle(mesh)
 
 
-@pytest.mark.parametrize(
-    "body,param,words",
-    [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-         "response_format", "does not compile"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
-         "response_format", "must be an object"),
-        ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
-        ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "matches no text"),
-        ({"structured_outputs": {"regex": "a("}}, "structured_outputs", "does not compile"),
-        ({"guided_choice": []}, "guided_choice", "non-empty list"),
-        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "not supported"),
-        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
-         "response_format", "'not'"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
-          {"x": {"type": "array", "contains": {"const": 1}}}}}}], "tool_choice": "required"}, "tools", "'contains'"),
-        ({"n": 1000}, "n", "n must be in"),
-        ({"n": 100}, "n", "largest decode batch"),
-    ],
-)  # fmt: skip
-def test_a_bad_grammar_is_a_400_naming_its_field_and_nothing_is_held(mesh, front, body, param, words):
+BAD_GRAMMARS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format", "must be an object"),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "matches no text"),
+    ({"structured_outputs": {"regex": "a("}}, "structured_outputs", "does not compile"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "not supported"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format", "'not'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+      {"x": {"type": "array", "contains": {"const": 1}}}}}}], "tool_choice": "required"}, "tools", "'contains'"),
+    ({"n": 1000}, "n", "n must be in"),
+    ({"n": 100}, "n", "largest decode batch"),
+]  # fmt: skip
+
+
+def test_a_bad_grammar_is_a_400_naming_its_field_and_nothing_is_held(mesh, front):
     chat = {"model": _model(), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     a = {"Authorization": f"Bearer {KEY_A}"}
     with front.http() as c:
-        error = _error(c.post("/chat/completions", json={**chat, **body}, headers=a), 400)
-        assert error["param"] == param and words in error["message"], error
+        for body, param, words in BAD_GRAMMARS:
+            error = _error(c.post("/chat/completions", json={**chat, **body}, headers=a), 400)
+            assert error["param"] == param and words in error["message"], (body, error)
         assert c.post("/chat/completions", json=chat, headers=a).status_code == 200
     wait_idle(mesh)
 
