@@ -17,6 +17,7 @@ from opentelemetry.trace import Status, StatusCode
 from decode_svc.delivery import CapacityError, RequestReleased
 from decode_svc.engine import DecodeEngine
 from decode_svc.transfers import Transfers
+from engine.grammar import GrammarState
 from engine.outcomes import FailureCause, FinishReason
 from engine.sampling_params import SamplingParams
 from kvstore.transport import KVPushReceiver, pages_digest
@@ -273,9 +274,10 @@ def _choice_grammars(model: ServedModel, spec, first_tokens: list[int]) -> list:
     """Each choice's engine.grammar.GrammarState, past its first token (prefill sampled it under
     the same grammar). Raises ValueError when the grammar does not compile or refuses a first
     token."""
-    states = []
+    first = grammar_state(model, spec)  # compiled and checked once; a matcher a choice
+    states: list[GrammarState] = []
     for token in first_tokens:
-        state = grammar_state(model, spec)
+        state = first if not states else GrammarState(first.grammars, first.grammars.matcher(spec))
         if not state.accept([token]):
             raise ValueError(f"grammar: the first token {token} is outside the grammar")
         states.append(state)

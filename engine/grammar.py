@@ -61,11 +61,7 @@ class Grammars:
                     return self._compiler.compile_json_schema(
                         '{"type": "object"}', any_whitespace=False, strict_mode=False
                     )
-                if spec.kind == "json_schema":
-                    try:
-                        json.loads(spec.spec)  # a clear error for text that is not JSON at all
-                    except ValueError as exc:
-                        raise ValueError(f"the json_schema is not JSON: {exc}") from None
+                if spec.kind == "json_schema":  # JSON, with keywords it enforces: GrammarSpec checked it
                     return self._compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
                 if spec.kind == "regex":
                     return self._compiler.compile_regex(spec.spec)
@@ -150,11 +146,6 @@ class GrammarState:
             if self.matcher.is_terminated():
                 return tokens[: i + 1], True
         return tokens, False
-
-    @property
-    def done(self) -> bool:
-        """The grammar is complete and its stop token taken: no token may follow."""
-        return bool(self.matcher.is_terminated())
 
 
 def fill_draft_masks(matcher: Any, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:

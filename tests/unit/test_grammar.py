@@ -49,7 +49,7 @@ def test_a_schema_s_mask_allows_only_its_text_and_then_only_the_stop_token(gramm
         assert t in _allowed(g, state)
         assert state.accept([t])
     assert _allowed(g, state) == set(g.stop_token_ids)  # complete: only the stop token is left
-    assert state.accept(g.stop_token_ids[:1]) and state.done
+    assert state.accept(g.stop_token_ids[:1]) and state.matcher.is_terminated()
     # a token outside the grammar is refused
     fresh = GrammarState(g, g.matcher(spec))
     assert not fresh.accept(tok.encode("Hello", add_special_tokens=False))
