@@ -139,8 +139,9 @@ class RequestPath:
 
         One trace per request (continuing a `traceparent` in `metadata`: gRPC metadata or HTTP
         headers), its metrics and its log lines. An `x-session-id` in `metadata` names the
-        conversation (gateway.sessions: its next turn goes back to the instances of the last). Raises RequestFailed, before or during the
-        stream, with the cause that fixes the caller's status: UNAUTHENTICATED (key),
+        conversation (gateway.sessions: its next turn goes back to the instances of the last).
+        Raises RequestFailed, before or during the stream, with the cause that fixes the
+        caller's status: UNAUTHENTICATED (key),
         BAD_REQUEST / UNKNOWN_MODEL (input), OVERLOADED (a bound; `retry_after_s` set),
         NO_INSTANCE / INSTANCE_LOST / KV_PUSH_FAILED (retry later), MISMATCH, DEADLINE,
         INTERNAL. Closing or cancelling the generator aborts the request on both legs.
@@ -264,9 +265,7 @@ class RequestPath:
                 cached_blocks, tiered_blocks = await self.pool.lookup_prefix_tiered(hashes)
                 if session_key:
                     cached_blocks, tiered_blocks = dict(cached_blocks), dict(tiered_blocks)
-                    self.sessions.add_held(
-                        session_key, hashes, cached_blocks, *([tiered_blocks] if tiered_blocks else [])
-                    )
+                    self.sessions.add_held(session_key, hashes, cached_blocks, tiered_blocks)
                 try:
                     decode = self.pool.pick_decode(exclude, cached_blocks)
                 except LookupError as exc:

@@ -55,18 +55,23 @@ class SessionTable:
         return hashlib.sha256(f"{tenant}\0{session_id}".encode("utf-8", "surrogatepass")).digest()
 
     def add_held(
-        self, key: bytes, block_hashes: Sequence[bytes], cached_blocks: dict[str, int], *tiered: dict[str, int]
+        self,
+        key: bytes,
+        block_hashes: Sequence[bytes],
+        cached_blocks: dict[str, int],
+        tiered_blocks: dict[str, int] | None = None,
     ) -> None:
         """Count the session's last turn's blocks as held by its instances in `cached_blocks`
-        (and each `tiered` map: instance_id -> leading blocks), when this prompt extends that
-        turn's prompt; a no-op otherwise."""
+        and `tiered_blocks` (instance_id -> leading blocks; an empty tiered map means no
+        instance has a second tier and stays empty), when this prompt extends that turn's
+        prompt; a no-op otherwise."""
         turn = self._turns.get(key)
         if turn is None or not turn.num_blocks or len(block_hashes) < turn.num_blocks:
             return
         if block_hashes[turn.num_blocks - 1] != turn.last_hash:
             return  # another conversation under this id: nothing is known about it
         self._turns.move_to_end(key)
-        for held in (cached_blocks, *tiered):
+        for held in (cached_blocks, tiered_blocks) if tiered_blocks else (cached_blocks,):
             for instance_id in (turn.prefill_id, turn.decode_id):
                 if instance_id:
                     held[instance_id] = max(held.get(instance_id, 0), turn.num_blocks)
