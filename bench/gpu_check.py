@@ -47,13 +47,17 @@ KERNEL_TESTS = [
 ]
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
 """Dense bf16 tensor-core peaks (vendor data sheets, without sparsity) by a name's substring."""
+PARTS = ["kernel_tests", "moe", "parity", "decode", "kv_push"]
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three primary colors:"]
 PROMPTS += ["def fibonacci(n):", "Water boils at", "Explain what a KV cache is in one sentence."]
 PROMPTS += ["The quick brown fox", "Once upon a time, in a land far away,"]
 
 
-def _part(report: dict, name: str, fn: Callable[[], dict], needs_gpu: bool, gpu: bool) -> None:
-    """Run one part into report[name]: its figures, seconds, and 'skipped' or 'error' when so."""
+def _part(report: dict, name: str, fn: Callable[[], dict], needs_gpu: bool, gpu: bool, parts: set[str]) -> None:
+    """Run one part into report[name]: its figures, seconds, and 'skipped' or 'error' when so
+    (the innermost 8 frames of an error's trace); a part not in `parts` is left out."""
+    if name not in parts:
+        return
     if needs_gpu and not gpu:
         report[name] = {"skipped": "needs a CUDA GPU"}
         return
@@ -61,17 +65,21 @@ def _part(report: dict, name: str, fn: Callable[[], dict], needs_gpu: bool, gpu:
     try:
         report[name] = fn()
     except Exception as exc:  # one part's failure is reported, the others still run
-        report[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=4)}
+        report[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc(limit=-8)}
     report[name]["seconds"] = round(time.monotonic() - start, 1)
 
 
 def kernel_tests() -> dict:
     env = dict(os.environ, KVMESH_TEST_DEVICE="cuda")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE", *KERNEL_TESTS]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
-    return {"ok": proc.returncode == 0, "summary": tail}
+    lines = proc.stdout.strip().splitlines()
+    report: dict = {"ok": proc.returncode == 0, "summary": lines[-1] if lines else proc.stderr[-500:]}
+    if proc.returncode != 0:  # what failed, for the one run a lease allows
+        report["failed"] = [line for line in lines if line.startswith(("FAILED", "ERROR"))][:30]
+        report["output_tail"] = "\n".join(lines[-60:]) + proc.stderr[-2000:]
+    return report
 
 
 def moe_tflops(H: int = 4096, I: int = 2048, E: int = 256, K: int = 6) -> dict:
@@ -257,7 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="rehearse on the CPU; GPU parts are marked skipped")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"which parts to run, comma-separated (default: {','.join(PARTS)})"
+    )
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; the parts are {PARTS}")
     gpu = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     report: dict = {
@@ -274,11 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     n, batches = (64, (1, 16, 64)) if gpu else (8, (1, 4))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        _part(report, "kernel_tests", kernel_tests, needs_gpu=True, gpu=gpu)
-        _part(report, "moe", moe_tflops, needs_gpu=True, gpu=gpu)
-        _part(report, "parity", lambda: parity(device, work, n, PROMPTS if gpu else PROMPTS[:3]), False, gpu)
-        _part(report, "decode", lambda: decode_speed(device, work, batches, n), False, gpu)
-        _part(report, "kv_push", lambda: kv_push(device), needs_gpu=True, gpu=gpu)
+        _part(report, "kernel_tests", kernel_tests, needs_gpu=True, gpu=gpu, parts=parts)
+        _part(report, "moe", moe_tflops, needs_gpu=True, gpu=gpu, parts=parts)
+        _part(
+            report, "parity", lambda: parity(device, work, n, PROMPTS if gpu else PROMPTS[:3]), False, gpu, parts=parts
+        )
+        _part(report, "decode", lambda: decode_speed(device, work, batches, n), False, gpu, parts=parts)
+        _part(report, "kv_push", lambda: kv_push(device), needs_gpu=True, gpu=gpu, parts=parts)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
