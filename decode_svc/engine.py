@@ -224,6 +224,10 @@ class DecodeEngine:
         """The request reserved under `transfer_id`, until its pages are freed."""
         return self._requests.get(transfer_id)
 
+    def requests(self) -> list[Request]:
+        """Every request reserved and not freed yet, in any state."""
+        return list(self._requests.values())
+
     def begin(
         self,
         transfer_id: int,

@@ -102,7 +102,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     if tier is not None:
         release.append(tier.close)
     banner = f"decode {instance_id} serving on {svc.address} (KV receiver {receiver.address})"
-    await life.serve(stop, banner, registration, release)
+    await life.serve(stop, banner, registration, release, drain=servicer.drain)
 
 
 def main(args: argparse.Namespace) -> None:

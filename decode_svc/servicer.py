@@ -46,6 +46,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.receiver = receiver
         self.model = model
         self.transfers = Transfers(engine, receiver)
+        self.draining = False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutting down: refuse new reservations (UNAVAILABLE: the gateway reserves on another
+        decode), then wait up to timeout_s seconds until every reservation made is claimed by its
+        Generate or ended, so that no request whose first token prefill already sent finds the
+        server closed."""
+        self.draining = True
+        left = await self.transfers.wait_claimed(timeout_s)
+        if left:
+            logger.warning("%d reservations still unclaimed after the drain grace", left)
 
     async def Reserve(self, request, context):
         with tracing.server_span("decode.reserve", context, request.request_id, self.model.instance_id) as span:
@@ -60,6 +71,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             return response
 
     async def _reserve(self, request, context):
+        if self.draining:
+            await abort(
+                context,
+                FailureCause.INSTANCE_LOST,
+                f"[{request.request_id}] decode {self.model.instance_id} is draining (shutting down): reserve elsewhere",
+            )
         n, m, page_size = request.num_prompt_tokens, request.max_tokens, self.engine.config.page_size
         try:
             check_request_id(request.request_id)
@@ -261,6 +278,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             max_requests=self.engine.config.max_batch_size,
             kv_address=self.receiver.address,
             kv_layout=self.engine.runner.page_layout.describe(),
+            num_kv_pushes_sent=self.receiver.num_sent,
+            num_kv_pushes_pulled=self.receiver.num_pulled,
             **stats,
         )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 from decode_svc.engine import DecodeEngine
@@ -33,6 +34,18 @@ class Transfers:
     def __init__(self, engine: DecodeEngine, receiver: KVPushReceiver) -> None:
         self.engine = engine
         self.receiver = receiver
+
+    def num_unclaimed(self) -> int:
+        """Reservations no Generate has claimed yet (their push may still be landing)."""
+        return sum(r.status in _UNCLAIMED for r in self.engine.requests())
+
+    async def wait_claimed(self, timeout_s: float) -> int:
+        """Wait up to timeout_s seconds until no reservation is unclaimed (each claimed by its
+        Generate, released or expired); returns how many are still unclaimed then."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_unclaimed() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_unclaimed()
 
     def is_open(self, transfer_id: int) -> bool:
         """A request holds `transfer_id` and was not released."""

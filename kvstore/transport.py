@@ -92,6 +92,11 @@ class KVPushSender(Protocol):
 class KVPushReceiver(Protocol):
     """Decode's end: a listener that lands pushes into registered buffers."""
 
+    num_sent: int
+    """Pushes whose pages the transport sent, since start."""
+    num_pulled: int
+    """Pushes this end copied from the sender's shared pool itself (same host), since start."""
+
     @property
     def address(self) -> str:
         """ "host:port" senders push to (valid after start())."""

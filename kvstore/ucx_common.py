@@ -28,6 +28,9 @@ from ucxx.exceptions import UCXError
 # set; every kvmesh endpoint has error handling (a dead peer must fail a push, not crash).
 # Read by UCX when the context is created, so set before the first ucxx.init.
 os.environ.setdefault("UCX_MM_ERROR_HANDLING", "y")
+# a KV listener restarted on its fixed --kv-port (a rolling restart) binds while the last
+# process's connections linger in TIME_WAIT (60 s); without SO_REUSEADDR it fails "Device is busy"
+os.environ.setdefault("UCX_CM_REUSEADDR", "y")
 
 logger = logging.getLogger(__name__)
 

@@ -136,6 +136,8 @@ class KVReceiver:
         self._peer_pools = shared_memory.PeerRegions()  # senders' KV pools this process can map
         self.num_pulled = 0
         """Pushes this receiver copied from a sender's shared pool itself (same host)."""
+        self.num_sent = 0
+        """Pushes that landed over UCX's data endpoint (another host, or a pool it cannot map)."""
 
     async def start(self) -> None:
         """Start listening.
@@ -382,6 +384,7 @@ class KVReceiver:
                 ),
             )
             raise error
+        self.num_sent += 1
         self._landed(entry, n)
 
     def _sender_pool(self, source: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:

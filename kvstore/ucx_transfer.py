@@ -75,24 +75,53 @@ __all__ = ["KVReceiver", "KVSender", "TransferError", "TransferResult", "pages_d
 logger = logging.getLogger(__name__)
 
 
+class _Stalled(Exception):
+    """A push saw no progress for its sender's stall_timeout_s."""
+
+
+_SLOW_COPY_BYTES_PER_S = 200e6
+
+
+class _Progress:
+    """When a push last moved: a control message exchanged or a page's send completed."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def touch(self, *_: object, allow_s: float = 0.0) -> None:
+        """It moved now (a done callback's future is ignored); allow_s more seconds of silence
+        are expected next."""
+        self.last = time.monotonic() + allow_s
+
+
 class KVSender:
     """Prefill side: pushes pages to decode receivers, one cached pair of UCX endpoints (control,
     data) per address.
 
     Args:
-        connect_timeout_s: bound on connecting to a receiver (seconds).
+        connect_timeout_s: bound on connecting to a receiver, both endpoints (seconds).
         transfer_timeout_s: bound on one push after connecting, from header to ack
             (seconds). UCX reports a peer that dies at once; one that hangs (stopped,
             wedged) would otherwise hold the push, and its pages, forever.
+        stall_timeout_s: bound on a push's silence (seconds): it fails when no control
+            message and no page completed for this long. A cut link (packets dropped, no
+            reset) leaves TCP retransmitting for minutes and UCX waiting with it; a push of
+            many pages over a slow link still has transfer_timeout_s as long as pages move.
 
     Pushes to one address are serialized; pushes to different addresses run in parallel.
     """
 
-    def __init__(self, connect_timeout_s: float = 5.0, transfer_timeout_s: float = 60.0) -> None:
-        if connect_timeout_s <= 0 or transfer_timeout_s <= 0:
-            raise ValueError(f"timeouts must be > 0 s, got connect {connect_timeout_s}, transfer {transfer_timeout_s}")
+    def __init__(
+        self, connect_timeout_s: float = 5.0, transfer_timeout_s: float = 60.0, stall_timeout_s: float = 5.0
+    ) -> None:
+        if connect_timeout_s <= 0 or transfer_timeout_s <= 0 or stall_timeout_s <= 0:
+            raise ValueError(
+                f"timeouts must be > 0 s, got connect {connect_timeout_s}, transfer {transfer_timeout_s}, "
+                f"stall {stall_timeout_s}"
+            )
         self.connect_timeout_s = connect_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._endpoints: dict[str, tuple[Any, Any]] = {}  # address -> (control, data) endpoints
         self._locks: dict[str, asyncio.Lock] = {}
         self._acquired = False
@@ -158,12 +187,17 @@ class KVSender:
         async with self._locks.setdefault(address, asyncio.Lock()):
             started = time.perf_counter()
             ctrl, data = await self._connect(address, host, port)
+            progress = _Progress()
             try:
-                code = await asyncio.wait_for(
-                    self._exchange(ctrl, data, header, sizes, source, arrays), self.transfer_timeout_s
+                code = await self._bounded(
+                    self._exchange(ctrl, data, header, sizes, source, arrays, progress), progress
                 )
             except BaseException as exc:
                 self._drop(address)  # aborting cancels every send still reading the pages
+                if isinstance(exc, _Stalled):
+                    raise TransferError(
+                        f"[transfer {tid}] push to {address} stalled: nothing moved for {self.stall_timeout_s} s"
+                    ) from exc
                 if isinstance(exc, TimeoutError):
                     raise TransferError(
                         f"[transfer {tid}] push to {address} timed out after {self.transfer_timeout_s} s (peer stalled)"
@@ -179,6 +213,27 @@ class KVSender:
                 f"[transfer {tid}] receiver at {address} refused the push: {common._ACK_MEANING.get(code, f'ack code {code}')}"
             )
         return TransferResult(tid, len(arrays), int(sizes.sum()), seconds)
+
+    async def _bounded(self, exchange, progress: _Progress) -> int:
+        """Run `exchange` within transfer_timeout_s (TimeoutError), failing it with _Stalled
+        once `progress` saw nothing for stall_timeout_s."""
+        task = asyncio.ensure_future(exchange)
+        deadline = time.monotonic() + self.transfer_timeout_s
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError
+                if now - progress.last >= self.stall_timeout_s:
+                    raise _Stalled
+                wait = min(deadline, progress.last + self.stall_timeout_s) - now
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if done:
+                    return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
 
     async def close(self) -> None:
         """Abort every cached endpoint (in-flight pushes fail) and release the UCX context when last."""
@@ -198,11 +253,12 @@ class KVSender:
             return cached
         self._drop(address)
         ctrl = None
+        deadline = time.monotonic() + self.connect_timeout_s  # both endpoints within the bound
         try:
             ctrl = await asyncio.wait_for(
                 ucxx.create_endpoint(host, port, connect_timeout=self.connect_timeout_s), self.connect_timeout_s
             )
-            data = await asyncio.wait_for(self._data_endpoint(ctrl), self.connect_timeout_s)
+            data = await asyncio.wait_for(self._data_endpoint(ctrl), max(0.0, deadline - time.monotonic()))
         except (UCXError, TimeoutError, OSError, RuntimeError) as exc:
             # a bad host: UCXError at once. Nobody listening, or a listener that is closed
             # but whose process lives: TimeoutError after connect_timeout_s (with Python
@@ -225,7 +281,14 @@ class KVSender:
         return await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(raw.tobytes()))
 
     async def _exchange(
-        self, ctrl, data, header: np.ndarray, sizes: np.ndarray, source: np.ndarray, arrays: list[Array]
+        self,
+        ctrl,
+        data,
+        header: np.ndarray,
+        sizes: np.ndarray,
+        source: np.ndarray,
+        arrays: list[Array],
+        progress: _Progress,
     ) -> int:
         ack = np.empty(1, dtype=np.uint8)
         go = np.empty(2, dtype="<u8")
@@ -239,7 +302,11 @@ class KVSender:
             if arrays:
                 await ctrl.send(sizes, tag=common._TAG_SIZES)
                 await ctrl.send(source, tag=common._TAG_SOURCE)
+            # GO may follow the receiver's own copy of every page (a same-host pull): give it
+            # the time that copy takes at a slow 200 MB/s on top of the bound
+            progress.touch(allow_s=float(sizes.sum()) / _SLOW_COPY_BYTES_PER_S)
             await asyncio.wait({go_recv, ack_recv}, return_when=asyncio.FIRST_COMPLETED)
+            progress.touch()
             if not go_recv.done():  # the receiver refused the header (protocol mismatch)
                 await ack_recv
                 return int(ack[0])
@@ -250,7 +317,10 @@ class KVSender:
                 return int(ack[0])
             if code != common.ACK_OK:
                 return code
-            sends = asyncio.gather(*common._post_all(data, data.send, arrays, tag_base))
+            posted = [asyncio.ensure_future(c) for c in common._post_all(data, data.send, arrays, tag_base)]
+            for f in posted:
+                f.add_done_callback(progress.touch)
+            sends = asyncio.gather(*posted)
             # a receiver that hangs up mid-push fails the ACK at once, while the data sends
             # could wait for receives that will never match: whichever ends first decides
             await asyncio.wait({sends, ack_recv}, return_when=asyncio.FIRST_EXCEPTION)

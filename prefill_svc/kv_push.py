@@ -79,6 +79,9 @@ class KVPush:
         self._error: BaseException | None = None
         self._stopped = False
         self._state_slot: int | None = None
+        self.failed: asyncio.Future[BaseException] = self._loop.create_future()
+        """Resolves to the error of the first part that fails: the servicer answers the request
+        then, not after the prompt's last chunk computed."""
         self.nbytes = 0
         self.seconds = 0.0
         self.num_parts = 0
@@ -108,6 +111,8 @@ class KVPush:
             )
         except Exception as exc:
             self._error = exc
+            if not self.failed.done():
+                self.failed.set_result(exc)
             raise
         self._num_sent = upto
         self.nbytes += sent.nbytes

@@ -170,10 +170,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if kv_push is not None:  # a failed or abandoned request pushes no further part
             cfut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and kv_push.stop())
         outcome = asyncio.wrap_future(cfut)
+        push_error: BaseException | None = None
         try:
-            # shield: a cancelled caller must not cancel the executor future (the job
-            # flag stops it instead, and a finished compute still releases its pages)
-            result: PrefillResult = await asyncio.shield(outcome)
+            if kv_push is not None:  # a part that fails while later chunks compute ends the request now
+                await asyncio.wait({outcome, kv_push.failed}, return_when=asyncio.FIRST_COMPLETED)
+                if not outcome.done():
+                    push_error = kv_push.failed.result()
+            if push_error is None:
+                # shield: a cancelled caller must not cancel the executor future (the job
+                # flag stops it instead, and a finished compute still releases its pages)
+                result: PrefillResult = await asyncio.shield(outcome)
         except asyncio.CancelledError:
             self.engine.cancel(job)
             if kv_push is not None:
@@ -191,6 +197,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except Exception as exc:  # a failed forward: this request fails, the service goes on
             logger.exception("[%s] prefill failed", rid)
             await abort(context, FailureCause.INTERNAL, f"[{rid}] prefill failed: {exc!r}")
+        if push_error is not None and kv_push is not None:
+            # the chunks being computed finish on the worker (a running batch is not cut short)
+            # and their pages are released after; nothing more is pushed
+            self.engine.cancel(job)
+            kv_push.stop()
+            self._release_when_computed(cfut, kv_push)
+            outcome.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await abort(
+                context,
+                FailureCause.KV_PUSH_FAILED,
+                f"[{rid}] KV push to decode {request.decode_kv_address} failed: {push_error}",
+            )
 
         queued_ns = submitted_ns + int(result.queue_s * 1e9)
         tracing.record(span, "prefill.queue", submitted_ns, queued_ns)

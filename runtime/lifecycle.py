@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -66,11 +67,15 @@ class Lifecycle:
         banner: str,
         registration: Registration | None = None,
         release: Sequence[Callable[[], Awaitable[Any] | Any]] = (),
+        drain: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         """Register, report SERVING, print `banner`, serve until `stop` is set, then drain and stop.
 
         release: what to let go once the servers stopped (engines, transports, clients), in
         this order; each a plain or an async callable.
+        drain: awaited after leaving the registry and before the servers stop admitting, with
+        the seconds left of the grace period: work the service promised and whose RPC is still
+        to come (decode's reservations, claimed by a Generate after the push) comes in meanwhile.
         """
         if registration is not None:
             registration.start()
@@ -80,8 +85,14 @@ class Lifecycle:
         logger.info("shutting down")
         if registration is not None:
             await registration.leave()  # gateways stop routing here while in-flight work finishes
-        # every front stops admitting at once, then in-flight answers get the same grace period
-        await asyncio.gather(self.svc.stop(grace_s=self.drain_grace_s), *(f.stop() for f in self.fronts))
+        grace_s = self.drain_grace_s
+        if drain is not None:
+            started = time.monotonic()
+            await self.svc.health.enter_graceful_shutdown()  # NOT_SERVING, the port still open
+            await drain(grace_s)
+            grace_s = max(0.0, grace_s - (time.monotonic() - started))
+        # every front stops admitting at once, then in-flight answers get the rest of the grace period
+        await asyncio.gather(self.svc.stop(grace_s=grace_s), *(f.stop() for f in self.fronts))
         for close in release:
             result = close()
             if inspect.isawaitable(result):

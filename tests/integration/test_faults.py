@@ -394,7 +394,9 @@ def test_prefill_frozen_while_computing_is_retried_elsewhere_and_decode_frees_it
     busy, result, answered_after, decodes_idle = asyncio.run(scenario())
     assert result[0] == "OK", result
     assert result[1].retries == 1 and result[1].prefill_instance != busy, result[1]
-    assert answered_after < 40, answered_after  # ~5 s to notice, then the whole prefill again on a busy machine
+    # ~5 s to notice; the rest is the retry's own prefill of the whole prompt, as long as the
+    # machine makes it (3x longer on a busy host): bounded apart from it
+    assert answered_after - result[1].prefill_s < 20, (answered_after, result[1].prefill_s)
     # while the first prefill was still stopped, decode held no page of the abandoned attempt
     for d in decodes_idle:
         assert d.num_free_pages == d.num_pages and d.num_active_requests == 0, d

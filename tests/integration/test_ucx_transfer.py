@@ -478,6 +478,31 @@ def test_stalled_peer_times_out(doomed_decode):
     assert run(scenario()) > 1.4
 
 
+def test_silent_peer_fails_the_push_by_its_stall_bound_long_before_the_transfer_timeout(doomed_decode):
+    """A peer that goes silent mid-transfer (a cut link drops packets: TCP retransmits for
+    minutes and UCX waits with it) fails the push once nothing moved for stall_timeout_s, not
+    after transfer_timeout_s; a push that keeps moving is not cut by it."""
+    decode = doomed_decode
+    decode.call("expect", 1, list(range(NUM_PAGES)))
+    decode.call("expect", 2, [0])
+    pages = list(page_data(seed=9, num_pages=NUM_PAGES, page_nbytes=PAGE))
+
+    async def scenario():
+        tx = KVSender(connect_timeout_s=2.0, transfer_timeout_s=60.0, stall_timeout_s=1.0)
+        try:
+            await tx.push(decode.hello, 1, pages)  # many pages, each moving well within 1 s
+            decode.stop_process()
+            started = time.monotonic()
+            with pytest.raises(TransferError, match=r"stalled: nothing moved for 1\.0 s"):
+                await asyncio.wait_for(tx.push(decode.hello, 2, pages[:1]), HANG_S)
+            assert decode.hello not in tx._endpoints  # aborted: UCX holds no page any more
+            return time.monotonic() - started
+        finally:
+            await tx.close()
+
+    assert 0.9 < run(scenario()) < 30.0
+
+
 def test_bad_arguments():
     async def scenario():
         tx = KVSender()

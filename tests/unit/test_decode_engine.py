@@ -6,6 +6,7 @@ predicts token (last + 1) so every expectation is exact.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -360,3 +361,42 @@ def test_n_choices_that_end_at_different_times_free_their_pages_as_they_end():
         engine.shutdown()
     assert engine.pool.num_free_blocks == 32 and engine.stats()["num_active_requests"] == 0
     engine.pool.check_integrity()
+
+
+class _Receiver:
+    """A KV receiver double: every push it is told to expect lands when the test says."""
+
+    num_sent = num_pulled = 0
+
+    def __init__(self) -> None:
+        self.expected: dict[int, asyncio.Future] = {}
+
+    def expect(self, transfer_id, buffers):
+        self.expected[transfer_id] = asyncio.get_running_loop().create_future()
+        return self.expected[transfer_id]
+
+    def cancel(self, transfer_id):
+        self.expected[transfer_id].cancel()
+
+
+def test_a_draining_decode_waits_until_every_reservation_is_claimed_or_released():
+    """Shutting down, decode keeps serving until each reservation's Generate came (claim) or it
+    ended (release, expiry): a request whose first token prefill sent must find it open."""
+    from decode_svc.transfers import Transfers
+
+    async def scenario():
+        engine, _ = _engine()
+        transfers = Transfers(engine, _Receiver())
+        a = transfers.reserve("a", 8, 4, kv_deadline_s=60)
+        b = transfers.reserve("b", 8, 4, kv_deadline_s=60)
+        assert transfers.num_unclaimed() == 2
+        assert await transfers.wait_claimed(0.1) == 2  # bounded: gives up with both unclaimed
+        waiting = asyncio.ensure_future(transfers.wait_claimed(30))
+        await asyncio.sleep(0.1)
+        transfers.claim(a.transfer_id)
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # b is still to come
+        transfers.release(b.transfer_id, "test")
+        assert await asyncio.wait_for(waiting, 5) == 0
+
+    asyncio.run(scenario())
