@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # A CPU build of torch; GPU users install their own CUDA build of torch>=2.13 first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test protos bench clean
+.PHONY: install demo test test-multihost protos bench clean
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,12 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --ignore=tests/multihost
+
+# the mesh on six hosts made on this machine (network, pid, IPC and mount namespaces joined by
+# a bridge): partitions, a rolling restart. Needs root; CI runs it after `make test` (.ci/run)
+test-multihost: install
+	$(PY) -m pytest -q -p no:cacheprovider tests/multihost
 
 protos: install
 	$(PY) scripts/gen_protos.py

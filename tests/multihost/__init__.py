@@ -1,0 +1,1 @@
+"""The mesh across hosts made on one machine (`make test-multihost`)."""
