@@ -45,6 +45,13 @@ class Prefilled:
     prefill: prefill_pb2.PrefillResponse
 
 
+GRAMMAR_COMPILE_ALLOWANCE_S = 60.0
+"""More time for decode's first message when the answer follows a grammar: decode compiles it
+before its first step, and an instance's first grammar also builds xgrammar's table of the
+vocabulary (seconds on a quiet host, 30 s seen on a busy 2-core one). A decode that died or froze
+meanwhile is still caught by the channel's keepalive pings (runtime.service, 5 s)."""
+
+
 @dataclass(frozen=True)
 class Hops:
     """What every attempt of one request sends, and the bounds on its hops."""
@@ -102,7 +109,8 @@ class Attempt(AttemptAccounting):
         prefill answers, decode's as they come, then the Final one.
 
         Raises RequestFailed (the caller aborts the attempt): a leg refused or failed, or decode
-        sent nothing for rpc_timeout_s + token_timeout_s (the first message) or token_timeout_s."""
+        sent nothing for rpc_timeout_s + token_timeout_s (the first message; plus
+        GRAMMAR_COMPILE_ALLOWANCE_S with a grammar) or token_timeout_s."""
         deadlines = self._hops.deadlines
         legs = await self._both_legs()
         # the first token comes with prefill's answer and goes out now: it never waits for decode
@@ -112,6 +120,8 @@ class Attempt(AttemptAccounting):
             messages = self._generate(legs).__aiter__()
             # the first message waits for admission into decode's batch; then one step each
             bound = deadlines.rpc_timeout_s + deadlines.token_timeout_s
+            if self._hops.request.sampling.grammar is not None:
+                bound += GRAMMAR_COMPILE_ALLOWANCE_S  # decode compiles it before its first step
             while answer.finish is None:
                 msg = await self._next_decode_message(messages, bound)
                 bound = deadlines.token_timeout_s

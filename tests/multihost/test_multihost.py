@@ -1,12 +1,13 @@
 """The mesh across hosts (issue 28): gateway, 2 prefill, 2 decode and Redis, each on a host of
-its own (tests/multihost/hosts.py: network, pid, UTS and /dev/shm namespaces on one machine),
-talking over a bridge. One cluster serves the module; each test ends with every page back.
+its own (tests/multihost/hosts.py: network, pid, UTS, IPC and /dev/shm namespaces and a boot id
+of its own, on one machine), talking over a bridge. One cluster serves the module; each test ends
+with every page back.
 
 - Greedy answers equal transformers' (as the loopback mesh's do: test_mesh), and the KV pushes
   go over UCX's network transport: decode's pushes are sent, none pulled through shared memory.
-- Partitions: each link cut mid-stream, then restored. Every request ends within 10 s of the cut
-  (answered, or with UNAVAILABLE naming the cut instance), no page leaks, and the mesh serves
-  through the other instances meanwhile and through all of them after.
+- Partitions: each link cut mid-stream, then restored. Every request is answered in full or ends
+  within 10 s of the cut with UNAVAILABLE naming the cut instance, no page leaks, and the mesh
+  serves through the other instances meanwhile and through all of them after.
 - A rolling restart of every prefill and decode under 4 concurrent streams fails no request.
 
 Runs in `make test-multihost` (a stage of its own in .ci/run: it needs root). Where hosts cannot
