@@ -152,6 +152,27 @@ def complete(mesh: Mesh, prompt, address: str | None = None, **kwargs) -> Comple
     return asyncio.run(run())
 
 
+async def stream_flowing(client: GatewayClient, request, tokens: list[int], flowing: asyncio.Semaphore) -> tuple:
+    """Stream `request`, appending its token ids to `tokens` and releasing `flowing` once it has
+    3 of them (or, with fewer, when it ends), so a test can strike while streams run. Returns
+    ('OK', final), (status name, details), or ('NO_FINAL', None)."""
+    result: tuple = ("NO_FINAL", None)
+    released = False
+    try:
+        async for msg in client.stream(request, timeout_s=120):
+            tokens.extend(msg.delta.token_ids)
+            if len(tokens) >= 3 and not released:
+                released = True
+                flowing.release()
+            if msg.HasField("final"):
+                result = ("OK", msg.final)
+    except grpc.aio.AioRpcError as exc:
+        result = (exc.code().name, exc.details())
+    if not released:
+        flowing.release()
+    return result
+
+
 def complete_many(mesh: Mesh, requests: list[dict]) -> list[Completion]:
     """Send all requests at once (concurrently) and return their completions in order."""
 

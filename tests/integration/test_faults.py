@@ -37,6 +37,7 @@ from tests.integration.meshutil import (
     complete_many,
     log_size,
     read_log,
+    stream_flowing,
     wait_for_log,
     wait_idle,
 )
@@ -277,19 +278,9 @@ async def _streams_under_fault(mesh, n: int, seed: int, fault, max_tokens: int =
         tokens: list[list[int]] = [[] for _ in range(n)]
 
         async def one(k: int):
-            result = ("NO_FINAL", None)
-            try:
-                n_tokens, released = 0, False
-                async for msg in client.stream(make_request(**_stream_request(seed, k, max_tokens)), timeout_s=120):
-                    tokens[k].extend(msg.delta.token_ids)
-                    n_tokens += len(msg.delta.token_ids)
-                    if n_tokens >= 3 and not released:
-                        released = True
-                        flowing.release()
-                    if msg.HasField("final"):
-                        result = ("OK", msg.final)
-            except grpc.aio.AioRpcError as exc:
-                result = (exc.code().name, exc.details())
+            result = await stream_flowing(
+                client, make_request(**_stream_request(seed, k, max_tokens)), tokens[k], flowing
+            )
             return result, time.monotonic() - hit_at[0] if hit_at else 0.0
 
         tasks = [asyncio.ensure_future(one(k)) for k in range(n)]

@@ -34,7 +34,7 @@ from kvmesh.launcher import Mesh
 from kvmesh.redis_server import ping
 from runtime.service import wait_for_health
 from tests.conftest import instance_stats
-from tests.integration.meshutil import SHARED_CORES_ENV, compile_block_kernels, wait_idle, wait_indexed
+from tests.integration.meshutil import SHARED_CORES_ENV, compile_block_kernels, stream_flowing, wait_idle, wait_indexed
 from tests.multihost.hosts import Cluster, leftovers, unavailable
 
 PORT = 50051
@@ -247,21 +247,7 @@ async def _under_cut(m: MultiHostMesh, a: str, b: str | None, seed: int, streams
 
         async def stream(k: int):
             req = make_request(prompt_token_ids=_ids(40, seed + k), max_tokens=160, ignore_eos=True)
-            result: tuple = ("NO_FINAL", None)
-            released = False
-            try:
-                async for msg in client.stream(req, timeout_s=120):
-                    tokens[k].extend(msg.delta.token_ids)
-                    if len(tokens[k]) >= 3 and not released:
-                        released = True
-                        flowing.release()
-                    if msg.HasField("final"):
-                        result = ("OK", msg.final)
-            except grpc.aio.AioRpcError as exc:
-                result = (exc.code().name, exc.details())
-            if not released:
-                flowing.release()
-            return result, time.monotonic()
+            return await stream_flowing(client, req, tokens[k], flowing), time.monotonic()
 
         tasks = [asyncio.ensure_future(stream(k)) for k in range(streams)]
         for _ in range(streams):
