@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.ep_link import parse_init_addr
 from engine.speculative import SPECULATIVE_METHODS
 from runtime.service_config import ModelServiceConfig
 from runtime.settings import setting
@@ -77,6 +78,13 @@ class DecodeConfig(ModelServiceConfig):
     ep_timeout_s: float = setting(
         30.0, "--ep-timeout", "seconds any expert-parallel collective may wait for a rank before the step fails", gt=0
     )
+    ep_init_addr: str = setting(
+        "",
+        "--ep-init-addr",
+        "with --ep: HOST:PORT where ranks 1..N-1 on other hosts join (`kvmesh serve ep-rank --ep-init-addr HOST:PORT "
+        "--rank R`; the key is KVMESH_EP_SECRET, the same on every rank); empty: spawn the ranks on this host, "
+        "sharing its memory",
+    )
 
     @property
     def num_scratch_slots(self) -> int:
@@ -97,3 +105,7 @@ class DecodeConfig(ModelServiceConfig):
             raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {self.speculative!r}")
         if self.eplb_placement and self.ep == 1:
             raise ValueError("eplb_placement needs --ep >= 2")
+        if self.ep_init_addr:
+            if self.ep == 1:
+                raise ValueError("ep_init_addr needs --ep >= 2")
+            parse_init_addr(self.ep_init_addr)

@@ -36,6 +36,12 @@ class StepFailed(RuntimeError):
     """The model step a request was in raised; the request ends with INTERNAL."""
 
 
+class InstanceBroken(StepFailed):
+    """The step failed because this instance cannot step any more (its expert-parallel world
+    lost a rank); the request ends with INSTANCE_LOST (UNAVAILABLE: another instance can serve
+    a retry)."""
+
+
 class RequestReleased(RuntimeError):
     """The request was released (its caller left, or Release was called) while a Generate
     call streamed it; that call ends with CANCELLED."""

@@ -24,7 +24,16 @@ import torch
 
 from decode_svc import metrics
 from decode_svc.config import DecodeConfig
-from decode_svc.delivery import CapacityError, Delivery, DispatchFn, RequestReleased, StepFailed, deliver_all
+from decode_svc.delivery import (
+    CapacityError,
+    Delivery,
+    DispatchFn,
+    InstanceBroken,
+    RequestReleased,
+    StepFailed,
+    deliver_all,
+)
+from engine.ep_ranks import EPWorldError
 from engine.eplb import expert_stats, runner_ep_stats
 from engine.forward import Runner
 from engine.grammar import GrammarState, fill_draft_masks
@@ -98,6 +107,11 @@ class DecodeEngine:
         self.step_seconds = 0.0
         """Wall seconds spent in steps (the batch's forward and sampling) since start."""
         self._loop_done: concurrent.futures.Future | None = None
+        self.broken = ""
+        """Why this instance cannot step any more ('' while it can): its expert-parallel world
+        lost a rank (engine.ep_ranks.EPWorldError). Reservations are refused from then on."""
+        self.on_broken: list[Callable[[str], None]] = []
+        """Called once, on the engine thread, with the reason when the instance breaks."""
 
     @property
     def pool(self):
@@ -423,6 +437,13 @@ class DecodeEngine:
                 self._step(batch)
             except Exception as exc:  # a failed step ends these streams, never the service
                 logger.exception("decode step failed for %d requests", len(batch))
+                ending: Exception = StepFailed(f"decode step failed: {exc!r}")
+                if isinstance(exc, EPWorldError):  # no later step can run: say so, and stop taking work
+                    ending = InstanceBroken(f"decode cannot step any more: {exc}")
+                    if not self.broken:
+                        self.broken = str(exc)
+                        for callback in self.on_broken:
+                            callback(self.broken)
                 with self._cond:
                     for r in batch:
                         if r.status is RequestStatus.RUNNING:
@@ -430,7 +451,7 @@ class DecodeEngine:
                             r.status = RequestStatus.ABORTED
                             self._free(r)
                             if r.emit is not None:
-                                self.dispatch([(r.emit, [], StepFailed(f"decode step failed: {exc!r}"), None)])
+                                self.dispatch([(r.emit, [], ending, None)])
 
     def _step(self, batch: list[Request]) -> None:
         started = time.perf_counter()

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from engine.checkpoint import ModelFiles, architecture
 from engine.device import resolve_device
+from engine.ep_link import ep_secret, parse_init_addr
 from engine.ep_runner import ExpertParallelRunner
 from engine.eplb import Placement
 from engine.forward import ForwardItem
@@ -75,6 +76,29 @@ class ServiceEPRunner(ExpertParallelRunner):
         logger.info("loading the EPLB placement in %s before the next step", self.placement_file)
 
 
+def serve_rank(model: str, init_addr: str, rank: int, torch_threads: int = 0, join_timeout_s: float = 600.0) -> int:
+    """`kvmesh serve ep-rank`: be rank `rank` of a decode's expert-parallel world from another
+    host. Connects to the decode's --ep-init-addr (retrying while it is not up yet, for
+    join_timeout_s seconds), loads this host's copy of `model` (a path or a known name; the same
+    config.json as rank 0's), keeps a mirror of the page pool, and runs steps until the decode
+    ends the world (returns 0) or is lost (returns 1); run it under a supervisor that restarts
+    it, as Kubernetes does, to rejoin the decode's next world. Raises ValueError for a model
+    without MoE layers, a bad address or rank, or a missing KVMESH_EP_SECRET; OSError when rank
+    0 is not reachable in time."""
+    from engine.ep_worker import connect, remote_main
+    from engine.loader import resolve_model
+
+    address = parse_init_addr(init_addr)
+    if rank < 1:
+        raise ValueError(f"--rank must be >= 1 (rank 0 is the decode service), got {rank}")
+    files = resolve_model(model)
+    check_ep_model(files, 2)
+    authkey = ep_secret()
+    logger.info("EP rank %d: joining %s:%d with %s", rank, *address, files.name)
+    conn = connect(address, authkey, join_timeout_s)
+    return remote_main(conn, address, rank, files, torch_threads)
+
+
 MOE_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 """Architectures whose runner can run expert-parallel."""
 
@@ -94,13 +118,16 @@ def check_ep_model(files: ModelFiles, num_ranks: int, device: str = "cpu") -> No
 def create_ep_runner(runner, files: ModelFiles, config):
     """`runner` itself when config.ep == 1, else rank 0 of config.ep EP ranks around it.
 
+    With --ep-init-addr the ranks join from other hosts (`kvmesh serve ep-rank`, `serve_rank`).
     Raises ValueError when --ep is set for a model without MoE layers (the dense default model
-    decodes in one process), for a bad --eplb-placement, or one that does not fit the model;
-    EPWorldError (engine.ep_ranks) when a rank fails to start."""
+    decodes in one process), for a bad --eplb-placement, or one that does not fit the model,
+    or --ep-init-addr without KVMESH_EP_SECRET; EPWorldError (engine.ep_ranks) when a rank
+    fails to start or join."""
     if config.ep <= 1:
         return runner
     check_ep_model(files, config.ep, config.device)
     placement = load_placement_file(config.eplb_placement, config.ep) if config.eplb_placement else None
+    init_addr = parse_init_addr(config.ep_init_addr) if config.ep_init_addr else None
     return ServiceEPRunner(
         runner,
         files,
@@ -111,6 +138,8 @@ def create_ep_runner(runner, files: ModelFiles, config):
         torch_threads=config.torch_threads,
         placement_file=config.eplb_placement,
         gather_streams=config.speculative == "mtp",
+        init_addr=init_addr,
+        authkey=ep_secret() if init_addr else b"",
     )
 
 

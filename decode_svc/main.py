@@ -73,6 +73,13 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     ep.bind_metrics(metrics.REGISTRY, runner)
     service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
     life = Lifecycle(svc, config.drain_grace_s)
+    loop = asyncio.get_running_loop()
+
+    def unhealthy(why: str) -> None:  # an EP rank is lost: health says NOT_SERVING from now on
+        logger.error("decode %s cannot step any more (%s): health NOT_SERVING, reservations refused", instance_id, why)
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(svc.health.enter_graceful_shutdown()))
+
+    engine.on_broken.append(unhealthy)
     await life.start()
     await asyncio.wrap_future(executor.submit(runner.warmup))
     await asyncio.wrap_future(executor.submit(engine.calibrate))  # what a speculative row costs here

@@ -14,7 +14,7 @@ import math
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
-from decode_svc.delivery import CapacityError, RequestReleased
+from decode_svc.delivery import CapacityError, InstanceBroken, RequestReleased
 from decode_svc.engine import DecodeEngine
 from decode_svc.transfers import Transfers
 from engine.grammar import GrammarState
@@ -76,6 +76,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 context,
                 FailureCause.INSTANCE_LOST,
                 f"[{request.request_id}] decode {self.model.instance_id} is draining (shutting down): reserve elsewhere",
+            )
+        if self.engine.broken:
+            await abort(
+                context,
+                FailureCause.INSTANCE_LOST,
+                f"[{request.request_id}] decode {self.model.instance_id} cannot step ({self.engine.broken}): "
+                "reserve elsewhere",
             )
         n, m, page_size = request.num_prompt_tokens, request.max_tokens, self.engine.config.page_size
         try:
@@ -231,6 +238,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 generated += len(tokens)
                 if isinstance(end, RequestReleased):
                     await abort(context, FailureCause.CANCELLED, str(end))
+                if isinstance(end, InstanceBroken):
+                    await abort(context, FailureCause.INSTANCE_LOST, f"[{rid}] {end}")
                 if isinstance(end, Exception):
                     await abort(context, FailureCause.INTERNAL, f"[{rid}] {end}")
                 msg = decode_pb2.DecodeResponse(token_ids=tokens, index=index)
@@ -270,6 +279,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.transfers.release(tid, "Generate ended")
 
     async def GetStats(self, request, context):
+        if self.engine.broken:  # gateways stop routing here, as to an instance that does not answer
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode cannot step any more: {self.engine.broken}")
         stats = self.engine.stats()
         return common_pb2.InstanceStats(
             instance_id=self.model.instance_id,

@@ -37,6 +37,7 @@ Every rank must run every MoE layer's exchange in the same order, also when it h
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +95,34 @@ class EPLoads:
         return mean_over_max(self.rank_tokens)
 
 
+@dataclass
+class EPTimes:
+    """Rank 0's wall seconds in each part of expert-parallel steps since start: what wide-EP
+    operators watch, since a late rank stalls every rank in these waits.
+
+    sync_s: each MoE layer's all-gather of split sizes (the DP sync before dispatch);
+    dispatch_s / combine_s: the all-to-alls of token rows out to the experts and back;
+    gather_s: the logits (and streams) gathered to rank 0; pages_s: pages and state slots sent
+    to and taken back from ranks on other hosts; step_s: whole steps; steps: how many.
+    """
+
+    sync_s: float = 0.0
+    dispatch_s: float = 0.0
+    combine_s: float = 0.0
+    gather_s: float = 0.0
+    pages_s: float = 0.0
+    step_s: float = 0.0
+    steps: int = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Each part's mean milliseconds per step (zeros before the first step)."""
+        n = max(self.steps, 1)
+        return {
+            name: round(getattr(self, name) * 1e3 / n, 3)
+            for name in ("sync_s", "dispatch_s", "combine_s", "gather_s", "pages_s", "step_s")
+        }
+
+
 class ExpertParallelMoE:
     """One rank's side of the dispatch / combine, installed as a DeepseekV4Model's
     `routed_experts`. Holds the rank's expert weights (its slots under the placement, and no
@@ -104,12 +133,21 @@ class ExpertParallelMoE:
     loaded, `take(layer, expert_ids) -> (gate_up [n, 2I, H], down [n, H, I])`
     (`engine.expert_weights.CheckpointExperts`); group: the EP process group (None: the
     default one); device: where the collectives' buffers live (cpu for gloo, the rank's GPU for
-    NCCL).
+    NCCL); times: where the exchanges' seconds add up (a fresh EPTimes when None).
     """
 
     def __init__(
-        self, model, rank: int, num_ranks: int, placement: Placement, experts, group=None, device="cpu"
+        self,
+        model,
+        rank: int,
+        num_ranks: int,
+        placement: Placement,
+        experts,
+        group=None,
+        device="cpu",
+        times: EPTimes | None = None,
     ) -> None:
+        self.times = times if times is not None else EPTimes()
         c = model.config
         self.model, self.rank, self.num_ranks, self.group = model, rank, num_ranks, group
         self.experts = experts
@@ -184,20 +222,26 @@ class ExpertParallelMoE:
         send_counts = torch.bincount(dest, minlength=R)  # [R]
         meta = torch.cat([send_counts, torch.bincount(flat_ids, minlength=E)]).to(self.device)  # [R + E]
         gathered = [torch.empty_like(meta) for _ in range(R)]
+        timer = time.perf_counter()
         torch.distributed.all_gather(gathered, meta, group=self.group)
+        self.times.sync_s += time.perf_counter() - timer
         table = torch.stack(gathered).cpu()  # [R senders, R + E]
         self.loads.rank_tokens[i] += table[:, :R].sum(dim=0).numpy()
         self.loads.expert_tokens[i] += table[:, R:].sum(dim=0).numpy()
         send = send_counts.tolist()
         recv = table[:, self.rank].tolist()
+        timer = time.perf_counter()
         rows = self._exchange(x[token_of[order]], recv, send)  # [n, H]
         local = self._exchange((slot[order] % self.slots_per_rank).contiguous(), recv, send)  # [n]
+        self.times.dispatch_s += time.perf_counter() - timer
         ones = torch.ones(len(local), 1, dtype=torch.float32)
         y = self.model.kernels.moe_experts(
             rows, self.gate_up[i], self.down[i], ones, local[:, None], self.model.config.swiglu_limit
         )  # [n, H]: each row's raw expert output
         back = torch.empty(len(flat_ids), H, dtype=x.dtype)  # [A, H] in assignment order
+        timer = time.perf_counter()
         back[order] = self._exchange(y, send, recv)
+        self.times.combine_s += time.perf_counter() - timer
         # combine as moe_experts does: fp32, each token's experts in ascending id order
         by_expert = torch.argsort(flat_ids, stable=True)
         weight_of = weights.reshape(-1).float()[by_expert]

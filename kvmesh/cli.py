@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from typing import NoReturn
 
 import grpc
 
@@ -102,8 +104,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import faulthandler
     import importlib
-    import os
 
     from kvmesh.launcher import die_with_parent
 
@@ -121,12 +123,53 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # 690 tok/s with OMP_WAIT_POLICY=PASSIVE, 744-788 with GOMP_SPINCOUNT=10000
         if "OMP_WAIT_POLICY" not in os.environ:
             os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    faulthandler.enable()  # a crash in native code prints every thread's Python stack to the log
     try:
         importlib.import_module(f"{args.service_module}.main").main(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave a service process that has shut down in order (registry left, requests drained,
+    UCX, Redis and the ranks released, traces flushed) without the interpreter's finalization:
+    native threads still alive then (UCX's progress thread, gRPC's pollers, OpenMP teams) can
+    touch Python objects being torn down; a decode died with SIGSEGV in libpython at that point
+    during a rolling restart (2026-12-04), after its last request had been served."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _cmd_serve_ep_rank(args: argparse.Namespace) -> int:
+    import faulthandler
+    import logging
+    import multiprocessing
+
+    from decode_svc.ep import serve_rank
+    from kvmesh.launcher import die_with_parent
+
+    die_with_parent()
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s ep-rank-{args.rank} %(levelname)s %(name)s: %(message)s"
+    )
+    faulthandler.enable()
+    try:
+        code = serve_rank(args.model, args.ep_init_addr, args.rank, args.torch_threads, args.join_timeout)
+    except SystemExit as exc:  # this rank's step failed (it said why): leave as below, with its status
+        code = exc.code if isinstance(exc.code, int) else 1
+    except multiprocessing.AuthenticationError:
+        print(f"error: the decode at {args.ep_init_addr} refused this rank's KVMESH_EP_SECRET", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    _exit_now(code)  # the world is over: its gloo and link threads need no teardown
 
 
 def _cmd_eplb_plan(args: argparse.Namespace) -> int:
@@ -239,6 +282,17 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
         settings.add_arguments(p, config_cls)
         env_flag(p, "--log-format", "KVMESH_LOG_FORMAT", "text", "text for people, json for machines")
         p.set_defaults(func=_cmd_serve, service_module=module.__package__, config_cls=config_cls)
+    rank = kinds.add_parser("ep-rank", help="one expert-parallel rank of a decode on another host (its --ep-init-addr)")
+    rank.add_argument("--ep-init-addr", required=True, metavar="HOST:PORT", help="the decode's --ep-init-addr")
+    rank.add_argument("--rank", type=int, required=True, help="this rank, 1..N-1 of the decode's --ep N")
+    rank.add_argument(
+        "--model", required=True, help="this host's copy of the decode's model (a path; the same config.json)"
+    )
+    rank.add_argument("--torch-threads", type=int, default=0, help="torch threads (0: the decode's setting)")
+    rank.add_argument(
+        "--join-timeout", type=float, default=600.0, help="seconds to keep trying to reach the decode (default 600)"
+    )
+    rank.set_defaults(func=_cmd_serve_ep_rank)
 
     from kvmesh.eplb_tool import add_arguments as add_eplb_arguments
     from kvmesh.eplb_tool import add_stats_arguments as add_eplb_stats_arguments

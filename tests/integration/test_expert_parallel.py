@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -186,3 +189,164 @@ def test_ep4_equals_single_process(files, single):
             ep.last_hidden()
     finally:
         ep.close()
+
+
+# -- ranks on other hosts: no shared memory (here over loopback; tests/multihost: separate hosts) --
+SECRET = "kvmesh-ep-test-secret-0123456789"
+
+
+def _churn(runner, steps: int = 24) -> tuple[list[torch.Tensor], dict[int, list[int]]]:
+    """A batch whose sequences come and go, so that sequences move between ranks: prefill 0-3;
+    4 and 5 join at step 5 (prefill rows beside decode rows); 2 and 3 end at step 9; at step 12
+    5 ends and sequence 6 forks from 0 into 3's old pages and slot (copied through page_buffer
+    and copy_state_slot, as decode's n > 1 does), so it must go on exactly as 0 does; with 2 or
+    4 ranks it lands on the rank that ran 3, whose copies of those pages are stale by then.
+    Greedy to `steps`, crossing page boundaries (16-token pages). (per-step logits, each
+    sequence's tokens)."""
+    tables = {b: list(range(1 + PAGES_PER_SEQ * b, 1 + PAGES_PER_SEQ * (b + 1))) for b in range(6)}
+    joins = {0: [0, 1, 2, 3], 5: [4, 5]}
+    live: dict[int, list] = {}  # sequence -> [slot, table, computed, next token]
+    tokens: dict[int, list[int]] = {b: [] for b in range(7)}
+    all_logits = []
+    for step in range(steps):
+        if step == 9:
+            del live[2], live[3]
+        if step == 12:
+            del live[5]
+            for src, dst in zip(tables[0], tables[3]):
+                runner.page_buffer(dst)[...] = runner.page_buffer(src)
+            runner.copy_state_slot(0, 3)
+            live[6] = [3, tables[3], live[0][2], live[0][3]]
+        order = sorted(live)
+        items = [ForwardItem([live[b][3]], live[b][2], live[b][1], live[b][0]) for b in order]
+        for b in joins.get(step, []):
+            order.append(b)
+            items.append(ForwardItem(PROMPTS[b], 0, tables[b], b))
+            live[b] = [b, tables[b], 0, None]
+        logits = runner.forward(items)
+        all_logits.append(logits)
+        for row, b in enumerate(order):
+            live[b][2] += len(items[row].token_ids)
+            live[b][3] = int(logits[row].argmax())
+            tokens[b].append(live[b][3])
+    return all_logits, tokens
+
+
+@pytest.fixture(scope="module")
+def churned(files):
+    return _churn(_runner(files))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ep_rank(files, port: int, rank: int, secret: str = SECRET, **kw) -> subprocess.Popen:
+    """`kvmesh serve ep-rank` joining 127.0.0.1:port as `rank` with `secret`."""
+    argv = [sys.executable, "-m", "kvmesh.cli", "serve", "ep-rank", "--ep-init-addr", f"127.0.0.1:{port}"]
+    argv += ["--rank", str(rank), "--model", str(files.checkpoint_dir), "--torch-threads", "1"]
+    return subprocess.Popen(argv, env={**os.environ, "KVMESH_EP_SECRET": secret}, **kw)
+
+
+def _remote_world(files, num_ranks: int, timeout_s: float = 20.0):
+    """An EP world whose ranks 1..N-1 join over TCP as `kvmesh serve ep-rank` processes (no
+    memory shared with this process): (runner, the ranks' processes)."""
+    port = _free_port()
+    procs = [_ep_rank(files, port, r) for r in range(1, num_ranks)]
+    try:
+        ep = ExpertParallelRunner(
+            _runner(files),
+            files,
+            num_ranks,
+            timeout_s=timeout_s,
+            torch_threads=1,
+            init_addr=("127.0.0.1", port),
+            authkey=SECRET.encode(),
+            start_timeout_s=300,
+        )
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return ep, procs
+
+
+def _exact_when_sequences_move(ep: ExpertParallelRunner, churned) -> None:
+    ref_logits, ref_tokens = churned
+    logits, tokens = _churn(ep)
+    for step, (a, b) in enumerate(zip(logits, ref_logits)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, s=step: f"step {s}: {m}")
+    assert tokens == ref_tokens
+    assert tokens[6] == tokens[0][12:]  # the fork went on exactly as its parent
+    times = ep.times.per_step_ms()
+    assert times["pages_s"] > 0 and times["dispatch_s"] > 0 and times["sync_s"] > 0, times
+    print(f"EP {ep.num_ranks} on other hosts (loopback): ms per step {times}")
+
+
+def test_ep2_on_other_hosts_equals_one_process_as_sequences_move_then_a_stopped_rank_is_named(files, churned):
+    ep, procs = _remote_world(files, 2, timeout_s=5.0)
+    try:
+        _exact_when_sequences_move(ep, churned)
+        # a rank that hangs (SIGSTOP, as a cut link looks): the step fails within the timeout and names it
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        start = time.monotonic()
+        with pytest.raises(EPWorldError, match=r"rank 1 \(host 127\.0\.0\.1\) silent"):
+            ep.warmup()
+        assert time.monotonic() - start < 5.0 + 5.0
+        with pytest.raises(EPWorldError, match="down"):
+            ep.warmup()
+    finally:
+        ep.close()
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+def test_ep4_on_other_hosts_equals_one_process_as_sequences_move(files, churned):
+    ep, procs = _remote_world(files, 4)
+    try:
+        _exact_when_sequences_move(ep, churned)
+        with pytest.raises(ValueError, match="MTP drafting with EP ranks on other hosts"):
+            ExpertParallelRunner(ep.runner, files, 2, init_addr=("127.0.0.1", 1), authkey=b"x", gather_streams=True)
+    finally:
+        ep.close()
+        for p in procs:  # STOP ends their world: they exit by themselves
+            assert p.wait(30) == 0
+
+
+def test_a_rank_with_the_wrong_key_is_refused_and_the_world_still_forms(files):
+    """Rank 0 waiting for its rank 1: a `kvmesh serve ep-rank` with another KVMESH_EP_SECRET is
+    refused (it exits 2 saying so) and the listener goes on; a rank with the key joins; a world
+    whose ranks never come fails after its start timeout, naming them."""
+    from multiprocessing.connection import Client
+    from threading import Thread
+
+    from engine.ep_ranks import RemoteRanks
+
+    port = _free_port()
+    made: dict = {}
+
+    def listen() -> None:
+        try:
+            made["ranks"] = RemoteRanks("127.0.0.1", port, 2, SECRET.encode(), timeout_s=120)
+        except BaseException as exc:  # reported by the assert below
+            made["error"] = exc
+
+    thread = Thread(target=listen)
+    thread.start()
+    intruder = _ep_rank(files, port, 1, secret="not-the-secret-of-this-world", stderr=subprocess.PIPE, text=True)
+    assert intruder.wait(120) == 2
+    assert "refused this rank's KVMESH_EP_SECRET" in intruder.stderr.read()
+    conn = Client(("127.0.0.1", port), authkey=SECRET.encode())
+    conn.send(("hello", 1))
+    thread.join(30)
+    assert "error" not in made, made
+    ranks = made["ranks"]
+    assert len(ranks.links) == 1 and ranks.where(0) == "rank 1 (host 127.0.0.1)"
+    ranks.close()
+    conn.close()
+    with pytest.raises(EPWorldError, match=r"EP ranks \[1, 2\] did not join .* within 1 s"):
+        RemoteRanks("127.0.0.1", _free_port(), 3, SECRET.encode(), timeout_s=1)

@@ -400,3 +400,34 @@ def test_a_draining_decode_waits_until_every_reservation_is_claimed_or_released(
         assert await asyncio.wait_for(waiting, 5) == 0
 
     asyncio.run(scenario())
+
+
+def test_a_lost_ep_rank_ends_the_batch_as_instance_lost_and_breaks_the_instance_once():
+    """The runner's EP world loses a rank: the requests of the step end with InstanceBroken (the
+    servicer's INSTANCE_LOST, UNAVAILABLE), their pages come back, `broken` says why, and the
+    on_broken callbacks run once although later steps fail the same way."""
+    from decode_svc.delivery import InstanceBroken, StepFailed
+    from engine.ep_ranks import EPWorldError
+
+    engine, runner = _engine()
+    calls: list[str] = []
+    engine.on_broken.append(calls.append)
+    lost = EPWorldError("expert-parallel step failed; rank 1 (host 10.0.0.2) silent for 5.1 s")
+
+    def fail(items):
+        raise lost
+
+    runner.forward = fail
+    engine.start()
+    try:
+        _, out = _start(engine, "a", [1, 2, 3], first=10, max_tokens=4)
+        tokens, ending = _drain(out)
+        _, out = _start(engine, "b", [4], first=20, max_tokens=4)  # the servicer refuses this; the engine fails it
+        assert _drain(out)[1].__class__ is InstanceBroken
+    finally:
+        engine.shutdown()
+    assert tokens == [] and isinstance(ending, InstanceBroken) and isinstance(ending, StepFailed)
+    assert "rank 1 (host 10.0.0.2)" in str(ending)
+    assert engine.broken == str(lost) and calls == [str(lost)]
+    assert engine.pool.num_free_blocks == 32
+    engine.pool.check_integrity()

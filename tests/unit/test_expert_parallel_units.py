@@ -152,3 +152,52 @@ def test_a_new_placement_reads_only_the_experts_a_rank_did_not_hold():
         assert torch.equal(moe.down[0], model.w[p + "down_proj"][[0, 1, 5, 3]])
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_ranks_on_other_hosts_keep_their_sequences_while_the_split_stays_balanced():
+    """With ranks on other hosts (no shared pages) a sequence stays on the rank that ran it last
+    step as long as that rank is within its balanced count; the others fill the ranks under
+    theirs in order; a sequence's verification rows (state_from) go with it."""
+    from engine.ep_runner import ExpertParallelRunner
+    from engine.forward import ForwardItem
+
+    world = types.SimpleNamespace(remote=True, num_ranks=3, _owner={})
+
+    def assign(slots: list[int], rows: dict[int, int] | None = None) -> list[list[int]]:
+        items = []
+        for s in slots:
+            items.append(ForwardItem([1], 4, [s], s))
+            for k in range((rows or {}).get(s, 1) - 1):  # verification rows chaining scratch slots
+                items.append(ForwardItem([1], 5 + k, [s], 100 + k, state_from=items[-1].state_slot))
+        starts = [0] + [b for b in range(1, len(items)) if items[b].state_from is None] + [len(items)]
+        shares = ExpertParallelRunner._assign(world, items, starts)
+        return [[items[b].state_slot for b in share] for share in shares]
+
+    assert assign([0, 1, 2, 3, 4]) == [[0, 1], [2, 3], [4]]
+    assert assign([1, 3, 4]) == [[1], [3], [4]]  # 0 and 2 left: nobody moves
+    assert assign([1, 3, 4, 5, 6]) == [[1, 5], [3, 6], [4]]
+    assert assign([4, 5, 6]) == [[5], [6], [4]]  # 1 and 3 left: 5 and 6 stay, 4 stays
+    assert assign([4, 6], rows={4: 3}) == [[4, 100, 101], [6], []]  # 4's rows move whole, to rank 0
+    assert world._owner == {4: 0, 6: 1}
+
+
+def test_an_ep_init_address_and_secret_are_checked_before_anything_starts(monkeypatch):
+    from engine.ep_link import ep_secret, parse_init_addr
+
+    assert parse_init_addr("10.0.0.5:29500") == ("10.0.0.5", 29500)
+    assert parse_init_addr("[fd00::1]:29500") == ("fd00::1", 29500)
+    for bad in ("10.0.0.5", ":29500", "host:0", "host:http", "host:70000"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_init_addr(bad)
+    with pytest.raises(ValueError, match="ep_init_addr needs --ep >= 2"):
+        DecodeConfig(ep_init_addr="10.0.0.5:29500")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        DecodeConfig(ep=2, ep_init_addr="10.0.0.5")
+    monkeypatch.delenv("KVMESH_EP_SECRET", raising=False)
+    with pytest.raises(ValueError, match="KVMESH_EP_SECRET"):
+        ep_secret()
+    monkeypatch.setenv("KVMESH_EP_SECRET", "short")
+    with pytest.raises(ValueError, match="at least 16"):
+        ep_secret()
+    monkeypatch.setenv("KVMESH_EP_SECRET", "a-long-enough-secret")
+    assert ep_secret() == b"a-long-enough-secret"
