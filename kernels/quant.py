@@ -50,6 +50,8 @@ from numba import types as nbtypes
 from numba.core import cgutils, registry
 from numba.extending import intrinsic
 
+from kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
+
 
 def _prefer_512_bit_vectors() -> None:
     """Let LLVM vectorize these loops 512 bits wide on AVX-512 CPUs whose LLVM tuning prefers 256

@@ -1,4 +1,4 @@
-"""The `kvmesh` command: up, generate, serve, eplb, make-tiny-model, and the subcommands other
+"""The `kvmesh` command: up, generate, serve, warm, eplb, make-tiny-model, and the subcommands other
 packages register (kvmesh/commands.py; the lab's `kvmesh bench`, `routesim`, `fuzz`)."""
 
 from __future__ import annotations
@@ -172,6 +172,18 @@ def _cmd_serve_ep_rank(args: argparse.Namespace) -> int:
     _exit_now(code)  # the world is over: its gloo and link threads need no teardown
 
 
+def _cmd_warm(args: argparse.Namespace) -> int:
+    from kvmesh.warm import warm
+
+    try:
+        seconds = warm(args.model)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"warm: {args.model or 'the default model'} converted and its kernels compiled ({seconds:.1f} s)")
+    return 0
+
+
 def _cmd_eplb_plan(args: argparse.Namespace) -> int:
     from kvmesh.eplb_tool import run
 
@@ -294,6 +306,10 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     )
     rank.set_defaults(func=_cmd_serve_ep_rank)
 
+    warm = sub.add_parser("warm", help="convert a model and compile its kernels now, into the cache every clone shares")
+    warm.add_argument("--model", default=None, help="a path or name (default: SmolLM2-135M-Instruct)")
+    warm.set_defaults(func=_cmd_warm)
+
     from kvmesh.eplb_tool import add_arguments as add_eplb_arguments
     from kvmesh.eplb_tool import add_stats_arguments as add_eplb_stats_arguments
 
@@ -332,7 +348,7 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-OWN_COMMANDS = ("up", "generate", "serve", "eplb", "make-tiny-model")
+OWN_COMMANDS = ("up", "generate", "serve", "warm", "eplb", "make-tiny-model")
 """The commands build_parser adds itself (a test keeps this list equal to them)."""
 
 

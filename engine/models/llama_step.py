@@ -29,6 +29,7 @@ from numba.core import cgutils
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
+from kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 from kernels.quant import TN, block_sums, prefetch, q4_1_tile, q8_0_tile
 
 STEP_PARTS = (

@@ -36,18 +36,17 @@ _block_kernels_compiled = False
 
 def compile_block_kernels() -> None:
     """Compile the default model's GGUF block kernels in this process, once a session, before a
-    test starts services of that model. numba keeps them on disk (`cache=True`, beside the
-    source), but services that start together on a cold cache (a fresh clone, or the first run
-    after an edit to the kernels) each compile them, ~40 s of CPU apiece: the two `kvmesh up` of
-    test_cli_and_failures took 207 s instead of 35 s. Compiled here they load in well under a
-    second; on a warm cache this costs a model load and a warm-up step (~2 s)."""
+    test starts services of that model (`kvmesh warm`). numba keeps them in kvmesh's shared
+    cache (kernels/numba_cache.py), but services that start together on a cold cache (the
+    first run after an edit to the kernels) each compile them, ~40 s of CPU apiece: the two
+    `kvmesh up` of test_cli_and_failures took 207 s instead of 35 s. Compiled here they load in
+    well under a second; on a warm cache this costs a model load and a warm-up step (~2 s)."""
     global _block_kernels_compiled
     if _block_kernels_compiled:
         return
-    from engine.llama_runner import LlamaRunner
-    from engine.loader import resolve_model
+    from kvmesh.warm import warm
 
-    LlamaRunner(resolve_model(), num_pages=2, page_size=16).warmup()
+    warm()
     _block_kernels_compiled = True
 
 
