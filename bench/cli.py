@@ -94,6 +94,18 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    from bench.peer import add_arguments
+
+    add_arguments(parser)
+
+
+def _bench_peer(args: argparse.Namespace) -> int:
+    from bench.peer import run
+
+    return run(args)
+
+
 def _routesim_arguments(parser: argparse.ArgumentParser) -> None:
     from bench.routesim import add_arguments
 
@@ -128,6 +140,11 @@ BENCH_V4 = Command(
 )
 BENCH_TRANSFER = Command(
     "KV push between two processes next to memcpy and Mooncake TE (GB/s)", _bench_transfer_arguments, _bench_transfer
+)
+BENCH_PEER = Command(
+    "kvmesh and vLLM's CPU build in turn through `vllm bench serve`: tok/s, TTFT, TPOT, ITL and ratios",
+    _bench_peer_arguments,
+    _bench_peer,
 )
 ROUTESIM = Command(
     "replay a Mooncake trace against the routing policies (simulated instances): hit rate vs oracle, "

