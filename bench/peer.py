@@ -19,10 +19,12 @@ worker OOM-killed on a 24 GiB machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -87,8 +89,10 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
         time.sleep(0.5)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT the server's process group, then SIGKILL what is left after 60 s."""
+def _stop(proc: subprocess.Popen, port: int) -> None:
+    """SIGINT the server's process group, SIGKILL what is left after 60 s, then wait (60 s at
+    most) until nothing answers on `port` (vLLM's API server outlived its parent once, and the
+    next server found the port taken)."""
     try:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(60)
@@ -97,16 +101,34 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
     except ProcessLookupError:
         pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return
+        time.sleep(0.5)
 
 
 def _client(
-    vllm: str, port: int, model: str, tokenizer: str, workload: str, concurrency: int, num_prompts: int, out: Path
+    vllm: str,
+    port: int,
+    model: str,
+    tokenizer: str,
+    workload: str,
+    concurrency: int,
+    num_prompts: int,
+    out: Path,
+    seed: int,
 ) -> dict:
-    """One `vllm bench serve` run against http://127.0.0.1:port; its result JSON."""
+    """One `vllm bench serve` run against http://127.0.0.1:port with prompts drawn from `seed`;
+    its result JSON."""
     argv = [vllm, "bench", "serve", "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}"]
     argv += ["--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", tokenizer]
     argv += ["--dataset-name", "random", *WORKLOADS[workload], "--num-prompts", str(num_prompts)]
-    argv += ["--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0"]
+    argv += ["--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed)]
     argv += ["--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
     argv += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
@@ -157,22 +179,25 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     ready = _wait_ready(f"http://127.0.0.1:{args.port}/v1/models", proc, args.ready_timeout)
                     print(f"round {rnd + 1}: {server.name} ready after {ready:.0f} s", flush=True)
-                    for workload in args.workloads:
-                        for c in args.concurrency:
-                            out = Path(tmp) / f"{server.name}-{rnd}-{workload}-{c}.json"
-                            got = _client(vllm, args.port, model, checkpoint, workload, c, args.num_prompts, out)
-                            results[server.name].setdefault(f"{workload} c={c}", []).append(got)
-                            print(
-                                f"  {server.name} {workload} c={c}: {got['output_throughput']:.1f} out tok/s, "
-                                f"TTFT p99 {got['p99_ttft_ms']:.0f} ms, ITL p99 {got['p99_itl_ms']:.0f} ms",
-                                flush=True,
-                            )
+                    runs = [(w, c) for w in args.workloads for c in args.concurrency]
+                    for k, (workload, c) in enumerate(runs):
+                        out = Path(tmp) / f"{server.name}-{rnd}-{workload}-{c}.json"
+                        # new prompts for every run (both servers get the same ones in a round):
+                        # with one seed, the later runs' prompts were all in the prefix caches
+                        seed = 1000 * rnd + k
+                        got = _client(vllm, args.port, model, checkpoint, workload, c, args.num_prompts, out, seed)
+                        results[server.name].setdefault(f"{workload} c={c}", []).append(got)
+                        print(
+                            f"  {server.name} {workload} c={c}: {got['output_throughput']:.1f} out tok/s, "
+                            f"TTFT p99 {got['p99_ttft_ms']:.0f} ms, ITL p99 {got['p99_itl_ms']:.0f} ms",
+                            flush=True,
+                        )
                 except (RuntimeError, TimeoutError, subprocess.SubprocessError):
                     log.flush()
                     print(f"{server.name} failed; the end of its log:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
                     raise
                 finally:
-                    _stop(proc)
+                    _stop(proc, args.port)
                     log.close()
     _print_table(results)
     if args.json:

@@ -191,7 +191,11 @@ def start_mesh(
 
 
 def _port_free(host: str, port: int) -> bool:
+    """Nothing listens on host:port. SO_REUSEADDR, as the servers bind: connections of a server
+    that just stopped (TIME_WAIT) do not count, a listener does (`kvmesh bench-peer` started
+    `kvmesh up` on the port vLLM had just left and was refused)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
