@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -60,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8100, help="the HTTP port each server answers on")
     parser.add_argument("--json", default="", help="also write every round's figures here")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
+    parser.add_argument(
+        "--sides", nargs="+", default=["kvmesh", "vLLM"], choices=["kvmesh", "vLLM"], help="which servers run"
+    )
+    parser.add_argument(
+        "--where",
+        action="store_true",
+        help="also print where kvmesh's time went in each run (decode steps, prefill forwards, their waits "
+        "for each other on shared cores), from its instances' GetStats before and after",
+    )
 
 
 @dataclass
@@ -136,6 +146,76 @@ def _client(
     return json.loads(out.read_text())
 
 
+def _mesh_addresses(log_text: str) -> tuple[list[str], list[str]]:
+    """The prefill and decode addresses `kvmesh up` printed ("kvmesh is up: ... (prefill A, B;
+    decode C; redis ...)"). ValueError when the line is missing."""
+    match = re.search(r"kvmesh is up: .*\(prefill ([^;]*); decode ([^;]*);", log_text)
+    if match is None:
+        raise ValueError("kvmesh up printed no addresses")
+    return match.group(1).split(", "), match.group(2).split(", ")
+
+
+def _wait_addresses(log_path: Path, proc: subprocess.Popen, timeout_s: float = 30.0) -> tuple[list[str], list[str]]:
+    """`_mesh_addresses` of `kvmesh up`'s log once it printed them (it does right after its
+    HTTP port answers); ValueError past timeout_s or when it exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _mesh_addresses(log_path.read_text())
+        except ValueError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _stats(prefill: list[str], decode: list[str]) -> dict[str, float]:
+    """The counters `where` compares, summed over the instances (GetStats, 10 s deadline)."""
+    import grpc
+
+    from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+    totals: dict[str, float] = {}
+    for stub_cls, role, addresses in (
+        (prefill_pb2_grpc.PrefillStub, "prefill", prefill),
+        (decode_pb2_grpc.DecodeStub, "decode", decode),
+    ):
+        for address in addresses:
+            with grpc.insecure_channel(address) as channel:
+                got = stub_cls(channel).GetStats(common_pb2.StatsRequest(), timeout=10)
+            for field in WHERE_FIELDS[role]:
+                key = f"{role}.{field}"
+                totals[key] = totals.get(key, 0.0) + getattr(got, field)
+    return totals
+
+
+WHERE_FIELDS = {
+    "prefill": ("num_forwards", "forward_seconds", "num_prompt_tokens_computed", "cpu_share_wait_seconds"),
+    "decode": ("num_steps", "step_seconds", "num_generated_tokens", "cpu_share_wait_seconds"),
+}
+
+
+def where(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
+    """One line: where a run's `wall_s` seconds went, from the counters before and after it
+    (`_stats`): decode's steps (count, seconds and share of the wall, mean batch, mean step),
+    prefill's forwards (count, seconds and share, tokens a forward, tokens per second of
+    forward), each side's waits for the other on shared cores, and the rest (neither computing:
+    hand-offs, hops, idle; negative when the two computed at once)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps, step_s = d["decode.num_steps"], d["decode.step_seconds"]
+    forwards, forward_s = d["prefill.num_forwards"], d["prefill.forward_seconds"]
+    tokens = d["prefill.num_prompt_tokens_computed"]
+    rest = wall_s - step_s - forward_s
+    return (
+        f"decode {steps:.0f} steps {step_s:.1f} s ({100 * step_s / wall_s:.0f}%), "
+        f"batch {d['decode.num_generated_tokens'] / max(steps, 1):.1f}, step {1e3 * step_s / max(steps, 1):.1f} ms, "
+        f"waited {d['decode.cpu_share_wait_seconds']:.1f} s; "
+        f"prefill {forwards:.0f} forwards {forward_s:.1f} s ({100 * forward_s / wall_s:.0f}%), "
+        f"{tokens / max(forwards, 1):.0f} tokens a forward, {tokens / max(forward_s, 1e-9):.0f} tok/s, "
+        f"waited {d['prefill.cpu_share_wait_seconds']:.1f} s; rest {rest:.1f} s ({100 * rest / wall_s:.0f}%) "
+        f"of {wall_s:.1f} s"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     vllm = shutil.which(args.vllm) or (args.vllm if os.access(args.vllm, os.X_OK) else None)
     if vllm is None:
@@ -168,9 +248,10 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     results: dict[str, dict[str, list[dict]]] = {"kvmesh": {}, "vLLM": {}}
+    servers = [server for server in (kvmesh, peer) if server.name in args.sides]
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-peer-") as tmp:
         for rnd in range(args.rounds):
-            for server in (kvmesh, peer):
+            for server in servers:
                 log_path = Path(tmp) / f"{server.name}-{rnd}.log"
                 log = open(log_path, "w")
                 proc = subprocess.Popen(
@@ -180,19 +261,25 @@ def run(args: argparse.Namespace) -> int:
                     ready = _wait_ready(f"http://127.0.0.1:{args.port}/v1/models", proc, args.ready_timeout)
                     print(f"round {rnd + 1}: {server.name} ready after {ready:.0f} s", flush=True)
                     runs = [(w, c) for w in args.workloads for c in args.concurrency]
+                    instances = _wait_addresses(log_path, proc) if args.where and server is kvmesh else None
                     for k, (workload, c) in enumerate(runs):
                         out = Path(tmp) / f"{server.name}-{rnd}-{workload}-{c}.json"
                         # new prompts for every run (both servers get the same ones in a round):
                         # with one seed, the later runs' prompts were all in the prefix caches
                         seed = 1000 * rnd + k
+                        before = _stats(*instances) if instances else {}
                         got = _client(vllm, args.port, model, checkpoint, workload, c, args.num_prompts, out, seed)
+                        if instances:
+                            got["where"] = where(before, _stats(*instances), got["duration"])
                         results[server.name].setdefault(f"{workload} c={c}", []).append(got)
                         print(
                             f"  {server.name} {workload} c={c}: {got['output_throughput']:.1f} out tok/s, "
                             f"TTFT p99 {got['p99_ttft_ms']:.0f} ms, ITL p99 {got['p99_itl_ms']:.0f} ms",
                             flush=True,
                         )
-                except (RuntimeError, TimeoutError, subprocess.SubprocessError):
+                        if "where" in got:
+                            print(f"    where: {got['where']}", flush=True)
+                except (RuntimeError, TimeoutError, ValueError, subprocess.SubprocessError):
                     log.flush()
                     print(f"{server.name} failed; the end of its log:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
                     raise
@@ -207,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_table(results: dict[str, dict[str, list[dict]]]) -> None:
     """Medians over rounds, side by side, the spread of output tok/s, and kvmesh / vLLM."""
-    keys = list(results["kvmesh"])
+    keys = list(dict.fromkeys([*results["kvmesh"], *results["vLLM"]]))
     head = ["workload", "side", *(label for _, label in METRICS), "out tok/s min-max"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

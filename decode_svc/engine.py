@@ -13,6 +13,7 @@ guarded by one lock; the forward itself runs outside it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import random
 import threading
@@ -106,6 +107,10 @@ class DecodeEngine:
         self.num_steps = 0
         self.step_seconds = 0.0
         """Wall seconds spent in steps (the batch's forward and sampling) since start."""
+        self.num_generated_tokens = 0
+        """Tokens the steps sampled since start (num_generated_tokens / num_steps: the mean batch)."""
+        self.cpu_share_wait_seconds = 0.0
+        """Seconds steps waited for a prefill forward on the same cores (--cpu-share), since start."""
         self._loop_done: concurrent.futures.Future | None = None
         self.broken = ""
         """Why this instance cannot step any more ('' while it can): its expert-parallel world
@@ -375,6 +380,8 @@ class DecodeEngine:
                 "max_batch_size": self.max_batch_size_seen,
                 "num_steps": self.num_steps,
                 "step_seconds": self.step_seconds,
+                "num_generated_tokens": self.num_generated_tokens,
+                "cpu_share_wait_seconds": self.cpu_share_wait_seconds,
                 **expert_stats(self.runner.expert_token_counts()),
                 **runner_ep_stats(self.runner),
             }
@@ -431,10 +438,16 @@ class DecodeEngine:
                 batch = self._schedule()
             if not batch:
                 continue
-            if self._cpu_share is not None:  # prefill first on shared cores (runtime/cpu_share.py)
-                metrics.CPU_SHARE_WAIT.inc(self._cpu_share.wait_for_prefill())
             try:
-                self._step(batch)
+                # on cores shared with a prefill instance, a step and a prefill forward take turns
+                with (
+                    self._cpu_share.decode_step()
+                    if self._cpu_share is not None
+                    else contextlib.nullcontext(0.0) as waited
+                ):
+                    metrics.CPU_SHARE_WAIT.inc(waited)
+                    self.cpu_share_wait_seconds += waited
+                    self._step(batch)
             except Exception as exc:  # a failed step ends these streams, never the service
                 logger.exception("decode step failed for %d requests", len(batch))
                 ending: Exception = StepFailed(f"decode step failed: {exc!r}")
@@ -490,7 +503,9 @@ class DecodeEngine:
                 if r.finish is not None:
                     self._running.remove(r)
                     self._free(r)
-        metrics.TOKENS.inc(sum(len(tokens) for _, tokens, _, _ in deliveries))
+        generated = sum(len(tokens) for _, tokens, _, _ in deliveries)
+        self.num_generated_tokens += generated
+        metrics.TOKENS.inc(generated)
         self.dispatch(deliveries)
 
 

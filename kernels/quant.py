@@ -24,7 +24,8 @@ multiply-add is one explicit FMA (`_fma`), rounded once. Each weight is laid out
 each tile's accumulators are its own arrays, which is what lets LLVM vectorize the row loop
 (shared ones cost 2.5x at 16 rows). One row unpacks each byte in registers as it streams by.
 Several rows convert each block of the tile to fp32 once, into an 8 KB buffer that stays in L1,
-and multiply it into up to 6 rows at a time whose sums stay in registers (`_block_rows`, written
+and multiply it into up to 6 rows at a time whose sums stay in registers (`_block_rows`, in passes
+of 16 outputs where AVX2 has too few registers for 64: `BLOCK_ROWS`; written
 as LLVM vector IR). Every path does the same operations in the same order, so a row's bits do not
 depend on the rows beside it (batched decode gives each sequence what it gets alone).
 
@@ -53,6 +54,13 @@ from numba.extending import intrinsic
 from kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 
 
+def _host_has_avx512() -> bool:
+    """Whether the code numba generates here may use AVX-512 (the host's features, or
+    NUMBA_CPU_FEATURES when the user set them)."""
+    features = vars(numba.config)["CPU_FEATURES"] or llvm.get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
+
+
 def _prefer_512_bit_vectors() -> None:
     """Let LLVM vectorize these loops 512 bits wide on AVX-512 CPUs whose LLVM tuning prefers 256
     (Intel's, "rocketlake" here): `-prefer-256-bit` on the host's features, unless NUMBA_CPU_FEATURES
@@ -63,9 +71,8 @@ def _prefer_512_bit_vectors() -> None:
     config = vars(numba.config)  # set from the environment at import: mypy sees no attributes
     if config["CPU_FEATURES"] is not None or "_toplevel_target_context" in vars(registry.cpu_target):
         return  # the user chose, or numba's code generator exists already (too late to change)
-    features = llvm.get_host_cpu_features().flatten()
-    if "+avx512f" in features.split(","):
-        config["CPU_FEATURES"] = features + ",-prefer-256-bit"
+    if _host_has_avx512():
+        config["CPU_FEATURES"] = llvm.get_host_cpu_features().flatten() + ",-prefer-256-bit"
 
 
 _prefer_512_bit_vectors()
@@ -185,11 +192,17 @@ def _fma(typingctx, a, b, c):
     return nbtypes.float32(nbtypes.float32, nbtypes.float32, nbtypes.float32), codegen
 
 
-BLOCK_ROWS = 6
-"""Rows `_block_rows` keeps in registers at once: 6 rows x 4 vectors of 16 outputs = 24 of AVX-512's
-32 registers, with 4 for the block's weights and 1 for an input."""
-
 _LANES = 16  # fp32 lanes of one AVX-512 register; LLVM splits the vectors on narrower CPUs
+BLOCK_ROWS, PASS_LANES = (6, 64) if _host_has_avx512() else (6, 16)
+"""The register block of `_block_rows`: up to BLOCK_ROWS rows x PASS_LANES outputs of sums held in
+registers at a time (a tile's TN outputs in TN / PASS_LANES passes over the block, which is in L1).
+AVX-512 (32 registers of 16 fp32): 6 rows x 64 outputs = 24 registers, with 4 for the block's
+weights and 1 for an input. AVX2 (16 registers of 8): 6 x 64 would be 48, and LLVM kept them in
+memory, a load and a store around every FMA; 6 rows x 16 outputs = 12 registers, 2 for the
+weights, 1 for an input, four passes a block. `bench.quant`, 30 layers and the lm_head at 16 /
+32 rows, AMD EPYC without AVX-512, 2 cores, 6 x 64 then 6 x 16: Q4_1 layers 96.2 -> 59.7 /
+183.0 -> 108.2 ms, Q8_0 lm_head 25.0 -> 12.7 / 42.2 -> 26.7 ms (3 x 32: 88.7 and 15.5 at 16).
+A row's sums run over the same inputs in the same order in any block: its bits do not change."""
 
 
 def _block_rows(R: int, halve_odd: bool):
@@ -224,28 +237,30 @@ def _block_rows(R: int, halve_odd: bool):
             def vec_at(ty, ary, i, j):  # ary[i, j : j + _LANES] as one vector
                 return builder.bitcast(at(ty, ary, i, ir.Constant(i64, j)), vec.as_pointer())
 
-            lanes = range(0, TN, _LANES)
-            # the sums live in allocas, which LLVM promotes to registers (SROA): a loop of 16
-            # steps of two inputs each, not 32 unrolled, so 12 variants compile in seconds
-            sums = [
-                [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES)) for _ in lanes] for _ in range(R)
-            ]
-            with cgutils.for_range(builder, ir.Constant(i64, QK // 2)) as loop:
-                for odd in (0, 1):
-                    k = builder.add(builder.mul(loop.index, ir.Constant(i64, 2)), ir.Constant(i64, odd))
-                    wk = [builder.load(vec_at(w_ty, wa, k, j), align=4) for j in lanes]
-                    col = builder.add(args[2], k)
-                    for i in range(R):
-                        xk = builder.load(at(x_ty, xa, builder.add(args[1], ir.Constant(i64, i)), col))
-                        if halve_odd and odd:
-                            xk = builder.fmul(xk, ir.Constant(f32, 0.0625))
-                        one = builder.insert_element(ir.Constant(vec, ir.Undefined), xk, ir.Constant(i32, 0))
-                        xv = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat)
-                        for wv, acc in zip(wk, sums[i]):
-                            builder.store(builder.call(fma, [xv, wv, builder.load(acc)]), acc)
-            for i in range(R):
-                for acc, j in zip(sums[i], lanes):
-                    builder.store(builder.load(acc), vec_at(blk_ty, ba, ir.Constant(i64, i), j), align=4)
+            for first in range(0, TN, PASS_LANES):  # one pass a PASS_LANES outputs of the tile
+                lanes = range(first, first + PASS_LANES, _LANES)
+                # the sums live in allocas, which LLVM promotes to registers (SROA): a loop of 16
+                # steps of two inputs each, not 32 unrolled, so 12 variants compile in seconds
+                sums = [
+                    [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _LANES)) for _ in lanes]
+                    for _ in range(R)
+                ]
+                with cgutils.for_range(builder, ir.Constant(i64, QK // 2)) as loop:
+                    for odd in (0, 1):
+                        k = builder.add(builder.mul(loop.index, ir.Constant(i64, 2)), ir.Constant(i64, odd))
+                        wk = [builder.load(vec_at(w_ty, wa, k, j), align=4) for j in lanes]
+                        col = builder.add(args[2], k)
+                        for i in range(R):
+                            xk = builder.load(at(x_ty, xa, builder.add(args[1], ir.Constant(i64, i)), col))
+                            if halve_odd and odd:
+                                xk = builder.fmul(xk, ir.Constant(f32, 0.0625))
+                            one = builder.insert_element(ir.Constant(vec, ir.Undefined), xk, ir.Constant(i32, 0))
+                            xv = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), splat)
+                            for wv, acc in zip(wk, sums[i]):
+                                builder.store(builder.call(fma, [xv, wv, builder.load(acc)]), acc)
+                for i in range(R):
+                    for acc, j in zip(sums[i], lanes):
+                        builder.store(builder.load(acc), vec_at(blk_ty, ba, ir.Constant(i64, i), j), align=4)
             return context.get_dummy_value()
 
         return nbtypes.none(x, r0, k0, w, blk), codegen
@@ -255,7 +270,7 @@ def _block_rows(R: int, halve_odd: bool):
 
 def _block_rows_any(halve_odd: bool):
     """A numba function `(R, x, r0, k0, w, blk)` calling `_block_rows(R, halve_odd)` for R in 1..BLOCK_ROWS."""
-    b1, b2, b3, b4, b5, b6 = (_block_rows(r, halve_odd) for r in range(1, BLOCK_ROWS + 1))
+    b1, b2, b3, b4, b5, b6 = (_block_rows(min(r, BLOCK_ROWS), halve_odd) for r in range(1, 7))
 
     @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
     def block_rows_any(R, x, r0, k0, w, blk):

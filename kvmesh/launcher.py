@@ -29,6 +29,14 @@ PARENT_PID_ENV = "KVMESH_PARENT_PID"
 CPU_SHARE_ENV = "KVMESH_CPU_SHARE"
 """`--cpu-share` of every instance a mesh starts (`runtime.cpu_share`): a file of the mesh's own
 unless the caller's environment sets it ("" turns the sharing off)."""
+SHARED_CORES_FORWARD_TOKENS = 256
+"""Prefill's `--max-batch-tokens` and `--chunked-prefill-size` in a mesh whose instances take turns
+on the cores (unless the caller's environment sets KVMESH_MAX_BATCH_TOKENS /
+KVMESH_CHUNKED_PREFILL_SIZE): a decode step waits for at most one forward of this many prompt
+tokens. `kvmesh bench-peer --where`, 32 random 256-token prompts, AMD EPYC without AVX-512, 2
+cores, prefill's defaults (4096 / 512) then 256: 16 streams 44.4 -> 61.6 out tok/s, ITL p99 1,286
+-> 775 ms (a 1,234-token forward outlasted decode's 2 s bound, and the two ran at once); 4 streams
+56.0 -> 49.7 tok/s, ITL p99 838 -> 675 ms (one run each, docs/benchmarks.md)."""
 
 
 def die_with_parent() -> None:
@@ -145,6 +153,8 @@ def start_mesh(
         )
         os.close(fd)  # empty: the first instance to open it sizes it (`CpuShare`)
         env[CPU_SHARE_ENV] = cpu_share
+        for name in ("KVMESH_MAX_BATCH_TOKENS", "KVMESH_CHUNKED_PREFILL_SIZE"):
+            env.setdefault(name, str(SHARED_CORES_FORWARD_TOKENS))
     mesh = Mesh(
         gateway_address=f"{host}:{port}",
         redis_url=redis_url,

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.eplb import expert_stats
@@ -87,8 +87,8 @@ class PrefillEngine:
         `max_batch_tokens` bounds the prompt tokens of the requests taken together (a longer
         prompt still runs, alone). `chunked_prefill_size` (tokens, 0 = off) splits each
         request's computed range into chunks (`chunk_ends`), one forward per chunk of every
-        request taken together. `cpu_share`: marks each forward for a decode instance on the
-        same cores (`runtime.cpu_share`), None when this instance has cores of its own.
+        request taken together. `cpu_share`: each forward takes its turn with a decode instance
+        on the same cores (`runtime.cpu_share`), None when this instance has cores of its own.
         `push_path`: how KV pushes leave the pages (kvstore.staging; KVCacheManager).
         `tier`: the second tier evicted blocks go to (kvstore.kv_tier; None: none).
         """
@@ -102,7 +102,12 @@ class PrefillEngine:
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill_size = chunked_prefill_size
-        self._forward_mark = cpu_share.prefill_forward if cpu_share is not None else contextlib.nullcontext
+        self._cpu_share = cpu_share
+        self.num_forwards = 0
+        self.forward_seconds = 0.0
+        """Wall seconds this instance's forwards took (its chunks), since start."""
+        self.cpu_share_wait_seconds = 0.0
+        """Seconds its forwards waited for a decode step on the same cores (--cpu-share)."""
         self._pending: deque[Request] = deque()
         self._count_lock = threading.Lock()
         self.num_queued_tokens = 0
@@ -245,6 +250,20 @@ class PrefillEngine:
                         self.num_active -= 1
                 self._pending.extendleft(reversed(waiting))
 
+    @contextlib.contextmanager
+    def _forward_turn(self) -> Iterator[None]:
+        """Around each forward: its turn on shared cores (runtime.cpu_share), counted."""
+        with (
+            self._cpu_share.prefill_forward() if self._cpu_share is not None else contextlib.nullcontext(0.0) as waited
+        ):
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.forward_seconds += time.perf_counter() - started
+                self.cpu_share_wait_seconds += waited
+                self.num_forwards += 1
+
     def _compute(self, ready: list[Request]) -> None:
         """Compute every ready request (prefill_svc.chunked), resolve their futures, then cache
         their prompt blocks."""
@@ -255,7 +274,7 @@ class PrefillEngine:
                 r.status = RequestStatus.RUNNING
         try:
             first_tokens, first_logprobs, num_chunks = prefill_batch(
-                self.runner, self.kv_cache, ready, self.chunked_prefill_size, self._forward_mark
+                self.runner, self.kv_cache, ready, self.chunked_prefill_size, self._forward_turn
             )
         except Exception as exc:
             for r in ready:
@@ -313,7 +332,7 @@ class PrefillEngine:
                 len(ready),
             )
 
-    def stats(self, check: bool = True) -> dict[str, int | str | list[int]]:
+    def stats(self, check: bool = True) -> dict[str, int | float | str | list[int]]:
         """Cache figures. Through call() (on the worker thread) they are exact and the cache's
         integrity is checked; with check=False, from another thread while the worker computes,
         they may be a step stale and integrity_error is '' unchecked."""
@@ -323,5 +342,8 @@ class PrefillEngine:
             "num_queued_tokens": self.num_queued_tokens,
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_prompt_tokens_cached": self.num_prompt_tokens_cached,
+            "num_forwards": self.num_forwards,
+            "forward_seconds": self.forward_seconds,
+            "cpu_share_wait_seconds": self.cpu_share_wait_seconds,
             **expert_stats(self.runner.expert_token_counts()),
         }

@@ -1,22 +1,27 @@
-"""Prefill first, where a prefill and a decode instance share one host's cores.
+"""Turns on shared cores, where a prefill and a decode instance run on one host's CPU cores.
 
 Disaggregated serving puts prefill and decode on separate devices. When both run on the same
 CPU cores (`kvmesh up` on one machine), each process's OpenMP team spins on every core, and two
 teams on the same cores stall at each other's barriers: 15 prompts of 14 tokens prefilled in
-195 ms alone took 757 ms while decode ran one stream beside them (2 cores, Intel Xeon). Here a
-prefill instance marks each forward it runs in a small shared file, and a decode instance waits
-between its steps until that forward ends, so the two take turns instead of fighting: a prefill
-batch runs at full speed, as SGLang's and vLLM's schedulers run a prefill batch before the next
-decode step on one GPU.
+195 ms alone took 757 ms while decode ran one stream beside them (2 cores, Intel Xeon), and a
+decode step of a 10-row batch took 90 ms instead of ~20 beside prefill's forwards (2 cores, AMD
+EPYC). Here the two take turns instead, one prefill forward (a chunk of the prompts) and one
+decode step at a time, in the order they asked: a prefill that has a forward to run waits for
+the decode step under way, then runs; a decode step waits for the forward under way and for a
+forward that asked before it. With both busy they alternate, step, chunk, step, chunk: what an
+aggregated engine with chunked prefill does on one device (vLLM's and SGLang's schedulers put a
+prefill chunk beside each decode step), with the chunk's size (`--max-batch-tokens`, set by
+`kvmesh up`) bounding what it adds to a token's latency.
 
-The wait is bounded twice: decode waits through at most one forward (the one it found running;
-when the next chunk of a chunked prefill starts, decode takes a step), and never longer than
-`max_wait_s`, so a prefill that died, hangs (SIGSTOP) or runs one very long forward slows decode
-only by that bound. The file holds one int64: the CLOCK_MONOTONIC nanoseconds at which the
-current forward began, 0 when none runs (CLOCK_MONOTONIC is one clock for every process of a
-host). Several prefill instances may share one file: the last to start a forward marks it and
-the first to end one clears it, so decode may step beside the other's forward, as it would with
-no sharing at all; it never waits longer than the bounds above.
+Every wait is bounded: a side waits at most `max_wait_s` for its turn, so a peer that died,
+hangs (SIGSTOP) or runs one very long forward slows the other only by that bound, and a mark
+older than the bound is ignored (a peer killed with its mark set). The file holds four int64s,
+the CLOCK_MONOTONIC nanoseconds (one clock for every process of a host) at which: prefill's
+forward began, prefill began asking for one, decode's step began, decode began asking for one;
+0 for none. Several instances of one side may share a file: the last to mark and the first to
+clear win, so two of them may run beside each other, as with no sharing at all, and no wait
+grows past the bounds above. Marks are plain stores to a shared page, not a lock: two sides
+that ask at the same instant may both run; that costs speed, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -28,16 +33,19 @@ import struct
 import time
 from collections.abc import Iterator
 
-_FORMAT = "q"  # int64, native order: written and read on one host
+_FORMAT = "4q"  # int64s, native order: written and read on one host
 _SIZE = struct.calcsize(_FORMAT)
-POLL_S = 0.0005
-"""How often a waiting decode looks at the file, in seconds: its step starts at most this late."""
+_PREFILL_RUN, _PREFILL_ASK, _DECODE_RUN, _DECODE_ASK = range(4)
+POLL_S = 0.0002
+"""How often a waiting side looks at the file, in seconds: its turn starts at most this late."""
 
 
 class CpuShare:
-    """The shared file at `path` (created, and sized to 8 bytes, when missing).
+    """The shared file at `path` (created, and sized to 32 bytes, when missing).
 
-    Raises OSError when the file cannot be opened or mapped.
+    max_wait_s: the most seconds a side waits for its turn (>= 0); marks older than this are stale.
+
+    Raises ValueError for a negative max_wait_s, OSError when the file cannot be opened or mapped.
     """
 
     def __init__(self, path: str, max_wait_s: float = 2.0) -> None:
@@ -45,6 +53,7 @@ class CpuShare:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.path = path
         self.max_wait_s = max_wait_s
+        self._max_wait_ns = int(max_wait_s * 1e9)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < _SIZE:
@@ -53,33 +62,54 @@ class CpuShare:
         finally:
             os.close(fd)
 
-    def _read(self) -> int:
-        return struct.unpack_from(_FORMAT, self._map)[0]
+    def _read(self, slot: int) -> int:
+        return struct.unpack_from("q", self._map, 8 * slot)[0]
 
-    def _write(self, value: int) -> None:
-        struct.pack_into(_FORMAT, self._map, 0, value)
+    def _write(self, slot: int, value: int) -> None:
+        struct.pack_into("q", self._map, 8 * slot, value)
+
+    def _live(self, mark: int, now_ns: int) -> bool:
+        """A mark that is set and younger than the bound."""
+        return mark != 0 and now_ns - mark < self._max_wait_ns
+
+    def _take_turn(self, ask: int, run: int, other_run: int, other_ask: int, other_first_on_tie: bool) -> float:
+        """Ask, wait while the other side runs or asked first (bounded), then mark our run;
+        seconds waited."""
+        asked = time.monotonic_ns()
+        self._write(ask, asked)
+        start = time.monotonic()
+
+        def held_back(now_ns: int) -> bool:
+            other_asked = self._read(other_ask)
+            ahead = other_asked < asked or (other_asked == asked and other_first_on_tie)
+            return self._live(self._read(other_run), now_ns) or (self._live(other_asked, now_ns) and ahead)
+
+        now = time.monotonic_ns()
+        # never past max_wait_s in all, whatever marks come and go meanwhile
+        while held_back(now) and now - asked < self._max_wait_ns:
+            time.sleep(POLL_S)
+            now = time.monotonic_ns()
+        self._write(run, time.monotonic_ns())
+        self._write(ask, 0)
+        return time.monotonic() - start
 
     @contextlib.contextmanager
-    def prefill_forward(self) -> Iterator[None]:
-        """Mark the file while the block runs (prefill: around each forward)."""
-        self._write(time.monotonic_ns())
+    def _turn(self, ask: int, run: int, other_run: int, other_ask: int, other_first_on_tie: bool) -> Iterator[float]:
+        waited = self._take_turn(ask, run, other_run, other_ask, other_first_on_tie)
         try:
-            yield
+            yield waited
         finally:
-            self._write(0)
+            self._write(run, 0)
 
-    def wait_for_prefill(self) -> float:
-        """Block while the forward marked now runs (decode: before each step); returns the seconds
-        waited. Returns at once when none is marked; never waits past the end of the marked
-        forward, nor `max_wait_s` after it began."""
-        began = self._read()
-        if not began:
-            return 0.0
-        start = time.monotonic()
-        deadline_ns = began + int(self.max_wait_s * 1e9)
-        while self._read() == began and time.monotonic_ns() < deadline_ns:
-            time.sleep(POLL_S)
-        return time.monotonic() - start
+    def prefill_forward(self) -> contextlib.AbstractContextManager[float]:
+        """Around each prefill forward: waits for the decode step under way (or asked first),
+        then marks the forward while the block runs; yields the seconds waited."""
+        return self._turn(_PREFILL_ASK, _PREFILL_RUN, _DECODE_RUN, _DECODE_ASK, other_first_on_tie=True)
+
+    def decode_step(self) -> contextlib.AbstractContextManager[float]:
+        """Around each decode step: waits for the prefill forward under way (or asked first),
+        then marks the step while the block runs; yields the seconds waited."""
+        return self._turn(_DECODE_ASK, _DECODE_RUN, _PREFILL_RUN, _PREFILL_ASK, other_first_on_tie=False)
 
     def close(self) -> None:
         self._map.close()

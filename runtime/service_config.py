@@ -113,11 +113,14 @@ class ModelServiceConfig:
     cpu_share: str = setting(
         "",
         "--cpu-share",
-        "a file the prefill and decode instances on the same CPU cores share: decode waits between its steps "
-        "while a prefill forward runs, so the two do not fight over the cores (`kvmesh up` makes one); empty: off",
+        "a file the prefill and decode instances on the same CPU cores share to take turns, one prefill forward or "
+        "one decode step at a time, so the two do not fight over the cores (`kvmesh up` makes one); empty: off",
     )
     cpu_share_max_wait_s: float = setting(
-        2.0, "--cpu-share-max-wait", "seconds decode waits for one prefill forward at most (with --cpu-share)", ge=0
+        2.0,
+        "--cpu-share-max-wait",
+        "seconds a prefill forward or a decode step waits for its turn at most (with --cpu-share)",
+        ge=0,
     )
     kv_digest: bool = setting(
         False,

@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from kvmesh import launcher
 from kvmesh.redis_server import free_port
 from tests.integration.meshutil import SHARED_CORES_ENV, compile_block_kernels
 
@@ -111,6 +113,11 @@ def test_kvmesh_up_then_generate_names_paris(launchers):
         # which the launcher removed once they were up: nothing is left behind, even after a SIGKILL
         mapped = [name for name in map(_mapped_cpu_share, children) if name]
         assert len(mapped) == 2 and mapped[0] == mapped[1] and mapped[0].endswith("(deleted)"), mapped
+        # and prefill's forwards are small enough that a decode step never waits long for one
+        prefill = next(pid for pid in children if b"prefill" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{prefill}/environ").read_bytes().split(b"\0") if v)
+        want = str(launcher.SHARED_CORES_FORWARD_TOKENS).encode()
+        assert environ[b"KVMESH_MAX_BATCH_TOKENS"] == want and environ[b"KVMESH_CHUNKED_PREFILL_SIZE"] == want
         gen = subprocess.run(
             [
                 sys.executable,

@@ -1,6 +1,7 @@
-"""Prefill first on shared cores (runtime/cpu_share.py): decode's wait between steps, its bounds,
-and the prefill engine marking each forward. Two CpuShare objects on one file stand for the two
-processes: they map the same page, as prefill and decode do."""
+"""Turns on shared cores (runtime/cpu_share.py): a decode step and a prefill forward wait for
+each other, alternate when both are busy, within their bounds; the prefill engine marks each
+forward. Two CpuShare objects on one file stand for the two processes: they map the same page,
+as prefill and decode do."""
 
 import threading
 import time
@@ -22,40 +23,83 @@ def pair(tmp_path):
     decode.close()
 
 
-def _waiter(share: CpuShare) -> tuple[threading.Thread, list[float]]:
+def _in_turn(turn, hold_s: float = 0.0) -> tuple[threading.Thread, list[float]]:
+    """Enter `turn` (a CpuShare side's context) on a thread; the seconds it waited, once in."""
     waited: list[float] = []
-    thread = threading.Thread(target=lambda: waited.append(share.wait_for_prefill()), daemon=True)
+
+    def run() -> None:
+        with turn() as w:
+            waited.append(w)
+            time.sleep(hold_s)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, waited
 
 
 def test_decode_does_not_wait_when_no_prefill_forward_runs(pair):
     _, decode = pair
-    assert decode.wait_for_prefill() == 0.0
+    with decode.decode_step() as waited:
+        assert waited < 0.5  # no poll loop: at once (bounded generously for a busy machine)
+        assert decode._read(cpu_share._DECODE_RUN) != 0
+    assert decode._read(cpu_share._DECODE_RUN) == 0
 
 
 def test_decode_waits_for_the_running_forward_to_end(pair):
     prefill, decode = pair
     with prefill.prefill_forward():
-        thread, waited = _waiter(decode)
+        thread, waited = _in_turn(decode.decode_step)
         thread.join(0.3)
         assert thread.is_alive()  # still waiting: the forward runs
     thread.join(5)
     assert not thread.is_alive() and waited[0] > 0
 
 
-def test_decode_waits_through_one_forward_only(pair):
-    # chunked prefill starts its next chunk at once: decode, which waited through the chunk it
-    # found, takes a step rather than waiting for the whole prompt
+def test_prefill_waits_for_the_running_decode_step_to_end(pair):
     prefill, decode = pair
-    with prefill.prefill_forward():
-        thread, _ = _waiter(decode)
-        thread.join(0.2)
+    with decode.decode_step():
+        thread, waited = _in_turn(prefill.prefill_forward)
+        thread.join(0.3)
         assert thread.is_alive()
-        time.sleep(0.001)  # the next forward's mark differs from this one's
-        with prefill.prefill_forward():
-            thread.join(5)
-            assert not thread.is_alive()
+    thread.join(5)
+    assert not thread.is_alive() and waited[0] > 0
+
+
+def test_with_both_busy_they_alternate_step_and_forward(pair):
+    # a chunked prefill asks for its next forward at once: the decode step that asked while the
+    # last chunk ran goes first, then the chunk; neither runs beside the other
+    prefill, decode = pair
+    order: list[str] = []
+    with prefill.prefill_forward():
+        step, _ = _in_turn(decode.decode_step, hold_s=0.2)
+        while not decode._read(cpu_share._DECODE_ASK):  # decode has asked
+            time.sleep(0.001)
+        order.append("forward 1 ends")
+    while not decode._read(cpu_share._DECODE_RUN):  # its step began
+        time.sleep(0.001)
+    with prefill.prefill_forward():  # the next chunk: after the step
+        order.append("forward 2 runs")
+        assert not step.is_alive()
+        assert decode._read(cpu_share._DECODE_RUN) == 0
+    step.join(5)
+    assert order == ["forward 1 ends", "forward 2 runs"]
+
+
+def test_the_side_that_asked_first_goes_first(pair):
+    prefill, decode = pair
+    with decode.decode_step():  # both ask while a step runs: prefill first, then decode
+        forward, _ = _in_turn(prefill.prefill_forward, hold_s=0.3)
+        while not prefill._read(cpu_share._PREFILL_ASK):
+            time.sleep(0.001)
+        step, _ = _in_turn(decode.decode_step)
+        while not decode._read(cpu_share._DECODE_ASK):
+            time.sleep(0.001)
+    forward.join(0.1)
+    assert forward.is_alive() and step.is_alive()  # the forward runs; the step waits for it
+    assert prefill._read(cpu_share._PREFILL_RUN) != 0 and decode._read(cpu_share._DECODE_RUN) == 0
+    forward.join(5)
+    step.join(5)
+    assert not step.is_alive()
 
 
 class _CountingClock:
@@ -77,18 +121,34 @@ def test_a_forward_that_never_ends_holds_decode_back_only_max_wait_s(tmp_path, m
     path = str(tmp_path / "cpu-share")
     prefill, decode = CpuShare(path), CpuShare(path, max_wait_s=0.3)
     with prefill.prefill_forward():
-        began_ns = decode._read()
+        began_ns = time.monotonic_ns()
         ended_ns: list[int] = []
-        thread = threading.Thread(target=lambda: (decode.wait_for_prefill(), ended_ns.append(time.monotonic_ns())))
+
+        def step() -> None:
+            with decode.decode_step():
+                ended_ns.append(time.monotonic_ns())
+
+        thread = threading.Thread(target=step)
         thread.start()
         thread.join(30)
-        # it waited until max_wait_s after the forward began (measured from the mark, so a
-        # waiter that a busy machine starts late waits less, never past the bound)
+        # it waited max_wait_s, then stepped
         assert not thread.is_alive() and ended_ns[0] - began_ns >= 0.3e9
         clock = _CountingClock()
         monkeypatch.setattr(cpu_share, "time", clock)
-        decode.wait_for_prefill()
-        assert clock.sleeps == 0  # past its bound: no more waits
+        with decode.decode_step():
+            pass
+        assert clock.sleeps == 0  # the mark is older than the bound: stale, no more waits
+
+
+def test_a_side_that_died_asking_holds_the_other_back_only_max_wait_s(tmp_path, monkeypatch):
+    path = str(tmp_path / "cpu-share")
+    prefill, decode = CpuShare(path, max_wait_s=0.3), CpuShare(path)
+    decode._write(cpu_share._DECODE_ASK, time.monotonic_ns() - 10**9)  # asked a second ago, then died
+    clock = _CountingClock()
+    monkeypatch.setattr(cpu_share, "time", clock)
+    with prefill.prefill_forward():
+        pass
+    assert clock.sleeps == 0
 
 
 def test_the_prefill_engine_marks_each_forward(pair):
@@ -97,7 +157,7 @@ def test_the_prefill_engine_marks_each_forward(pair):
 
     class Runner(ArgmaxRunner):
         def forward(self, items):
-            seen.append(decode._read() != 0)
+            seen.append(decode._read(cpu_share._PREFILL_RUN) != 0)
             return super().forward(items)
 
     engine = PrefillEngine(Runner(), 4, 16, enable_prefix_caching=False, cpu_share=prefill, chunked_prefill_size=4)
@@ -105,7 +165,8 @@ def test_the_prefill_engine_marks_each_forward(pair):
         result = engine.submit(_job("a", list(range(10, 22)))).result(timeout=10)
         assert result.first_token == 22
         assert seen == [True, True, True]  # 12 tokens in 3 chunks of 4, each marked
-        assert decode._read() == 0  # and unmarked after
+        assert decode._read(cpu_share._PREFILL_RUN) == 0  # and unmarked after
+        assert engine.stats()["num_forwards"] == 3 and engine.stats()["forward_seconds"] > 0
     finally:
         engine.shutdown()
 
