@@ -270,7 +270,7 @@ def _block_rows(R: int, halve_odd: bool):
 
 def _block_rows_any(halve_odd: bool):
     """A numba function `(R, x, r0, k0, w, blk)` calling `_block_rows(R, halve_odd)` for R in 1..BLOCK_ROWS."""
-    b1, b2, b3, b4, b5, b6 = (_block_rows(min(r, BLOCK_ROWS), halve_odd) for r in range(1, 7))
+    b1, b2, b3, b4, b5, b6 = (_block_rows(r, halve_odd) for r in range(1, BLOCK_ROWS + 1))
 
     @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
     def block_rows_any(R, x, r0, k0, w, blk):

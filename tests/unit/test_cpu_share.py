@@ -23,14 +23,16 @@ def pair(tmp_path):
     decode.close()
 
 
-def _in_turn(turn, hold_s: float = 0.0) -> tuple[threading.Thread, list[float]]:
-    """Enter `turn` (a CpuShare side's context) on a thread; the seconds it waited, once in."""
+def _in_turn(turn, hold: threading.Event | None = None) -> tuple[threading.Thread, list[float]]:
+    """Enter `turn` (a CpuShare side's context) on a thread and stay in it until `hold` is set
+    (30 s at most; None: leave at once); the seconds it waited, once in."""
     waited: list[float] = []
 
     def run() -> None:
         with turn() as w:
             waited.append(w)
-            time.sleep(hold_s)
+            if hold is not None:
+                hold.wait(30)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -70,13 +72,22 @@ def test_with_both_busy_they_alternate_step_and_forward(pair):
     # last chunk ran goes first, then the chunk; neither runs beside the other
     prefill, decode = pair
     order: list[str] = []
+    hold = threading.Event()
     with prefill.prefill_forward():
-        step, _ = _in_turn(decode.decode_step, hold_s=0.2)
+        step, _ = _in_turn(decode.decode_step, hold)
         while not decode._read(cpu_share._DECODE_ASK):  # decode has asked
             time.sleep(0.001)
         order.append("forward 1 ends")
     while not decode._read(cpu_share._DECODE_RUN):  # its step began
         time.sleep(0.001)
+
+    def end_step_once_the_forward_asked() -> None:
+        deadline = time.monotonic() + 30
+        while not prefill._read(cpu_share._PREFILL_ASK) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        hold.set()
+
+    threading.Thread(target=end_step_once_the_forward_asked, daemon=True).start()
     with prefill.prefill_forward():  # the next chunk: after the step
         order.append("forward 2 runs")
         assert not step.is_alive()
@@ -87,16 +98,18 @@ def test_with_both_busy_they_alternate_step_and_forward(pair):
 
 def test_the_side_that_asked_first_goes_first(pair):
     prefill, decode = pair
+    hold = threading.Event()
     with decode.decode_step():  # both ask while a step runs: prefill first, then decode
-        forward, _ = _in_turn(prefill.prefill_forward, hold_s=0.3)
+        forward, _ = _in_turn(prefill.prefill_forward, hold)
         while not prefill._read(cpu_share._PREFILL_ASK):
             time.sleep(0.001)
         step, _ = _in_turn(decode.decode_step)
         while not decode._read(cpu_share._DECODE_ASK):
             time.sleep(0.001)
-    forward.join(0.1)
-    assert forward.is_alive() and step.is_alive()  # the forward runs; the step waits for it
-    assert prefill._read(cpu_share._PREFILL_RUN) != 0 and decode._read(cpu_share._DECODE_RUN) == 0
+    while not prefill._read(cpu_share._PREFILL_RUN):  # the forward began
+        time.sleep(0.001)
+    assert step.is_alive() and decode._read(cpu_share._DECODE_RUN) == 0  # the step waits for it
+    hold.set()
     forward.join(5)
     step.join(5)
     assert not step.is_alive()
