@@ -16,7 +16,7 @@ from engine.loader import resolve_model
 from engine.runners import create_runner
 from kvstore.kv_tier import create_tier
 from kvstore.registry import InstanceRecord, InstanceRegistry
-from kvstore.transports import create_receiver
+from kvstore.transports import create_receiver, keep_until_exit
 from protos.kvmesh.v1 import decode_pb2_grpc
 from runtime import lifecycle, service
 from runtime.kv_index import KVIndexWriter
@@ -64,6 +64,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     )
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     # a wildcard bind address is no address to push to: advertise a name others can reach
+    keep_until_exit(config.kv_transport)  # this process leaves with os._exit: no UCX teardown
     receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
     await receiver.start()
     model = ServedModel.of(files, instance_id)

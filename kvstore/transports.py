@@ -27,6 +27,16 @@ TRANSPORTS: dict[str, tuple[Callable[..., KVPushSender], Callable[[str, int], KV
 """Transport name -> (sender builder(**options), receiver builder(host, port))."""
 
 
+def _ucx_keep_until_exit() -> None:
+    from kvstore.ucx_common import keep_until_exit
+
+    keep_until_exit()
+
+
+_KEEPERS: dict[str, Callable[[], None]] = {"ucx": _ucx_keep_until_exit}
+"""Transport name -> what keeps its process-wide state until the process exits."""
+
+
 def check_transport(name: str) -> None:
     """Raise ValueError naming the known transports when `name` is not one of them."""
     if name not in TRANSPORTS:
@@ -38,6 +48,14 @@ def create_sender(name: str = "ucx", **options: Any) -> KVPushSender:
     transfer_timeout_s, in seconds). Raises ValueError for an unknown transport."""
     check_transport(name)
     return TRANSPORTS[name][0](**options)
+
+
+def keep_until_exit(name: str = "ucx") -> None:
+    """Transport `name` keeps its process-wide state when its last sender or receiver closes
+    (UCX: kvstore.ucx_common.keep_until_exit): call it in a process that leaves with os._exit.
+    Raises ValueError for an unknown transport."""
+    check_transport(name)
+    _KEEPERS[name]()
 
 
 def create_receiver(name: str = "ucx", host: str = "127.0.0.1", port: int = 0) -> KVPushReceiver:

@@ -7,7 +7,8 @@ UCX runtime: ucxx keeps one process-wide context. kvstore initializes it on firs
 in "thread" progress mode with Python futures (a notifier thread completes asyncio
 futures). The default mode busy-polls the event loop while a receive is pending, which
 costs about a core per idle process. The context is bound to the event loop that
-first used it; it is reset when the last KVSender/KVReceiver closes, so close them.
+first used it; it is reset when the last KVSender/KVReceiver closes, so close them (but
+in a service, which leaves with os._exit: `keep_until_exit()`).
 """
 
 from __future__ import annotations
@@ -65,15 +66,19 @@ class _UcxRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owned = False
         self._atexit_registered = False
+        self.keep_until_exit = False
+        """True in a process that leaves with os._exit (every kvmesh service): the context is never
+        reset (`keep_until_exit()`)."""
 
     def acquire(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._users and loop is not self._loop:
+        kept = self._users == 0 and self._owned  # released by all, kept for the exit
+        if (self._users or kept) and loop is not self._loop:
             raise RuntimeError(
                 "kvstore's UCX transport is already bound to another event loop; "
                 "use one event loop per process (or close every KVSender/KVReceiver first)"
             )
-        if self._users == 0:
+        if self._users == 0 and not kept:
             try:
                 ucxx.init(progress_mode="thread", enable_python_future=True)
                 self._owned = True
@@ -94,7 +99,7 @@ class _UcxRuntime:
     def release(self) -> None:
         assert self._users > 0, "UCX runtime released more often than acquired"
         self._users -= 1
-        if self._users or not self._owned:
+        if self._users or not self._owned or self.keep_until_exit:
             return
         self._owned, self._loop = False, None
         try:
@@ -111,6 +116,17 @@ class _UcxRuntime:
 
 
 _runtime = _UcxRuntime()
+
+
+def keep_until_exit() -> None:
+    """Never reset ucxx's context in this process, even when its last KVSender / KVReceiver
+    closes: for a process that leaves with os._exit, where the teardown buys nothing.
+
+    Closing still aborts every endpoint and the listener. ucxx.reset() drops the context and
+    collects garbage while UCX's own threads run: a decode died in it with SIGSEGV at shutdown
+    (1 of 3 multihost rolling restarts, 2026-12-04; faulthandler caught the event-loop thread
+    in ucxx/core.py reset's gc.collect() and a thread with no Python frame crashing)."""
+    _runtime.keep_until_exit = True
 
 
 # ucxx's progress thread waits on the worker's epoll fd with a 1 ms timeout, so it wakes

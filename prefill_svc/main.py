@@ -11,7 +11,7 @@ from engine.loader import resolve_model
 from engine.runners import create_runner
 from kvstore.kv_tier import create_tier
 from kvstore.registry import InstanceRecord
-from kvstore.transports import create_receiver, create_sender
+from kvstore.transports import create_receiver, create_sender, keep_until_exit
 from prefill_svc import metrics
 from prefill_svc.config import PrefillConfig
 from prefill_svc.engine import PrefillEngine
@@ -70,6 +70,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         tier=tier,
     )
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
+    keep_until_exit(config.kv_transport)  # this process leaves with os._exit: no UCX teardown
     sender = create_sender(config.kv_transport)
     model = ServedModel.of(files, instance_id)
     receiver, puller = None, None

@@ -215,10 +215,9 @@ def run(main: Callable[[asyncio.Event, MainThreadExecutor], Awaitable[None]]) ->
         # hold one reference to grpc.aio's process-wide state for the whole process: each aio
         # server and channel takes one and gives it back when collected, and the last to go
         # shuts the poller's completion queue and gRPC core down on whichever thread collects
-        # it, with gRPC's own threads still about (grpc/grpc#22365, #43364). A decode died with
-        # SIGSEGV in libpython during its orderly shutdown in 2 of 4 multihost runs (2026-12-04);
-        # the cause was not found, and whether this teardown was it is not known. The process
-        # leaves with os._exit (kvmesh.cli), so the teardown never needs to run
+        # it, with gRPC's own threads still about (grpc/grpc#22365, #43364). The process leaves
+        # with os._exit (kvmesh.cli), so that teardown never needs to run. (The decode SIGSEGV at
+        # shutdown seen in multihost runs was UCX's teardown: kvstore.ucx_common.keep_until_exit.)
         grpc.aio.init_grpc_aio()
         stop = asyncio.Event()
         state["loop"], state["stop"] = asyncio.get_running_loop(), stop

@@ -14,9 +14,11 @@ import time
 
 import numpy as np
 import pytest
+import ucxx
 import uvloop
 
-from kvstore.ucx_common import _TAG_HEADER, _TAG_SIZES, _TAG_SOURCE, MAGIC, VERSION
+from kvstore import ucx_common
+from kvstore.ucx_common import _TAG_HEADER, _TAG_SIZES, _TAG_SOURCE, MAGIC, VERSION, keep_until_exit
 from kvstore.ucx_transfer import KVReceiver, KVSender, TransferError
 from tests.integration.ucx_peer import Peer, page_data, receiver_main, sender_main
 
@@ -556,5 +558,39 @@ def test_receiver_contract_in_process():
         with pytest.raises(RuntimeError, match="closed"):
             rx.expect(3, [pool[0]])
         await rx.close()  # idempotent
+
+    run(scenario())
+
+
+def test_a_service_keeps_the_ucx_context_until_it_exits():
+    """keep_until_exit (every service calls it; they leave with os._exit): closing the last
+    receiver and sender closes their listener and endpoints but leaves ucxx's context, whose reset
+    crashed a decode at shutdown; a new receiver on the same loop uses it. Without it, the last
+    close resets the context, as tests and other processes expect."""
+
+    async def scenario():
+        keep_until_exit()
+        try:
+            rx, tx = KVReceiver("127.0.0.1", 0), KVSender()
+            await rx.start()
+            kept = ucxx.core._ctx
+            assert kept is not None
+            port = rx.port
+            await rx.close()
+            await tx.close()
+            assert ucxx.core._ctx is kept, "the context was reset"
+            late = KVSender(connect_timeout_s=2.0)
+            with pytest.raises(TransferError):  # the listener itself is gone
+                await late.push(f"127.0.0.1:{port}", 1, [np.zeros(PAGE, np.uint8)])
+            await late.close()
+            again = KVReceiver("127.0.0.1", 0)
+            await again.start()
+            assert ucxx.core._ctx is kept and again.port > 0
+            await again.close()
+        finally:
+            ucx_common._runtime.keep_until_exit = False
+            ucx_common._runtime.acquire()  # the kept context, released as a test process does
+            ucx_common._runtime.release()
+        assert ucxx.core._ctx is None, "the last close without keep_until_exit resets the context"
 
     run(scenario())
