@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -38,8 +39,10 @@ from pathlib import Path
 WORKLOADS = {
     "random": ["--random-input-len", "256", "--random-output-len", "128"],
     "shared-prefix": ["--random-prefix-len", "512", "--random-input-len", "64", "--random-output-len", "128"],
+    "long": ["--random-input-len", "2048", "--random-output-len", "128"],
 }
-"""`vllm bench serve --dataset-name random` arguments of each workload (issue 29's two)."""
+"""`vllm bench serve --dataset-name random` arguments of each workload: issue 29's two, and its
+2,048-token prompts ("long", not run by default: 64 of them take minutes of prefill a side)."""
 METRICS = (
     ("output_throughput", "out tok/s"),
     ("request_throughput", "req/s"),
@@ -55,7 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm", default=".venv-vllm/bin/vllm", help="the vllm command of its own venv")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each kvmesh then vLLM (default 2)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="max concurrent requests")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["random", "shared-prefix"],
+        choices=list(WORKLOADS),
+        help="(default random shared-prefix)",
+    )
     parser.add_argument("--num-prompts", type=int, default=64, help="requests per workload and concurrency")
     parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's --dtype (its CPU default: bfloat16)")
     parser.add_argument("--port", type=int, default=8100, help="the HTTP port each server answers on")
@@ -63,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument(
         "--sides", nargs="+", default=["kvmesh", "vLLM"], choices=["kvmesh", "vLLM"], help="which servers run"
+    )
+    parser.add_argument(
+        "--kvmesh-args",
+        default="",
+        help="more arguments for `kvmesh up`, one string (e.g. '--decode-threads 1'); default: none, its defaults",
     )
     parser.add_argument(
         "--where",
@@ -79,6 +93,13 @@ class Server:
     name: str
     argv: list[str]
     env: dict[str, str]
+
+
+def kvmesh_server(args: argparse.Namespace) -> Server:
+    """`kvmesh up` on args.port with its defaults, and args.kvmesh_args (split as a shell would)
+    after them. Raises ValueError for unbalanced quotes in kvmesh_args."""
+    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", "50551", "--http-port", str(args.port)]
+    return Server("kvmesh", argv + shlex.split(args.kvmesh_args), dict(os.environ))
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
@@ -229,11 +250,7 @@ def run(args: argparse.Namespace) -> int:
 
     files = resolve_model(None)
     model, checkpoint = DEFAULT_MODEL, str(files.checkpoint_dir)
-    kvmesh = Server(
-        "kvmesh",
-        [sys.executable, "-m", "kvmesh.cli", "up", "--port", "50551", "--http-port", str(args.port)],
-        dict(os.environ),
-    )
+    kvmesh = kvmesh_server(args)
     peer = Server(
         "vLLM",
         [vllm, "serve", checkpoint, "--served-model-name", model, "--port", str(args.port)]

@@ -32,11 +32,15 @@ def prefill_batch(
     batch: list[Request],
     chunk_size: int,
     forward_mark: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    forward_budget: Callable[[], int] | None = None,
 ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], list[int]]:
     """Compute the uncached prompt of every request in `batch` (pages allocated, num_computed_tokens
     at its cached prefix) and sample each one's first token (its sampling params; a seeded
     generator unless greedy). chunk_size: tokens a chunk (0 = the whole prompt at once);
-    forward_mark: entered around each forward (runtime.cpu_share). Advances num_computed_tokens.
+    forward_mark: entered around each forward (runtime.cpu_share); forward_budget: asked before
+    each forward, the most tokens it may compute in all (0: no bound but chunk_size), split evenly
+    over the requests still computing, whole pages each (a page at least). Advances
+    num_computed_tokens.
 
     Returns (the first token of each request's choices (sampling.n of them, choice i drawn with
     sampling.for_choice(i)), their logprobs when its sampling asks for them
@@ -45,12 +49,19 @@ def prefill_batch(
     """
     size = kv_cache.page_size
     plans = [chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, _chunk_tokens(r, chunk_size), size) for r in batch]
-    num_chunks = [len(plan) for plan in plans]
+    num_chunks = [0] * len(batch)
     last_logits: list[torch.Tensor | None] = [None] * len(batch)
     for r in batch:
         pages_ready(r, r.num_cached_tokens // size)  # the cached prefix: at once
     while any(plans):
         rows = [k for k, plan in enumerate(plans) if plan]
+        budget = forward_budget() if forward_budget is not None else 0
+        if forward_budget is not None:  # the rest of each prompt replanned for this forward's budget
+            share = max(size, budget // len(rows) // size * size) if budget > 0 else 0
+            for k in rows:
+                r, own = batch[k], _chunk_tokens(batch[k], chunk_size)
+                tokens = min(own or share, share) if share else own
+                plans[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, tokens, size)
         items = []
         for k in rows:
             r, end = batch[k], plans[k][0]
@@ -70,6 +81,7 @@ def prefill_batch(
         for row, k in enumerate(rows):
             r = batch[k]
             r.num_computed_tokens = plans[k].pop(0)
+            num_chunks[k] += 1
             if plans[k]:
                 pages_ready(r, r.num_computed_tokens // size)
             else:

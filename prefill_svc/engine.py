@@ -78,6 +78,7 @@ class PrefillEngine:
         max_batch_tokens: int = 4096,
         chunked_prefill_size: int = 0,
         cpu_share: CpuShare | None = None,
+        forward_tokens_beside_decode: int = 0,
         push_path: str = "auto",
         tier: KVTier | None = None,
     ) -> None:
@@ -88,7 +89,9 @@ class PrefillEngine:
         prompt still runs, alone). `chunked_prefill_size` (tokens, 0 = off) splits each
         request's computed range into chunks (`chunk_ends`), one forward per chunk of every
         request taken together. `cpu_share`: each forward takes its turn with a decode instance
-        on the same cores (`runtime.cpu_share`), None when this instance has cores of its own.
+        on the same cores (`runtime.cpu_share`), None when this instance has cores of its own;
+        `forward_tokens_beside_decode` (tokens, 0 = off): with it, the most a forward computes while
+        that decode instance has steps to run (`CpuShare.decode_busy`; chunks shrink to fit).
         `push_path`: how KV pushes leave the pages (kvstore.staging; KVCacheManager).
         `tier`: the second tier evicted blocks go to (kvstore.kv_tier; None: none).
         """
@@ -103,6 +106,7 @@ class PrefillEngine:
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill_size = chunked_prefill_size
         self._cpu_share = cpu_share
+        self.forward_tokens_beside_decode = forward_tokens_beside_decode
         self.num_forwards = 0
         self.forward_seconds = 0.0
         """Wall seconds this instance's forwards took (its chunks), since start."""
@@ -264,6 +268,12 @@ class PrefillEngine:
                 self.cpu_share_wait_seconds += waited
                 self.num_forwards += 1
 
+    def _forward_budget(self) -> int:
+        """Tokens the next forward may compute: forward_tokens_beside_decode while the decode
+        instance on these cores is stepping, else 0 (no bound beyond the chunk size)."""
+        assert self._cpu_share is not None
+        return self.forward_tokens_beside_decode if self._cpu_share.decode_busy() else 0
+
     def _compute(self, ready: list[Request]) -> None:
         """Compute every ready request (prefill_svc.chunked), resolve their futures, then cache
         their prompt blocks."""
@@ -274,7 +284,12 @@ class PrefillEngine:
                 r.status = RequestStatus.RUNNING
         try:
             first_tokens, first_logprobs, num_chunks = prefill_batch(
-                self.runner, self.kv_cache, ready, self.chunked_prefill_size, self._forward_turn
+                self.runner,
+                self.kv_cache,
+                ready,
+                self.chunked_prefill_size,
+                self._forward_turn,
+                self._forward_budget if self._cpu_share is not None and self.forward_tokens_beside_decode else None,
             )
         except Exception as exc:
             for r in ready:

@@ -66,6 +66,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         max_batch_tokens=config.max_batch_tokens,
         chunked_prefill_size=config.chunked_prefill_size,
         cpu_share=open_cpu_share(config.cpu_share, config.cpu_share_max_wait_s),
+        forward_tokens_beside_decode=config.cpu_share_forward_tokens,
         push_path=config.kv_push_path,
         tier=tier,
     )

@@ -15,10 +15,15 @@ prefill chunk beside each decode step), with the chunk's size (`--max-batch-toke
 
 Every wait is bounded: a side waits at most `max_wait_s` for its turn, so a peer that died,
 hangs (SIGSTOP) or runs one very long forward slows the other only by that bound, and a mark
-older than the bound is ignored (a peer killed with its mark set). The file holds four int64s,
+older than the bound is ignored (a peer killed with its mark set). The file holds five int64s,
 the CLOCK_MONOTONIC nanoseconds (one clock for every process of a host) at which: prefill's
 forward began, prefill began asking for one, decode's step began, decode began asking for one;
-0 for none. Several instances of one side may share a file: the last to mark and the first to
+0 for none; and when decode's last step ended.
+
+While decode has steps to run, a prefill forward is all that a decode token waits for beyond
+its step, so prefill sizes its forwards by `decode_busy()`: small while decode steps (a token's
+latency), large while it is idle (the prompt's TTFT), as vLLM's chunked prefill shares one
+token budget a step between decode rows and a prefill chunk. Several instances of one side may share a file: the last to mark and the first to
 clear win, so two of them may run beside each other, as with no sharing at all, and no wait
 grows past the bounds above. Marks are plain stores to a shared page, not a lock: two sides
 that ask at the same instant may both run; that costs speed, never a wrong answer.
@@ -33,15 +38,18 @@ import struct
 import time
 from collections.abc import Iterator
 
-_FORMAT = "4q"  # int64s, native order: written and read on one host
+_FORMAT = "5q"  # int64s, native order: written and read on one host
 _SIZE = struct.calcsize(_FORMAT)
-_PREFILL_RUN, _PREFILL_ASK, _DECODE_RUN, _DECODE_ASK = range(4)
+_PREFILL_RUN, _PREFILL_ASK, _DECODE_RUN, _DECODE_ASK, _DECODE_DONE = range(5)
 POLL_S = 0.0002
 """How often a waiting side looks at the file, in seconds: its turn starts at most this late."""
+BUSY_WINDOW_S = 0.05
+"""Decode counts as busy this long after its last step ended, in seconds: its loop spends ~1 ms
+between steps (sampling's hand-off, admissions), and a step it is about to run shows as asking."""
 
 
 class CpuShare:
-    """The shared file at `path` (created, and sized to 32 bytes, when missing).
+    """The shared file at `path` (created, and sized to 40 bytes, when missing).
 
     max_wait_s: the most seconds a side waits for its turn (>= 0); marks older than this are stale.
 
@@ -94,11 +102,15 @@ class CpuShare:
         return time.monotonic() - start
 
     @contextlib.contextmanager
-    def _turn(self, ask: int, run: int, other_run: int, other_ask: int, other_first_on_tie: bool) -> Iterator[float]:
+    def _turn(
+        self, ask: int, run: int, other_run: int, other_ask: int, other_first_on_tie: bool, done: int | None = None
+    ) -> Iterator[float]:
         waited = self._take_turn(ask, run, other_run, other_ask, other_first_on_tie)
         try:
             yield waited
         finally:
+            if done is not None:
+                self._write(done, time.monotonic_ns())
             self._write(run, 0)
 
     def prefill_forward(self) -> contextlib.AbstractContextManager[float]:
@@ -108,8 +120,16 @@ class CpuShare:
 
     def decode_step(self) -> contextlib.AbstractContextManager[float]:
         """Around each decode step: waits for the prefill forward under way (or asked first),
-        then marks the step while the block runs; yields the seconds waited."""
-        return self._turn(_DECODE_ASK, _DECODE_RUN, _PREFILL_RUN, _PREFILL_ASK, other_first_on_tie=False)
+        then marks the step while the block runs, and when it ended; yields the seconds waited."""
+        return self._turn(_DECODE_ASK, _DECODE_RUN, _PREFILL_RUN, _PREFILL_ASK, False, done=_DECODE_DONE)
+
+    def decode_busy(self) -> bool:
+        """Whether decode is stepping: a step under way or asked for (marks younger than the
+        bound), or one that ended within BUSY_WINDOW_S."""
+        now = time.monotonic_ns()
+        if self._live(self._read(_DECODE_RUN), now) or self._live(self._read(_DECODE_ASK), now):
+            return True
+        return now - self._read(_DECODE_DONE) < BUSY_WINDOW_S * 1e9
 
     def close(self) -> None:
         self._map.close()

@@ -9,7 +9,17 @@ import statistics
 
 import pytest
 
-from bench.peer import METRICS, WHERE_FIELDS, _mesh_addresses, _print_table, add_arguments, run, where
+from bench.peer import (
+    METRICS,
+    WHERE_FIELDS,
+    WORKLOADS,
+    _mesh_addresses,
+    _print_table,
+    add_arguments,
+    kvmesh_server,
+    run,
+    where,
+)
 
 
 def test_without_vllm_it_says_how_to_install_it(capsys, tmp_path):
@@ -17,6 +27,17 @@ def test_without_vllm_it_says_how_to_install_it(capsys, tmp_path):
     add_arguments(parser)
     assert run(parser.parse_args(["--vllm", str(tmp_path / "no-vllm")])) == 2
     assert "make peer-vllm" in capsys.readouterr().err
+
+
+def test_kvmesh_up_gets_the_extra_arguments_and_long_prompts_are_asked_for_by_name():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plain = parser.parse_args([])
+    assert plain.workloads == ["random", "shared-prefix"]  # 2,048-token prompts only when named
+    assert kvmesh_server(plain).argv[-2:] == ["--http-port", "8100"]
+    args = parser.parse_args(["--kvmesh-args", "--decode-threads 1 --model 'a b'", "--workloads", "long"])
+    assert kvmesh_server(args).argv[-4:] == ["--decode-threads", "1", "--model", "a b"]
+    assert WORKLOADS[args.workloads[0]][:2] == ["--random-input-len", "2048"]
 
 
 def _result(tok_s: float, ttft: float) -> dict:

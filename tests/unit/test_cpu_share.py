@@ -184,6 +184,44 @@ def test_the_prefill_engine_marks_each_forward(pair):
         engine.shutdown()
 
 
+def test_decode_counts_as_busy_while_it_steps_and_just_after(pair):
+    prefill, decode = pair
+    assert not prefill.decode_busy()  # never stepped
+    with decode.decode_step():
+        assert prefill.decode_busy()
+    assert prefill.decode_busy()  # a step just ended: the next one comes within ~1 ms
+    window_ns = int(cpu_share.BUSY_WINDOW_S * 1e9)
+    decode._write(cpu_share._DECODE_DONE, time.monotonic_ns() - 2 * window_ns)  # its last step, long ago
+    assert not prefill.decode_busy()
+    decode._write(cpu_share._DECODE_ASK, time.monotonic_ns())  # asking for its next one
+    assert prefill.decode_busy()
+
+
+def test_prefill_forwards_shrink_to_their_budget_while_decode_steps(pair):
+    prefill, decode = pair
+    sizes: list[int] = []
+
+    class Runner(ArgmaxRunner):
+        def forward(self, items):
+            sizes.append(sum(len(it.token_ids) for it in items))
+            return super().forward(items)
+
+    engine = PrefillEngine(
+        Runner(), 4, 64, enable_prefix_caching=False, cpu_share=prefill, forward_tokens_beside_decode=8
+    )
+    try:
+        decode._write(cpu_share._DECODE_DONE, time.monotonic_ns() + 10**12)  # decode stepping all along
+        busy = engine.submit(_job("a", list(range(10, 34)))).result(timeout=10)
+        assert busy.first_token == 34
+        assert sum(sizes) == 24 and max(sizes) <= 8 and len(sizes) == 3  # 8 tokens a forward at most
+        decode._write(cpu_share._DECODE_DONE, 0)  # decode idle: the prompt in one forward
+        sizes.clear()
+        idle = engine.submit(_job("b", list(range(40, 64)))).result(timeout=10)
+        assert idle.first_token == 64 and sizes == [24]
+    finally:
+        engine.shutdown()
+
+
 def test_no_path_means_no_sharing():
     assert open_cpu_share("", 2.0) is None
     with pytest.raises(ValueError):
