@@ -123,9 +123,9 @@ def keep_until_exit() -> None:
     closes: for a process that leaves with os._exit, where the teardown buys nothing.
 
     Closing still aborts every endpoint and the listener. ucxx.reset() drops the context and
-    collects garbage while UCX's own threads run: a decode died in it with SIGSEGV at shutdown
-    (1 of 3 multihost rolling restarts, 2026-12-04; faulthandler caught the event-loop thread
-    in ucxx/core.py reset's gc.collect() and a thread with no Python frame crashing)."""
+    collects garbage while UCX's own threads run: decodes died in it with SIGSEGV at shutdown in
+    multihost rolling restarts (2026-12-03/04; faulthandler caught the event-loop thread in
+    ucxx/core.py reset's gc.collect() and a thread with no Python frame crashing)."""
     _runtime.keep_until_exit = True
 
 

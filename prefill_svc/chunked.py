@@ -55,8 +55,8 @@ def prefill_batch(
         pages_ready(r, r.num_cached_tokens // size)  # the cached prefix: at once
     while any(plans):
         rows = [k for k, plan in enumerate(plans) if plan]
-        budget = forward_budget() if forward_budget is not None else 0
         if forward_budget is not None:  # the rest of each prompt replanned for this forward's budget
+            budget = forward_budget()
             share = max(size, budget // len(rows) // size * size) if budget > 0 else 0
             for k in rows:
                 r, own = batch[k], _chunk_tokens(batch[k], chunk_size)

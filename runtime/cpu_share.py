@@ -21,11 +21,12 @@ forward began, prefill began asking for one, decode's step began, decode began a
 0 for none; and when decode's last step ended.
 
 While decode has steps to run, a prefill forward is all that a decode token waits for beyond
-its step, so prefill sizes its forwards by `decode_busy()`: small while decode steps (a token's
-latency), large while it is idle (the prompt's TTFT), as vLLM's chunked prefill shares one
-token budget a step between decode rows and a prefill chunk. Several instances of one side may share a file: the last to mark and the first to
-clear win, so two of them may run beside each other, as with no sharing at all, and no wait
-grows past the bounds above. Marks are plain stores to a shared page, not a lock: two sides
+its step. With `--cpu-share-forward-tokens`, prefill sizes its forwards by `decode_busy()`:
+small while decode steps (a token's latency), large while it is idle (the prompt's TTFT).
+
+Several instances of one side may share a file: the last to mark and the first to clear win,
+so two of them may run beside each other, as with no sharing at all, and no wait grows past the
+bounds above. Marks are plain stores to a shared page, not a lock: two sides
 that ask at the same instant may both run; that costs speed, never a wrong answer.
 """
 

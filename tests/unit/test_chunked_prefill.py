@@ -5,6 +5,8 @@ final when reported)."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from engine.runners import create_runner
 from engine.sampling_params import SamplingParams
 from engine.tiny_models import make_tiny_model
 from prefill_svc.engine import PrefillEngine
+from runtime import cpu_share
+from runtime.cpu_share import CpuShare
 from tests.unit.tiny_llama import tiny_llama
 
 
@@ -104,3 +108,45 @@ def test_chunked_prefill_gives_the_kv_and_first_token_of_one_forward(checkpoints
         np.testing.assert_allclose(a.view(np.float32), b.view(np.float32), rtol=1e-4, atol=1e-5)
     for a, b in zip(state, c_state):
         np.testing.assert_allclose(a.view(np.float32), b.view(np.float32), rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_budget_splits_a_batch_and_keeps_its_kv_and_first_tokens(checkpoints, tmp_path):
+    """--cpu-share-forward-tokens: while decode on the same cores steps, two prompts computed
+    together take at most `budget` tokens a forward in all (replanned before each), and still get
+    the KV and first tokens they get in one forward each."""
+    files, page_size, length, vocab = checkpoints["llama"]
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, vocab, (length - 10 * k,), generator=gen).tolist() for k in range(2)]
+    alone = [_prefill(files, page_size, tokens, chunk=0) for tokens in prompts]
+    budget = 4 * page_size
+    share = CpuShare(str(tmp_path / "cpu-share"))
+    share._write(cpu_share._DECODE_DONE, time.monotonic_ns() + 10**12)  # decode stepping all along
+    runner = create_runner(files, num_pages=128, page_size=page_size, num_state_slots=2)
+    sizes: list[int] = []
+    forward = runner.forward
+
+    def counted(items):
+        sizes.append(sum(len(it.token_ids) for it in items))
+        return forward(items)
+
+    runner.forward = counted
+    engine = PrefillEngine(
+        runner, page_size, 128, enable_prefix_caching=False, cpu_share=share, forward_tokens_beside_decode=budget
+    )
+    try:
+        gate = threading.Event()
+        engine.call(gate.wait, 30)  # the worker holds until both are queued: one batch
+        jobs = [engine.submit(Request(f"r{k}", p, SamplingParams(seed=0))) for k, p in enumerate(prompts)]
+        gate.set()
+        results = [job.result(timeout=60) for job in jobs]
+        assert max(sizes) <= budget and sum(sizes) == sum(map(len, prompts))
+        assert sizes[0] == budget  # both prompts in one forward: half the budget each
+        for (first, pages, _state, _ready), result in zip(alone, results):
+            assert result.first_token == first
+            for a, b in zip(pages, result.block_ids):
+                np.testing.assert_allclose(
+                    a.view(np.float32), runner.page_buffer(b).view(np.float32), rtol=1e-4, atol=1e-5
+                )
+    finally:
+        engine.shutdown()
+        share.close()
