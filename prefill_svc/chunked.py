@@ -50,18 +50,23 @@ def prefill_batch(
     size = kv_cache.page_size
     plans = [chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, _chunk_tokens(r, chunk_size), size) for r in batch]
     num_chunks = [0] * len(batch)
+    shrunk: set[int] = set()  # requests whose plan a forward budget cut smaller than their own chunks
     last_logits: list[torch.Tensor | None] = [None] * len(batch)
     for r in batch:
         pages_ready(r, r.num_cached_tokens // size)  # the cached prefix: at once
     while any(plans):
         rows = [k for k, plan in enumerate(plans) if plan]
-        if forward_budget is not None:  # the rest of each prompt replanned for this forward's budget
+        if forward_budget is not None:  # the rest of a prompt replanned while the budget binds, and once after
             budget = forward_budget()
             share = max(size, budget // len(rows) // size * size) if budget > 0 else 0
             for k in rows:
                 r, own = batch[k], _chunk_tokens(batch[k], chunk_size)
-                tokens = min(own or share, share) if share else own
-                plans[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, tokens, size)
+                if share and (not own or share < own):
+                    plans[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, share, size)
+                    shrunk.add(k)
+                elif k in shrunk:  # back to its own chunks
+                    plans[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, own, size)
+                    shrunk.discard(k)
         items = []
         for k in rows:
             r, end = batch[k], plans[k][0]

@@ -26,8 +26,8 @@ small while decode steps (a token's latency), large while it is idle (the prompt
 
 Several instances of one side may share a file: the last to mark and the first to clear win,
 so two of them may run beside each other, as with no sharing at all, and no wait grows past the
-bounds above. Marks are plain stores to a shared page, not a lock: two sides
-that ask at the same instant may both run; that costs speed, never a wrong answer.
+bounds above. Marks are plain stores to a shared page, not a lock: two sides that ask at the
+same instant may both run; that costs speed, never a wrong answer.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from engine.forward import chunk_ends
 from prefill_svc.engine import PrefillEngine
 from runtime import cpu_share
 from runtime.cpu_share import CpuShare, open_cpu_share
@@ -218,6 +219,33 @@ def test_prefill_forwards_shrink_to_their_budget_while_decode_steps(pair):
         sizes.clear()
         idle = engine.submit(_job("b", list(range(40, 64)))).result(timeout=10)
         assert idle.first_token == 64 and sizes == [24]
+    finally:
+        engine.shutdown()
+
+
+def test_a_budget_that_does_not_bind_keeps_the_prompts_own_chunks(pair):
+    prefill, decode = pair
+    sizes: list[int] = []
+
+    class Runner(ArgmaxRunner):
+        def forward(self, items):
+            sizes.append(sum(len(it.token_ids) for it in items))
+            return super().forward(items)
+
+    engine = PrefillEngine(
+        Runner(),
+        4,
+        64,
+        enable_prefix_caching=False,
+        cpu_share=prefill,
+        chunked_prefill_size=16,
+        forward_tokens_beside_decode=8,
+    )
+    try:
+        decode._write(cpu_share._DECODE_DONE, 0)  # decode idle all along: the budget never binds
+        assert engine.submit(_job("a", list(range(10, 50)))).result(timeout=10).first_token == 50
+        ends = chunk_ends(0, 40, 16, 4)  # the plan with no budget at all, its short last chunk kept
+        assert sizes == [b - a for a, b in zip([0, *ends], ends)]
     finally:
         engine.shutdown()
 
