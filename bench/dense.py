@@ -1,11 +1,11 @@
 # T=rows (tokens), K=input features, N=output features
 """fp32 GEMM speed of prefill's shapes through each library PyTorch or numpy can reach, in one run.
 
-    python -m bench.dense [--rows 2048] [--threads 1] [--repeats 20]
+    python -m kvmesh.bench.dense [--rows 2048] [--threads 1] [--repeats 20]
 
 For SmolLM2-135M's four matmuls of a layer ([T, 576] @ [576, 960] q/k/v, [576, 576] o,
 [576, 3072] gate/up, [1536, 576] down) prints GFLOP/s of `x @ w` (PyTorch's BLAS, MKL in the
-x86 wheels), of `kernels.dense.dense_matmul` (oneDNN, layout conversions included) and of
+x86 wheels), of `kvmesh.kernels.dense.dense_matmul` (oneDNN, layout conversions included) and of
 numpy's `@` (OpenBLAS in numpy's wheels), and each as a ratio to `x @ w`. PyTorch's two: CPU time
 of the calling thread (`time.thread_time`), best of --repeats, so other processes on the machine
 distort it least; use --threads 1 for that reason (with more threads it times the wall clock).
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.dense import dense_matmul
+from kvmesh.kernels.dense import dense_matmul
 
 SHAPES = {"q/k/v": (576, 960), "o": (576, 576), "gate/up": (576, 3072), "down": (1536, 576)}
 

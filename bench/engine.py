@@ -1,6 +1,6 @@
 """Decode speed of LlamaRunner against transformers' generate and llama.cpp, side by side in one run.
 
-    python -m bench.engine [--model NAME_OR_PATH] [--new-tokens 64] [--batch 4 16]
+    python -m kvmesh.bench.engine [--model NAME_OR_PATH] [--new-tokens 64] [--batch 4 16]
 
 Prints greedy single-stream decode tokens/s of transformers `generate`, of llama.cpp
 (llama-cpp-python on the same GGUF file and prompt tokens, as many threads as torch, in a
@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.checkpoint import load_tokenizer
-from engine.forward import ForwardItem
-from engine.llama_runner import LlamaRunner
-from engine.loader import default_gguf_path, resolve_model
-from engine.models.llama import QUANTIZED_MAX_BATCH
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.llama.model import QUANTIZED_MAX_BATCH
+from kvmesh.engine.llama.runner import LlamaRunner
+from kvmesh.engine.loader import default_gguf_path, resolve_model
+from kvmesh.engine.sampler import sample
+from kvmesh.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Run from the repo root: .venv/bin/python -m bench.fault_burst300
+"""Run from the repo root: .venv/bin/python -m kvmesh.bench.fault_burst300
 
 Issue 10 case 7 as measured: 300 concurrent streams (max_tokens 32) against 2 decodes of 64 slots."""
 

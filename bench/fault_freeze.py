@@ -1,4 +1,4 @@
-"""Run from the repo root: .venv/bin/python -m bench.fault_freeze
+"""Run from the repo root: .venv/bin/python -m kvmesh.bench.fault_freeze
 
 Seconds from SIGSTOP of a decode (6 streams running over 2 decodes) to each stream's end."""
 

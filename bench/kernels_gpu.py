@@ -2,7 +2,7 @@
 # token, Hi=indexer heads, Di=indexer head_dim, N=compressed indexer entries
 """Check and time the Triton MoE and Lightning Indexer kernels on a GPU, next to the PyTorch path.
 
-    python -m bench.kernels_gpu [--no-tests] [--no-bench]
+    python -m kvmesh.bench.kernels_gpu [--no-tests] [--no-bench]
 
 Without a CUDA GPU it prints "no CUDA GPU: nothing to benchmark" and exits 0. With one:
 1. runs tests/unit/test_moe_kernels.py, test_indexer_kernels.py and
@@ -46,7 +46,7 @@ def bench_moe(tokens: tuple[int, ...], H: int = 4096, I: int = 2048, E: int = 25
     """Routed experts at DeepSeek-V4 shapes, bf16: Triton against the PyTorch path."""
     from triton.testing import do_bench
 
-    from kernels.moe import moe_experts, moe_experts_triton, route_topk
+    from kvmesh.kernels.moe import moe_experts, moe_experts_triton, route_topk
 
     dev, dt = "cuda", torch.bfloat16
     w_gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt).mul_(H**-0.5)  # [E, 2I, H]
@@ -79,7 +79,7 @@ def bench_indexer(tokens: tuple[int, ...], Hi: int = 64, Di: int = 128, N: int =
     """Lightning Indexer scores at DeepSeek-V4 shapes, bf16 q/k: Triton against PyTorch."""
     from triton.testing import do_bench
 
-    from kernels.indexer import indexer_scores, indexer_scores_triton, indexer_topk
+    from kvmesh.kernels.indexer import indexer_scores, indexer_scores_triton, indexer_topk
 
     dev, dt = "cuda", torch.bfloat16
     k = torch.randn(N, Di, device=dev, dtype=dt)  # [N, Di]
@@ -119,7 +119,7 @@ def run_tests() -> bool:
     """The two kernel test files with their Triton tests on the GPU; True if they pass."""
     env = dict(os.environ, KVMESH_TEST_DEVICE="cuda")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *TEST_FILES], cwd=REPO, env=env)
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", *TEST_FILES], cwd=REPO, env=env)
     return proc.returncode == 0
 
 

@@ -3,7 +3,7 @@ engine alone, in one run.
 
 Measures on the default model (or --model), greedy, EOS ignored so every request decodes
 exactly --new-tokens tokens. First the peers, each in a process of its own while no mesh runs
-(`bench.peers`: an idle mesh's threads must not slow a peer, nor a peer the mesh):
+(`kvmesh.bench.peers`: an idle mesh's threads must not slow a peer, nor a peer the mesh):
 - transformers `generate` (fp32 weights): single-stream decode tokens/s, and batched decode
   of 4 and 16 prompts at once (the like-for-like baseline of the mesh's concurrent rounds),
   prefill excluded (time of N new tokens minus the time of 1); its forward over a 2K-token
@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from bench import peers
+from kvmesh.bench import peers
 from kvmesh.progress import progress_bar
 
 PROMPTS = [
@@ -123,7 +123,7 @@ async def _decode_steps(address: str) -> tuple[int, float]:
     """(steps, wall seconds in steps) a decode instance reports in GetStats."""
     import grpc
 
-    from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc
+    from kvmesh.protos.v1 import common_pb2, decode_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stats = await decode_pb2_grpc.DecodeStub(channel).GetStats(common_pb2.StatsRequest(), timeout=10)
@@ -155,9 +155,9 @@ def _peers(args, say) -> dict:
 
 
 def run_bench(args) -> int:
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
     from kvmesh.client import GatewayClient, make_request
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import resolve_model
     from kvmesh.launcher import start_mesh
     from kvmesh.redis_server import free_port
 

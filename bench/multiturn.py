@@ -32,8 +32,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.routing_sim import BLOCK_TOKENS, TraceRequest, load_trace
-from bench.trace import scale_trace
+from kvmesh.bench.routing_sim import BLOCK_TOKENS, TraceRequest, load_trace
+from kvmesh.bench.trace import scale_trace
 from kvmesh.progress import progress_bar
 
 
@@ -182,8 +182,8 @@ def run_multiturn_bench(args) -> int:
     import grpc
 
     from kvmesh.launcher import start_mesh
+    from kvmesh.protos.v1 import common_pb2, prefill_pb2_grpc
     from kvmesh.redis_server import free_port
-    from protos.kvmesh.v1 import common_pb2, prefill_pb2_grpc
 
     B = args.block_tokens
     turns = conversations(load_trace(args.trace), args.limit)
@@ -293,7 +293,7 @@ def _print(
 def _print_simulated(scaled: Sequence[TraceRequest], results: dict[str, list[Answered]], args) -> None:
     """`kvmesh routesim`'s simulation of the same turns, sent when the replay sent them, beside the
     measured prefill tokens computed: the same router, pools of --prefill-pages blocks."""
-    from bench.routing_sim import router_chooser, simulate
+    from kvmesh.bench.routing_sim import router_chooser, simulate
 
     B = args.block_tokens
     policy = "round_robin" if args.spill else "cache_aware"

@@ -98,7 +98,7 @@ class Server:
 def kvmesh_server(args: argparse.Namespace) -> Server:
     """`kvmesh up` on args.port with its defaults, and args.kvmesh_args (split as a shell would)
     after them. Raises ValueError for unbalanced quotes in kvmesh_args."""
-    argv = [sys.executable, "-m", "kvmesh.cli", "up", "--port", "50551", "--http-port", str(args.port)]
+    argv = [sys.executable, "-P", "-m", "kvmesh.cli", "up", "--port", "50551", "--http-port", str(args.port)]
     return Server("kvmesh", argv + shlex.split(args.kvmesh_args), dict(os.environ))
 
 
@@ -193,7 +193,7 @@ def _stats(prefill: list[str], decode: list[str]) -> dict[str, float]:
     """The counters `where` compares, summed over the instances (GetStats, 10 s deadline)."""
     import grpc
 
-    from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+    from kvmesh.protos.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
     totals: dict[str, float] = {}
     for stub_cls, role, addresses in (
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from engine.loader import DEFAULT_MODEL, resolve_model
+    from kvmesh.engine.loader import DEFAULT_MODEL, resolve_model
 
     files = resolve_model(None)
     model, checkpoint = DEFAULT_MODEL, str(files.checkpoint_dir)

@@ -1,7 +1,7 @@
 """The peers `kvmesh bench` compares the mesh with, each measured in a process of its own while
 no mesh runs (an idle mesh's OpenMP threads must not slow a peer, nor a peer the mesh):
 
-    python -m bench.peers transformers|llama_cpp|engine --new-tokens N --rounds R
+    python -m kvmesh.bench.peers transformers|llama_cpp|engine --new-tokens N --rounds R
         [--prompt-tokens P] [--batch 4 16] [--model M]
 
 prints one JSON object of medians over R rounds:
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from engine.checkpoint import long_prompt_ids
+from kvmesh.engine.checkpoint import long_prompt_ids
 
 PROMPT = "Tell me a story about a lighthouse keeper."
 
@@ -41,8 +41,8 @@ def _transformers(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import resolve_model
 
     files = resolve_model(args.model)
     tok = load_tokenizer(files)
@@ -83,8 +83,8 @@ def _transformers(args) -> dict:
 def _llama_cpp(args) -> dict:
     from llama_cpp import Llama
 
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import default_gguf_path, resolve_model
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import default_gguf_path, resolve_model
 
     llm = Llama(model_path=str(default_gguf_path()), n_threads=2, n_ctx=args.prompt_tokens + 64, verbose=False)
     prompt = llm.tokenize(f"<|im_start|>user\n{PROMPT}<|im_end|>\n<|im_start|>assistant\n".encode(), special=True)
@@ -113,10 +113,10 @@ def _llama_cpp(args) -> dict:
 
 
 def _engine(args) -> dict:
-    from bench.engine import _prompts, bench_runner
-    from engine.checkpoint import load_tokenizer
-    from engine.llama_runner import LlamaRunner
-    from engine.loader import resolve_model
+    from kvmesh.bench.engine import _prompts, bench_runner
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.llama.runner import LlamaRunner
+    from kvmesh.engine.loader import resolve_model
 
     files = resolve_model(args.model)
     prompts = _prompts(load_tokenizer(files), 1)
@@ -134,7 +134,17 @@ def measure(peer: str, new_tokens: int, rounds: int, prompt_tokens: int, batch: 
 
     Raises subprocess.CalledProcessError (with the peer's stderr) when it fails.
     """
-    cmd = [sys.executable, "-m", "bench.peers", peer, "--new-tokens", str(new_tokens), "--rounds", str(rounds)]
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvmesh.bench.peers",
+        peer,
+        "--new-tokens",
+        str(new_tokens),
+        "--rounds",
+        str(rounds),
+    ]
     cmd += ["--prompt-tokens", str(prompt_tokens), "--batch", *map(str, batch)]
     if model:
         cmd += ["--model", model]

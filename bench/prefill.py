@@ -1,13 +1,13 @@
 # T=tokens
 """Prefill speed of LlamaRunner against transformers' forward on the same prompt, in one run.
 
-    python -m bench.prefill [--model NAME_OR_PATH] [--prompt-tokens 2048] [--chunk 512]
+    python -m kvmesh.bench.prefill [--model NAME_OR_PATH] [--prompt-tokens 2048] [--chunk 512]
         [--repeats 5]
 
 Prints tokens/s of three contenders over the same T-token prompt (`long_prompt_ids`, the text
-`bench.peers` uses), each as a ratio to transformers:
+`kvmesh.bench.peers` uses), each as a ratio to transformers:
 - transformers: one fp32 `model(input_ids=...)` forward computing every position's logits, as
-  `bench.peers` measures its `prefill_tokens_per_s`;
+  `kvmesh.bench.peers` measures its `prefill_tokens_per_s`;
 - LlamaRunner, the whole prompt in one forward (logits of the last token only);
 - LlamaRunner in chunks the way the prefill service schedules them with
   `--chunked-prefill-size` (`chunk_ends`: whole-page chunks, the last at most a quarter of
@@ -29,10 +29,10 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.checkpoint import load_tokenizer, long_prompt_ids
-from engine.forward import ForwardItem, chunk_ends
-from engine.llama_runner import LlamaRunner
-from engine.loader import resolve_model
+from kvmesh.engine.checkpoint import load_tokenizer, long_prompt_ids
+from kvmesh.engine.forward import ForwardItem, chunk_ends
+from kvmesh.engine.llama.runner import LlamaRunner
+from kvmesh.engine.loader import resolve_model
 
 logger = logging.getLogger(__name__)
 

@@ -1,25 +1,25 @@
 # V=vocab, H=hidden, B=sequences in a decode step
 """Where the time of one decode step of B sequences goes: in milliseconds a step and % of it.
 
-    python -m bench.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3] [--batch 1]
+    python -m kvmesh.bench.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3] [--batch 1]
 
-Runs LlamaRunner greedy decode (forward + `engine.sampler.sample`) of --batch sequences (the chat
+Runs LlamaRunner greedy decode (forward + `kvmesh.engine.sampler.sample`) of --batch sequences (the chat
 prompt each, in pages of its own) after their prefills and times each part of the step with `time.perf_counter` around the model's
 parts: the quantized (or fp32) matmuls grouped by projection (q/k/v, o, MLP gate/up, MLP down,
 lm_head), attention over pages (K/V write and SDPA), RMSNorm, RoPE, SiLU*up, the step's setup
 (positions, attention metadata), sampling, and the rest (embedding, residual adds, views and
 the Python between them: the step's time less every timed part). A decode step of a model with
 GGUF blocks (up to `QUANTIZED_MAX_BATCH` sequences) is one numba call
-(`engine.models.llama_step.decode_step`), which counts its own parts' CPU cycles
+(`kvmesh.engine.llama.step.decode_step`), which counts its own parts' CPU cycles
 (`LlamaModel.step_cycles`, converted here at the counter's measured rate); it applies SiLU*up
 inside the gate/up matmul's tiles, so that row reads 0 and gate/up includes it. The timers are a profiling
-hook: they replace the module-level functions `engine.models.llama` calls (`_mm`, `_lm_head`,
+hook: they replace the module-level functions `kvmesh.engine.llama.model` calls (`_mm`, `_lm_head`,
 `rms_norm`, `apply_rotary`, `paged_attention`, `silu_and_mul`) for the profiled steps only and
 put them back after, so the served hot path carries no timer. The step is also timed without
 the hook, which shows what the timers themselves cost.
 
 Also printed: the weight bytes one decode step reads (every matmul weight once, in the format
-the step uses: GGUF blocks as packed for `kernels.quant`, or fp32; norms and one embedding row
+the step uses: GGUF blocks as packed for `kvmesh.kernels.quant`, or fp32; norms and one embedding row
 included) and the GB/s that implies over the whole step and over the matmuls alone.
 Of --repeats runs of --steps steps, the one with the fastest timed step is reported (and the
 fastest untimed step), so background load distorts them least. Units: ms per step (B tokens), % of
@@ -38,14 +38,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-import engine.models.llama as llama
-import engine.models.llama_step as llama_step
-from engine.checkpoint import load_tokenizer
-from engine.forward import ForwardItem
-from engine.llama_runner import LlamaRunner
-from engine.loader import resolve_model
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+import kvmesh.engine.llama.model as llama
+import kvmesh.engine.llama.step as llama_step
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.llama.runner import LlamaRunner
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.sampler import sample
+from kvmesh.engine.sampling_params import SamplingParams
 
 MATMULS = ("matmul q/k/v", "matmul o", "matmul MLP gate/up", "matmul MLP down", "matmul lm_head")
 PARTS = (
@@ -177,7 +177,7 @@ def _decode(runner: LlamaRunner, prompt: list[int], steps: int, batch: int, ms: 
 
 
 def cycles_per_second(span_s: float = 0.05) -> float:
-    """Rate of `engine.models.llama_step.read_cycles`, the counter the fused step's parts are timed in."""
+    """Rate of `kvmesh.engine.llama.step.read_cycles`, the counter the fused step's parts are timed in."""
     llama_step.read_cycles()  # compiled before timing
     c0, t0 = llama_step.read_cycles(), time.perf_counter()
     time.sleep(span_s)

@@ -22,7 +22,7 @@ import numpy as np
 async def _prefill(address: str, ids: list[int], rid: str, **fields):
     import grpc
 
-    from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+    from kvmesh.protos.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as ch:
         request = prefill_pb2.PrefillRequest(

@@ -1,12 +1,12 @@
 # M=rows (tokens in a step), K=input features, N=output features
-"""Speed of the GGUF block kernels (`kernels.quant`) against torch's fp32 GEMM, side by side.
+"""Speed of the GGUF block kernels (`kvmesh.kernels.quant`) against torch's fp32 GEMM, side by side.
 
-    python -m bench.quant [--rows 1 2 4 6 8] [--layers 30]
+    python -m kvmesh.bench.quant [--rows 1 2 4 6 8] [--layers 30]
 
 For SmolLM2-135M's decoder shapes (qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576, over --layers distinct weights so they stream from memory as in a real step) and
 its Q8_0 lm_head (576->49152), prints milliseconds per model step of each path and the ratio,
-for each row count. `engine.models.llama.QUANTIZED_MAX_BATCH` is set from where the ratio
+for each row count. `kvmesh.engine.llama.model.QUANTIZED_MAX_BATCH` is set from where the ratio
 crosses 1. Random blocks: speed does not depend on the values.
 """
 
@@ -18,8 +18,8 @@ import time
 import numpy as np
 import torch
 
-from kernels.quant import pack_q4_1, pack_q8_0, quantized_matmul
-from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref
+from kvmesh.kernels.quant import pack_q4_1, pack_q8_0, quantized_matmul
+from kvmesh.kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref
 
 _LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N)
 _LM_HEAD = (576, 49152)

@@ -23,8 +23,8 @@ import json
 import math
 import sys
 
-from bench.routing_sim import SimResult, fixed_chooser, load_trace, router_chooser, simulate
-from gateway.router import POLICIES, PrefillRouter
+from kvmesh.bench.routing_sim import SimResult, fixed_chooser, load_trace, router_chooser, simulate
+from kvmesh.gateway.router import POLICIES, PrefillRouter
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     if args.sglang:
-        from bench.sglang_router import sglang_assignments
+        from kvmesh.bench.sglang_router import sglang_assignments
 
         with open(args.trace) as f:  # the raw rows: the replay also holds requests for their output length
             raw = [{"output_length": 0, **json.loads(line)} for line in f if line.strip()][: len(trace)]

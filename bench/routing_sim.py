@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.router import InstanceLoad, PrefillRouter
+from kvmesh.gateway.router import InstanceLoad, PrefillRouter
 
 BLOCK_TOKENS = 512
 
@@ -166,7 +166,7 @@ def simulate(
 
     `block_tokens` is the tokens each hash id stands for (512 in Mooncake traces; fewer when a
     benchmark scales the trace down), so a hit of h blocks saves h x block_tokens prompt tokens.
-    tier_blocks: each instance's second tier (kvstore.kv_tier), an LRU of the blocks its cache
+    tier_blocks: each instance's second tier (kvmesh.kvstore.kv_tier), an LRU of the blocks its cache
     evicts (0: none); a block found there after the cache's run is not computed. `choose` is
     then called with the tiers too (choose(request, loads, caches, tiers)).
     pull_min_blocks: when another instance's cache holds at least this many blocks more than
@@ -236,7 +236,7 @@ def simulate(
 
 
 def router_chooser(policy: str, block_tokens: int = BLOCK_TOKENS, **router_args) -> Callable:
-    """A `choose` that asks gateway.router.PrefillRouter, fed what the index and gateway would know."""
+    """A `choose` that asks kvmesh.gateway.router.PrefillRouter, fed what the index and gateway would know."""
     router: PrefillRouter | None = None
 
     def choose(r: TraceRequest, loads: list[InstanceLoad], caches: list[LRUBlocks], tiers=None) -> int:

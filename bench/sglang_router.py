@@ -48,8 +48,8 @@ import math
 import threading
 import time
 
-from bench.sglang_router_process import log_tail, router_process
-from bench.sglang_stub_workers import Board, Pending, StubWorker
+from kvmesh.bench.sglang_router_process import log_tail, router_process
+from kvmesh.bench.sglang_stub_workers import Board, Pending, StubWorker
 
 POLICIES = ("cache_aware", "prefix_hash")
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake traces

@@ -36,7 +36,7 @@ PLAIN = [
 
 
 async def _single(address: str, decode: str, prompts: list[str], tag: int, n: int) -> dict:
-    from bench.mesh import _decode_steps
+    from kvmesh.bench.mesh import _decode_steps
     from kvmesh.client import GatewayClient, make_request
 
     speeds, drafted, accepted, generated = [], 0, 0, 0
@@ -63,13 +63,13 @@ async def _single(address: str, decode: str, prompts: list[str], tag: int, n: in
 
 def _has_mtp(model: str | None) -> bool:
     """Whether the model is a DeepSeek-V4 checkpoint with a multi-token-prediction module."""
-    from engine.checkpoint import architecture, checkpoint_tensor_names
-    from engine.loader import resolve_model
+    from kvmesh.engine.checkpoint import architecture, checkpoint_tensor_names
+    from kvmesh.engine.loader import resolve_model
 
     files = resolve_model(model)
     if architecture(files) != "DeepseekV4ForCausalLM":
         return False
-    from engine.models.deepseek_v4_weights import has_mtp
+    from kvmesh.engine.deepseek_v4.weights import has_mtp
 
     return has_mtp([name for _, name in checkpoint_tensor_names(files.checkpoint_dir)])
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.routing_sim import TraceRequest, load_trace, router_chooser, simulate
-from bench.trace_plots import MeasuredRequest, write_plots
+from kvmesh.bench.routing_sim import TraceRequest, load_trace, router_chooser, simulate
+from kvmesh.bench.trace_plots import MeasuredRequest, write_plots
 from kvmesh.progress import progress_bar
 
 
@@ -92,8 +92,8 @@ def run_trace_bench(args) -> int:
     import grpc
 
     from kvmesh.launcher import start_mesh
+    from kvmesh.protos.v1 import common_pb2, prefill_pb2_grpc
     from kvmesh.redis_server import free_port
-    from protos.kvmesh.v1 import common_pb2, prefill_pb2_grpc
 
     trace = load_trace(args.trace)[: args.limit]
     B = args.block_tokens

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.routing_sim import SimRequest
+from kvmesh.bench.routing_sim import SimRequest
 
 PLOT_FILES = ("ttft_cdf.png", "itl_cdf.png", "computed_tokens.png", "hit_rate.png")
 

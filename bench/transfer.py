@@ -6,7 +6,7 @@ Shapes:
   every layer's K and V for 16 tokens, 94 MB), as prefill pushes them into decode's pool;
 - `64x1MiB`: 64 buffers of 1 MiB.
 
-The push goes through the same sender and receiver the services use (`kvstore.transports`):
+The push goes through the same sender and receiver the services use (`kvmesh.kvstore.transports`):
 the receiver process registers its pool's pages (`expect`) and the sender process pushes its
 own pages, which lie in a shared-memory pool as the runners' do, into them: the receiver pulls
 them from that pool with one copy when it can map it, as here (`push_gbps`). The same pushes
@@ -57,7 +57,7 @@ def _pages(num: int, nbytes: int, fill: int, shared: bool = False, device: str =
         gpu_pool = torch.full((num * nbytes,), fill, dtype=torch.uint8, device=device)
         return [gpu_pool[i * nbytes : (i + 1) * nbytes] for i in range(num)]
     if shared:
-        from kvstore.shared_memory import SharedRegion
+        from kvmesh.kvstore.shared_memory import SharedRegion
 
         pool = SharedRegion(num * nbytes).array
         pool[:] = fill
@@ -68,7 +68,7 @@ def _pages(num: int, nbytes: int, fill: int, shared: bool = False, device: str =
 
 def _receiver(conn, transport: str, device: str = "cpu") -> None:
     """Decode's side: register a fresh pool's pages (on `device`) for each push the sender announces."""
-    from kvstore.transports import create_receiver
+    from kvmesh.kvstore.transports import create_receiver
 
     async def main() -> None:
         rx = create_receiver(transport, "127.0.0.1", 0)
@@ -107,7 +107,7 @@ def _push_figures(
     """(connect seconds, first push seconds, median GB/s of the later pushes) of `shape`, from
     this process to a receiver in a new process; the source pages in a shared pool or not, both
     ends' pages on `device` (a GPU: the push moves device memory to device memory)."""
-    from kvstore.transports import create_sender
+    from kvmesh.kvstore.transports import create_sender
 
     n, size = SHAPES[shape]
     ctx = mp.get_context("spawn")
@@ -153,7 +153,7 @@ def _mooncake_gbps(rounds: int) -> dict[str, float] | None:
         import mooncake.engine  # noqa: F401
     except ImportError:
         return None
-    from bench.mooncake import run as run_mooncake
+    from kvmesh.bench.mooncake import run as run_mooncake
 
     return run_mooncake(SHAPES, rounds)
 

@@ -33,7 +33,7 @@ def run_bench_v4(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-    from engine.tiny_models import make_tiny_model
+    from kvmesh.bench.tiny_models import make_tiny_model
     from kvmesh.client import GatewayClient, make_request
     from kvmesh.launcher import start_mesh
     from kvmesh.redis_server import free_port

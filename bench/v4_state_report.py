@@ -1,17 +1,17 @@
-"""`python -m bench.v4_state_report`: DeepSeek-V4 state bytes per token, computed
+"""`python -m kvmesh.bench.v4_state_report`: DeepSeek-V4 state bytes per token, computed
 from configs (the tiny test config and transformers' DeepSeek-V4-Flash defaults) through
-`V4StateLayout` (engine/models/deepseek_v4_state.py)."""
+`V4StateLayout` (engine/deepseek_v4/state.py)."""
 
 from __future__ import annotations
 
-from engine.models.deepseek_v4_state import V4StateLayout
+from kvmesh.engine.deepseek_v4.state import V4StateLayout
 
 
 def main() -> None:
     """Print page and slot bytes of each config."""
     from transformers import DeepseekV4Config
 
-    from engine.tiny_models import deepseek_v4_tiny_config
+    from kvmesh.bench.tiny_models import deepseek_v4_tiny_config
 
     for name, cfg in (
         ("tiny test config", deepseek_v4_tiny_config()),

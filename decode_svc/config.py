@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.ep_link import parse_init_addr
-from engine.speculative import SPECULATIVE_METHODS
-from runtime.service_config import ModelServiceConfig
-from runtime.settings import setting
+from kvmesh.engine.ep.link import parse_init_addr
+from kvmesh.engine.speculative import SPECULATIVE_METHODS
+from kvmesh.runtime.service_config import ModelServiceConfig
+from kvmesh.runtime.settings import setting
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class DecodeConfig(ModelServiceConfig):
         return self.max_batch_size + self.num_scratch_slots
 
     def __post_init__(self) -> None:
-        super().__post_init__()  # the bounds of every field (runtime.settings.check_bounds)
+        super().__post_init__()  # the bounds of every field (kvmesh.runtime.settings.check_bounds)
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {self.speculative!r}")
         if self.eplb_placement and self.ep == 1:

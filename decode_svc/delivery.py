@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from engine.request import EmitFn, Ending
-from engine.sampling_params import TokenLogprobs
+from kvmesh.engine.request import EmitFn, Ending
+from kvmesh.engine.sampling_params import TokenLogprobs
 
 # One step's deliveries [(emit, token ids, ending, their logprobs or None)]; a DispatchFn runs
 # them where the emit functions may run (the service hands the whole list to its event loop in

@@ -1,10 +1,10 @@
 """The decode engine: one table of requests by transfer id, and the continuous-batching loop.
 
-Each request is one `engine.request.Request` in `_requests`, from Reserve until its pages are
+Each request is one `kvmesh.engine.request.Request` in `_requests`, from Reserve until its pages are
 freed; decode_svc/transfers.py adds its landing and expiry on the event loop. One thread runs
 the loop: each step it admits at most `max_admit_per_step` requests whose KV has landed, runs
 ONE forward over every running request (one new token each, or k + 1 rows with k speculative
-drafts: engine.speculative), samples, hands the step's tokens to `dispatch` in one call, and
+drafts: kvmesh.engine.speculative), samples, hands the step's tokens to `dispatch` in one call, and
 frees the pages of finished requests. Requests join and leave between steps (Orca-style
 iteration-level scheduling, as in vLLM's v1 scheduler). Everything the gRPC side calls is
 guarded by one lock; the forward itself runs outside it.
@@ -13,7 +13,6 @@ guarded by one lock; the forward itself runs outside it.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import random
 import threading
@@ -23,9 +22,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from decode_svc import metrics
-from decode_svc.config import DecodeConfig
-from decode_svc.delivery import (
+from kvmesh.decode_svc import metrics
+from kvmesh.decode_svc.config import DecodeConfig
+from kvmesh.decode_svc.delivery import (
     CapacityError,
     Delivery,
     DispatchFn,
@@ -34,21 +33,21 @@ from decode_svc.delivery import (
     StepFailed,
     deliver_all,
 )
-from engine.ep_ranks import EPWorldError
-from engine.eplb import expert_stats, runner_ep_stats
-from engine.forward import Runner
-from engine.grammar import GrammarState, fill_draft_masks
-from engine.kv_cache import KVCacheManager
-from engine.outcomes import FinishReason
-from engine.request import EmitFn, Request, RequestStatus
-from engine.sampler import token_logprobs
-from engine.sampling_params import MAX_CHOICES, SamplingParams, TokenLogprobs
-from engine.speculative import create_speculator
-from kvstore.block_hash import BlockHash, check_block_hashes
-from kvstore.kv_events import KVEvent
-from kvstore.kv_publisher import KVEventPublisher
-from kvstore.kv_tier import KVTier
-from runtime.cpu_share import open_cpu_share
+from kvmesh.engine.ep.eplb import expert_stats, runner_ep_stats
+from kvmesh.engine.ep.ranks import EPWorldError
+from kvmesh.engine.forward import Runner
+from kvmesh.engine.grammar import GrammarState, fill_draft_masks
+from kvmesh.engine.kv_cache import KVCacheManager
+from kvmesh.engine.outcomes import FinishReason
+from kvmesh.engine.request import EmitFn, Request, RequestStatus
+from kvmesh.engine.sampler import token_logprobs
+from kvmesh.engine.sampling_params import MAX_CHOICES, SamplingParams, TokenLogprobs
+from kvmesh.engine.speculative import create_speculator
+from kvmesh.kvstore.block_hash import BlockHash, check_block_hashes
+from kvmesh.kvstore.kv_events import KVEvent
+from kvmesh.kvstore.kv_publisher import KVEventPublisher
+from kvmesh.kvstore.kv_tier import KVTier
+from kvmesh.runtime.cpu_share import open_cpu_share
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ class DecodeEngine:
     passes deliver_on(its loop)). on_events: hears the KV events of decode's prefix cache
     (config.enable_prefix_caching: finished requests' full blocks stay cached, and a Reserve
     may reuse them), under the engine's lock; it must not block. tier: the second tier decode's
-    evicted blocks go to (kvstore.kv_tier; None: none). Raises ValueError as engine.speculative.create_speculator
+    evicted blocks go to (kvmesh.kvstore.kv_tier; None: none). Raises ValueError as kvmesh.engine.speculative.create_speculator
     does (too few state slots for config.num_state_slots, mtp without an MTP module).
     """
 
@@ -114,13 +113,13 @@ class DecodeEngine:
         self._loop_done: concurrent.futures.Future | None = None
         self.broken = ""
         """Why this instance cannot step any more ('' while it can): its expert-parallel world
-        lost a rank (engine.ep_ranks.EPWorldError). Reservations are refused from then on."""
+        lost a rank (kvmesh.engine.ep.ranks.EPWorldError). Reservations are refused from then on."""
         self.on_broken: list[Callable[[str], None]] = []
         """Called once, on the engine thread, with the reason when the instance breaks."""
 
     @property
     def pool(self):
-        """The page pool (kvstore.block_pool.BlockPool) under the KV cache."""
+        """The page pool (kvmesh.kvstore.block_pool.BlockPool) under the KV cache."""
         return self.kv_cache.pool
 
     def start(self, executor: concurrent.futures.Executor | None = None) -> None:
@@ -440,11 +439,7 @@ class DecodeEngine:
                 continue
             try:
                 # on cores shared with a prefill instance, a step and a prefill forward take turns
-                with (
-                    self._cpu_share.decode_step()
-                    if self._cpu_share is not None
-                    else contextlib.nullcontext(0.0) as waited
-                ):
+                with self._cpu_share.decode_step() as waited:
                     metrics.CPU_SHARE_WAIT.inc(waited)
                     self.cpu_share_wait_seconds += waited
                     self._step(batch)
@@ -514,7 +509,7 @@ def _mask_grammars(
 ) -> None:
     """Structured output: the rows of each request with a grammar keep only the tokens its
     grammar allows there, in place (logits [rows, V]); a verification row's mask assumes the
-    drafts before it kept (engine.grammar.fill_draft_masks), so drafts are checked against it."""
+    drafts before it kept (kvmesh.engine.grammar.fill_draft_masks), so drafts are checked against it."""
     masked = [i for i, r in enumerate(batch) if r.grammar is not None]
     if not masked:
         return

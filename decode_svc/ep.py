@@ -1,6 +1,6 @@
 # L=MoE layers, P=physical expert slots, E=experts, R=ranks
 """`kvmesh serve decode --ep N`: this decode process becomes rank 0 of N expert-parallel ranks
-(engine.ep_runner) for a MoE checkpoint; the dense default model keeps single-process decode.
+(kvmesh.engine.ep.runner) for a MoE checkpoint; the dense default model keeps single-process decode.
 
 `--eplb-placement FILE` places the experts per an EPLB plan: the JSON `kvmesh eplb plan --ranks
 N --redundant X --json STATS` prints ({"phy2log": [[...]], "replicas": [[...]], ...}). The file
@@ -20,12 +20,12 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from engine.checkpoint import ModelFiles, architecture
-from engine.device import resolve_device
-from engine.ep_link import ep_secret, parse_init_addr
-from engine.ep_runner import ExpertParallelRunner
-from engine.eplb import Placement
-from engine.forward import ForwardItem
+from kvmesh.engine.checkpoint import ModelFiles, architecture
+from kvmesh.engine.device import resolve_device
+from kvmesh.engine.ep.eplb import Placement
+from kvmesh.engine.ep.link import ep_secret, parse_init_addr
+from kvmesh.engine.ep.runner import ExpertParallelRunner
+from kvmesh.engine.forward import ForwardItem
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +85,8 @@ def serve_rank(model: str, init_addr: str, rank: int, torch_threads: int = 0, jo
     it, as Kubernetes does, to rejoin the decode's next world. Raises ValueError for a model
     without MoE layers, a bad address or rank, or a missing KVMESH_EP_SECRET; OSError when rank
     0 is not reachable in time."""
-    from engine.ep_worker import connect, remote_main
-    from engine.loader import resolve_model
+    from kvmesh.engine.ep.worker import connect, remote_main
+    from kvmesh.engine.loader import resolve_model
 
     address = parse_init_addr(init_addr)
     if rank < 1:
@@ -121,7 +121,7 @@ def create_ep_runner(runner, files: ModelFiles, config):
     With --ep-init-addr the ranks join from other hosts (`kvmesh serve ep-rank`, `serve_rank`).
     Raises ValueError when --ep is set for a model without MoE layers (the dense default model
     decodes in one process), for a bad --eplb-placement, or one that does not fit the model,
-    or --ep-init-addr without KVMESH_EP_SECRET; EPWorldError (engine.ep_ranks) when a rank
+    or --ep-init-addr without KVMESH_EP_SECRET; EPWorldError (kvmesh.engine.ep.ranks) when a rank
     fails to start or join."""
     if config.ep <= 1:
         return runner

@@ -6,23 +6,23 @@ import argparse
 import asyncio
 import logging
 
-from decode_svc import ep, metrics
-from decode_svc.config import DecodeConfig
-from decode_svc.delivery import deliver_on
-from decode_svc.engine import DecodeEngine
-from decode_svc.servicer import DecodeServicer
-from engine.device import resolve_device
-from engine.loader import resolve_model
-from engine.runners import create_runner
-from kvstore.kv_tier import create_tier
-from kvstore.registry import InstanceRecord, InstanceRegistry
-from kvstore.transports import create_receiver, keep_until_exit
-from protos.kvmesh.v1 import decode_pb2_grpc
-from runtime import lifecycle, service
-from runtime.kv_index import KVIndexWriter
-from runtime.lifecycle import Lifecycle
-from runtime.registration import Registration
-from runtime.served_model import ServedModel
+from kvmesh.decode_svc import ep, metrics
+from kvmesh.decode_svc.config import DecodeConfig
+from kvmesh.decode_svc.delivery import deliver_on
+from kvmesh.decode_svc.engine import DecodeEngine
+from kvmesh.decode_svc.servicer import DecodeServicer
+from kvmesh.engine.device import resolve_device
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.runners import create_runner
+from kvmesh.kvstore.kv_tier import create_tier
+from kvmesh.kvstore.registry import InstanceRecord, InstanceRegistry
+from kvmesh.kvstore.transports import create_receiver, keep_until_exit
+from kvmesh.protos.v1 import decode_pb2_grpc
+from kvmesh.runtime import lifecycle, service
+from kvmesh.runtime.kv_index import KVIndexWriter
+from kvmesh.runtime.lifecycle import Lifecycle
+from kvmesh.runtime.registration import Registration
+from kvmesh.runtime.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """gRPC adapter for the decode engine: Reserve, Generate (stream), Release, GetStats.
 
-A request's life on this side is one `engine.request.Request` in the engine's table (its pages,
-its stream) with its landing and expiry kept by decode_svc.transfers.Transfers; this adapter
-validates, maps errors to statuses (runtime.wire.abort with a FailureCause) and streams tokens.
+A request's life on this side is one `kvmesh.engine.request.Request` in the engine's table (its pages,
+its stream) with its landing and expiry kept by kvmesh.decode_svc.transfers.Transfers; this adapter
+validates, maps errors to statuses (kvmesh.runtime.wire.abort with a FailureCause) and streams tokens.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import math
 import grpc
 from opentelemetry.trace import Status, StatusCode
 
-from decode_svc.delivery import CapacityError, InstanceBroken, RequestReleased
-from decode_svc.engine import DecodeEngine
-from decode_svc.transfers import Transfers
-from engine.grammar import GrammarState
-from engine.outcomes import FailureCause, FinishReason
-from engine.sampling_params import SamplingParams
-from kvstore.transport import KVPushReceiver, pages_digest
-from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from runtime import tracing
-from runtime.served_model import ServedModel, grammar_state
-from runtime.wire import (
+from kvmesh.decode_svc.delivery import CapacityError, InstanceBroken, RequestReleased
+from kvmesh.decode_svc.engine import DecodeEngine
+from kvmesh.decode_svc.transfers import Transfers
+from kvmesh.engine.grammar import GrammarState
+from kvmesh.engine.outcomes import FailureCause, FinishReason
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.kvstore.transport import KVPushReceiver, pages_digest
+from kvmesh.protos.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from kvmesh.runtime import tracing
+from kvmesh.runtime.served_model import ServedModel, grammar_state
+from kvmesh.runtime.wire import (
     FINISH_TO_PB,
     abort,
     check_request_id,
@@ -301,7 +301,7 @@ def _emit_to(queue: asyncio.Queue, index: int):
 
 
 def _choice_grammars(model: ServedModel, spec, first_tokens: list[int]) -> list:
-    """Each choice's engine.grammar.GrammarState, past its first token (prefill sampled it under
+    """Each choice's kvmesh.engine.grammar.GrammarState, past its first token (prefill sampled it under
     the same grammar). Raises ValueError when the grammar does not compile or refuses a first
     token."""
     first = grammar_state(model, spec)  # compiled and checked once; a matcher a choice

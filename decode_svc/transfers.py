@@ -5,7 +5,7 @@ The request itself is the engine's (`DecodeEngine._requests`, one table by trans
 `RequestStatus`): this adds its `landed` future, `deadline` and `expiry` and moves it through
 RESERVED (pages held, the push may land) -> LANDED (every byte in, no Generate yet) -> CLAIMED (a
 Generate call owns it; the engine takes over at begin()) or ABORTED. `release` ends a request
-from any state once: an unfinished push is cut off first (kvstore.ucx_receiver cancels its
+from any state once: an unfinished push is cut off first (kvmesh.kvstore.ucx_receiver cancels its
 posted receives), and the pages go back to the pool only once no byte can land in them any
 more. A request that no Generate call claims by its deadline (Reserve's kv_deadline_s) is
 released by its expiry timer, even while the sender is stopped mid-push.
@@ -18,10 +18,10 @@ import logging
 import time
 from collections.abc import Sequence
 
-from decode_svc.engine import DecodeEngine
-from engine.request import Request, RequestStatus
-from kvstore.block_hash import BlockHash
-from kvstore.transport import KVPushReceiver
+from kvmesh.decode_svc.engine import DecodeEngine
+from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.kvstore.block_hash import BlockHash
+from kvmesh.kvstore.transport import KVPushReceiver
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ def load_tokenizer(files: ModelFiles):
 
 def long_prompt_ids(tokenizer, num_tokens: int) -> list[int]:
     """A prompt of exactly `num_tokens` token ids (a numbered list, no special tokens): the long
-    prompt every prefill benchmark feeds its contenders (`bench.peers`, `bench.prefill`).
+    prompt every prefill benchmark feeds its contenders (`kvmesh.bench.peers`, `kvmesh.bench.prefill`).
     Raises ValueError if the text tokenizes short."""
     text = " ".join(f"item {i}: the lighthouse keeper logs the weather." for i in range(num_tokens))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -78,7 +78,7 @@ class ModelConfig:
         """Build from a transformers `config.json` dict of a Llama-style model.
 
         Raises ValueError naming the field when a required one is missing or invalid, or when
-        the RoPE scaling type is not plain RoPE (the only one `kernels.ops` implements).
+        the RoPE scaling type is not plain RoPE (the only one `kvmesh.kernels.ops` implements).
         """
 
         def need(key: str):

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.forward import ForwardItem
-from kernels import AttentionMetadata, build_attention_metadata, to_device
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.kernels import AttentionMetadata, build_attention_metadata, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """The decode step of a `LlamaRunner` (`runner`; untyped here, which engine.llama_runner
+    """The decode step of a `LlamaRunner` (`runner`; untyped here, which kvmesh.engine.llama.runner
     imports) at BATCH_SIZES up to `max_batch`, captured as CUDA
     graphs when `capture` (a GPU), run eagerly over the same fixed-shape inputs otherwise.
 

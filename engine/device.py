@@ -1,11 +1,11 @@
 """Where a model instance computes: the one place `--device` is read and turned into a torch
 device and the dtypes that go with it (weights, KV pages, state slots).
 
-- `cpu`: fp32 weights and pages in host memory (shared memory, engine.kv_layout), the numba
+- `cpu`: fp32 weights and pages in host memory (shared memory, kvmesh.engine.kv_layout), the numba
   block kernels for Llama's decode, the PyTorch paths of the other kernels.
 - `cuda[:N]`: bf16 weights (dequantized from GGUF at load for Llama; V4 keeps its checkpoint's
   fp32 state layout), KV pages and state slots allocated on the device, the Triton kernels as
-  torch custom ops (kernels.custom_ops), sampling on the device.
+  torch custom ops (kvmesh.kernels.custom_ops), sampling on the device.
 - `auto`: `cuda:0` when torch sees a CUDA device, else `cpu`.
 
 As vLLM's `--device` and SGLang's `--device` do, the choice is made once at start; a service

@@ -1,13 +1,13 @@
 # T=tokens, B=sequences, V=vocab
 """What every runner offers and takes: the `Runner` protocol and one `ForwardItem` type for every
 architecture (the page layouts: engine/kv_layout.py; the state-slot free list:
-engine/kv_cache.py). Runners live in `engine.llama_runner` and `engine.v4_runner`;
-`engine.runners` maps a checkpoint's architecture to one of them.
+engine/kv_cache.py). Runners live in `kvmesh.engine.llama.runner` and `kvmesh.engine.deepseek_v4.runner`;
+`kvmesh.engine.runners` maps a checkpoint's architecture to one of them.
 
 The protocol follows vLLM's model-runner split (the scheduler describes each sequence of a step;
 the runner owns weights and KV memory): a step may mix prefill items (many new tokens, maybe
 after a cached prefix) and decode items (one new token). `chunk_ends` is how chunked prefill
-splits a prompt's computed range into forwards (the prefill service and `bench.prefill`).
+splits a prompt's computed range into forwards (the prefill service and `kvmesh.bench.prefill`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from engine.config import ModelConfig
-    from engine.kv_layout import PageLayout
+    from kvmesh.engine.config import ModelConfig
+    from kvmesh.engine.kv_layout import PageLayout
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Runner(Protocol):
     page_nbytes: int
     """Bytes of one page (every layer's KV of page_size tokens), the unit a KV push moves."""
     page_layout: PageLayout
-    """How pages and slots sit in memory, and on which device (engine.kv_layout)."""
+    """How pages and slots sit in memory, and on which device (kvmesh.engine.kv_layout)."""
     num_state_slots: int
     """Per-request state slots beyond pages (0 when pages hold all of a request's state)."""
 
@@ -86,7 +86,7 @@ class Runner(Protocol):
         ...
 
     def page_buffer(self, page_id: int) -> np.ndarray | torch.Tensor:
-        """Zero-copy writable uint8 view of one page (page_nbytes bytes; engine.kv_layout.KVMemory
+        """Zero-copy writable uint8 view of one page (page_nbytes bytes; kvmesh.engine.kv_layout.KVMemory
         defines it: numpy on the CPU, a device tensor on a GPU); ValueError out of range."""
         ...
 

@@ -2,7 +2,7 @@
 """A GGUF file's Q4_1 / Q8_0 weight blocks, kept beside the fp32 conversion for the decode kernels.
 
 transformers dequantizes a GGUF file to fp32 (engine/loader.py caches that checkpoint); the
-decode path (`kernels.quant`) computes from the file's blocks instead. This module
+decode path (`kvmesh.kernels.quant`) computes from the file's blocks instead. This module
 extracts them once into `<checkpoint_dir>/gguf/blocks.safetensors`, under transformers' names
 and in transformers' row order: llama.cpp's converter permutes the rows of q_proj and k_proj
 for its RoPE layout, and transformers' GGUF loader (`LlamaTensorProcessor`) permutes them
@@ -28,9 +28,9 @@ import safetensors.numpy
 import torch
 from tqdm import tqdm
 
-from engine.checkpoint import load_checkpoint_tensors
-from kernels.quant import QK
-from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref
+from kvmesh.engine.checkpoint import load_checkpoint_tensors
+from kvmesh.kernels.quant import QK
+from kvmesh.kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref
 
 logger = logging.getLogger(__name__)
 

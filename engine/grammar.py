@@ -11,7 +11,7 @@ and the first token), and each speculative verification row with the drafts befo
 accepted (`fill_draft_masks`). Once the grammar is complete only the stop tokens are allowed,
 so the answer ends there.
 
-`engine.sampling_params.GrammarSpec` is plain data (it rides in SamplingParams); `Grammars`
+`kvmesh.engine.sampling_params.GrammarSpec` is plain data (it rides in SamplingParams); `Grammars`
 compiles specs for one tokenizer, with a cache, and checks them (prefill refuses a spec that
 does not compile or that no text can match before it queues the request); a request carries
 its matcher as a `GrammarState`.
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.sampling_params import GrammarSpec
+from kvmesh.engine.sampling_params import GrammarSpec
 
 
 class Grammars:

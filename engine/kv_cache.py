@@ -1,8 +1,8 @@
 # P=pages, R=state slots
 """The KV cache both roles share: `KVCacheManager`, which hands a request its pages and state
-slot (vLLM v1's KVCacheManager), over the page layout and memory of engine.kv_layout.
+slot (vLLM v1's KVCacheManager), over the page layout and memory of kvmesh.engine.kv_layout.
 
-`KVCacheManager` wraps kvstore.block_pool.BlockPool (page ids, reference counts, the prefix
+`KVCacheManager` wraps kvmesh.kvstore.block_pool.BlockPool (page ids, reference counts, the prefix
 cache and its KV events) and the state slots; both engines go through it, and it owns the
 figures GetStats reports, the page gauges and check_integrity(). Not thread-safe: each engine
 calls it under its lock or on its one worker thread.
@@ -15,18 +15,18 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from engine.request import Request
-from kvstore.block_hash import BlockHash, hash_blocks
-from kvstore.block_pool import BlockPool, NoFreeBlocksError
-from kvstore.kv_events import BlockStored
-from kvstore.kv_tier import KVTier
-from kvstore.staging import StagedLanding, choose_push_path, stage_out
+from kvmesh.engine.request import Request
+from kvmesh.kvstore.block_hash import BlockHash, hash_blocks
+from kvmesh.kvstore.block_pool import BlockPool, NoFreeBlocksError
+from kvmesh.kvstore.kv_events import BlockStored
+from kvmesh.kvstore.kv_tier import KVTier
+from kvmesh.kvstore.staging import StagedLanding, choose_push_path, stage_out
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from engine.forward import Runner
-    from kvstore.kv_events import KVEvent
+    from kvmesh.engine.forward import Runner
+    from kvmesh.kvstore.kv_events import KVEvent
 
 
 class StateSlots:
@@ -70,9 +70,9 @@ class KVCacheManager:
             events go to on_events): prefill's prompt blocks (allocate_prompt, cache_prompt),
             decode's prompt and answer blocks (allocate with reuse, cache_sequence).
         on_events: called with each batch of KV events, in order (prefill publishes them).
-        push_path: how KV pushes reach the pages (kvstore.staging: auto, direct, staged); the
+        push_path: how KV pushes reach the pages (kvmesh.kvstore.staging: auto, direct, staged); the
             choice made, and why, are `push_path` and `push_path_reason`.
-        tier: a second tier (kvstore.kv_tier, its events going to on_events too) that keeps the
+        tier: a second tier (kvmesh.kvstore.kv_tier, its events going to on_events too) that keeps the
             pages the pool evicts and gives them back on a later prefix hit; None: evicted
             blocks are gone. Only with prefix caching.
 

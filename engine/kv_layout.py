@@ -4,11 +4,11 @@ defined; kernels and models take the tensors and name these):
 - `LLAMA_PAGE` `[P, L, 2, S, K, D]`: page-major, so one page (every layer's K and V of S tokens)
   is one contiguous buffer, the unit a KV push sends (`llama_layout`).
 - `DEEPSEEK_V4_PAGE` `[P, page_floats]` fp32 pages and `[R, slot_floats]` fp32 state slots, the
-  fields inside each row as `engine.models.deepseek_v4_state.V4StateLayout` lays them out
+  fields inside each row as `kvmesh.engine.deepseek_v4.state.V4StateLayout` lays them out
   (`flat_layout`).
-On the CPU pages (then slots) are allocated in one shared-memory region (kvstore.shared_memory),
+On the CPU pages (then slots) are allocated in one shared-memory region (kvmesh.kvstore.shared_memory),
 which expert-parallel ranks map too; on a GPU (`--device cuda`) in one device allocation, which
-the KV push reads and writes where it is (kvstore.staging). engine.kv_cache.KVCacheManager hands
+the KV push reads and writes where it is (kvmesh.kvstore.staging). kvmesh.engine.kv_cache.KVCacheManager hands
 requests these pages.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvstore.shared_memory import shared_zeros
+from kvmesh.kvstore.shared_memory import shared_zeros
 
 LLAMA_PAGE = "[P, L, 2, S, K, D]"
 DEEPSEEK_V4_PAGE = "[P, page_floats] + [R, slot_floats]"
@@ -87,7 +87,7 @@ def llama_layout(
 
 def flat_layout(page_floats: int, slot_floats: int, device: str = "cpu") -> PageLayout:
     """DEEPSEEK_V4_PAGE: fp32 rows of page_floats a page and slot_floats a slot (the fields of
-    each row: engine.models.deepseek_v4_state.V4StateLayout)."""
+    each row: kvmesh.engine.deepseek_v4.state.V4StateLayout)."""
     return PageLayout(DEEPSEEK_V4_PAGE, (page_floats,), torch.float32, (slot_floats,), device)
 
 

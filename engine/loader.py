@@ -5,7 +5,7 @@ GGUF files are converted by transformers (dequantized to fp32) into a cache fold
 digits of a content fingerprint of the GGUF file (size, first and last 8 MiB), so every
 clone and venv shares one conversion. Several services start at once, so the conversion
 runs under a file lock and lands through an atomic rename of a temporary folder. Beside
-it, `engine.gguf_blocks` keeps the file's Q4_1 / Q8_0 blocks for the decode kernels.
+it, `kvmesh.engine.gguf_blocks` keeps the file's Q4_1 / Q8_0 blocks for the decode kernels.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from engine.checkpoint import ModelFiles
-from engine.config import ModelConfig
+from kvmesh.engine.checkpoint import ModelFiles
+from kvmesh.engine.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,7 @@ def load_config(files: ModelFiles) -> ModelConfig:
     if d.get("model_type") == "deepseek_v4":
         # transformers validates the architecture's own fields; ModelConfig keeps what the
         # services share (vocabulary, context, special tokens)
-        from engine.models.deepseek_v4_weights import load_config as load_v4_config
-
-        c = load_v4_config(files.checkpoint_dir, files.name)
+        c = load_deepseek_v4_config(files.checkpoint_dir, files.name)
         d = {
             **d,
             "intermediate_size": c.moe_intermediate_size,
@@ -100,6 +98,19 @@ def load_config(files: ModelFiles) -> ModelConfig:
             "rope_theta": c.rope_parameters["main"]["rope_theta"],
         }
     return ModelConfig.from_hf_dict(d, files.name)
+
+
+def load_deepseek_v4_config(checkpoint_dir, name: str):
+    """transformers' `DeepseekV4Config` from config.json; its validation failures (an unknown
+    layer type, lengths that disagree with num_hidden_layers, ...) raise ValueError naming
+    the field."""
+    from transformers import DeepseekV4Config
+
+    try:
+        return DeepseekV4Config.from_pretrained(checkpoint_dir)
+    except Exception as exc:  # huggingface_hub's StrictDataclass errors are not ValueErrors
+        cause = exc.__cause__ or exc
+        raise ValueError(f"config.json of {name!r} is not a valid DeepSeek-V4 config: {cause}") from exc
 
 
 def _has_default() -> bool:
@@ -126,7 +137,7 @@ def _cache_key(gguf: Path) -> str:
 
 def _from_gguf(gguf: Path, name: str) -> ModelFiles:
     # imported here: it needs torch, and the gateway resolves its tokenizer's model without it
-    from engine.gguf_blocks import BLOCKS_FILE, write_blocks
+    from kvmesh.engine.gguf_blocks import BLOCKS_FILE, write_blocks
 
     if not gguf.is_file():
         raise ValueError(f"GGUF file {str(gguf)!r} does not exist")
@@ -171,7 +182,7 @@ def _gguf_parsed_once() -> Iterator[None]:
             name_maps[arch, n_blocks] = real_name_map(arch, n_blocks)
         return name_maps[arch, n_blocks]
 
-    # transformers and engine.gguf_blocks import both from gguf when they are called
+    # transformers and kvmesh.engine.gguf_blocks import both from gguf when they are called
     setattr(gguf, "GGUFReader", reader)  # noqa: B010 (mypy: a class replaced by a function)
     setattr(gguf, "get_tensor_name_map", name_map)  # noqa: B010
     try:

@@ -2,7 +2,7 @@
 gateway uses them without loading the model stack).
 
 They mirror `kvmesh.v1.FinishReason` and `kvmesh.v1.FailureCause` in protos/kvmesh/v1/common.proto;
-`runtime.wire` converts between the two and maps each cause to the gRPC status a client gets.
+`kvmesh.runtime.wire` converts between the two and maps each cause to the gRPC status a client gets.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class FinishReason(enum.StrEnum):
 
 
 class FailureCause(enum.Enum):
-    """Why a request failed. The status follows from the cause (runtime.wire.STATUS_OF):
+    """Why a request failed. The status follows from the cause (kvmesh.runtime.wire.STATUS_OF):
     only causes a retry can fix map to UNAVAILABLE."""
 
     BAD_REQUEST = "BAD_REQUEST"

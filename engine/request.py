@@ -4,7 +4,7 @@ the gateway shares it.
 Prefill and decode keep each request in one `Request`: its ids, its tokens and counters
 (`num_computed_tokens` trails `num_tokens`: prefill is a large gap between them, decode a gap of
 one), one `RequestStatus`, its `SamplingParams` (with the seed), its stop rule, and the pages
-and state slot `engine.kv_cache.KVCacheManager` gave it. A few fields belong to one role only
+and state slot `kvmesh.engine.kv_cache.KVCacheManager` gave it. A few fields belong to one role only
 (prefill's page hook, decode's reused pages, push landing, expiry and stream); they are
 grouped below and stay at their defaults in the other role.
 
@@ -20,15 +20,15 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.outcomes import FinishReason
-from engine.sampling_params import SamplingParams
+from kvmesh.engine.outcomes import FinishReason
+from kvmesh.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import asyncio
     import concurrent.futures
 
-    from engine.sampling_params import TokenLogprobs
-    from kvstore.block_hash import BlockHash
+    from kvmesh.engine.sampling_params import TokenLogprobs
+    from kvmesh.kvstore.block_hash import BlockHash
 
 # How a decode request's tokens leave the engine: (new token ids, how it ended, their logprobs),
 # where the end is None while it goes on, a FinishReason when it finished, the exception when a
@@ -107,7 +107,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish: FinishReason | None = None
     block_ids: list[int] = field(default_factory=list)
-    """The request's pages, in token order (engine.kv_cache.KVCacheManager allocates them)."""
+    """The request's pages, in token order (kvmesh.engine.kv_cache.KVCacheManager allocates them)."""
     num_prompt_pages: int = 0
     """The leading pages that hold the prompt's KV: what a KV push sends or lands in."""
     state_slot: int | None = None
@@ -143,9 +143,9 @@ class Request:
     """Event-loop time by which a Generate call must claim the request."""
     expiry: asyncio.TimerHandle | None = None
     draft_state: Any = None
-    """What the speculative drafter keeps for this request (engine.speculative)."""
+    """What the speculative drafter keeps for this request (kvmesh.engine.speculative)."""
     grammar: Any = None
-    """Structured output: the engine.grammar.GrammarState this answer's tokens follow (None:
+    """Structured output: the kvmesh.engine.grammar.GrammarState this answer's tokens follow (None:
     free text). Prefill masks the first token with it; decode has one a choice, past the first."""
     prompt_logprobs: list | None = None
     """Prefill, with sampling.prompt_logprobs: each prompt token's TokenLogprobs as its chunk is

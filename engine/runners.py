@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.checkpoint import ModelFiles, architecture
-from engine.device import resolve_device
-from kernels.backend import KernelBackend, create_kernel_backend
+from kvmesh.engine.checkpoint import ModelFiles, architecture
+from kvmesh.engine.device import resolve_device
+from kvmesh.kernels.backend import KernelBackend, create_kernel_backend
 
 if TYPE_CHECKING:
-    from engine.forward import Runner
+    from kvmesh.engine.forward import Runner
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,15 @@ class RunnerSpec:
 
 
 def _llama(s: RunnerSpec) -> Runner:
-    # Llama has no MoE or indexer: on the CPU its decode runs the GGUF block kernels (kernels.quant)
-    # whatever the backend, on a GPU the paged decode attention op (kernels.custom_ops)
-    from engine.llama_runner import LlamaRunner  # imported on use: each pulls in its model code
+    # Llama has no MoE or indexer: on the CPU its decode runs the GGUF block kernels (kvmesh.kernels.quant)
+    # whatever the backend, on a GPU the paged decode attention op (kvmesh.kernels.custom_ops)
+    from kvmesh.engine.llama.runner import LlamaRunner  # imported on use: each pulls in its model code
 
     return LlamaRunner(s.files, s.num_pages, s.page_size, device=s.device)
 
 
 def _deepseek_v4(s: RunnerSpec) -> Runner:
-    from engine.v4_runner import DeepseekV4Runner
+    from kvmesh.engine.deepseek_v4.runner import DeepseekV4Runner
 
     return DeepseekV4Runner(s.files, s.num_pages, s.page_size, s.num_state_slots, s.kernels, device=s.device)
 
@@ -62,7 +62,7 @@ def create_runner(
     """The runner for the checkpoint's architecture, with `num_pages` pages of `page_size` tokens
     (and `num_state_slots` state slots where the architecture keeps per-request state), its
     MoE and indexer kernels from `kernel_backend` (kernels/backend.py), its weights, pages and
-    slots on `device` (auto|cpu|cuda[:N], engine.device, or a torch.device).
+    slots on `device` (auto|cpu|cuda[:N], kvmesh.engine.device, or a torch.device).
 
     Raises ValueError for an architecture no runner serves (naming the ones that are served), an
     unknown or unavailable kernel backend or device, and whatever the runner raises for a bad

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.sampling_params import MIN_TEMPERATURE, SamplingParams, TokenLogprobs
+from kvmesh.engine.sampling_params import MIN_TEMPERATURE, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """How a request samples, as plain data: the gateway, the wire helpers and both engines share it
-without loading torch (`engine.sampler` applies it to logits)."""
+without loading torch (`kvmesh.engine.sampler` applies it to logits)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ class SamplingParams:
     alternatives (0..MAX_LOGPROBS); prefill then computes the whole prompt (no prefix-cache
     hit: every position's logits are needed). None: none."""
     grammar: GrammarSpec | None = None
-    """Structured output: the answer must follow this grammar (engine.grammar masks each
+    """Structured output: the answer must follow this grammar (kvmesh.engine.grammar masks each
     sampled token); None: free text."""
     logprobs: int | None = None
     """Report each sampled token's logprob and this many top alternatives' (0..MAX_LOGPROBS),
-    of the distribution it is drawn from (engine.sampler.token_logprobs); None: no logprobs."""
+    of the distribution it is drawn from (kvmesh.engine.sampler.token_logprobs); None: no logprobs."""
 
     def __post_init__(self) -> None:
         if not (
@@ -92,7 +92,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class TokenLogprobs:
     """One sampled token's log probability (natural log, fp32) and the top tokens' at its
-    position, most likely first; engine.sampler.token_logprobs computes them."""
+    position, most likely first; kvmesh.engine.sampler.token_logprobs computes them."""
 
     token_id: int
     logprob: float

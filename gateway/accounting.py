@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import enum
 
-from gateway.failure import RequestFailed
-from gateway.router import InstanceLoad
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.router import InstanceLoad
 
 
 class Stage(enum.Enum):
@@ -37,7 +37,7 @@ class AttemptAccounting:
     the stages need no call (tests drive them by hand).
 
     Args:
-        pool: spawns background tasks and sends Release (gateway.pool.InstancePool).
+        pool: spawns background tasks and sends Release (kvmesh.gateway.pool.InstancePool).
         request_id: the request's id, for messages and Release.
         prefill: the prefill instance, or None to route it later with `route_prefill`.
         decode: the decode instance.

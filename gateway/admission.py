@@ -13,7 +13,7 @@ waits on the client, never on prefill, and never ahead of the other keys' reques
 In total, the mesh holds at most its decode slots plus max_queued_requests requests, and
 max_queued_tokens prompt tokens wait here.
 
-Keys have a class from the operator's key file (gateway.auth): a priority and a weight. Waiting
+Keys have a class from the operator's key file (kvmesh.gateway.auth): a priority and a weight. Waiting
 requests are granted by strict priority bands (the highest band with a waiter first) and, within
 a band, by weighted fair queueing between its keys (each waiter's virtual finish tag is
 max(the band's virtual time, its key's last tag) + 1 / weight, the smallest tag goes first, as

@@ -2,7 +2,7 @@
 
 Tokens come from prefill (the first) and decode (the rest); each batch is detokenized
 incrementally (never a split multi-byte character), cut before the first stop string, and
-checked against the finish rule the engines apply (engine.request.finish_reason: EOS, then
+checked against the finish rule the engines apply (kvmesh.engine.request.finish_reason: EOS, then
 max_tokens) for the first token, decode's own finish reason for the rest. The Final message
 gathers the request's figures (TTFT, ITL, cached tokens, the KV push) for the client, its
 span and the metrics.
@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.outcomes import FailureCause, FinishReason
-from engine.request import finish_reason
-from gateway import metrics
-from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from gateway.failure import RequestFailed
-from gateway.requests import GenerateInput
-from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
-from runtime.wire import FINISH_FROM_PB, FINISH_TO_PB
+from kvmesh.engine.outcomes import FailureCause, FinishReason
+from kvmesh.engine.request import finish_reason
+from kvmesh.gateway import metrics
+from kvmesh.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.requests import GenerateInput
+from kvmesh.protos.v1 import decode_pb2, gateway_pb2, prefill_pb2
+from kvmesh.runtime.wire import FINISH_FROM_PB, FINISH_TO_PB
 
 logger = logging.getLogger(__name__)
 

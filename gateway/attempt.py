@@ -23,16 +23,16 @@ from typing import Any
 
 import grpc
 
-from engine.outcomes import FailureCause
-from gateway import wire
-from gateway.accounting import AttemptAccounting
-from gateway.answer import Answer
-from gateway.config import Deadlines
-from gateway.failure import RequestFailed, failure_from_rpc
-from gateway.requests import GenerateInput
-from gateway.router import InstanceLoad
-from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
-from runtime import tracing
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway import wire
+from kvmesh.gateway.accounting import AttemptAccounting
+from kvmesh.gateway.answer import Answer
+from kvmesh.gateway.config import Deadlines
+from kvmesh.gateway.failure import RequestFailed, failure_from_rpc
+from kvmesh.gateway.requests import GenerateInput
+from kvmesh.gateway.router import InstanceLoad
+from kvmesh.protos.v1 import decode_pb2, gateway_pb2, prefill_pb2
+from kvmesh.runtime import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ GRAMMAR_COMPILE_ALLOWANCE_S = 60.0
 """More time for decode's first message when the answer follows a grammar: decode compiles it
 before its first step, and an instance's first grammar also builds xgrammar's table of the
 vocabulary (seconds on a quiet host, 30 s seen on a busy 2-core one). A decode that died or froze
-meanwhile is still caught by the channel's keepalive pings (runtime.service, 5 s)."""
+meanwhile is still caught by the channel's keepalive pings (kvmesh.runtime.service, 5 s)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Hops:
 class Attempt(AttemptAccounting):
     """One try of one request: its two legs and their calls. `open` starts its calls;
     `route_prefill`, `send` and `stream` follow. The arguments are AttemptAccounting's (the
-    pool gives the instances' stubs too: gateway.pool.InstancePool)."""
+    pool gives the instances' stubs too: kvmesh.gateway.pool.InstancePool)."""
 
     def __init__(
         self, pool, request_id: str, prefill: InstanceLoad | None, decode: InstanceLoad, queued_tokens: int = 0
@@ -80,7 +80,7 @@ class Attempt(AttemptAccounting):
         self._decode_cached_pages = 0  # leading prompt pages decode holds (its Reserve said): not pushed
         self.pull: tuple[str, int] = ("", 0)
         """(a peer prefill's gRPC address, leading prompt blocks it holds): Prefill may pull them
-        from there (gateway.pool.InstancePool.pull_source); set before send()."""
+        from there (kvmesh.gateway.pool.InstancePool.pull_source); set before send()."""
 
     async def open(self, hops: Hops, prefill_by: float, block_hashes: Sequence[bytes], decode_hit: bool) -> None:
         """Decide the order of the legs (module docstring) and send Reserve now if it goes first.

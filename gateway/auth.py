@@ -4,7 +4,7 @@ Keys come from a file (one a line, optionally followed by a cache namespace it s
 other keys and by its admission class: `<key> [<namespace>] [priority=<int>] [weight=<number>]`;
 blank lines and lines starting with # are skipped) and from KVMESH_API_KEYS (comma-separated,
 priority 0, weight 1). The admission queue serves higher priority bands first and shares a
-band between its keys by weight (gateway.admission); both come from the operator's file,
+band between its keys by weight (kvmesh.gateway.admission); both come from the operator's file,
 never from a request. A caller presents one as `authorization: Bearer <key>`
 (the HTTP header, or gRPC metadata of that name), as OpenAI's API takes them. Health,
 metrics and reflection stay open. A key is compared in constant time against every known
@@ -12,7 +12,7 @@ key (hmac.compare_digest, no early exit), and it is never logged: logs, errors a
 admission bounds name it by its label, "key-<n>" (its position, from 1).
 
 Each key is a tenant of the prefix cache (`tenant_of`): its requests' block hashes are salted
-with it (kvstore.block_hash.tenant_root), so one tenant's requests never hit, or time, another's
+with it (kvmesh.kvstore.block_hash.tenant_root), so one tenant's requests never hit, or time, another's
 cached blocks (the prefix-cache timing side channel, CVE-2025-46570; vLLM's, SGLang's and
 Dynamo's `cache_salt`). Keys that name the same namespace share their cache (a team's keys).
 The tenant comes from the authenticated key, never from the request.

@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.router import check_policy
-from runtime.service_config import drain_grace_setting, metrics_port_setting, redis_url_setting
-from runtime.settings import setting
+from kvmesh.gateway.router import check_policy
+from kvmesh.runtime.service_config import drain_grace_setting, metrics_port_setting, redis_url_setting
+from kvmesh.runtime.settings import setting
 
 
 def port_or_off(text: str) -> int:
@@ -18,8 +18,8 @@ def port_or_off(text: str) -> int:
 
 
 def _tool_parser(name: str) -> str:
-    """A --tool-parser value: a name in gateway.tools.TOOL_PARSERS (ValueError otherwise)."""
-    from gateway.tools import TOOL_PARSERS
+    """A --tool-parser value: a name in kvmesh.gateway.tools.TOOL_PARSERS (ValueError otherwise)."""
+    from kvmesh.gateway.tools import TOOL_PARSERS
 
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool parser {name!r}: one of {', '.join(sorted(TOOL_PARSERS))}")

@@ -21,8 +21,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from gateway.pool import InstancePool
-from kvstore.registry import InstanceRecord
+from kvmesh.gateway.pool import InstancePool
+from kvmesh.kvstore.registry import InstanceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Discovery:
     """Keeps `pool` in step with the registry.
 
     Args:
-        live: returns the registry's live records (kvstore.registry.AsyncRegistryReader.live);
+        live: returns the registry's live records (kvmesh.kvstore.registry.AsyncRegistryReader.live);
             may raise (Redis down): the pool is then left as it is.
         pool: the gateway's instances.
         interval_s: seconds between reads (each read is bounded by timeout_s).

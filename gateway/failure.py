@@ -1,7 +1,7 @@
 """Why an attempt at the gateway failed, as one exception whose cause fixes the client's status.
 
 `failure_from_rpc` reads a failed call to a prefill or decode instance: the cause its service
-named in the trailers (runtime.wire.abort), else one read from the gRPC status, and the
+named in the trailers (kvmesh.runtime.wire.abort), else one read from the gRPC status, and the
 instance the failure is blamed on (its circuit breaker counts it).
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import grpc
 
-from engine.outcomes import FailureCause
-from gateway.router import InstanceLoad
-from runtime.wire import cause_of, retry_after_of
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway.router import InstanceLoad
+from kvmesh.runtime.wire import cause_of, retry_after_of
 
 
 class RequestFailed(Exception):
@@ -46,7 +46,7 @@ def failure_from_rpc(
 ) -> RequestFailed:
     """Turn a failed call to `inst` (a `kind` instance) into a RequestFailed.
 
-    A service names its cause in the trailers (runtime.wire.abort); a call that failed in
+    A service names its cause in the trailers (kvmesh.runtime.wire.abort); a call that failed in
     transport (dead, frozen or unreachable: UNAVAILABLE, the keepalive pings included) is
     the instance lost. A call past its deadline is the instance lost when `slow_is_lost`
     (a small control RPC), else a DEADLINE (a long prefill on a busy, live instance: the

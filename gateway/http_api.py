@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front of the gateway: Starlette on uvicorn, in the gateway's
-own process and event loop, a thin adapter over gateway.request_path.RequestPath.
+own process and event loop, a thin adapter over kvmesh.gateway.request_path.RequestPath.
 
     POST /v1/chat/completions   OpenAI Chat Completions (stream: server-sent events)
     POST /v1/completions        OpenAI Completions
@@ -33,16 +33,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.outcomes import FailureCause
-from gateway import openai_api
-from gateway.detokenizer import TokenText
-from gateway.failure import RequestFailed
-from gateway.http_stream import ClientGone, EventStream, cancel_on_disconnect
-from gateway.openai_api import BadField, LogprobsShaper, OpenAIRequest
-from gateway.request_path import RequestPath
-from protos.kvmesh.v1 import gateway_pb2
-from runtime.service import MAX_MESSAGE_BYTES
-from runtime.wire import status_of
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway import openai_api
+from kvmesh.gateway.detokenizer import TokenText
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.http_stream import ClientGone, EventStream, cancel_on_disconnect
+from kvmesh.gateway.openai_api import BadField, LogprobsShaper, OpenAIRequest
+from kvmesh.gateway.request_path import RequestPath
+from kvmesh.protos.v1 import gateway_pb2
+from kvmesh.runtime.service import MAX_MESSAGE_BYTES
+from kvmesh.runtime.wire import status_of
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _param_of(failure: RequestFailed, ask: OpenAIRequest) -> str | None:
 class HttpFront:
     """The HTTP server: binds `host:port` at once (OSError when taken), serves from `start()`
     to `stop()`; TLS when `tls_cert` and `tls_key` (PEM files) are given. tool_parser: how
-    calls are found in a free answer (gateway.tools.TOOL_PARSERS); session_from_user: the
+    calls are found in a free answer (kvmesh.gateway.tools.TOOL_PARSERS); session_from_user: the
     `user` field names a request's session when no x-session-id header does.
 
     Raises OSError when the port is taken, ValueError when the certificate or key cannot be
@@ -298,7 +298,7 @@ class HttpFront:
         raise AssertionError("the request path ended without a final message")
 
     def _token_text(self, token_id: int) -> tuple[str, bytes]:
-        """A token's (text, bytes) for logprobs (gateway.detokenizer.TokenText)."""
+        """A token's (text, bytes) for logprobs (kvmesh.gateway.detokenizer.TokenText)."""
         if self._token_texts is None:
             self._token_texts = TokenText(self.path.builder.tokenizer)
         return self._token_texts(token_id)

@@ -8,23 +8,23 @@ import asyncio
 import logging
 import os
 
-from engine.checkpoint import load_tokenizer, model_fingerprint
-from engine.loader import load_config, resolve_model
-from gateway import metrics
-from gateway.admission import AdmissionQueue
-from gateway.auth import ApiKeys
-from gateway.config import GatewayConfig
-from gateway.discovery import Discovery
-from gateway.pool import InstancePool
-from gateway.request_path import RequestPath
-from gateway.requests import PromptBuilder
-from gateway.servicer import GatewayServicer
-from gateway.sessions import SessionTable
-from kvstore.redis_index import AsyncRedisKVIndexReader
-from kvstore.registry import AsyncRegistryReader
-from protos.kvmesh.v1 import gateway_pb2_grpc
-from runtime import lifecycle, service
-from runtime.lifecycle import Lifecycle
+from kvmesh.engine.checkpoint import load_tokenizer, model_fingerprint
+from kvmesh.engine.loader import load_config, resolve_model
+from kvmesh.gateway import metrics
+from kvmesh.gateway.admission import AdmissionQueue
+from kvmesh.gateway.auth import ApiKeys
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.gateway.discovery import Discovery
+from kvmesh.gateway.pool import InstancePool
+from kvmesh.gateway.request_path import RequestPath
+from kvmesh.gateway.requests import PromptBuilder
+from kvmesh.gateway.servicer import GatewayServicer
+from kvmesh.gateway.sessions import SessionTable
+from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader
+from kvmesh.kvstore.registry import AsyncRegistryReader
+from kvmesh.protos.v1 import gateway_pb2_grpc
+from kvmesh.runtime import lifecycle, service
+from kvmesh.runtime.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(path), svc.server)
     http = None
     if config.http_port:
-        from gateway.http_api import HttpFront  # starlette and uvicorn load only when HTTP is on
+        from kvmesh.gateway.http_api import HttpFront  # starlette and uvicorn load only when HTTP is on
 
         http = HttpFront(
             path,

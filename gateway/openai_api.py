@@ -5,14 +5,14 @@ for Chat Completions (POST /v1/chat/completions, https://platform.openai.com/doc
 and Completions (POST /v1/completions, .../api-reference/completions). Only the shapes are
 checked here (a wrong type is a BadField, HTTP 400, naming the field); every limit and range
 (max_tokens, temperature, top_p, the context) is the request path's own check
-(gateway.requests.PromptBuilder), so HTTP and gRPC refuse the same requests with the same
+(kvmesh.gateway.requests.PromptBuilder), so HTTP and gRPC refuse the same requests with the same
 words. OpenAI's own fields that kvmesh does not implement yet (UNSUPPORTED) are refused with
 HTTP 400 naming the field, unless they hold the value that turns them off, so a client never
 gets something other than what it asked for; other unknown fields (another vendor's
 extensions) are ignored, as OpenAI does. vLLM's extensions `top_k` and `ignore_eos` are
 honoured. logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs` 0..5, with
-`echo` the prompt's too) come from where each token is sampled (engine.sampler.token_logprobs)
-and are shaped here (`LogprobsShaper`) with gateway.detokenizer.TokenText's strings and bytes;
+`echo` the prompt's too) come from where each token is sampled (kvmesh.engine.sampler.token_logprobs)
+and are shaped here (`LogprobsShaper`) with kvmesh.gateway.detokenizer.TokenText's strings and bytes;
 `n` choices and completions' `best_of` (`best_choices`), structured output
 (`response_format`, vLLM's `structured_outputs` and `guided_*`: a GenerateOptions.grammar) and
 tools (gateway/tools.py) are translated here too.
@@ -29,11 +29,11 @@ from typing import Any
 
 import grpc
 
-from engine.outcomes import FailureCause
-from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS
-from gateway.tools import ToolError, ToolRequest, call_schema, parse_tools, tool_calls, tool_schemas
-from protos.kvmesh.v1 import common_pb2, gateway_pb2
-from runtime.wire import FINISH_FROM_PB
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS
+from kvmesh.gateway.tools import ToolError, ToolRequest, call_schema, parse_tools, tool_calls, tool_schemas
+from kvmesh.protos.v1 import common_pb2, gateway_pb2
+from kvmesh.runtime.wire import FINISH_FROM_PB
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI's message roles -> the chat template's ("developer" is OpenAI's newer name for system)."""
@@ -144,7 +144,7 @@ def _text(content: Any, where: str) -> str:
 
 def _content(m: dict, where: str) -> str:
     """A message's text; an assistant's earlier tool calls are shown as the JSON array the tool
-    prompt asks for (gateway.tools), so the model sees what it called."""
+    prompt asks for (kvmesh.gateway.tools), so the model sees what it called."""
     text = _text(m.get("content"), f"{where}.content")
     calls = m.get("tool_calls")
     if m.get("role") == "assistant" and calls:
@@ -415,7 +415,7 @@ class LogprobsShaper:
     sends up to logprobs + 1), "text_offset" (each token's character offset in the choice's
     text, counted over the tokens' own texts)}; with echo, the prompt's tokens come first (the
     very first with null logprobs: nothing predicts it). token_text: id -> (text, bytes)
-    (gateway.detokenizer.TokenText); offset: where the first token's text starts (the echoed
+    (kvmesh.gateway.detokenizer.TokenText); offset: where the first token's text starts (the echoed
     prompt's length, when its tokens are not shaped too).
     """
 

@@ -17,13 +17,13 @@ from collections.abc import Mapping
 
 import grpc
 
-from gateway import metrics
-from gateway.prefix_lookup import PrefixLookup
-from gateway.router import InstanceLoad, PrefillRouter, pick_decode, queued_tokens
-from gateway.stats_poll import poll_instance
-from kvstore.redis_index import AsyncRedisKVIndexReader
-from protos.kvmesh.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from runtime.service import GRPC_OPTIONS
+from kvmesh.gateway import metrics
+from kvmesh.gateway.prefix_lookup import PrefixLookup
+from kvmesh.gateway.router import InstanceLoad, PrefillRouter, pick_decode, queued_tokens
+from kvmesh.gateway.stats_poll import poll_instance
+from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader
+from kvmesh.protos.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from kvmesh.runtime.service import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class InstancePool:
         if stats.model_fingerprint and self.model_fingerprint and stats.model_fingerprint != self.model_fingerprint:
             return (
                 f"{name} serves model {stats.model_fingerprint}, the gateway {self.model_fingerprint} "
-                "(engine.loader.model_fingerprint)"
+                "(kvmesh.engine.loader.model_fingerprint)"
             )
         return ""
 

@@ -11,9 +11,9 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from gateway import metrics
-from kvstore.block_hash import BlockHash
-from kvstore.redis_index import AsyncRedisKVIndexReader
+from kvmesh.gateway import metrics
+from kvmesh.kvstore.block_hash import BlockHash
+from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ prefix vs load); send what the attempt has not sent yet, and stream its answer
 (gateway/answer.py: incremental detokenization, stop strings, the Final message).
 Each attempt ends exactly once. An attempt that fails on one instance before any token
 reached the client is retried once on another; every failure reaches the adapter as a
-RequestFailed whose cause fixes the client's status (runtime.wire.status_of; the HTTP front
+RequestFailed whose cause fixes the client's status (kvmesh.runtime.wire.status_of; the HTTP front
 maps that status on to HTTP's). A caller that stops reading (a gRPC cancel, an HTTP client
 gone) closes or cancels the generator, which aborts the attempt on both legs.
 
@@ -33,22 +33,22 @@ from collections.abc import AsyncGenerator, Sequence
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine.outcomes import FailureCause
-from gateway import metrics, wire
-from gateway.admission import AdmissionQueue, OverloadedError
-from gateway.answer import Answer, record_final
-from gateway.attempt import Attempt, Hops
-from gateway.auth import ApiKeys
-from gateway.config import Deadlines
-from gateway.failure import RequestFailed
-from gateway.pool import InstancePool, MismatchError
-from gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
-from gateway.sessions import SessionTable
-from kvstore.block_hash import hash_blocks, tenant_root
-from protos.kvmesh.v1 import gateway_pb2
-from runtime import tracing
-from runtime.logs import request_context
-from runtime.wire import status_of
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway import metrics, wire
+from kvmesh.gateway.admission import AdmissionQueue, OverloadedError
+from kvmesh.gateway.answer import Answer, record_final
+from kvmesh.gateway.attempt import Attempt, Hops
+from kvmesh.gateway.auth import ApiKeys
+from kvmesh.gateway.config import Deadlines
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.pool import InstancePool, MismatchError
+from kvmesh.gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
+from kvmesh.gateway.sessions import SessionTable
+from kvmesh.kvstore.block_hash import hash_blocks, tenant_root
+from kvmesh.protos.v1 import gateway_pb2
+from kvmesh.runtime import tracing
+from kvmesh.runtime.logs import request_context
+from kvmesh.runtime.wire import status_of
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class RequestPath:
             base + (tokens queued on the instance, this prompt's included) / rate.
         token_timeout_s: longest wait for the next message of a decode stream.
         keys: the API keys callers must present (None or empty: the gateway is open).
-        sessions: where each session's last turn went (gateway.sessions; None: no affinity).
+        sessions: where each session's last turn went (kvmesh.gateway.sessions; None: no affinity).
     """
 
     def __init__(
@@ -139,7 +139,7 @@ class RequestPath:
 
         One trace per request (continuing a `traceparent` in `metadata`: gRPC metadata or HTTP
         headers), its metrics and its log lines. An `x-session-id` in `metadata` names the
-        conversation (gateway.sessions: its next turn goes back to the instances of the last).
+        conversation (kvmesh.gateway.sessions: its next turn goes back to the instances of the last).
         Raises RequestFailed, before or during the stream, with the cause that fixes the
         caller's status: UNAUTHENTICATED (key),
         BAD_REQUEST / UNKNOWN_MODEL (input), OVERLOADED (a bound; `retry_after_s` set),
@@ -218,7 +218,7 @@ class RequestPath:
         unprefilled = n_prompt  # the key's prompt tokens still waiting for prefill
         try:
             if waited:
-                tracing.record(span, "gateway.admission", t0, tracing.now_ns())
+                tracing.record(span, "kvmesh.gateway.admission", t0, tracing.now_ns())
             # closed here, not whenever the garbage collector finds it: a caller that leaves
             # mid-answer must abort the attempt (and release its reservation) at once
             attempts = self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key), session_key)

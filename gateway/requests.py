@@ -18,8 +18,8 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, GrammarSpec, SamplingParams
-from gateway.tools import ToolRequest, system_text, tool_schemas, with_tools
+from kvmesh.engine.sampling_params import MAX_CHOICES, MAX_LOGPROBS, GrammarSpec, SamplingParams
+from kvmesh.gateway.tools import ToolRequest, system_text, tool_schemas, with_tools
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -268,7 +268,7 @@ class PromptBuilder:
         """Check sampling settings and lengths; raises ValueError naming what to change.
         logprobs: report each token's logprob and this many top alternatives (None: none);
         n: choices to generate from the prompt; grammar: (kind, spec) the answer must follow
-        (engine.sampling_params.GrammarSpec; its compile is the instances' check);
+        (kvmesh.engine.sampling_params.GrammarSpec; its compile is the instances' check);
         prompt_logprobs: each prompt token's logprob and this many top alternatives (None: none)."""
         if max_tokens is None:
             max_tokens = self.default_max_tokens

@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gateway.breaker import CircuitBreaker
+from kvmesh.gateway.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class InstanceLoad:
     """Prefill tokens of requests routed here that were not cancelled (the cache_aware tie-break)."""
     kv_address: str = ""
     kv_layout: str = ""
-    """The KV page layout the instance reported (engine.kv_layout.PageLayout.describe); '' until it has."""
+    """The KV page layout the instance reported (kvmesh.engine.kv_layout.PageLayout.describe); '' until it has."""
     kv_tier_medium: str = ""
     """The medium of the instance's second KV tier ("host", "disk"), as it reported; '' for none."""
     """Where prefill pushes this decode instance's KV, as its stats and Reserve answers last said;

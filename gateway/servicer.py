@@ -1,17 +1,17 @@
-"""The Gateway gRPC service: a thin adapter over gateway.request_path.RequestPath.
+"""The Gateway gRPC service: a thin adapter over kvmesh.gateway.request_path.RequestPath.
 
 The caller's key comes from the `authorization` metadata ("Bearer <key>"); a RequestFailed
-from the path ends the RPC with its cause's status (runtime.wire.abort), and a retry hint
+from the path ends the RPC with its cause's status (kvmesh.runtime.wire.abort), and a retry hint
 in the trailing metadata (`retry-after-s`, and `retry-after` as HTTP spells it) when the
 request was over a bound.
 """
 
 from __future__ import annotations
 
-from gateway.failure import RequestFailed
-from gateway.request_path import RequestPath
-from protos.kvmesh.v1 import gateway_pb2_grpc
-from runtime.wire import abort
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.request_path import RequestPath
+from kvmesh.protos.v1 import gateway_pb2_grpc
+from kvmesh.runtime.wire import abort
 
 
 def _authorization(context) -> str | None:

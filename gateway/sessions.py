@@ -7,7 +7,7 @@ per session, the prefill and decode instances it used and how far the turn's pro
 with that prefix (its block hash at that position is the same) counts those blocks as held by
 those instances, on top of what the prefix index says: the KV events of the last turn may not
 have reached the index yet (an agent's next call comes within milliseconds), and the routing
-policy's own load weighing (gateway.router) and decode's slack still decide, so affinity never
+policy's own load weighing (kvmesh.gateway.router) and decode's slack still decide, so affinity never
 overrides the load guard. A turn that does not extend the remembered prefix (another
 conversation under the same id) is routed as any request.
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import grpc
 
-from gateway.router import InstanceLoad
-from protos.kvmesh.v1 import common_pb2
+from kvmesh.gateway.router import InstanceLoad
+from kvmesh.protos.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 

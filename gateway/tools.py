@@ -1,13 +1,13 @@
 """Tool calling for the OpenAI front: `tools` and `tool_choice` in, `tool_calls` out.
 
-A request's tools reach the prompt through gateway.requests.PromptBuilder: the chat template
+A request's tools reach the prompt through kvmesh.gateway.requests.PromptBuilder: the chat template
 renders them where it renders tools (a tool whose text holds a special token is refused there),
 and otherwise they are described in the system message (`with_tools`: their names,
 descriptions and argument schemas as JSON, and how to call them: a JSON array of {"name",
 "arguments"}), as content: tool definitions are data, never control tokens. Then:
 
 - tool_choice "required", or a named function: the answer is constrained to that JSON array by
-  a grammar (engine.grammar, a JSON Schema whose items are the allowed tools, each with its own
+  a grammar (kvmesh.engine.grammar, a JSON Schema whose items are the allowed tools, each with its own
   argument schema), so any model calls a tool, with arguments that validate;
 - "auto": the model answers freely and a parser registered by name (TOOL_PARSERS: "json" for the
   array above, "hermes" for <tool_call>{...}</tool_call> blocks, as Qwen and Hermes models write

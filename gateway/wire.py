@@ -1,7 +1,7 @@
 """The gateway's wire messages, each conversion written once: the client's request into a
 GenerateInput (checked), and a GenerateInput into the calls to prefill and decode (whose
 servicers read them back: prefill_svc/servicer.py, decode_svc/servicer.py). Sampling
-settings cross in runtime.wire (sampling_to_pb / sampling_from_pb); the answer's messages
+settings cross in kvmesh.runtime.wire (sampling_to_pb / sampling_from_pb); the answer's messages
 are built in gateway/answer.py.
 
 max_tokens travels once a hop: in the client's GenerateOptions, then in Reserve (decode
@@ -14,10 +14,10 @@ import json
 import uuid
 from collections.abc import Sequence
 
-from gateway.requests import GenerateInput, PromptBuilder
-from gateway.tools import parse_tools
-from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
-from runtime.wire import check_request_id, sampling_to_pb
+from kvmesh.gateway.requests import GenerateInput, PromptBuilder
+from kvmesh.gateway.tools import parse_tools
+from kvmesh.protos.v1 import decode_pb2, gateway_pb2, prefill_pb2
+from kvmesh.runtime.wire import check_request_id, sampling_to_pb
 
 
 def generate_input(builder: PromptBuilder, request: gateway_pb2.GenerateRequest) -> GenerateInput:

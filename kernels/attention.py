@@ -3,7 +3,7 @@
 # n=new tokens of one prefill, N=its context (prefix + new), b=queries of one block
 """Paged attention on the CPU PyTorch path.
 
-The KV cache is page-major, `[P, L, 2, S, K, D]` (the layout `engine.kv_layout.LLAMA_PAGE`
+The KV cache is page-major, `[P, L, 2, S, K, D]` (the layout `kvmesh.engine.kv_layout.LLAMA_PAGE`
 defines and allocates), so one page is one contiguous buffer for the KV transfer. Writes address it by token row, `kv_cache.view(P*L*2*S, K, D)`: the K (kv=0) or
 V (kv=1) of slot s of page p in layer l is row `((p*L + l)*2 + kv)*S + s`. Reads gather whole
 page blocks, `kv_cache.view(P*L*2, S, K, D)`, block `(p*L + l)*2 + kv`: one memcpy of S tokens
@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import to_device
+from kvmesh.kernels.ops import to_device
 
 QUERY_BLOCK = 2048
 """Queries per block of `_causal_blocks`, so a chunk of up to 2048 tokens is one block: its
@@ -240,8 +240,8 @@ def paged_attention(
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, g: DecodeGroup) -> torch.Tensor:
     """q [B, Q, D] -> [B, K, R, D] (CPU) or [B, Q, D] (a GPU: the paged decode op), same memory order."""
-    if q.device.type != "cpu":  # the Triton kernel (kernels.custom_ops): pages read in place
-        import kernels.custom_ops  # noqa: F401  # on first use: registers torch.ops.kvmesh.*, imports triton
+    if q.device.type != "cpu":  # the Triton kernel (kvmesh.kernels.custom_ops): pages read in place
+        import kvmesh.kernels.custom_ops  # noqa: F401  # on first use: registers torch.ops.kvmesh.*, imports triton
 
         return torch.ops.kvmesh.paged_decode_attention(q, kv_cache, layer, g.block_table, g.context_lens)
     B, (*_, S, K, D) = g.num_seqs, kv_cache.shape

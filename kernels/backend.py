@@ -2,11 +2,11 @@
 interpreter on CPU with TRITON_INTERPRET=1, as the kernel tests run it).
 
 A backend is the set of DeepSeek-V4 kernels that have a Triton path: the routed experts
-(`kernels.moe`) and the Lightning Indexer scores (`kernels.indexer`). `--kernel-backend` on
+(`kvmesh.kernels.moe`) and the Lightning Indexer scores (`kvmesh.kernels.indexer`). `--kernel-backend` on
 `kvmesh serve prefill|decode` picks one on the CPU; on a GPU (`--device cuda`) the model calls
-the custom ops of kernels.custom_ops, whose CUDA kernels are the Triton ones. The model code calls `backend.moe_experts(...)` and
+the custom ops of kvmesh.kernels.custom_ops, whose CUDA kernels are the Triton ones. The model code calls `backend.moe_experts(...)` and
 `backend.indexer_scores(...)` and never chooses itself. Both backends compute the same result
-as `kernels.moe.ref` / `kernels.indexer.ref` (tests compare them).
+as `kvmesh.kernels.moe.ref` / `kvmesh.kernels.indexer.ref` (tests compare them).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """The kernels one backend runs (signatures of `kernels.moe.moe_experts` and
-    `kernels.indexer.indexer_scores`)."""
+    """The kernels one backend runs (signatures of `kvmesh.kernels.moe.moe_experts` and
+    `kvmesh.kernels.indexer.indexer_scores`)."""
 
     name: str
     moe_experts: Callable[..., Any]
@@ -31,8 +31,8 @@ class KernelBackend:
 
 
 def _torch() -> KernelBackend:
-    from kernels.indexer import indexer_scores
-    from kernels.moe import moe_experts
+    from kvmesh.kernels.indexer import indexer_scores
+    from kvmesh.kernels.moe import moe_experts
 
     return KernelBackend("torch", moe_experts, indexer_scores)
 
@@ -47,17 +47,17 @@ def _triton() -> KernelBackend:
             f"kernel backend 'triton' needs {gpu} (or TRITON_INTERPRET=1 to run the kernels in Triton's "
             "interpreter on CPU tensors); on the CPU use --kernel-backend torch"
         )
-    from kernels.indexer import indexer_scores_triton
-    from kernels.moe import moe_experts_triton
+    from kvmesh.kernels.indexer import indexer_scores_triton
+    from kvmesh.kernels.moe import moe_experts_triton
 
     return KernelBackend("triton", moe_experts_triton, indexer_scores_triton)
 
 
 def _device_ops() -> KernelBackend:
-    """The custom ops (kernels.custom_ops): Triton kernels on the tensors' GPU, no copies."""
+    """The custom ops (kvmesh.kernels.custom_ops): Triton kernels on the tensors' GPU, no copies."""
     import torch
 
-    import kernels.custom_ops  # noqa: F401  # registers torch.ops.kvmesh.*
+    import kvmesh.kernels.custom_ops  # noqa: F401  # registers torch.ops.kvmesh.*
 
     return KernelBackend("triton", torch.ops.kvmesh.moe_experts, torch.ops.kvmesh.indexer_scores)
 

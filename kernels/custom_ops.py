@@ -4,9 +4,9 @@
 """The kernels the models call, as PyTorch custom ops: one op each, whatever the device,
 dispatched by the tensors' device.
 
-- `kvmesh::moe_experts` (kernels.moe.moe_experts' contract)
-- `kvmesh::indexer_scores` (kernels.indexer.indexer_scores')
-- `kvmesh::paged_decode_attention` (kernels.paged_decode's)
+- `kvmesh::moe_experts` (kvmesh.kernels.moe.moe_experts' contract)
+- `kvmesh::indexer_scores` (kvmesh.kernels.indexer.indexer_scores')
+- `kvmesh::paged_decode_attention` (kvmesh.kernels.paged_decode's)
 
 On CUDA each runs its Triton kernel; on CPU its PyTorch path, or the Triton kernel in Triton's
 interpreter when TRITON_INTERPRET=1 (how the tests check the kernels through the ops). Each has
@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.indexer import indexer_scores, indexer_scores_triton
-from kernels.moe import moe_experts, moe_experts_triton
-from kernels.paged_decode import paged_decode_attention_torch, paged_decode_attention_triton
+from kvmesh.kernels.indexer import indexer_scores, indexer_scores_triton
+from kvmesh.kernels.moe import moe_experts, moe_experts_triton
+from kvmesh.kernels.paged_decode import paged_decode_attention_torch, paged_decode_attention_triton
 
 _lib = torch.library.Library("kvmesh", "DEF")  # kept: the ops live as long as this module
 

@@ -4,7 +4,7 @@ CPUs where that is faster: those not made by Intel.
 
 `x @ w` in PyTorch's x86 wheels calls MKL's sgemm, which runs a generic code path on non-Intel
 processors; oneDNN JIT-compiles for the host's AVX-512 whatever its vendor. One core, `python -m
-bench.dense` (GFLOP/s, layout conversions included):
+kvmesh.bench.dense` (GFLOP/s, layout conversions included):
 - AMD EPYC (Zen 5): [2048, 576] @ [576, 1536], MKL 97, oneDNN 208: oneDNN;
 - Intel Xeon (AVX-512, AMX): the four matmuls of a layer, MKL 206-218, oneDNN 125-191: MKL.
 transformers' forward goes through MKL, so on AMD this is where prefill gets ahead of it.
@@ -24,7 +24,7 @@ import torch
 
 MIN_ROWS = 16
 """GEMMs with fewer rows stay on `x @ w`: the two layout conversions around a oneDNN call cost
-more than they save on a few rows (decode steps use `kernels.quant` anyway)."""
+more than they save on a few rows (decode steps use `kvmesh.kernels.quant` anyway)."""
 
 
 @functools.cache

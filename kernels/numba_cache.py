@@ -29,7 +29,7 @@ def cache_root() -> Path:
 
 
 _KVMESH_ROOT = Path(__file__).resolve().parent.parent
-NUMBA_SOURCES = ("kernels/quant.py", "engine/models/llama_step.py")
+NUMBA_SOURCES = ("kernels/quant.py", "engine/llama/step.py")
 """kvmesh's files with `numba.njit(cache=True)` kernels (tests/unit checks the list is whole)."""
 
 

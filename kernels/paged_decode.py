@@ -1,7 +1,7 @@
 # B=sequences, Q=query heads, K=kv heads, R=Q/K, D=head_dim, P=pages, L=layers, S=page_size,
 # M=pages of one sequence (padded), BR/BS/BD=R, S, D rounded up to powers of two >= 16
 """Paged decode attention as one Triton kernel: one query token a sequence, GQA, over the
-page-major KV cache (`engine.kv_layout.LLAMA_PAGE`, [P, L, 2, S, K, D]).
+page-major KV cache (`kvmesh.engine.kv_layout.LLAMA_PAGE`, [P, L, 2, S, K, D]).
 
 One program serves one sequence and one kv head: it loads that head's R query heads once
 ([BR, BD], padded rows masked), then walks the sequence's pages in order, one page a step: the
@@ -12,11 +12,11 @@ Slots past the context (the last page's tail) are masked to -inf before the soft
 Not yet: splitting one long context over several programs (flash-decoding), which a GPU needs
 to fill its SMs at small batch; several pages a step for pages under 64 tokens.
 
-The kernel is jitted at first launch (kernels.triton_jit) and calls only triton.language
+The kernel is jitted at first launch (kvmesh.kernels.triton_jit) and calls only triton.language
 builtins (its row max and sum are tl.reduce with combine functions of its own: tl.max, tl.sum
 and tl.cdiv are @triton.jit themselves, fixed in one mode when triton is imported), so
 TRITON_INTERPRET=1 set later still runs it on CPU tensors (the unit tests). Reference:
-`kernels.ref.paged_decode_attention_ref`; the CPU path the model runs is kernels.attention.
+`kvmesh.kernels.ref.paged_decode_attention_ref`; the CPU path the model runs is kvmesh.kernels.attention.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_jit import jit
+from kvmesh.kernels.triton_jit import jit
 
 
 @triton.jit
@@ -126,9 +126,9 @@ def paged_decode_attention_torch(
     sequence's pages gathered whole ([B, M*S, K, D]), slots past its context masked, one SDPA
     with GQA (`enable_gqa`). Arguments, result and errors as the Triton kernel's; the softmax in
     q.dtype's SDPA numerics (fp32 for fp32). Unlike the kernel it reads the slots past each
-    context (then masks them), so they must hold finite values, as for kernels.attention's
+    context (then masks them), so they must hold finite values, as for kvmesh.kernels.attention's
     decode: a NaN there leaks through the mask as 0 * NaN.
-    Reference: `kernels.ref.paged_decode_attention_ref`.
+    Reference: `kvmesh.kernels.ref.paged_decode_attention_ref`.
     """
     B, Q, D = _check(q, kv_cache, layer, block_table, context_lens)
     S, K = kv_cache.shape[3], kv_cache.shape[4]
@@ -189,7 +189,7 @@ def paged_decode_attention_triton(
 
     Raises ValueError for shapes that disagree (Q not a multiple of K, q and the cache of
     different head_dim or dtype, a block table or lengths of another batch size, a layer out
-    of range). Reference: `kernels.ref.paged_decode_attention_ref`.
+    of range). Reference: `kvmesh.kernels.ref.paged_decode_attention_ref`.
     """
     B, Q, D = _check(q, kv_cache, layer, block_table, context_lens)
     S, K = kv_cache.shape[3], kv_cache.shape[4]

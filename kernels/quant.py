@@ -12,7 +12,7 @@ The weights they compute with are the file's exactly: Q4_1 holds w = d*q + m for
 of 32 inputs (q in 0..15, d and m fp16), Q8_0 holds w = d*q (q in -128..127). Per block they
 sum x*q first and scale once: sum_k x_k w_k = d * sum_k x_k q_k + m * sum_k x_k.
 That rounds differently from an fp32 GEMM over transformers' dequantized weights, by about
-as much as two GEMM libraries differ from each other (`kernels.ref.quantized_matmul_ref` is
+as much as two GEMM libraries differ from each other (`kvmesh.kernels.ref.quantized_matmul_ref` is
 the reference the tests hold it to).
 
 The loops are compiled by numba (LLVM, vectorized for the host CPU, 512 bits wide on AVX-512:
@@ -51,7 +51,7 @@ from numba import types as nbtypes
 from numba.core import cgutils, registry
 from numba.extending import intrinsic
 
-from kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
+from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 
 
 def _host_has_avx512() -> bool:
@@ -162,7 +162,7 @@ the same matrix from L2 runs 105 us with or without."""
 def prefetch(typingctx, arr, index):
     """Ask the CPU to bring element `index` of C-contiguous `arr` (counted flat) into cache
     (`llvm.prefetch`: read, keep in all levels). A hint: never faults, even past the end. For
-    numba code (the tiles here, decode attention in `engine.models.llama_step`)."""
+    numba code (the tiles here, decode attention in `kvmesh.engine.llama.step`)."""
 
     def codegen(context, builder, signature, args):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
@@ -199,7 +199,7 @@ registers at a time (a tile's TN outputs in TN / PASS_LANES passes over the bloc
 AVX-512 (32 registers of 16 fp32): 6 rows x 64 outputs = 24 registers, with 4 for the block's
 weights and 1 for an input. AVX2 (16 registers of 8): 6 x 64 would be 48, and LLVM kept them in
 memory, a load and a store around every FMA; 6 rows x 16 outputs = 12 registers, 2 for the
-weights, 1 for an input, four passes a block. `bench.quant`, 30 layers and the lm_head at 16 /
+weights, 1 for an input, four passes a block. `kvmesh.bench.quant`, 30 layers and the lm_head at 16 /
 32 rows, AMD EPYC without AVX-512, 2 cores, 6 x 64 then 6 x 16: Q4_1 layers 96.2 -> 59.7 /
 183.0 -> 108.2 ms, Q8_0 lm_head 25.0 -> 12.7 / 42.2 -> 26.7 ms (3 x 32: 88.7 and 15.5 at 16).
 A row's sums run over the same inputs in the same order in any block: its bits do not change."""
@@ -345,7 +345,7 @@ def _q4_1_row(x, xsum, qs, d, m, t, r, acc):  # adds tile t of row r of x @ w.T 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def q4_1_tile(x, xsum, qs, d, m, t, out):  # x [M, K] f32, xsum [M, G], qs [NT, K/2, TN] u8, out [M, NT*TN]
     """out[:, t*TN : (t+1)*TN] = tile t of x @ w.T, for callers' own numba loops (`_q4_1_matmul`,
-    the fused decode step in `engine.models.llama_step`); xsum is `block_sums(x)`.
+    the fused decode step in `kvmesh.engine.llama.step`); xsum is `block_sums(x)`.
 
     One row streams the bytes (`_q4_1_row`). Several rows unpack each block of the tile once, to
     [32, TN] fp32 in L1 (q_lo, and 16 q_hi on odd inputs), and multiply it into up to 6 rows at a
@@ -445,7 +445,7 @@ def kernel_threads() -> tuple[str, int]:
 
     "omp" (GNU OpenMP, Debian's libgomp1) or "tbb" wake their threads in microseconds;
     "workqueue", numba's fallback when neither library loads, made the 30 Q4_1 layers of a
-    batch-1 step 3.3x slower here (16.6 ms against omp's 5.0 ms, `bench.quant` under
+    batch-1 step 3.3x slower here (16.6 ms against omp's 5.0 ms, `kvmesh.bench.quant` under
     NUMBA_THREADING_LAYER=workqueue).
     """
     return numba.threading_layer(), numba.get_num_threads()
@@ -455,7 +455,7 @@ def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight) -> torch.Tenso
     """x @ w.T for x [M, K] fp32 and a packed GGUF weight [N, K]; returns [M, N] fp32.
 
     Meant for decode batches: each tile's bytes are read and unpacked once and reused for all M
-    rows; past ~128 rows an fp32 GEMM wins (`bench.quant`). Row r of the result does not depend
+    rows; past ~128 rows an fp32 GEMM wins (`kvmesh.bench.quant`). Row r of the result does not depend
     on the other rows' values, bit for bit.
     Runs on numba's threads (`numba.set_num_threads`), each on whole tiles.
     Raises ValueError when x is not [M, w.in_features] fp32.

@@ -61,7 +61,7 @@ def paged_attention_ref(
     """Write new K/V into the page-major cache, then causal GQA attention, one token at a time.
 
     q [T, Q, D], k/v [T, K, D] for the sequences' new tokens back to back; kv_cache
-    [P, L, 2, S, K, D] (`engine.kv_layout.LLAMA_PAGE`) is written in place. Token j of sequence b sits at position
+    [P, L, 2, S, K, D] (`kvmesh.engine.kv_layout.LLAMA_PAGE`) is written in place. Token j of sequence b sits at position
     num_computed[b] + j, in page block_ids[b][pos // S], slot pos % S. Returns [T, Q*D].
     """
     T, Q, D = q.shape
@@ -96,7 +96,7 @@ def paged_decode_attention_ref(
 ) -> torch.Tensor:
     """One decode query a sequence against the K/V its pages already hold (no write).
 
-    q [B, Q, D]; kv_cache [P, L, 2, S, K, D] (`engine.kv_layout.LLAMA_PAGE`); sequence b's
+    q [B, Q, D]; kv_cache [P, L, 2, S, K, D] (`kvmesh.engine.kv_layout.LLAMA_PAGE`); sequence b's
     context is its first context_lens[b] tokens, token p in page block_table[b][p // S], slot
     p % S (the new token's K/V included: the model writes it first). Returns [B, Q, D] in
     q.dtype, computed in fp32 one head at a time.
@@ -132,5 +132,5 @@ def dequantize_q8_0_ref(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def quantized_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T in fp64, rounded to fp32: what `kernels.quant` approximates."""
+    """x [M, K] @ w [N, K].T in fp64, rounded to fp32: what `kvmesh.kernels.quant` approximates."""
     return (x.double() @ w.double().T).float()

@@ -1,4 +1,4 @@
-"""The `kvmesh` command: up, generate, serve, warm, eplb, make-tiny-model, and the subcommands other
+"""The `kvmesh` command: up, generate, serve, warm, eplb, and the subcommands other
 packages register (kvmesh/commands.py; the lab's `kvmesh bench`, `routesim`, `fuzz`)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import NoReturn
 import grpc
 
 from kvmesh.commands import add_plugin_commands
-from runtime import settings
-from runtime.settings import env_flag
+from kvmesh.runtime import settings
+from kvmesh.runtime.settings import env_flag
 
 
 def _seed(value: str) -> int:
@@ -151,7 +151,7 @@ def _cmd_serve_ep_rank(args: argparse.Namespace) -> int:
     import logging
     import multiprocessing
 
-    from decode_svc.ep import serve_rank
+    from kvmesh.decode_svc.ep import serve_rank
     from kvmesh.launcher import die_with_parent
 
     die_with_parent()
@@ -196,23 +196,12 @@ def _cmd_eplb_stats(args: argparse.Namespace) -> int:
     return run_stats(args)
 
 
-def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from engine.tiny_models import make_tiny_model
-
-    try:
-        print(make_tiny_model(args.arch, args.out_dir, seed=args.seed, skew_routers=args.skew_routers, mtp=args.mtp))
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     """The whole command line (also used by tests to check compose's commands); with_plugins=False
     leaves out the commands other packages add (kvmesh.commands)."""
-    from decode_svc import config as decode_config
-    from gateway import config as gateway_config
-    from prefill_svc import config as prefill_config
+    from kvmesh.decode_svc import config as decode_config
+    from kvmesh.gateway import config as gateway_config
+    from kvmesh.prefill_svc import config as prefill_config
 
     parser = argparse.ArgumentParser(
         prog="kvmesh",
@@ -322,25 +311,6 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     add_eplb_stats_arguments(eplb_stats)
     eplb_stats.set_defaults(func=_cmd_eplb_stats)
 
-    tiny = sub.add_parser("make-tiny-model", help="write a small random checkpoint (tests, benchmarks)")
-    tiny.add_argument("--arch", required=True, choices=["deepseek_v4"], help="model architecture")
-    tiny.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
-    tiny.add_argument(
-        "--skew-routers",
-        type=float,
-        default=0.0,
-        help="make experts 0 and 1 hot in every MoE layer, as trained routers are (0: random routers; 0.12 gives "
-        "balancedness ~0.4 at 4 ranks on real text), for EPLB",
-    )
-    tiny.add_argument(
-        "--mtp",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="write a random multi-token-prediction module (mtp.0.*, for --speculative mtp; default on)",
-    )
-    tiny.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer into")
-    tiny.set_defaults(func=_cmd_make_tiny_model)
-
     # the lab's commands (`kvmesh bench`, `routesim`, `fuzz`, ...), which live in bench/ and
     # register themselves as entry points: the product never imports them
     if with_plugins:
@@ -348,7 +318,7 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-OWN_COMMANDS = ("up", "generate", "serve", "warm", "eplb", "make-tiny-model")
+OWN_COMMANDS = ("up", "generate", "serve", "warm", "eplb")
 """The commands build_parser adds itself (a test keeps this list equal to them)."""
 
 

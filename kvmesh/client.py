@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from protos.kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from runtime.service import GRPC_OPTIONS
+from kvmesh.protos.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from kvmesh.runtime.service import GRPC_OPTIONS
 
 
 @dataclass

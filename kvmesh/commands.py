@@ -4,7 +4,7 @@ A package declares each one as an entry point of the group ``kvmesh.commands`` i
 pyproject.toml; the entry point's name is the subcommand, its object a `Command`:
 
     [project.entry-points."kvmesh.commands"]
-    bench = "bench.cli:BENCH"
+    bench = "kvmesh.bench.cli:BENCH"
 
 `kvmesh.cli` adds every one it finds after its own commands, so the product names none of
 them and never imports the package that provides them. A command that fails to load or to add

@@ -1,12 +1,12 @@
 """`kvmesh eplb stats` and `kvmesh eplb plan`: record the expert load of live instances, and
-turn it into an EPLB placement (engine.eplb).
+turn it into an EPLB placement (kvmesh.engine.ep.eplb).
 
 `stats` asks each instance's GetStats for its per-expert token counts (every MoE layer, top-k
 and hash-routed alike, since it started; with --window S, the traffic of the next S seconds),
 adds them up, prints each layer's balancedness at --ranks with experts in order, one replica
 each, and writes the stats file; for an expert-parallel decode (`--ep N`) it also prints, per
 layer, the balancedness of the placement in use measured on its live ranks next to what
-`engine.eplb.balancedness` predicts for that placement from the same counts.
+`kvmesh.engine.ep.eplb.balancedness` predicts for that placement from the same counts.
 `plan` reads such a file and prints each layer's balancedness before and after EPLB.
 
 The stats file is JSON: {"layers": [[tokens routed to expert 0, 1, ...], ...]}, one row per MoE
@@ -50,8 +50,8 @@ async def _instance_load(address: str) -> InstanceLoad:
     """One instance's expert load from its GetStats (Decode or Prefill service)."""
     import grpc
 
-    from engine.eplb import counts_from_stats
-    from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+    from kvmesh.engine.ep.eplb import counts_from_stats
+    from kvmesh.protos.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         stats = None
@@ -99,7 +99,7 @@ async def record(addresses: list[str], window_s: float = 0.0) -> np.ndarray:
 def run_stats(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine.eplb import balancedness, default_placement, mean_over_max, placement_of
+    from kvmesh.engine.ep.eplb import balancedness, default_placement, mean_over_max, placement_of
 
     try:
         loads = asyncio.run(record_loads(args.instance, args.window))
@@ -151,7 +151,7 @@ def load_stats(path: str) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.eplb import balancedness, default_placement, plan
+    from kvmesh.engine.ep.eplb import balancedness, default_placement, plan
 
     try:
         load = load_stats(args.stats_file)

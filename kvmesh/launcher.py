@@ -27,7 +27,7 @@ from kvmesh.redis_server import RedisProcess, free_port, ping
 _PR_SET_PDEATHSIG = 1
 PARENT_PID_ENV = "KVMESH_PARENT_PID"
 CPU_SHARE_ENV = "KVMESH_CPU_SHARE"
-"""`--cpu-share` of every instance a mesh starts (`runtime.cpu_share`): a file of the mesh's own
+"""`--cpu-share` of every instance a mesh starts (`kvmesh.runtime.cpu_share`): a file of the mesh's own
 unless the caller's environment sets it ("" turns the sharing off)."""
 SHARED_CORES_FORWARD_TOKENS = 256
 """Prefill's `--max-batch-tokens` and `--chunked-prefill-size` in a mesh whose instances take turns
@@ -71,7 +71,7 @@ class Mesh:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
     redis: RedisProcess | None = None
     cpu_share: str = ""
-    """The file its prefill and decode instances share their cores through (`runtime.cpu_share`),
+    """The file its prefill and decode instances share their cores through (`kvmesh.runtime.cpu_share`),
     unlinked once they all run (they keep it mapped); "" when the caller set KVMESH_CPU_SHARE."""
 
     def stop(self) -> None:
@@ -98,7 +98,10 @@ class Mesh:
 
 
 def _serve(kind: str, args: list[str], env: dict[str, str], log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvmesh.cli", "serve", kind, *args]
+    # -P: the working directory is not put on sys.path, so a kvmesh checkout's folders
+    # (kernels/, engine/, ...) never shadow other distributions' top-level names (Hugging Face's
+    # `kernels`, which transformers imports)
+    cmd = [sys.executable, "-P", "-m", "kvmesh.cli", "serve", kind, *args]
     return subprocess.Popen(cmd, env={**env, PARENT_PID_ENV: str(os.getpid())}, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -123,7 +126,7 @@ def start_mesh(
     Raises ValueError for an unknown model, RuntimeError when a child exits during start-up,
     TimeoutError when one is not ready within ready_timeout_s seconds.
     """
-    from engine.loader import resolve_model
+    from kvmesh.engine.loader import resolve_model
 
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need at least one prefill and one decode, got {num_prefill} and {num_decode}")
@@ -216,7 +219,7 @@ def _port_free(host: str, port: int) -> bool:
 def _wait_ready(mesh: Mesh, addresses: list[str], timeout_s: float) -> None:
     import asyncio
 
-    from runtime.service import wait_for_health
+    from kvmesh.runtime.service import wait_for_health
 
     async def all_ready() -> None:
         tasks = [asyncio.ensure_future(wait_for_health(a, timeout_s)) for a in addresses]

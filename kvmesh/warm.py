@@ -1,5 +1,5 @@
 """`kvmesh warm`: do the one-time work of a model before any service needs it, so that the first
-`kvmesh up` starts in seconds: convert its GGUF file into the safetensors cache (engine.loader)
+`kvmesh up` starts in seconds: convert its GGUF file into the safetensors cache (kvmesh.engine.loader)
 and compile its decode block kernels into numba's shared cache (kernels/numba_cache.py), both
 under $KVMESH_CACHE_DIR (~/.cache/kvmesh), where every clone, venv and service finds them.
 
@@ -16,8 +16,8 @@ def warm(model: str | None = None) -> float:
     and run one warm-up step, which compiles every block kernel a decode step uses. Returns the
     seconds it took (a second or two when everything was cached already). Raises ValueError for
     an unknown model."""
-    from engine.loader import resolve_model
-    from engine.runners import create_runner
+    from kvmesh.engine.loader import resolve_model
+    from kvmesh.engine.runners import create_runner
 
     started = time.perf_counter()
     create_runner(resolve_model(model), num_pages=2, page_size=16, num_state_slots=1).warmup()

@@ -1,5 +1,5 @@
-"""kvstore: paged KV block pool, its second tier (`kvstore.kv_tier`), block hashing, KV events
-and their publisher thread, the Redis prefix index and the KV transport (the interface in `kvstore.transport`, made by name with `create_sender` /
+"""kvstore: paged KV block pool, its second tier (`kvmesh.kvstore.kv_tier`), block hashing, KV events
+and their publisher thread, the Redis prefix index and the KV transport (the interface in `kvmesh.kvstore.transport`, made by name with `create_sender` /
 `create_receiver`; UCX is the implementation).
 
 The Redis and UCX parts load on first use (`import ucxx` alone takes ~0.6 s), so a
@@ -11,21 +11,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from kvstore.block_hash import BlockHash, hash_block, hash_blocks
-from kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvstore.transport import KVPushReceiver, KVPushSender, TransferError, TransferResult
-from kvstore.transports import create_receiver, create_sender
+from kvmesh.kvstore.block_hash import BlockHash, hash_block, hash_blocks
+from kvmesh.kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
+from kvmesh.kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvstore.transport import KVPushReceiver, KVPushSender, TransferError, TransferResult
+from kvmesh.kvstore.transports import create_receiver, create_sender
 
 if TYPE_CHECKING:
-    from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
-    from kvstore.ucx_transfer import KVReceiver, KVSender
+    from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
+    from kvmesh.kvstore.ucx_transfer import KVReceiver, KVSender
 
 _LAZY = {
-    "RedisKVIndex": "kvstore.redis_index",
-    "AsyncRedisKVIndexReader": "kvstore.redis_index",
-    "KVReceiver": "kvstore.ucx_transfer",
-    "KVSender": "kvstore.ucx_transfer",
+    "RedisKVIndex": "kvmesh.kvstore.redis_index",
+    "AsyncRedisKVIndexReader": "kvmesh.kvstore.redis_index",
+    "KVReceiver": "kvmesh.kvstore.ucx_transfer",
+    "KVSender": "kvmesh.kvstore.ucx_transfer",
 }
 
 __all__ = [

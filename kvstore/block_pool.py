@@ -23,8 +23,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.block_hash import BlockHash
-from kvstore.kv_events import BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvstore.block_hash import BlockHash
+from kvmesh.kvstore.kv_events import BlockRemoved, BlockStored, KVEvent
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -66,7 +66,7 @@ class BlockPool:
             in the order the changes happened.
         on_evict: called with the (block id, hash) pairs `allocate` evicts, after their
             BlockRemoved and before the ids are handed out (a second tier copies the pages
-            out then: kvstore.kv_tier).
+            out then: kvmesh.kvstore.kv_tier).
     """
 
     def __init__(

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.block_hash import BlockHash
+from kvmesh.kvstore.block_hash import BlockHash
 
 MEDIA = ("device", "host", "disk")
 """Where a block is held: `device`, the page pool the model reads (GPU memory, or host memory on
 a CPU-only machine); `host`, a second tier in host memory beside a GPU pool; `disk`, a second
-tier of files (kvstore.kv_tier). A hit in a second tier is loaded into the pool before use."""
+tier of files (kvmesh.kvstore.kv_tier). A hit in a second tier is loaded into the pool before use."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from kvstore.kv_events import AllBlocksCleared, BlockStored, KVEvent
+from kvmesh.kvstore.kv_events import AllBlocksCleared, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """A second tier for KV blocks the page pool evicts: pages are copied out before their page is
 reused, kept by block hash (least recently used out first, at most `capacity_blocks`), and
 copied back into a page on a later prefix hit, so an evicted prefix costs a copy instead of a
-recompute. Two media (kvstore.kv_events.MEDIA):
+recompute. Two media (kvmesh.kvstore.kv_events.MEDIA):
 
     HostTier   `host`  one host-memory array of capacity_blocks pages, beside a GPU pool
     FileTier   `disk`  one file a block under a directory (testable on a CPU-only machine,
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.block_hash import BlockHash
-from kvstore.kv_events import BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvstore.block_hash import BlockHash
+from kvmesh.kvstore.kv_events import BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from collections.abc import Sequence
 import redis
 import redis.asyncio
 
-from kvstore.block_hash import BlockHash
-from kvstore.kv_events import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvstore.registry import InstanceRecord, InstanceRegistry, RegistryKeys
+from kvmesh.kvstore.block_hash import BlockHash
+from kvmesh.kvstore.kv_events import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvmesh.kvstore.registry import InstanceRecord, InstanceRegistry, RegistryKeys
 
 STREAM_MAXLEN = 100_000
 

@@ -95,7 +95,7 @@ class InstanceRegistry:
     Args:
         client: a redis.Redis with decode_responses=True (`from_url` makes one); shared with
             the prefix index on prefill.
-        model, namespace: as the prefix index's (kvstore.redis_index.RedisKVIndex).
+        model, namespace: as the prefix index's (kvmesh.kvstore.redis_index.RedisKVIndex).
 
     Every method raises redis.exceptions.RedisError (ConnectionError when Redis is down).
     """

@@ -1,6 +1,6 @@
 """The KV transport interface: how prefill pushes a request's pages into the pages a decode
 instance reserved, whatever moves the bytes. UCX is the implementation (kvstore/ucx_transfer.py,
-kvstore/ucx_receiver.py); `kvstore.transports` picks one by name.
+kvstore/ucx_receiver.py); `kvmesh.kvstore.transports` picks one by name.
 
 The shape follows NIXL and Mooncake's transfer engine: the receiver registers destination
 buffers under a transfer id (`expect`) and hands the sender its address; the sender pushes a

@@ -6,17 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.transport import KVPushReceiver, KVPushSender
+from kvmesh.kvstore.transport import KVPushReceiver, KVPushSender
 
 
 def _ucx_sender(**options: Any) -> KVPushSender:
-    from kvstore.ucx_transfer import KVSender  # imported on use: `import ucxx` alone takes ~0.6 s
+    from kvmesh.kvstore.ucx_transfer import KVSender  # imported on use: `import ucxx` alone takes ~0.6 s
 
     return KVSender(**options)
 
 
 def _ucx_receiver(host: str, port: int) -> KVPushReceiver:
-    from kvstore.ucx_receiver import KVReceiver
+    from kvmesh.kvstore.ucx_receiver import KVReceiver
 
     return KVReceiver(host, port)
 
@@ -28,7 +28,7 @@ TRANSPORTS: dict[str, tuple[Callable[..., KVPushSender], Callable[[str, int], KV
 
 
 def _ucx_keep_until_exit() -> None:
-    from kvstore.ucx_common import keep_until_exit
+    from kvmesh.kvstore.ucx_common import keep_until_exit
 
     keep_until_exit()
 
@@ -52,7 +52,7 @@ def create_sender(name: str = "ucx", **options: Any) -> KVPushSender:
 
 def keep_until_exit(name: str = "ucx") -> None:
     """Transport `name` keeps its process-wide state when its last sender or receiver closes
-    (UCX: kvstore.ucx_common.keep_until_exit): call it in a process that leaves with os._exit.
+    (UCX: kvmesh.kvstore.ucx_common.keep_until_exit): call it in a process that leaves with os._exit.
     Raises ValueError for an unknown transport."""
     check_transport(name)
     _KEEPERS[name]()

@@ -22,9 +22,9 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
-import kvstore.shared_memory as shared_memory
-from kvstore.transport import TransferError, TransferResult
-from kvstore.ucx_common import (
+import kvmesh.kvstore.shared_memory as shared_memory
+from kvmesh.kvstore.transport import TransferError, TransferResult
+from kvmesh.kvstore.ucx_common import (
     _DATA_TAG_BIT,
     _TAG_ACK,
     _TAG_GO,

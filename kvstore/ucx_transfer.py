@@ -65,10 +65,10 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
-import kvstore.shared_memory as shared_memory
-import kvstore.ucx_common as common
-from kvstore.transport import TransferError, TransferResult, pages_digest, parse_address
-from kvstore.ucx_receiver import KVReceiver
+import kvmesh.kvstore.shared_memory as shared_memory
+import kvmesh.kvstore.ucx_common as common
+from kvmesh.kvstore.transport import TransferError, TransferResult, pages_digest, parse_address
+from kvmesh.kvstore.ucx_receiver import KVReceiver
 
 __all__ = ["KVReceiver", "KVSender", "TransferError", "TransferResult", "pages_digest", "parse_address"]
 

@@ -1,12 +1,12 @@
 # B=requests of the batch, V=vocab
 """The compute of one prefill batch, chunk by chunk.
 
-A prompt longer than `chunk_size` tokens is computed in chunks (engine.forward.chunk_ends), one
+A prompt longer than `chunk_size` tokens is computed in chunks (kvmesh.engine.forward.chunk_ends), one
 forward a round over a chunk of each request still computing, and after each chunk the
 request's `on_pages_ready` hears how many of its pages are final, so the service pushes them to
 decode while the next chunk computes (the overlap Mooncake and SGLang get from layer- or
 chunk-wise transfer). The last chunk is short, so little of the push is left after the compute
-ends. prefill_svc.engine runs this on its one worker thread.
+ends. kvmesh.prefill_svc.engine runs this on its one worker thread.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.forward import ForwardItem, Runner, chunk_ends
-from engine.kv_cache import KVCacheManager
-from engine.request import Request
-from engine.sampler import sample, token_logprobs
-from engine.sampling_params import SamplingParams, TokenLogprobs
+from kvmesh.engine.forward import ForwardItem, Runner, chunk_ends
+from kvmesh.engine.kv_cache import KVCacheManager
+from kvmesh.engine.request import Request
+from kvmesh.engine.sampler import sample, token_logprobs
+from kvmesh.engine.sampling_params import SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +37,14 @@ def prefill_batch(
     """Compute the uncached prompt of every request in `batch` (pages allocated, num_computed_tokens
     at its cached prefix) and sample each one's first token (its sampling params; a seeded
     generator unless greedy). chunk_size: tokens a chunk (0 = the whole prompt at once);
-    forward_mark: entered around each forward (runtime.cpu_share); forward_budget: asked before
+    forward_mark: entered around each forward (kvmesh.runtime.cpu_share); forward_budget: asked before
     each forward, the most tokens it may compute in all (0: no bound but chunk_size), split evenly
     over the requests still computing, whole pages each (a page at least). Advances
     num_computed_tokens.
 
     Returns (the first token of each request's choices (sampling.n of them, choice i drawn with
     sampling.for_choice(i)), their logprobs when its sampling asks for them
-    (engine.sampler.token_logprobs) else None, the chunks each took). Raises what the forward or
+    (kvmesh.engine.sampler.token_logprobs) else None, the chunks each took). Raises what the forward or
     the sampler raises; the caller frees the batch then.
     """
     size = kv_cache.page_size

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.service_config import ModelServiceConfig
-from runtime.settings import setting
+from kvmesh.runtime.service_config import ModelServiceConfig
+from kvmesh.runtime.settings import setting
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """The prefill engine: prefix-cache lookup, compute of the uncached suffix, first token.
 
-Each request is one `engine.request.Request` (its pages, cached prefix and state slot from
-engine.kv_cache.KVCacheManager). Every cache operation and every forward runs on ONE worker
+Each request is one `kvmesh.engine.request.Request` (its pages, cached prefix and state slot from
+kvmesh.engine.kv_cache.KVCacheManager). Every cache operation and every forward runs on ONE worker
 thread (the service passes its main-thread executor, where torch is fastest), so the prefix
 cache needs no lock and requests are computed in arrival order. A request's pages stay
 referenced until its KV push is done, then full prompt blocks stay in the prefix cache
 (evictable, LRU) and the rest go back to the free list.
 
-Chunked prefill (prefill_svc.chunked): a prompt longer than `chunked_prefill_size` tokens is
+Chunked prefill (kvmesh.prefill_svc.chunked): a prompt longer than `chunked_prefill_size` tokens is
 computed in chunks, its pages handed to the push as they become final. KV events (blocks
 stored / removed / cleared) are published to the Redis index as the pool emits them.
 """
@@ -23,17 +23,17 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from engine.eplb import expert_stats
-from engine.forward import Runner
-from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import TokenLogprobs
-from kvstore.block_pool import NoFreeBlocksError
-from kvstore.kv_events import KVEvent
-from kvstore.kv_tier import KVTier
-from prefill_svc import metrics
-from prefill_svc.chunked import prefill_batch
-from runtime.cpu_share import CpuShare
+from kvmesh.engine.ep.eplb import expert_stats
+from kvmesh.engine.forward import Runner
+from kvmesh.engine.kv_cache import KVCacheManager
+from kvmesh.engine.request import Request, RequestStatus
+from kvmesh.engine.sampling_params import TokenLogprobs
+from kvmesh.kvstore.block_pool import NoFreeBlocksError
+from kvmesh.kvstore.kv_events import KVEvent
+from kvmesh.kvstore.kv_tier import KVTier
+from kvmesh.prefill_svc import metrics
+from kvmesh.prefill_svc.chunked import prefill_batch
+from kvmesh.runtime.cpu_share import CpuShare, NoCpuShare
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class PrefillEngine:
         executor: concurrent.futures.Executor | None = None,
         max_batch_tokens: int = 4096,
         chunked_prefill_size: int = 0,
-        cpu_share: CpuShare | None = None,
+        cpu_share: CpuShare | NoCpuShare | None = None,
         forward_tokens_beside_decode: int = 0,
         push_path: str = "auto",
         tier: KVTier | None = None,
@@ -89,11 +89,11 @@ class PrefillEngine:
         prompt still runs, alone). `chunked_prefill_size` (tokens, 0 = off) splits each
         request's computed range into chunks (`chunk_ends`), one forward per chunk of every
         request taken together. `cpu_share`: each forward takes its turn with a decode instance
-        on the same cores (`runtime.cpu_share`), None when this instance has cores of its own;
+        on the same cores (`kvmesh.runtime.cpu_share`); None or a NoCpuShare when this instance has cores of its own;
         `forward_tokens_beside_decode` (tokens, 0 = off): with it, the most a forward computes while
         that decode instance has steps to run (`CpuShare.decode_busy`; chunks shrink to fit).
-        `push_path`: how KV pushes leave the pages (kvstore.staging; KVCacheManager).
-        `tier`: the second tier evicted blocks go to (kvstore.kv_tier; None: none).
+        `push_path`: how KV pushes leave the pages (kvmesh.kvstore.staging; KVCacheManager).
+        `tier`: the second tier evicted blocks go to (kvmesh.kvstore.kv_tier; None: none).
         """
         self.runner = runner
         self.page_size = page_size
@@ -105,7 +105,7 @@ class PrefillEngine:
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill_size = chunked_prefill_size
-        self._cpu_share = cpu_share
+        self._cpu_share = cpu_share if cpu_share is not None else NoCpuShare()
         self.forward_tokens_beside_decode = forward_tokens_beside_decode
         self.num_forwards = 0
         self.forward_seconds = 0.0
@@ -122,7 +122,7 @@ class PrefillEngine:
 
     @property
     def pool(self):
-        """The page pool (kvstore.block_pool.BlockPool) under the KV cache: its prefix cache."""
+        """The page pool (kvmesh.kvstore.block_pool.BlockPool) under the KV cache: its prefix cache."""
         return self.kv_cache.pool
 
     def _on_events(self, events: list[KVEvent]) -> None:
@@ -256,10 +256,8 @@ class PrefillEngine:
 
     @contextlib.contextmanager
     def _forward_turn(self) -> Iterator[None]:
-        """Around each forward: its turn on shared cores (runtime.cpu_share), counted."""
-        with (
-            self._cpu_share.prefill_forward() if self._cpu_share is not None else contextlib.nullcontext(0.0) as waited
-        ):
+        """Around each forward: its turn on shared cores (kvmesh.runtime.cpu_share), counted."""
+        with self._cpu_share.prefill_forward() as waited:
             started = time.perf_counter()
             try:
                 yield
@@ -271,11 +269,10 @@ class PrefillEngine:
     def _forward_budget(self) -> int:
         """Tokens the next forward may compute: forward_tokens_beside_decode while the decode
         instance on these cores is stepping, else 0 (no bound beyond the chunk size)."""
-        assert self._cpu_share is not None
         return self.forward_tokens_beside_decode if self._cpu_share.decode_busy() else 0
 
     def _compute(self, ready: list[Request]) -> None:
-        """Compute every ready request (prefill_svc.chunked), resolve their futures, then cache
+        """Compute every ready request (kvmesh.prefill_svc.chunked), resolve their futures, then cache
         their prompt blocks."""
         started = time.perf_counter()
         cpu_started = time.process_time()
@@ -289,7 +286,7 @@ class PrefillEngine:
                 ready,
                 self.chunked_prefill_size,
                 self._forward_turn,
-                self._forward_budget if self._cpu_share is not None and self.forward_tokens_beside_decode else None,
+                self._forward_budget if self._cpu_share.shared and self.forward_tokens_beside_decode else None,
             )
         except Exception as exc:
             for r in ready:

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.request import Request
-from kvstore.transport import KVPushReceiver, TransferError, pages_digest
-from prefill_svc.engine import PrefillEngine
-from protos.kvmesh.v1 import prefill_pb2, prefill_pb2_grpc
+from kvmesh.engine.request import Request
+from kvmesh.kvstore.transport import KVPushReceiver, TransferError, pages_digest
+from kvmesh.prefill_svc.engine import PrefillEngine
+from kvmesh.protos.v1 import prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class KVPuller:
 
     Args:
         engine: this instance's engine (allocation, its prefill rate, the cache).
-        receiver: this instance's KV receiver (kvstore.transport.KVPushReceiver), started.
-        page_layout: the pages' layout description (engine.kv_layout.PageLayout.describe); the
+        receiver: this instance's KV receiver (kvmesh.kvstore.transport.KVPushReceiver), started.
+        page_layout: the pages' layout description (kvmesh.engine.kv_layout.PageLayout.describe); the
             peer refuses another.
         digest: check the pages' SHA-256 against the peer's (KVMESH_KV_DIGEST).
         min_timeout_s: the least a pull may take before it is given up (seconds).

@@ -15,8 +15,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from engine.kv_cache import KVCacheManager
-from kvstore.transport import KVPushSender, TransferError, pages_digest
+from kvmesh.engine.kv_cache import KVCacheManager
+from kvmesh.kvstore.transport import KVPushSender, TransferError, pages_digest
 
 logger = logging.getLogger(__name__)
 

@@ -6,24 +6,24 @@ import argparse
 import asyncio
 import logging
 
-from engine.device import resolve_device
-from engine.loader import resolve_model
-from engine.runners import create_runner
-from kvstore.kv_tier import create_tier
-from kvstore.registry import InstanceRecord
-from kvstore.transports import create_receiver, create_sender, keep_until_exit
-from prefill_svc import metrics
-from prefill_svc.config import PrefillConfig
-from prefill_svc.engine import PrefillEngine
-from prefill_svc.kv_pull import KVPuller
-from prefill_svc.servicer import PrefillServicer
-from protos.kvmesh.v1 import prefill_pb2_grpc
-from runtime import lifecycle, service
-from runtime.cpu_share import open_cpu_share
-from runtime.kv_index import KVIndexWriter
-from runtime.lifecycle import Lifecycle
-from runtime.registration import Registration
-from runtime.served_model import ServedModel
+from kvmesh.engine.device import resolve_device
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.runners import create_runner
+from kvmesh.kvstore.kv_tier import create_tier
+from kvmesh.kvstore.registry import InstanceRecord
+from kvmesh.kvstore.transports import create_receiver, create_sender, keep_until_exit
+from kvmesh.prefill_svc import metrics
+from kvmesh.prefill_svc.config import PrefillConfig
+from kvmesh.prefill_svc.engine import PrefillEngine
+from kvmesh.prefill_svc.kv_pull import KVPuller
+from kvmesh.prefill_svc.servicer import PrefillServicer
+from kvmesh.protos.v1 import prefill_pb2_grpc
+from kvmesh.runtime import lifecycle, service
+from kvmesh.runtime.cpu_share import open_cpu_share
+from kvmesh.runtime.kv_index import KVIndexWriter
+from kvmesh.runtime.lifecycle import Lifecycle
+from kvmesh.runtime.registration import Registration
+from kvmesh.runtime.served_model import ServedModel
 
 logger = logging.getLogger(__name__)
 

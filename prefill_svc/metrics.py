@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from runtime.engine_metrics import page_gauges, step_cpu_histogram
-from runtime.moe_metrics import register_expert_load
+from kvmesh.runtime.engine_metrics import page_gauges, step_cpu_histogram
+from kvmesh.runtime.moe_metrics import register_expert_load
 
 REGISTRY = CollectorRegistry()
 

@@ -8,20 +8,20 @@ import random
 
 from opentelemetry.trace import Status, StatusCode
 
-from engine.outcomes import FailureCause
-from engine.request import Request
-from kvstore.block_hash import HASH_NBYTES, check_block_hashes
-from kvstore.block_pool import NoFreeBlocksError
-from kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
-from prefill_svc import metrics
-from prefill_svc.config import PrefillConfig
-from prefill_svc.engine import Cancelled, PrefillEngine, PrefillResult
-from prefill_svc.kv_pull import KVPuller, Pulled, PullStuck
-from prefill_svc.kv_push import KVPush, PushReport
-from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from runtime import tracing
-from runtime.served_model import ServedModel, grammar_state
-from runtime.wire import (
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.engine.request import Request
+from kvmesh.kvstore.block_hash import HASH_NBYTES, check_block_hashes
+from kvmesh.kvstore.block_pool import NoFreeBlocksError
+from kvmesh.kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
+from kvmesh.prefill_svc import metrics
+from kvmesh.prefill_svc.config import PrefillConfig
+from kvmesh.prefill_svc.engine import Cancelled, PrefillEngine, PrefillResult
+from kvmesh.prefill_svc.kv_pull import KVPuller, Pulled, PullStuck
+from kvmesh.prefill_svc.kv_push import KVPush, PushReport
+from kvmesh.protos.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from kvmesh.runtime import tracing
+from kvmesh.runtime.served_model import ServedModel, grammar_state
+from kvmesh.runtime.wire import (
     abort,
     check_request_id,
     kv_layout_mismatch,

@@ -57,6 +57,9 @@ class CpuShare:
     Raises ValueError for a negative max_wait_s, OSError when the file cannot be opened or mapped.
     """
 
+    shared = True
+    """Whether turns are taken with another process (NoCpuShare's is False)."""
+
     def __init__(self, path: str, max_wait_s: float = 2.0) -> None:
         if max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
@@ -136,6 +139,26 @@ class CpuShare:
         self._map.close()
 
 
-def open_cpu_share(path: str, max_wait_s: float) -> CpuShare | None:
-    """The CpuShare at `path`, or None for "" (no sharing: the instance has cores of its own)."""
-    return CpuShare(path, max_wait_s) if path else None
+class NoCpuShare:
+    """An instance with cores of its own: every turn starts at once (0.0 s waited), and no decode
+    beside it is ever busy. Has CpuShare's interface, so callers need no `is None` branch."""
+
+    path = ""
+    shared = False
+
+    def prefill_forward(self) -> contextlib.AbstractContextManager[float]:
+        return contextlib.nullcontext(0.0)
+
+    def decode_step(self) -> contextlib.AbstractContextManager[float]:
+        return contextlib.nullcontext(0.0)
+
+    def decode_busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def open_cpu_share(path: str, max_wait_s: float) -> CpuShare | NoCpuShare:
+    """The CpuShare at `path`, or a NoCpuShare for "" (the instance has cores of its own)."""
+    return CpuShare(path, max_wait_s) if path else NoCpuShare()

@@ -1,5 +1,5 @@
-"""An instance's KV events on their way to the prefix index (kvstore.redis_index): the Redis
-writer, the publisher thread that keeps them off the model's thread (kvstore.kv_publisher),
+"""An instance's KV events on their way to the prefix index (kvmesh.kvstore.redis_index): the Redis
+writer, the publisher thread that keeps them off the model's thread (kvmesh.kvstore.kv_publisher),
 the re-publish after a lost lease or dropped events, and the clean leave at shutdown. Prefill
 and decode both run one; each event in the stream names the writer's role.
 """
@@ -10,8 +10,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from kvstore.kv_publisher import KVEventPublisher
-from kvstore.redis_index import RedisKVIndex
+from kvmesh.kvstore.kv_publisher import KVEventPublisher
+from kvmesh.kvstore.redis_index import RedisKVIndex
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from runtime import service, settings, tracing
-from runtime.registration import Registration
+from kvmesh.runtime import service, settings, tracing
+from kvmesh.runtime.registration import Registration
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def main(
 ) -> None:
     """`kvmesh serve <name>`: logging and tracing for service `name`, its config (`config_cls`)
     from `args` and KVMESH_* variables, then `serve(config, stop, executor)` on the event-loop
-    thread while the main thread runs the model (runtime.service.run).
+    thread while the main thread runs the model (kvmesh.runtime.service.run).
 
     Raises ValueError from the config's validation, and whatever `serve` raised."""
     service.setup_logging(name)

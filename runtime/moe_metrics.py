@@ -1,5 +1,5 @@
 """Prometheus metrics of a MoE model's expert load, read from the runner at scrape time (no
-cost per forward): the input EPLB plans from (engine.eplb, `kvmesh eplb stats`)."""
+cost per forward): the input EPLB plans from (kvmesh.engine.ep.eplb, `kvmesh eplb stats`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from kvstore.registry import InstanceRecord, InstanceRegistry
+from kvmesh.kvstore.registry import InstanceRecord, InstanceRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.checkpoint import ModelFiles, model_fingerprint
-from engine.loader import load_config
+from kvmesh.engine.checkpoint import ModelFiles, model_fingerprint
+from kvmesh.engine.loader import load_config
 
 
 @dataclass(frozen=True)
 class ServedModel:
     """The model behind one instance's servicer, and the instance's name for it.
 
-    Built once in each service's main() from the checkpoint (`engine.loader.load_config`,
-    `engine.checkpoint.model_fingerprint`).
+    Built once in each service's main() from the checkpoint (`kvmesh.engine.loader.load_config`,
+    `kvmesh.engine.checkpoint.model_fingerprint`).
     """
 
     instance_id: str
@@ -31,14 +31,14 @@ class ServedModel:
     _grammars: list = field(default_factory=list, compare=False, repr=False)
 
     def grammars(self):
-        """The instance's engine.grammar.Grammars (its tokenizer, vocabulary and EOS ids), made
+        """The instance's kvmesh.engine.grammar.Grammars (its tokenizer, vocabulary and EOS ids), made
         on the first request with a grammar (it loads xgrammar and the tokenizer). Raises
         ValueError when the instance has no checkpoint files to read a tokenizer from."""
         if not self._grammars:
             if self.files is None:
                 raise ValueError("this instance serves no tokenizer: structured output is not available")
-            from engine.checkpoint import load_tokenizer
-            from engine.grammar import Grammars
+            from kvmesh.engine.checkpoint import load_tokenizer
+            from kvmesh.engine.grammar import Grammars
 
             self._grammars.append(Grammars(load_tokenizer(self.files), self.vocab_size, sorted(self.eos_token_ids)))
         return self._grammars[0]
@@ -46,7 +46,7 @@ class ServedModel:
     @classmethod
     def of(cls, files: ModelFiles, instance_id: str) -> ServedModel:
         """The checkpoint `files` as served by `instance_id`. Raises ValueError when its config is
-        missing a field or invalid (`engine.loader.load_config`)."""
+        missing a field or invalid (`kvmesh.engine.loader.load_config`)."""
         config = load_config(files)
         return cls(
             instance_id,
@@ -59,10 +59,10 @@ class ServedModel:
 
 
 def grammar_state(model: ServedModel, spec):
-    """A matcher at the answer's start for grammar `spec` (engine.sampling_params.GrammarSpec)
-    on `model`'s tokenizer, checked: an engine.grammar.GrammarState. Raises ValueError, prefixed
+    """A matcher at the answer's start for grammar `spec` (kvmesh.engine.sampling_params.GrammarSpec)
+    on `model`'s tokenizer, checked: an kvmesh.engine.grammar.GrammarState. Raises ValueError, prefixed
     "grammar: ", when the spec does not compile or no text can match it."""
-    from engine.grammar import GrammarState
+    from kvmesh.engine.grammar import GrammarState
 
     try:
         grammars = model.grammars()

@@ -78,12 +78,12 @@ def set_torch_threads(num_threads: int) -> None:
         import torch
 
         torch.set_num_threads(num_threads)
-        numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]  # kernels.quant
+        numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]  # kvmesh.kernels.quant
 
 
 def setup_logging(name: str) -> None:
-    """Configure this service's logging (runtime.logs: text or JSON, request and trace ids)."""
-    from runtime.logs import setup_logging as setup
+    """Configure this service's logging (kvmesh.runtime.logs: text or JSON, request and trace ids)."""
+    from kvmesh.runtime.logs import setup_logging as setup
 
     setup(name)
 
@@ -217,7 +217,7 @@ def run(main: Callable[[asyncio.Event, MainThreadExecutor], Awaitable[None]]) ->
         # shuts the poller's completion queue and gRPC core down on whichever thread collects
         # it, with gRPC's own threads still about (grpc/grpc#22365, #43364). The process leaves
         # with os._exit (kvmesh.cli), so that teardown never needs to run. (The decode SIGSEGV at
-        # shutdown seen in multihost runs was UCX's teardown: kvstore.ucx_common.keep_until_exit.)
+        # shutdown seen in multihost runs was UCX's teardown: kvmesh.kvstore.ucx_common.keep_until_exit.)
         grpc.aio.init_grpc_aio()
         stop = asyncio.Event()
         state["loop"], state["stop"] = asyncio.get_running_loop(), stop

@@ -7,8 +7,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.transports import check_transport
-from runtime.settings import check_bounds, setting
+from kvmesh.kvstore.transports import check_transport
+from kvmesh.runtime.settings import check_bounds, setting
 
 
 def metrics_port_setting() -> Any:
@@ -133,11 +133,11 @@ class ModelServiceConfig:
         check_bounds(self)  # this class's fields and the subclass's
         # imported here: the kernels package loads torch, and the gateway's command line
         # (which never builds this config) parses these flags too
-        from engine.device import check_device_spec
-        from kernels.backend import check_backend
-        from kvstore.staging import check_push_path
+        from kvmesh.engine.device import check_device_spec
+        from kvmesh.kernels.backend import check_backend
+        from kvmesh.kvstore.staging import check_push_path
 
-        check_device_spec(self.device)  # whether this machine has it: engine.device.resolve_device at start
+        check_device_spec(self.device)  # whether this machine has it: kvmesh.engine.device.resolve_device at start
         check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
         check_push_path(self.kv_push_path)

@@ -112,10 +112,10 @@ def server_span(name: str, context, request_id: str, instance: str) -> Iterator[
     """The span of one RPC a service serves: child of the caller's traceparent (gRPC metadata),
     tagged with the request id and instance, marked ERROR when the handler raises, always ended.
 
-    Also points `runtime.logs.request_context` at this request, so its log lines carry both ids.
+    Also points `kvmesh.runtime.logs.request_context` at this request, so its log lines carry both ids.
     """
-    from runtime.logs import request_context
-    from runtime.wire import check_request_id
+    from kvmesh.runtime.logs import request_context
+    from kvmesh.runtime.wire import check_request_id
 
     try:
         check_request_id(request_id)

@@ -10,9 +10,9 @@ import re
 
 import grpc
 
-from engine.outcomes import FailureCause, FinishReason
-from engine.sampling_params import GrammarSpec, SamplingParams, TokenLogprobs
-from protos.kvmesh.v1 import common_pb2
+from kvmesh.engine.outcomes import FailureCause, FinishReason
+from kvmesh.engine.sampling_params import GrammarSpec, SamplingParams, TokenLogprobs
+from kvmesh.protos.v1 import common_pb2
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams, default_seed: int | None = None) -> SamplingParams:
@@ -50,7 +50,7 @@ def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def logprobs_to_pb(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
-    """The wire message of one token's logprobs (engine.sampler.TokenLogprobs)."""
+    """The wire message of one token's logprobs (kvmesh.engine.sampler.TokenLogprobs)."""
     return common_pb2.TokenLogprobs(
         token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs
     )

@@ -2,12 +2,19 @@
 
 Run: `python scripts/gen_protos.py` (writes) or `python scripts/gen_protos.py --check`
 (exits 1 when the committed files are stale). Uses grpcio-tools' bundled protoc.
+
+The .proto files live under `protos/` as their package says (`kvmesh/v1/decode.proto` holds
+`package kvmesh.v1`), the layout protoc users of any language expect (`-I protos`). The
+Python code installs as `kvmesh.protos.v1` (pyproject's package-dir maps `protos/kvmesh` there),
+so the stubs' imports of each other, which protoc writes from the .proto paths
+(`from kvmesh.v1 import common_pb2`), are pointed into that package.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -15,16 +22,19 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO_DIR = ROOT / "protos" / "kvmesh" / "v1"
+PROTO_ROOT = ROOT / "protos"
+PROTO_DIR = PROTO_ROOT / "kvmesh" / "v1"
+_STUB_IMPORT = re.compile(r"^(from )kvmesh\.v1 import", re.MULTILINE)
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Run protoc on every .proto into out_root (same relative layout); return the outputs."""
-    protos = sorted(p.relative_to(ROOT).as_posix() for p in PROTO_DIR.glob("*.proto"))
+    """Run protoc on every .proto into out_root/kvmesh/v1 and point the stubs' imports into
+    kvmesh.protos.v1; return the outputs."""
+    protos = sorted(p.relative_to(PROTO_ROOT).as_posix() for p in PROTO_DIR.glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
     args = [
         "protoc",
-        f"-I{ROOT}",
+        f"-I{PROTO_ROOT}",
         f"-I{include}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
@@ -33,7 +43,10 @@ def generate(out_root: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted((out_root / "protos" / "kvmesh" / "v1").glob("*_pb2*.py*"))
+    outputs = sorted((out_root / "kvmesh" / "v1").glob("*_pb2*.py*"))
+    for path in outputs:
+        path.write_text(_STUB_IMPORT.sub(r"\1kvmesh.protos.v1 import", path.read_text()))
+    return outputs
 
 
 def main() -> int:
@@ -41,7 +54,9 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail if committed code is stale")
     args = parser.parse_args()
     if not args.check:
-        generate(ROOT)
+        with tempfile.TemporaryDirectory() as tmp:
+            for path in generate(Path(tmp)):
+                (PROTO_DIR / path.name).write_bytes(path.read_bytes())
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))

@@ -16,4 +16,4 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then
     "$PY" -m pip install --quiet --no-deps --target .gpu_deps "$WHEELS"/*.whl
 fi
 export PYTHONPATH="$PWD:$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 480 "$PY" -m bench.gpu_check "$@"
+exec timeout 480 "$PY" -m kvmesh.bench.gpu_check "$@"

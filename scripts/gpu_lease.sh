@@ -25,7 +25,7 @@ install() { $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-d
 
 case "${1:-}" in
 prepare)
-    gguf=$(.venv/bin/python -c "from engine.loader import default_gguf_path; print(default_gguf_path())") || exit 1
+    gguf=$(.venv/bin/python -c "from kvmesh.engine.loader import default_gguf_path; print(default_gguf_path())") || exit 1
     grep -qx '/.gpu\[abc\]/' .git/info/exclude || echo '/.gpu[abc]/' >> .git/info/exclude
     rm -rf .gpua .gpub .gpuc && mkdir -p .gpua .gpub .gpuc
     head -c $SPLIT "$gguf" > .gpua/gguf.part1

@@ -15,12 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
-from kvmesh.redis_server import RedisProcess, ping
+# The repo's folders install as kvmesh.<folder> (pyproject's package-dir); as top-level names on
+# sys.path they would shadow other distributions: this checkout's kernels/ would be imported for
+# Hugging Face's `kernels`, which transformers imports. `python -m pytest` (and xdist's workers,
+# started with `python -c`) put the working directory first on sys.path: keep the repo root
+# (tests.* is imported from there; pyproject's --import-mode=append), but last, and start every
+# child Python without the working directory on its path (PYTHONSAFEPATH, as -P)
+_ROOT = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [p for p in sys.path if p not in ("", _ROOT)] + [_ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
+
+from kvmesh.redis_server import RedisProcess, ping  # noqa: E402
 
 SHARED_MESHES = {
     "observed_mesh": (
@@ -172,7 +184,7 @@ def one_torch_thread():
 
 def instance_stats(address: str, kind: str):
     """GetStats of a prefill or decode instance (sync helper for tests)."""
-    from protos.kvmesh.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+    from kvmesh.protos.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
     async def call():
         async with grpc.aio.insecure_channel(address) as ch:

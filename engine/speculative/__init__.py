@@ -9,25 +9,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.speculative.base import Drafter
+from kvmesh.engine.speculative.base import Drafter
 
 if TYPE_CHECKING:
-    from engine.forward import Runner
-    from engine.kv_cache import KVCacheManager
-    from engine.speculative.verify import Speculator
+    from kvmesh.engine.forward import Runner
+    from kvmesh.engine.kv_cache import KVCacheManager
+    from kvmesh.engine.speculative.verify import Speculator
 
 SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 """--speculative choices."""
 
 
 def _ngram(runner: Runner) -> Drafter:
-    from engine.speculative.ngram import NgramDrafter
+    from kvmesh.engine.speculative.ngram import NgramDrafter
 
     return NgramDrafter()
 
 
 def _mtp(runner: Runner) -> Drafter:
-    from engine.speculative.mtp import MTPDrafter  # imported on use: it pulls in torch
+    from kvmesh.engine.speculative.mtp import MTPDrafter  # imported on use: it pulls in torch
 
     return MTPDrafter(runner)
 
@@ -60,7 +60,7 @@ def create_speculator(
     with state slots (DeepSeek-V4) sets num_scratch_slots of them aside in kv_cache for the
     verification rows. Raises ValueError when it has fewer than max_requests + num_scratch_slots
     slots, or as create_drafter does."""
-    from engine.speculative.verify import Speculator  # imported on use: it pulls in torch
+    from kvmesh.engine.speculative.verify import Speculator  # imported on use: it pulls in torch
 
     scratch: list[int] = []
     if name != "off" and runner.num_state_slots:

@@ -1,4 +1,4 @@
-"""What a speculative drafter offers decode (`Drafter`); the registry is engine.speculative."""
+"""What a speculative drafter offers decode (`Drafter`); the registry is kvmesh.engine.speculative."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from engine.request import Request
+    from kvmesh.engine.request import Request
 
 
 class Drafter(ABC):
     """Proposes draft tokens for decode's running requests; the target verifies them in one
-    batched step (engine.speculative.verify.Speculator). Runs on the engine thread."""
+    batched step (kvmesh.engine.speculative.verify.Speculator). Runs on the engine thread."""
 
     name: str = ""
     batched: bool = False

@@ -1,6 +1,6 @@
 # N=hyper-connection streams, H=hidden
 """Draft tokens from a DeepSeek-V4 checkpoint's own multi-token-prediction module
-(`--speculative mtp`; engine.models.deepseek_v4_mtp, checkpoints with mtp.* tensors)."""
+(`--speculative mtp`; kvmesh.engine.deepseek_v4.mtp, checkpoints with mtp.* tensors)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import cast
 
 import torch
 
-from engine.forward import DraftingRunner, DraftItem, Runner
-from engine.request import Request
-from engine.speculative.base import Drafter
+from kvmesh.engine.forward import DraftingRunner, DraftItem, Runner
+from kvmesh.engine.request import Request
+from kvmesh.engine.speculative.base import Drafter
 
 
 @dataclass

@@ -5,7 +5,7 @@ n tokens of a sequence (n from `max_ngram` down to `min_ngram`) are looked up in
 tokens, prompt included, and the k tokens that followed their latest earlier occurrence are the
 drafts. Text that quotes its input (summaries, rewrites, code edits) repeats long runs, which
 the target then accepts several at a time in one batched forward; other text mostly finds no
-match (no drafts, no cost) or a wrong one, and `engine.speculative.governor.SpeculationGovernor`
+match (no drafts, no cost) or a wrong one, and `kvmesh.engine.speculative.governor.SpeculationGovernor`
 turns drafting down where the acceptance does not pay for the extra rows.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.request import Request
-from engine.speculative.base import Drafter
+from kvmesh.engine.request import Request
+from kvmesh.engine.speculative.base import Drafter
 
 
 def propose_ngram(

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.forward import ForwardItem, Runner
-from engine.request import Request
-from engine.sampler import sample, verify_drafts
-from engine.speculative.base import Drafter
-from engine.speculative.governor import SpeculationGovernor
+from kvmesh.engine.forward import ForwardItem, Runner
+from kvmesh.engine.request import Request
+from kvmesh.engine.sampler import sample, verify_drafts
+from kvmesh.engine.speculative.base import Drafter
+from kvmesh.engine.speculative.governor import SpeculationGovernor
 
 logger = logging.getLogger(__name__)
 

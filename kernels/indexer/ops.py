@@ -6,8 +6,8 @@ Compressed Sparse Attention lets each query attend to only k of the N compressed
 the indexer picks them. `indexer_scores` is the index score of query t for entry n,
     I[t, n] = sum_h w[t, h] * ReLU(q[t, h] . K[n]) * softmax_scale,
 as transformers' `DeepseekV4IndexerScorer` computes it; `indexer_topk` keeps the k best entries
-a query may see, with a fixed tie-break. The reference is `kernels.indexer.ref`;
-`kernels.indexer.triton_indexer` computes the scores in one Triton kernel.
+a query may see, with a fixed tie-break. The reference is `kvmesh.kernels.indexer.ref`;
+`kvmesh.kernels.indexer.triton_indexer` computes the scores in one Triton kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, head_weights: torch.Tensor,
         score[t, n] = sum_h head_weights[t, h] * relu(q[t, h] . k[n]) * softmax_scale
     in `DeepseekV4IndexerScorer`'s order of operations (relu, * scale, * weight, sum over
     heads), queries in chunks so the [T, Hi, N] intermediate stays within 128 MiB.
-    Raises ValueError for mismatched shapes. Reference: `kernels.indexer.ref.indexer_scores_ref`.
+    Raises ValueError for mismatched shapes. Reference: `kvmesh.kernels.indexer.ref.indexer_scores_ref`.
     """
     T, Hi, Di = check_score_args(q, k, head_weights)
     N = k.shape[0]
@@ -56,7 +56,7 @@ def indexer_topk(scores: torch.Tensor, top_k: int, num_valid: torch.Tensor) -> t
     index into one int64 key, order-preserving float bits high, inverted index low, so the
     keys are distinct and torch.topk is exact. -0.0 counts as 0.0. NaN scores: unspecified.
     Raises ValueError for top_k < 1 or mismatched shapes.
-    Reference: `kernels.indexer.ref.indexer_topk_ref`.
+    Reference: `kvmesh.kernels.indexer.ref.indexer_topk_ref`.
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")

@@ -14,7 +14,7 @@ scores; its own masking of n >= num_valid[t] then changes nothing.
 The kernel is jitted at first launch and calls only triton.language builtins (tl.full, not
 tl.zeros, which is itself @triton.jit and fixed in one mode when triton is imported), so
 TRITON_INTERPRET=1 set after triton's import still runs it on CPU tensors.
-The reference is `kernels.indexer.ref.indexer_scores_ref`.
+The reference is `kvmesh.kernels.indexer.ref.indexer_scores_ref`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.indexer.ops import check_score_args
-from kernels.triton_jit import jit
+from kvmesh.kernels.indexer.ops import check_score_args
+from kvmesh.kernels.triton_jit import jit
 
 
 def _indexer_scores_kernel(
@@ -107,7 +107,7 @@ def indexer_scores_triton(
     CUDA tensors, or CPU tensors with TRITON_INTERPRET=1. block_t/block_n: queries and entries
     per program. Raises ValueError for mismatched shapes or block sizes that are not powers of
     two >= 16.
-    Reference: `kernels.indexer.ref.indexer_scores_ref` (masked: `indexer_masked_scores_ref`).
+    Reference: `kvmesh.kernels.indexer.ref.indexer_scores_ref` (masked: `indexer_masked_scores_ref`).
     """
     T, Hi, Di = check_score_args(q, k, head_weights)
     N = k.shape[0]

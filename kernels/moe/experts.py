@@ -6,7 +6,7 @@ Each token's K assignments are sorted by expert id; an expert that got n of them
 [n, H] x [H, 2I] matmul, the clamped SwiGLU, one [n, I] x [I, H] matmul, and adds its
 weighted rows back into the tokens' outputs: the layout of vLLM's `fused_moe` and sglang's
 `moe_align_block_size`, without the padding a GPU kernel needs. Experts without tokens cost
-nothing. The reference is `kernels.moe.ref.moe_experts_ref`; `kernels.moe.triton_moe` is the
+nothing. The reference is `kvmesh.kernels.moe.ref.moe_experts_ref`; `kvmesh.kernels.moe.triton_moe` is the
 same computation as one Triton kernel launch per matmul.
 """
 
@@ -74,7 +74,7 @@ def moe_experts(
     Matmuls run in x.dtype; the weighted sum over K accumulates in fp32 in ascending expert
     order, so fp32 inputs give `DeepseekV4Experts`' numbers (which adds in x.dtype: for bf16
     this is the more accurate of the two). Raises ValueError for mismatched shapes or dtypes,
-    or an expert id outside [0, E). Reference: `kernels.moe.ref.moe_experts_ref`.
+    or an expert id outside [0, E). Reference: `kvmesh.kernels.moe.ref.moe_experts_ref`.
     """
     T, H, E, _I, K = check_moe_args(x, w_gate_up, w_down, weights, expert_ids)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)  # [T, H]

@@ -8,7 +8,7 @@ Two routers (DeepSeek-V4 paper §2.1):
   token-id -> expert-ids table picks the experts, the learned scores still weight them.
 
 Both normalise the K picked scores to sum to one, then scale by `routed_scaling_factor`.
-The reference is `kernels.moe.ref` (a per-token loop); tests also compare with transformers.
+The reference is `kvmesh.kernels.moe.ref` (a per-token loop); tests also compare with transformers.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def route_topk(
     equal scores) is unspecified; here both are fixed, so the set of experts can differ from
     transformers' only where scores tie exactly at the K-th place.
     Raises ValueError for an unknown scoring_func, top_k outside [1, E] or a bias not [E].
-    Reference: `kernels.moe.ref.route_topk_ref`.
+    Reference: `kvmesh.kernels.moe.ref.route_topk_ref`.
     """
     T, E = logits.shape
     if not 1 <= top_k <= E:
@@ -80,7 +80,7 @@ def route_hash(
     (any shape with T elements) token ids. Returns (weights [T, K] fp32, expert_ids [T, K]
     int64) with expert_ids = tid2eid[input_ids] and weights as in `route_topk`.
     Raises ValueError for an unknown scoring_func, a token count that differs from T, or (CPU
-    tensors) a token id outside [0, V). Reference: `kernels.moe.ref.route_hash_ref`.
+    tensors) a token id outside [0, V). Reference: `kvmesh.kernels.moe.ref.route_hash_ref`.
     """
     T, _E = logits.shape
     V = tid2eid.shape[0]

@@ -17,7 +17,7 @@ Kernels are jitted at first launch, not at import, and call only triton.language
 (tl.full, not tl.zeros; exp, not tl.sigmoid: those are @triton.jit functions themselves, fixed
 in one mode when triton is imported). So a process that imported triton first (transformers
 does) can still set TRITON_INTERPRET=1 later and run them on CPU tensors, as the tests do.
-The reference is `kernels.moe.ref.moe_experts_ref`.
+The reference is `kvmesh.kernels.moe.ref.moe_experts_ref`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.experts import check_moe_args
-from kernels.triton_jit import jit
+from kvmesh.kernels.moe.experts import check_moe_args
+from kvmesh.kernels.triton_jit import jit
 
 
 class BlockSizes(NamedTuple):
@@ -235,7 +235,7 @@ def moe_experts_triton(
     CUDA tensors, or CPU tensors with TRITON_INTERPRET=1. block_sizes overrides
     `default_block_sizes`. Raises ValueError for mismatched shapes or dtypes, or block sizes
     that are not powers of two >= 16.
-    Reference: `kernels.moe.ref.moe_experts_ref`.
+    Reference: `kvmesh.kernels.moe.ref.moe_experts_ref`.
     """
     T, H, E, I, K = check_moe_args(x, w_gate_up, w_down, weights, expert_ids)
     A = T * K

@@ -17,11 +17,11 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from kvmesh.client import Completion, GatewayClient, make_request
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.kvstore.redis_index import RedisKVIndex
 from kvmesh.launcher import Mesh, start_mesh
 from kvmesh.redis_server import free_port
-from kvstore.block_hash import hash_blocks
-from kvstore.redis_index import RedisKVIndex
-from runtime.service import wait_for_health
+from kvmesh.runtime.service import wait_for_health
 from tests.conftest import instance_stats
 
 SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -108,7 +108,7 @@ def spawn_service(
 ) -> tuple[subprocess.Popen, str]:
     """An extra `kvmesh serve KIND --port P ARGS` beside a module's mesh, its output appended
     to log_path, cores shared (`SHARED_CORES_ENV`); (process, its address). Wait for it with
-    runtime.service's wait_for_health."""
+    kvmesh.runtime.service's wait_for_health."""
     if kind != "gateway" and "--model" not in args:
         compile_block_kernels()
     port = free_port()

@@ -30,7 +30,7 @@ import yaml
 
 from kvmesh.cli import build_parser
 from kvmesh.redis_server import free_port
-from runtime import settings
+from kvmesh.runtime import settings
 from tests.integration.meshutil import complete, running_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ def test_healthchecks_ask_the_grpc_health_service(services):
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     for name, kind in KVMESH_SERVICES.items():
         test = services[name]["healthcheck"]["test"]
-        # the script lands at /app/scripts/ through the Dockerfile's WORKDIR /app and COPY . .
+        # the Dockerfile copies the script to /app/scripts/ beside the installed wheel
         assert test[:3] == ["CMD", "python", "/app/scripts/grpc_health_check.py"], test
         assert test[3] == f"127.0.0.1:{ports[name]}", test
         assert test[4] == GRPC_NAMES[kind], test
@@ -175,7 +175,10 @@ def test_dockerfile_text_names_the_base_image_user_entrypoint_and_model_conversi
     assert text.startswith("#") and "FROM python:3.11-slim" in text
     assert 'ENTRYPOINT ["kvmesh"]' in text
     assert "USER kvmesh" in text and "KVMESH_CACHE_DIR=" in text
-    assert "resolve_model(None)" in text  # the GGUF is converted at build time
+    assert "RUN kvmesh warm" in text  # the GGUF is converted and the kernels compiled at build time
+    # kvmesh comes from its wheel, built in a first stage, not from the source tree
+    assert "python -m build --wheel" in text and "pip install /tmp/dist/kvmesh-*.whl" in text
+    assert "pip install ." not in text
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git"} <= set(ignored) and "scripts" not in ignored
 
@@ -220,6 +223,8 @@ def test_dockerfile_copies_only_paths_that_exist():
     copies = [args.split() for keyword, args in _dockerfile() if keyword == "COPY"]
     assert copies, "the Dockerfile copies nothing"
     for words in copies:
+        if any(w.startswith("--from=") for w in words):
+            continue  # from an earlier stage, not from the repository
         sources = [w for w in words[:-1] if not w.startswith("--")]  # the last word is the destination
         assert sources, words
         for source in sources:
@@ -236,8 +241,8 @@ def test_dockerfile_run_steps_use_tools_the_image_has():
                 assert command[0] in available, f"RUN calls {command[0]!r}: not in the base image, not installed before"
                 if command[:2] == ["apt-get", "install"]:
                     available |= {w for w in command[2:] if not w.startswith("-")}
-                if command[:2] == ["pip", "install"] and "." in command[2:]:
-                    available |= set(scripts)  # the project's console scripts
+                if command[:2] == ["pip", "install"] and any(w.endswith(".whl") for w in command[2:]):
+                    available |= set(scripts)  # the project's console scripts, from its wheel
         if keyword == "ENTRYPOINT":
             entrypoint = json.loads(args)[0]
             assert entrypoint in available, f"ENTRYPOINT {entrypoint!r} is not installed by an earlier step"
@@ -256,7 +261,7 @@ def _python_steps() -> list[str]:
 
 def test_dockerfile_python_steps_import_what_the_repo_has():
     codes = _python_steps()
-    assert len(codes) >= 2, codes  # the requirements list and the build-time model conversion
+    assert len(codes) >= 1, codes  # the requirements list
     for code in codes:
         tree = ast.parse(code)
         imported = {}

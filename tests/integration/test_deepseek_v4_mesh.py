@@ -17,10 +17,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from engine.loader import resolve_model
-from engine.models.deepseek_v4_state import V4StateLayout
-from engine.models.deepseek_v4_weights import load_config as load_v4_config
-from engine.tiny_models import make_tiny_model
+from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.engine.deepseek_v4.state import V4StateLayout
+from kvmesh.engine.loader import load_deepseek_v4_config as load_v4_config
+from kvmesh.engine.loader import resolve_model
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle, wait_indexed
 
@@ -152,8 +152,8 @@ def test_expert_token_counts_follow_the_traffic_and_kvmesh_eplb_stats_records_th
 
     import numpy as np
 
-    from engine.eplb import counts_from_stats
     from kvmesh.cli import main
+    from kvmesh.engine.ep.eplb import counts_from_stats
 
     def counts(address: str, kind: str) -> np.ndarray:
         s = instance_stats(address, kind)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvmesh.client import Completion, GatewayClient, make_request
-from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from kvmesh.protos.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.integration.meshutil import complete, running_mesh, wait_idle
 
 PROMPT = [1, 9690, 198, 2683, 359, 253]  # six real token ids of the default model
@@ -302,8 +302,8 @@ def test_speculative_decoding_through_the_mesh_gives_transformers_greedy_tokens(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import resolve_model
 
     files = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()

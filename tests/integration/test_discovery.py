@@ -19,7 +19,7 @@ import pytest
 
 from kvmesh.client import Completion, GatewayClient, make_request
 from kvmesh.redis_server import RedisProcess
-from runtime.service import wait_for_health
+from kvmesh.runtime.service import wait_for_health
 from tests.integration.meshutil import reap, serving, spawn_service, terminate
 
 DISCOVERY_INTERVAL_S = 0.2

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import ModelFiles
-from engine.ep_runner import EPWorldError, ExpertParallelRunner
-from engine.eplb import balancedness, default_placement, plan
-from engine.forward import ForwardItem
-from engine.models.deepseek_v4_weights import routed_expert_key
-from engine.tiny_models import make_tiny_model
-from engine.v4_runner import DeepseekV4Runner
+from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.engine.checkpoint import ModelFiles
+from kvmesh.engine.deepseek_v4.runner import DeepseekV4Runner
+from kvmesh.engine.deepseek_v4.weights import routed_expert_key
+from kvmesh.engine.ep.eplb import balancedness, default_placement, plan
+from kvmesh.engine.ep.runner import EPWorldError, ExpertParallelRunner
+from kvmesh.engine.forward import ForwardItem
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -324,7 +324,7 @@ def test_a_rank_with_the_wrong_key_is_refused_and_the_world_still_forms(files):
     from multiprocessing.connection import Client
     from threading import Thread
 
-    from engine.ep_ranks import RemoteRanks
+    from kvmesh.engine.ep.ranks import RemoteRanks
 
     port = _free_port()
     made: dict = {}

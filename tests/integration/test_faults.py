@@ -22,14 +22,14 @@ from collections import Counter
 import grpc
 import pytest
 
-from engine.checkpoint import load_tokenizer
-from engine.loader import resolve_model
 from kvmesh.client import GatewayClient, make_request
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.loader import resolve_model
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.kvstore.redis_index import RedisKVIndex
+from kvmesh.protos.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from kvmesh.redis_server import RedisProcess
-from kvstore.block_hash import hash_blocks
-from kvstore.redis_index import RedisKVIndex
-from protos.kvmesh.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
+from kvmesh.runtime.wire import FAILURE_CAUSE_KEY, RETRY_AFTER_KEY
 from tests.conftest import instance_stats
 from tests.integration.meshutil import (
     FAULT_MESH_DECODE_SLOTS,

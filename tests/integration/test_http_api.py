@@ -34,13 +34,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from engine.loader import resolve_model
 from kvmesh.client import GatewayClient, make_request
+from kvmesh.engine.loader import resolve_model
+from kvmesh.kvstore.block_hash import hash_blocks, tenant_root
+from kvmesh.kvstore.redis_index import RedisKVIndex
 from kvmesh.launcher import PARENT_PID_ENV
 from kvmesh.redis_server import free_port
-from kvstore.block_hash import hash_blocks, tenant_root
-from kvstore.redis_index import RedisKVIndex
-from runtime.service import wait_for_health
+from kvmesh.runtime.service import wait_for_health
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, wait_idle
 

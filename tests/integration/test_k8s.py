@@ -25,10 +25,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.config import GatewayConfig
 from kvmesh.cli import build_parser
-from runtime import settings
-from runtime.service_config import ModelServiceConfig
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.runtime import settings
+from kvmesh.runtime.service_config import ModelServiceConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

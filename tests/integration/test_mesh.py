@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.checkpoint import load_tokenizer
-from engine.loader import load_config, resolve_model
 from kvmesh.client import GatewayClient, make_request
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.loader import load_config, resolve_model
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, complete_many, log_size, read_log, wait_idle, wait_indexed
 
@@ -337,7 +337,7 @@ def test_tools_over_grpc_render_in_the_prompt_and_a_call_grammar_makes_the_call(
 
     import jsonschema
 
-    from gateway.tools import call_schema, parse_tools
+    from kvmesh.gateway.tools import call_schema, parse_tools
 
     weather = {
         "type": "function",

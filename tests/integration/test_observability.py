@@ -14,7 +14,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvmesh.client import make_request
-from protos.kvmesh.v1 import gateway_pb2_grpc
+from kvmesh.protos.v1 import gateway_pb2_grpc
 from tests.integration.meshutil import complete, wait_idle
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -10,11 +10,11 @@ from collections import Counter
 import grpc
 import pytest
 
-from engine.checkpoint import load_tokenizer
-from engine.loader import resolve_model
-from kvstore.block_hash import hash_blocks
-from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
-from protos.kvmesh.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.loader import resolve_model
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
+from kvmesh.protos.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.conftest import instance_stats
 from tests.integration.meshutil import (
     complete,
@@ -180,9 +180,9 @@ def test_shared_prefix_goes_to_holder_and_computes_only_the_rest(mesh, tokenizer
 def test_trace_replay_records_and_plots(mesh, tmp_path):
     # `kvmesh bench --trace`'s replay on this mesh: eight requests of four 16-token blocks,
     # pairs sharing their first three blocks (ids no other test uses), one at a time
-    from bench.routing_sim import TraceRequest
-    from bench.trace import measured_prefill_rate, replay, scale_trace
-    from bench.trace_plots import PLOT_FILES, write_plots
+    from kvmesh.bench.routing_sim import TraceRequest
+    from kvmesh.bench.trace import measured_prefill_rate, replay, scale_trace
+    from kvmesh.bench.trace_plots import PLOT_FILES, write_plots
 
     trace = [TraceRequest(0.0, 0, (7_000 + i // 2, 7_100 + i // 2, 7_200 + i // 2, 7_300 + i)) for i in range(8)]
     prompts, _ = scale_trace(trace, PAGE)

@@ -15,10 +15,10 @@ from typing import TypeVar
 import pytest
 import redis
 
-from kvstore.block_hash import hash_blocks
-from kvstore.block_pool import BlockPool
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.kvstore.block_pool import BlockPool
+from kvmesh.kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
 
 MODEL = "tiny-model"
 T = TypeVar("T")

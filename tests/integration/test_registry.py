@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
-from kvstore.registry import AsyncRegistryReader, InstanceRecord, InstanceRegistry
-from runtime.registration import Registration
+from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader, RedisKVIndex
+from kvmesh.kvstore.registry import AsyncRegistryReader, InstanceRecord, InstanceRegistry
+from kvmesh.runtime.registration import Registration
 
 MODEL = "tiny-model"
 

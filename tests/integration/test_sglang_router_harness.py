@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from bench.sglang_router import block_text, sglang_assignments
+from kvmesh.bench.sglang_router import block_text, sglang_assignments
 
 A = list(range(1, 9))  # an 8-block conversation prefix
 B = [100, 101, 102, 103]  # an unrelated 4-block prefix

@@ -116,6 +116,6 @@ def test_prefill_leaves_the_index_and_exits_0():
 
 
 def mesh_model() -> str:
-    from engine.loader import resolve_model
+    from kvmesh.engine.loader import resolve_model
 
     return resolve_model(None).name

@@ -17,9 +17,9 @@ import pytest
 import ucxx
 import uvloop
 
-from kvstore import ucx_common
-from kvstore.ucx_common import _TAG_HEADER, _TAG_SIZES, _TAG_SOURCE, MAGIC, VERSION, keep_until_exit
-from kvstore.ucx_transfer import KVReceiver, KVSender, TransferError
+from kvmesh.kvstore import ucx_common
+from kvmesh.kvstore.ucx_common import _TAG_HEADER, _TAG_SIZES, _TAG_SOURCE, MAGIC, VERSION, keep_until_exit
+from kvmesh.kvstore.ucx_transfer import KVReceiver, KVSender, TransferError
 from tests.integration.ucx_peer import Peer, page_data, receiver_main, sender_main
 
 NUM_PAGES = 16
@@ -226,7 +226,7 @@ def test_a_transfer_pushed_in_parts_lands_whole_and_resolves_after_its_last_part
 def test_pages_in_a_shared_pool_are_pulled_by_the_receiver_with_one_copy(decode, monkeypatch):
     """Same host: the receiver maps the sender's pool (a memfd) and copies the pages itself;
     a pool it cannot map (here: a wrong nonce) sends them over UCX instead."""
-    from kvstore import shared_memory
+    from kvmesh.kvstore import shared_memory
 
     region = shared_memory.SharedRegion(4 * PAGE)
     pool = region.array.reshape(4, PAGE)

@@ -79,7 +79,7 @@ def receiver_main(conn, num_pages: int, page_nbytes: int, reservation_wait_s: fl
     """Decode side: a KV pool of num_pages pages and a KVReceiver landing pushes in it."""
     import uvloop
 
-    from kvstore.ucx_transfer import KVReceiver, TransferError
+    from kvmesh.kvstore.ucx_transfer import KVReceiver, TransferError
 
     async def main() -> None:
         pool = np.zeros((num_pages, page_nbytes), dtype=np.uint8)
@@ -133,7 +133,7 @@ def sender_main(conn) -> None:
     """Prefill side: pushes deterministic pages on command."""
     import uvloop
 
-    from kvstore.ucx_transfer import KVSender
+    from kvmesh.kvstore.ucx_transfer import KVSender
 
     async def main() -> None:
         tx = KVSender(connect_timeout_s=5.0)

@@ -31,7 +31,7 @@ import pytest
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.launcher import Mesh
 from kvmesh.redis_server import ping
-from runtime.service import wait_for_health
+from kvmesh.runtime.service import wait_for_health
 from tests.conftest import instance_stats
 from tests.integration.meshutil import SHARED_CORES_ENV, compile_block_kernels, stream_flowing, wait_idle, wait_indexed
 from tests.multihost.hosts import Cluster, running_cluster
@@ -149,8 +149,8 @@ def _hf_greedy(prompts: list[str], new_tokens: int) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import resolve_model
 
     files = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.float32).eval()

@@ -27,10 +27,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.ep_runner import ExpertParallelRunner
 from kvmesh.client import GatewayClient, make_request
+from kvmesh.engine.ep.runner import ExpertParallelRunner
 from kvmesh.redis_server import ping
-from runtime.service import wait_for_health
+from kvmesh.runtime.service import wait_for_health
 from tests.conftest import instance_stats
 from tests.integration.meshutil import compile_block_kernels, stream_flowing
 from tests.integration.test_expert_parallel import _churn, _runner, churned, files  # noqa: F401 (fixtures)

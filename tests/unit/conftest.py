@@ -6,7 +6,7 @@ import pytest
 import triton
 
 DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
-"""Where the kernel tests run: "cpu" (Triton through its interpreter) or "cuda" (`python -m bench.kernels_gpu`)."""
+"""Where the kernel tests run: "cpu" (Triton through its interpreter) or "cuda" (`python -m kvmesh.bench.kernels_gpu`)."""
 
 
 @pytest.fixture

@@ -115,6 +115,6 @@ def tensors_of(obj, seen: set[int] | None = None) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for x in obj.values() for t in tensors_of(x, seen)]
     module = type(obj).__module__ or ""
-    if hasattr(obj, "__dict__") and module.split(".")[0] in ("engine", "kernels"):
+    if hasattr(obj, "__dict__") and module.startswith(("kvmesh.engine.", "kvmesh.kernels.")):
         return [t for x in vars(obj).values() for t in tensors_of(x, seen)]
     return []

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from kernels import build_attention_metadata, paged_attention
-from kernels.ref import paged_attention_ref
+from kvmesh.kernels import build_attention_metadata, paged_attention
+from kvmesh.kernels.ref import paged_attention_ref
 
 # 6 query heads over 2 kv heads, pages of 4 token slots
 P, L, S, Q, K, D = 24, 3, 4, 6, 2, 8

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from bench.peer import (
+from kvmesh.bench.peer import (
     METRICS,
     WHERE_FIELDS,
     WORKLOADS,

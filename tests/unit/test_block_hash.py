@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.block_hash import hash_block, hash_blocks
+from kvmesh.kvstore.block_hash import hash_block, hash_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -142,9 +142,9 @@ def test_incremental_equals_batch():
 
 def test_same_hash_in_another_process():
     tokens = list(range(100, 133))  # 33 tokens, block 8: 4 hashes
-    code = f"from kvstore.block_hash import hash_blocks; print(','.join(h.hex() for h in hash_blocks({tokens!r}, 8)))"
+    code = f"from kvmesh.kvstore.block_hash import hash_blocks; print(','.join(h.hex() for h in hash_blocks({tokens!r}, 8)))"
     # a different PYTHONHASHSEED proves Python's hash() plays no part
-    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, cwd=REPO)
     assert out.stdout.strip().split(",") == [h.hex() for h in hash_blocks(tokens, 8)]
     # and values fixed forever: changing the hash silently would orphan every index entry

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.block_hash import hash_blocks
-from kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
-from kvstore.kv_events import BlockRemoved, BlockStored
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.kvstore.block_pool import Allocation, BlockPool, NoFreeBlocksError, PrefixMatch
+from kvmesh.kvstore.kv_events import BlockRemoved, BlockStored
 
 BS = 4  # tokens per block
 

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import ModelFiles
-from engine.forward import chunk_ends
-from engine.loader import resolve_model
-from engine.request import Request
-from engine.runners import create_runner
-from engine.sampling_params import SamplingParams
-from engine.tiny_models import make_tiny_model
-from prefill_svc.engine import PrefillEngine
-from runtime import cpu_share
-from runtime.cpu_share import CpuShare
+from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.engine.checkpoint import ModelFiles
+from kvmesh.engine.forward import chunk_ends
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.request import Request
+from kvmesh.engine.runners import create_runner
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.prefill_svc.engine import PrefillEngine
+from kvmesh.runtime import cpu_share
+from kvmesh.runtime.cpu_share import CpuShare
 from tests.unit.tiny_llama import tiny_llama
 
 

@@ -62,6 +62,7 @@ def test_every_declared_command_loads_and_builds_its_flags():
         "bench-transfer",
         "bench-v4",
         "fuzz",
+        "make-tiny-model",
         "routesim",
     ]
     for ep in declared:
@@ -111,7 +112,7 @@ def test_a_broken_command_is_logged_and_skipped(monkeypatch, caplog):
 def test_no_entry_points_leaves_the_product_commands(monkeypatch):
     monkeypatch.setattr(kvmesh.commands, "entry_points", lambda group: [])
     names = set(_subcommands(build_parser()))
-    assert names == {"up", "generate", "serve", "warm", "eplb", "make-tiny-model"}
+    assert names == {"up", "generate", "serve", "warm", "eplb"}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench"])
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from engine.forward import chunk_ends
-from prefill_svc.engine import PrefillEngine
-from runtime import cpu_share
-from runtime.cpu_share import CpuShare, open_cpu_share
+from kvmesh.engine.forward import chunk_ends
+from kvmesh.prefill_svc.engine import PrefillEngine
+from kvmesh.runtime import cpu_share
+from kvmesh.runtime.cpu_share import CpuShare, NoCpuShare, open_cpu_share
 from tests.unit.test_prefill_engine import ArgmaxRunner, _job
 
 
@@ -117,7 +117,7 @@ def test_the_side_that_asked_first_goes_first(pair):
 
 
 class _CountingClock:
-    """runtime.cpu_share's `time`, counting the polls a wait sleeps through."""
+    """kvmesh.runtime.cpu_share's `time`, counting the polls a wait sleeps through."""
 
     def __init__(self) -> None:
         self.sleeps = 0
@@ -251,6 +251,9 @@ def test_a_budget_that_does_not_bind_keeps_the_prompts_own_chunks(pair):
 
 
 def test_no_path_means_no_sharing():
-    assert open_cpu_share("", 2.0) is None
+    alone = open_cpu_share("", 2.0)
+    assert isinstance(alone, NoCpuShare) and not alone.shared and not alone.decode_busy()
+    with alone.prefill_forward() as waited_forward, alone.decode_step() as waited_step:
+        assert waited_forward == waited_step == 0.0
     with pytest.raises(ValueError):
         CpuShare("/nonexistent", max_wait_s=-1)

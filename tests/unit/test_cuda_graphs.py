@@ -1,13 +1,13 @@
-"""Decode steps through engine.cuda_graphs' fixed-shape buckets (run eagerly on the CPU: the same
+"""Decode steps through kvmesh.engine.cuda_graphs' fixed-shape buckets (run eagerly on the CPU: the same
 padding, tables and copies a captured graph replays) give the plain step's logits and pages."""
 
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
-from engine.forward import ForwardItem
-from engine.llama_runner import LlamaRunner
-from kernels import build_attention_metadata
+from kvmesh.engine.cuda_graphs import DecodeGraphs
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.llama.runner import LlamaRunner
+from kvmesh.kernels import build_attention_metadata
 from tests.unit.tiny_llama import tiny_llama
 
 PAGE = 4

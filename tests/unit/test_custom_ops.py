@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-import kernels.custom_ops  # noqa: F401 (registers the ops)
-from kernels.indexer.ref import indexer_scores_ref
-from kernels.moe import route_topk
-from kernels.moe.ref import moe_experts_ref
-from kernels.ref import paged_decode_attention_ref
+import kvmesh.kernels.custom_ops  # noqa: F401 (registers the ops)
+from kvmesh.kernels.indexer.ref import indexer_scores_ref
+from kvmesh.kernels.moe import route_topk
+from kvmesh.kernels.moe.ref import moe_experts_ref
+from kvmesh.kernels.ref import paged_decode_attention_ref
 from tests.unit.paged_cases import decode_case
 
 ops = torch.ops.kvmesh

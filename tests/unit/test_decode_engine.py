@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from decode_svc.config import DecodeConfig
-from decode_svc.engine import CapacityError, DecodeEngine, RequestReleased
-from engine.kv_layout import llama_layout
-from engine.sampling_params import SamplingParams
-from kvstore.block_hash import hash_blocks, tenant_root
-from kvstore.kv_events import BlockStored
+from kvmesh.decode_svc.config import DecodeConfig
+from kvmesh.decode_svc.engine import CapacityError, DecodeEngine, RequestReleased
+from kvmesh.engine.kv_layout import llama_layout
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.kvstore.block_hash import hash_blocks, tenant_root
+from kvmesh.kvstore.kv_events import BlockStored
 
 VOCAB = 100
 
@@ -382,7 +382,7 @@ class _Receiver:
 def test_a_draining_decode_waits_until_every_reservation_is_claimed_or_released():
     """Shutting down, decode keeps serving until each reservation's Generate came (claim) or it
     ended (release, expiry): a request whose first token prefill sent must find it open."""
-    from decode_svc.transfers import Transfers
+    from kvmesh.decode_svc.transfers import Transfers
 
     async def scenario():
         engine, _ = _engine()
@@ -406,8 +406,8 @@ def test_a_lost_ep_rank_ends_the_batch_as_instance_lost_and_breaks_the_instance_
     """The runner's EP world loses a rank: the requests of the step end with InstanceBroken (the
     servicer's INSTANCE_LOST, UNAVAILABLE), their pages come back, `broken` says why, and the
     on_broken callbacks run once although later steps fail the same way."""
-    from decode_svc.delivery import InstanceBroken, StepFailed
-    from engine.ep_ranks import EPWorldError
+    from kvmesh.decode_svc.delivery import InstanceBroken, StepFailed
+    from kvmesh.engine.ep.ranks import EPWorldError
 
     engine, runner = _engine()
     calls: list[str] = []

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from engine.forward import ForwardItem
-from engine.models.deepseek_v4 import DeepseekV4Model
-from engine.models.deepseek_v4_state import V4StateLayout
-from engine.models.deepseek_v4_weights import load_config
-from engine.tiny_models import make_tiny_model
+from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.engine.deepseek_v4.model import DeepseekV4Model
+from kvmesh.engine.deepseek_v4.state import V4StateLayout
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.loader import load_deepseek_v4_config as load_config
 
 LENGTHS = [1, 3, 4, 5, 15, 16, 17, 127, 128, 129, 300]
 
@@ -177,7 +177,7 @@ def test_the_kernel_backend_is_chosen_by_name_and_triton_agrees_with_torch(tiny,
     # (Triton's interpreter on CPU here) gives the torch backend's logits
     from dataclasses import replace
 
-    from kernels.backend import BACKENDS, create_kernel_backend
+    from kvmesh.kernels.backend import BACKENDS, create_kernel_backend
 
     cfg, _, lay, loaded = tiny
     weights = loaded.w  # the checkpoint's tensors, as the first model took them
@@ -207,8 +207,8 @@ def test_the_kernel_backend_is_chosen_by_name_and_triton_agrees_with_torch(tiny,
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
     assert sorted(BACKENDS) == ["torch", "triton"]
     if triton_device == "cpu":  # the interpreter runs the Triton kernels themselves
-        from kernels.indexer import indexer_scores_triton
-        from kernels.moe import moe_experts_triton
+        from kvmesh.kernels.indexer import indexer_scores_triton
+        from kvmesh.kernels.moe import moe_experts_triton
 
         triton_kernels = create_kernel_backend("triton")
         assert triton_kernels.moe_experts is moe_experts_triton

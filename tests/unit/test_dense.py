@@ -1,4 +1,4 @@
-"""kernels.dense: prefill's fp32 GEMMs through oneDNN give x @ w's numbers (to fp32 rounding),
+"""kvmesh.kernels.dense: prefill's fp32 GEMMs through oneDNN give x @ w's numbers (to fp32 rounding),
 and go through oneDNN only where it is the faster library (or where KVMESH_PREFILL_GEMM says)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.dense import MIN_ROWS, dense_matmul, onednn_is_faster, onednn_weight
+from kvmesh.kernels.dense import MIN_ROWS, dense_matmul, onednn_is_faster, onednn_weight
 
 
 @pytest.fixture(autouse=True)

@@ -15,16 +15,16 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 
-import engine.llama_runner
-import engine.v4_runner
-from engine.cuda_graphs import DecodeGraphs
-from engine.device import DeviceUnavailableError, resolve_device, weight_dtype
-from engine.forward import DraftItem, ForwardItem
-from engine.loader import resolve_model
-from engine.runners import create_runner
-from engine.sampler import sample_ids
-from engine.sampling_params import SamplingParams
-from engine.tiny_models import make_tiny_model
+from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.engine.cuda_graphs import DecodeGraphs
+from kvmesh.engine.deepseek_v4 import runner as v4_runner
+from kvmesh.engine.device import DeviceUnavailableError, resolve_device, weight_dtype
+from kvmesh.engine.forward import DraftItem, ForwardItem
+from kvmesh.engine.llama import runner as llama_runner
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.runners import create_runner
+from kvmesh.engine.sampler import sample_ids
+from kvmesh.engine.sampling_params import SamplingParams
 from tests.unit.fake_cuda import Recorder, load_fake_cuda_guard, tensors_of
 
 CUDA = torch.device("cuda", 0)
@@ -36,7 +36,7 @@ def fake(tmp_path_factory):
     """A FakeTensorMode in which `cuda` tensors work on this CPU-only torch; the checkpoint is
     read outside it (safetensors hands real storages, which fake mode cannot take)."""
     load_fake_cuda_guard(tmp_path_factory.mktemp("fake_cuda"))
-    read = engine.llama_runner.load_checkpoint_tensors
+    read = llama_runner.load_checkpoint_tensors
 
     def read_for_real(path):
         with unset_fake_temporarily():
@@ -45,7 +45,7 @@ def fake(tmp_path_factory):
     with unset_fake_temporarily():  # transformers writes the tiny checkpoint for real
         v4 = resolve_model(str(make_tiny_model("deepseek_v4", tmp_path_factory.mktemp("v4"), mtp=True)))
     with pytest.MonkeyPatch.context() as mp:
-        for module in (engine.llama_runner, engine.v4_runner):
+        for module in (llama_runner, v4_runner):
             mp.setattr(module, "load_checkpoint_tensors", read_for_real)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode, v4
@@ -101,7 +101,7 @@ def test_decode_steps_with_sampling_and_speculation_rows_stay_on_the_device(smol
         logits = smollm2.forward(items)
         sample_ids(logits, [greedy, sampled], [None, torch.Generator().manual_seed(5)]).to(device="cpu")
 
-    def verify():  # two requests with 3 and 1 drafts: k + 1 one-token rows each (engine.speculative.verify)
+    def verify():  # two requests with 3 and 1 drafts: k + 1 one-token rows each (kvmesh.engine.speculative.verify)
         rows = [ForwardItem([t], 40 + j, [0, 1, 2, 5]) for j, t in enumerate([7, 8, 9, 10])]
         rows += [ForwardItem([t], 20 + j, [3, 4]) for j, t in enumerate([11, 12])]
         logits = smollm2.forward(rows)
@@ -116,7 +116,7 @@ def test_decode_steps_with_sampling_and_speculation_rows_stay_on_the_device(smol
 
 
 def test_a_cuda_graph_bucket_step_is_free_of_host_syncs(smollm2):
-    # what torch.cuda.graph captures (engine.cuda_graphs): the padded fixed-shape step, its inputs
+    # what torch.cuda.graph captures (kvmesh.engine.cuda_graphs): the padded fixed-shape step, its inputs
     # copied host-to-device first; capture itself needs a real GPU, so the bucket runs uncaptured
     smollm2.decode_graphs = DecodeGraphs(smollm2, 4, capture=False)
     try:
@@ -216,7 +216,7 @@ def test_a_service_asked_for_a_gpu_it_lacks_exits_at_once_naming_the_flag(servic
 
 
 def test_logprobs_and_a_prompt_s_every_position_cost_one_host_copy_on_the_device(smollm2):
-    from engine.sampler import token_logprobs
+    from kvmesh.engine.sampler import token_logprobs
 
     def step():
         logits = smollm2.forward_all([ForwardItem(list(range(100, 120)), 0, [0, 1])])  # [20, V]

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.discovery import Discovery
-from gateway.pool import InstancePool
-from kvstore.registry import InstanceRecord
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.gateway.discovery import Discovery
+from kvmesh.gateway.pool import InstancePool
+from kvmesh.kvstore.registry import InstanceRecord
 
 
 def _record(instance_id: str, role: str, address: str, page_size: int = 16) -> InstanceRecord:
@@ -204,7 +204,7 @@ def test_gateway_config_needs_lists_only_without_discovery():
 
 
 def test_an_instance_registers_the_address_others_dial():
-    from decode_svc.config import DecodeConfig
+    from kvmesh.decode_svc.config import DecodeConfig
 
     # a pod: bound to every interface, reached at its pod IP (the downward API sets it)
     assert DecodeConfig(host="0.0.0.0", advertise_host="10.244.1.7").reachable_address(50071) == "10.244.1.7:50071"

@@ -1,11 +1,11 @@
-"""EPLB (engine/eplb.py) against small cases worked out by hand from DeepSeek's algorithm."""
+"""EPLB (engine/ep/eplb.py) against small cases worked out by hand from DeepSeek's algorithm."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine.eplb import balanced_packing, balancedness, default_placement, plan, rank_loads, replicate
+from kvmesh.engine.ep.eplb import balanced_packing, balancedness, default_placement, plan, rank_loads, replicate
 
 
 def test_without_eplb_one_hot_expert_caps_balancedness():
@@ -91,11 +91,11 @@ def test_kvmesh_eplb_plan_prints_balancedness_before_and_after(tmp_path, capsys)
 def test_skewed_tiny_routers_unbalance_real_text_and_eplb_rebalances_it(tmp_path):
     """`make-tiny-model --skew-routers`: random routers are too even for EPLB to matter; skewed
     ones make experts 0 and 1 hot, as trained ones are. Counted on a real prompt's tokens."""
-    from engine.checkpoint import load_tokenizer
-    from engine.forward import ForwardItem
-    from engine.loader import resolve_model
-    from engine.tiny_models import HOT_EXPERTS, make_tiny_model
-    from engine.v4_runner import DeepseekV4Runner
+    from kvmesh.bench.tiny_models import HOT_EXPERTS, make_tiny_model
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.deepseek_v4.runner import DeepseekV4Runner
+    from kvmesh.engine.forward import ForwardItem
+    from kvmesh.engine.loader import resolve_model
 
     text = " ".join(
         ["Tell me a story about a lighthouse keeper.", "Explain how rainbows form.", "Describe a busy market."] * 12
@@ -117,7 +117,7 @@ def test_skewed_tiny_routers_unbalance_real_text_and_eplb_rebalances_it(tmp_path
 def test_expert_load_metrics_are_read_at_scrape_time():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from runtime.moe_metrics import register_expert_load
+    from kvmesh.runtime.moe_metrics import register_expert_load
 
     registry = CollectorRegistry()
     counts = {"now": np.array([[3, 1], [0, 0]])}

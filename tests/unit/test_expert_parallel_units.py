@@ -1,6 +1,6 @@
 """The parts of expert-parallel decode that need no second process: the data-parallel split, the
 placement checks and file, `--ep` on a dense model, and the dispatch / combine arithmetic in a
-world of one rank (gloo) with redundant replicas, against `kernels.moe.moe_experts`.
+world of one rank (gloo) with redundant replicas, against `kvmesh.kernels.moe.moe_experts`.
 (tests/integration/test_expert_parallel.py runs real worlds of 2 and 4 processes.)"""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from decode_svc.config import DecodeConfig
-from decode_svc.ep import check_ep_model, load_placement_file
-from engine.eplb import Placement, default_placement, plan
-from engine.expert_parallel import ExpertParallelMoE, check_placement, split_by_requests
-from engine.loader import resolve_model
-from kernels.backend import create_kernel_backend
-from kernels.moe import moe_experts
+from kvmesh.decode_svc.config import DecodeConfig
+from kvmesh.decode_svc.ep import check_ep_model, load_placement_file
+from kvmesh.engine.ep.dispatch import ExpertParallelMoE, check_placement, split_by_requests
+from kvmesh.engine.ep.eplb import Placement, default_placement, plan
+from kvmesh.engine.loader import resolve_model
+from kvmesh.kernels.backend import create_kernel_backend
+from kvmesh.kernels.moe import moe_experts
 
 
 def test_split_is_contiguous_and_balanced_by_request_count():
@@ -95,7 +95,7 @@ class _Experts:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dispatch_and_combine_in_a_world_of_one_equal_moe_experts_and_count_every_replica(backend, request):
     # --kernel-backend triton on the EP ranks: a rank's experts run as the Triton MoE kernel
-    # (here under Triton's interpreter on the CPU; `bench.kernels_gpu` on a GPU)
+    # (here under Triton's interpreter on the CPU; `kvmesh.bench.kernels_gpu` on a GPU)
     if backend == "triton":
         request.getfixturevalue("triton_device")
     E, H, I, K, T = 8, 16, 8, 2, 40
@@ -158,8 +158,8 @@ def test_ranks_on_other_hosts_keep_their_sequences_while_the_split_stays_balance
     """With ranks on other hosts (no shared pages) a sequence stays on the rank that ran it last
     step as long as that rank is within its balanced count; the others fill the ranks under
     theirs in order; a sequence's verification rows (state_from) go with it."""
-    from engine.ep_runner import ExpertParallelRunner
-    from engine.forward import ForwardItem
+    from kvmesh.engine.ep.runner import ExpertParallelRunner
+    from kvmesh.engine.forward import ForwardItem
 
     world = types.SimpleNamespace(remote=True, num_ranks=3, _owner={})
 
@@ -182,7 +182,7 @@ def test_ranks_on_other_hosts_keep_their_sequences_while_the_split_stays_balance
 
 
 def test_an_ep_init_address_and_secret_are_checked_before_anything_starts(monkeypatch):
-    from engine.ep_link import ep_secret, parse_init_addr
+    from kvmesh.engine.ep.link import ep_secret, parse_init_addr
 
     assert parse_init_addr("10.0.0.5:29500") == ("10.0.0.5", 29500)
     assert parse_init_addr("[fd00::1]:29500") == ("fd00::1", 29500)

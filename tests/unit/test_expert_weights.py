@@ -1,4 +1,4 @@
-"""engine.expert_weights: an expert-parallel rank reads the routed experts it holds straight from
+"""kvmesh.engine.ep.expert_weights: an expert-parallel rank reads the routed experts it holds straight from
 the checkpoint, in either tensor naming, and builds its model without the others."""
 
 from __future__ import annotations
@@ -7,12 +7,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint import load_checkpoint_tensors
-from engine.expert_weights import CheckpointExperts, rank_keeps
-from engine.models.deepseek_v4 import DeepseekV4Model
-from engine.models.deepseek_v4_state import V4StateLayout
-from engine.models.deepseek_v4_weights import check_and_take, load_config, normalize_names, routed_expert_key
-from engine.tiny_models import make_tiny_model
+from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.engine.checkpoint import load_checkpoint_tensors
+from kvmesh.engine.deepseek_v4.model import DeepseekV4Model
+from kvmesh.engine.deepseek_v4.state import V4StateLayout
+from kvmesh.engine.deepseek_v4.weights import check_and_take, normalize_names, routed_expert_key
+from kvmesh.engine.ep.expert_weights import CheckpointExperts, rank_keeps
+from kvmesh.engine.loader import load_deepseek_v4_config as load_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,9 +7,9 @@ import hashlib
 
 import pytest
 
-from gateway.admission import AdmissionQueue, OverloadedError
-from gateway.auth import ApiKeys
-from kvstore.block_hash import hash_blocks, tenant_root
+from kvmesh.gateway.admission import AdmissionQueue, OverloadedError
+from kvmesh.gateway.auth import ApiKeys
+from kvmesh.kvstore.block_hash import hash_blocks, tenant_root
 
 
 def test_keys_from_a_file_and_the_variable_are_named_by_position_never_shown(tmp_path):

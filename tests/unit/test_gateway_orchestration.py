@@ -13,21 +13,21 @@ import asyncio
 import grpc
 import pytest
 
-from bench.mesh import orchestration_s
-from engine.outcomes import FailureCause
-from engine.sampling_params import SamplingParams
-from gateway.accounting import Stage
-from gateway.admission import AdmissionQueue
-from gateway.attempt import Attempt
-from gateway.failure import RequestFailed
-from gateway.pool import InstancePool
-from gateway.request_path import INLINE_PROMPT_BYTES, RequestPath, _tokenize_inline
-from gateway.requests import GenerateInput
-from gateway.router import InstanceLoad
-from gateway.sessions import SessionTable
+from kvmesh.bench.mesh import orchestration_s
 from kvmesh.client import make_request
-from kvstore.block_hash import hash_blocks
-from protos.kvmesh.v1 import decode_pb2, gateway_pb2, prefill_pb2
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.gateway.accounting import Stage
+from kvmesh.gateway.admission import AdmissionQueue
+from kvmesh.gateway.attempt import Attempt
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.pool import InstancePool
+from kvmesh.gateway.request_path import INLINE_PROMPT_BYTES, RequestPath, _tokenize_inline
+from kvmesh.gateway.requests import GenerateInput
+from kvmesh.gateway.router import InstanceLoad
+from kvmesh.gateway.sessions import SessionTable
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.protos.v1 import decode_pb2, gateway_pb2, prefill_pb2
 
 
 class Events(list):

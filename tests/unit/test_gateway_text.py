@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.checkpoint import load_tokenizer
-from engine.loader import resolve_model
-from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenText
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.loader import resolve_model
+from kvmesh.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenText
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_no_stop_strings_streams_everything():
 
 
 def test_prompt_token_ids_pass_through_checked(tokenizer):
-    from gateway.requests import PromptBuilder
+    from kvmesh.gateway.requests import PromptBuilder
 
     b = PromptBuilder(tokenizer, "m", 2048, 16, 64)
     ids = tokenizer.encode("Paris is the capital of France.", add_special_tokens=False)
@@ -82,10 +82,10 @@ def test_each_token_s_bytes_put_together_are_the_text_even_split_characters(toke
 
 
 def test_n_choices_end_on_their_own_and_a_stop_string_ends_one_while_decode_goes_on(tokenizer):
-    from engine.sampling_params import SamplingParams
-    from gateway.answer import Answer
-    from gateway.requests import GenerateInput
-    from protos.kvmesh.v1 import common_pb2, decode_pb2, prefill_pb2
+    from kvmesh.engine.sampling_params import SamplingParams
+    from kvmesh.gateway.answer import Answer
+    from kvmesh.gateway.requests import GenerateInput
+    from kvmesh.protos.v1 import common_pb2, decode_pb2, prefill_pb2
 
     ids = {w: tokenizer.encode(w, add_special_tokens=False) for w in (" red", " green", " blue", " sky")}
     inp = GenerateInput("r", (1, 2, 3), SamplingParams(n=2, seed=1), 10, (" blue",), False)

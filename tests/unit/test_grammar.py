@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from engine.checkpoint import load_tokenizer
-from engine.grammar import Grammars, GrammarState, fill_draft_masks
-from engine.loader import load_config, resolve_model
-from engine.sampling_params import GrammarSpec
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.grammar import Grammars, GrammarState, fill_draft_masks
+from kvmesh.engine.loader import load_config, resolve_model
+from kvmesh.engine.sampling_params import GrammarSpec
 
 SCHEMA = {
     "type": "object",

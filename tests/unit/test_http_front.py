@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
-from engine.outcomes import FailureCause
-from gateway import http_api
-from gateway.failure import RequestFailed
-from gateway.http_api import HttpFront
-from protos.kvmesh.v1 import gateway_pb2
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway import http_api
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.http_api import HttpFront
+from kvmesh.protos.v1 import gateway_pb2
 
 
 class ScriptedPath:

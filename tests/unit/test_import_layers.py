@@ -5,12 +5,15 @@ Layers, top to bottom (DESIGN.md, "Layers and a request's life"):
     bench/ (the lab)  >  kvmesh/ (the app)  >  gateway/, prefill_svc/, decode_svc/  >  runtime/
     >  engine/  >  kvstore/, kernels/, protos/
 
+Every folder is a sub-package of the one namespace (`gateway/` installs as `kvmesh.gateway`,
+`protos/kvmesh` as `kvmesh.protos`; pyproject's package-dir), and modules are named so here.
+
 The walk reads every ``import`` and ``from ... import`` statement of every source file with
 ``ast``, function-local and ``TYPE_CHECKING`` imports included, so a cycle cannot hide behind
 an import written inside a function. A module may import its own folder or any folder of a
 lower layer. The three services are one layer and never import each other; the bottom
 folders may not import each other either (kvstore, kernels and protos are independent).
-Inside a folder, a sub-package (``engine.models``, ``kernels.moe``) counts as one module: it
+Inside a folder, a sub-package (``kvmesh.engine.ep``, ``kvmesh.kernels.moe``) counts as one module: it
 may import its folder's modules, but none that imports it back, directly or through others.
 
 bench/, the lab (benchmarks, simulators, the fuzzer, profilers), may import anything and
@@ -39,20 +42,27 @@ LAYERS = {
     "kernels": 1,
     "protos": 1,
 }
+# folder -> where its modules live on disk (protos/ holds the kvmesh/v1 package tree)
+SOURCE_DIRS = {"protos": "protos/kvmesh"}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def package_of(folder: str) -> str:
+    """The import name of a layer folder: ``kvmesh`` for the app, ``kvmesh.<folder>`` for the rest."""
+    return "kvmesh" if folder == "kvmesh" else f"kvmesh.{folder}"
+
+
+def _module_name(folder: str, path: Path) -> str:
+    parts = list(path.relative_to(ROOT / SOURCE_DIRS.get(folder, folder)).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    return ".".join(parts)
+    return ".".join([package_of(folder), *parts])
 
 
 def _sources() -> dict[str, Path]:
     modules = {}
     for folder in LAYERS:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            modules[_module_name(path)] = path
+        for path in sorted((ROOT / SOURCE_DIRS.get(folder, folder)).rglob("*.py")):
+            modules[_module_name(folder, path)] = path
     return modules
 
 
@@ -92,7 +102,11 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def _folder(module: str) -> str:
-    return module.split(".")[0]
+    """The layer folder of a module name: ``kvmesh.engine.ep.runner`` -> ``engine``, ``kvmesh.cli`` -> ``kvmesh``."""
+    parts = module.split(".")
+    if parts[0] == "kvmesh" and len(parts) > 1 and parts[1] in LAYERS and parts[1] != "kvmesh":
+        return parts[1]
+    return parts[0]
 
 
 def upward_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -143,7 +157,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def contract(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
-    """``graph`` with the modules of ``package`` (``engine.models`` and those below it) as one node."""
+    """``graph`` with the modules of ``package`` (``kvmesh.engine.ep`` and those below it) as one node."""
 
     def node(module: str) -> str:
         return package if module == package or module.startswith(package + ".") else module
@@ -155,13 +169,14 @@ def contract(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
 
 
 def sub_packages(graph: dict[str, set[str]]) -> list[str]:
-    """The packages below the top folders (``engine.models``, ``kernels.moe``, ...)."""
+    """The packages below the layer folders (``kvmesh.engine.ep``, ``kvmesh.kernels.moe``, ...)."""
     modules = _sources()
-    return sorted(m for m in graph if "." in m and m in modules and modules[m].name == "__init__.py")
+    tops = {package_of(folder) for folder in LAYERS}
+    return sorted(m for m in graph if m not in tops and m in modules and modules[m].name == "__init__.py")
 
 
 def sub_package_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Circles through a sub-package taken whole: ``engine.models.a -> engine.x -> engine.models.b``."""
+    """Circles through a sub-package taken whole: ``kvmesh.engine.ep.a -> kvmesh.engine.x -> kvmesh.engine.ep.b``."""
     return [c for package in sub_packages(graph) for c in cycles(contract(graph, package))]
 
 
@@ -182,7 +197,7 @@ def lab_modules_in_the_product() -> list[str]:
 
 def test_every_layer_folder_exists():
     for folder in LAYERS:
-        assert (ROOT / folder / "__init__.py").exists(), f"{folder}/ is not a package"
+        assert (ROOT / SOURCE_DIRS.get(folder, folder) / "__init__.py").exists(), f"{folder}/ is not a package"
 
 
 def test_no_import_points_up():
@@ -214,12 +229,24 @@ def test_the_product_folders_hold_no_lab_module():
 @pytest.mark.parametrize(
     "graph, expect_up, expect_cycles",
     [
-        ({"engine.a": {"kvmesh.b"}, "kvmesh.b": set()}, [("engine.a", "kvmesh.b")], []),
-        ({"gateway.a": {"decode_svc.b"}, "decode_svc.b": set()}, [("gateway.a", "decode_svc.b")], []),
-        ({"engine.a": {"engine.b"}, "engine.b": {"engine.a"}}, [], [["engine.a", "engine.b"]]),
-        ({"kvmesh.a": {"engine.b"}, "engine.b": set()}, [], []),
-        ({"kvmesh.a": {"bench.b"}, "bench.b": set()}, [("kvmesh.a", "bench.b")], []),
-        ({"bench.a": {"kvmesh.b", "engine.c"}, "kvmesh.b": set(), "engine.c": set()}, [], []),
+        ({"kvmesh.engine.a": {"kvmesh.b"}, "kvmesh.b": set()}, [("kvmesh.engine.a", "kvmesh.b")], []),
+        (
+            {"kvmesh.gateway.a": {"kvmesh.decode_svc.b"}, "kvmesh.decode_svc.b": set()},
+            [("kvmesh.gateway.a", "kvmesh.decode_svc.b")],
+            [],
+        ),
+        (
+            {"kvmesh.engine.a": {"kvmesh.engine.b"}, "kvmesh.engine.b": {"kvmesh.engine.a"}},
+            [],
+            [["kvmesh.engine.a", "kvmesh.engine.b"]],
+        ),
+        ({"kvmesh.a": {"kvmesh.engine.b"}, "kvmesh.engine.b": set()}, [], []),
+        ({"kvmesh.a": {"kvmesh.bench.b"}, "kvmesh.bench.b": set()}, [("kvmesh.a", "kvmesh.bench.b")], []),
+        (
+            {"kvmesh.bench.a": {"kvmesh.b", "kvmesh.engine.c"}, "kvmesh.b": set(), "kvmesh.engine.c": set()},
+            [],
+            [],
+        ),
     ],
 )
 def test_the_checker_catches_what_it_claims(graph, expect_up, expect_cycles):
@@ -233,18 +260,18 @@ def test_a_sub_package_importing_back_up_is_a_cycle(tmp_path, monkeypatch):
     (tmp_path / "engine" / "models").mkdir(parents=True)
     for name, text in {
         "engine/__init__.py": "",
-        "engine/tiny.py": "from engine.models import weights\n",
+        "engine/tiny.py": "from kvmesh.engine.models import weights\n",
         "engine/forward.py": "",
         "engine/models/__init__.py": "",
-        "engine/models/weights.py": "from engine import forward\n",  # a leaf below: fine
-        "engine/models/report.py": "from engine import tiny\n",
+        "engine/models/weights.py": "from kvmesh.engine import forward\n",  # a leaf below: fine
+        "engine/models/report.py": "from kvmesh.engine import tiny\n",
     }.items():
         (tmp_path / name).write_text(text)
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     monkeypatch.setattr(__import__(__name__, fromlist=["LAYERS"]), "LAYERS", {"engine": 2})
     graph = import_graph()
     assert cycles(graph) == []
-    assert sub_package_cycles(graph) == [["engine.models", "engine.tiny"]]
+    assert sub_package_cycles(graph) == [["kvmesh.engine.models", "kvmesh.engine.tiny"]]
     (tmp_path / "engine/models/report.py").unlink()
     assert sub_package_cycles(import_graph()) == []
 
@@ -267,11 +294,11 @@ def test_function_local_imports_are_walked(tmp_path, monkeypatch):
     pkg = tmp_path / "engine"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from engine import b\n    return b\n")
-    (pkg / "b.py").write_text("import engine.a\n")
+    (pkg / "a.py").write_text("def f():\n    from kvmesh.engine import b\n    return b\n")
+    (pkg / "b.py").write_text("import kvmesh.engine.a\n")
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     monkeypatch.setattr(__import__(__name__, fromlist=["LAYERS"]), "LAYERS", {"engine": 2})
-    assert cycles(import_graph()) == [["engine.a", "engine.b"]]
+    assert cycles(import_graph()) == [["kvmesh.engine.a", "kvmesh.engine.b"]]
 
 
 def test_the_gateway_and_the_runtime_import_without_torch():
@@ -281,26 +308,11 @@ def test_the_gateway_and_the_runtime_import_without_torch():
     import sys
 
     code = (
-        "import sys; import gateway.main, gateway.servicer, runtime.service, runtime.wire, "
-        "engine.config, engine.sampling_params, engine.outcomes, engine.loader, engine.checkpoint; "
+        "import sys; import kvmesh.gateway.main, kvmesh.gateway.servicer, kvmesh.runtime.service, kvmesh.runtime.wire, "
+        "kvmesh.engine.config, kvmesh.engine.sampling_params, kvmesh.engine.outcomes, kvmesh.engine.loader, "
+        "kvmesh.engine.checkpoint; "
         "from kvmesh.cli import build_parser; build_parser(); "  # `kvmesh serve gateway` parses its flags
         "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert "torch" not in out.stdout, out.stdout
-
-
-def test_no_other_package_named_kernels_is_installed():
-    # Hugging Face's `kernels` package (required by transformers >= 5.25) has this repo's
-    # top-level name: installed beside it, each shadows the other (docs/operations.md,
-    # "Known limits"); pyproject pins transformers below 5.25 until this repo's is renamed
-    import importlib.metadata
-
-    import kernels
-
-    assert Path(kernels.__file__).resolve().parent == ROOT / "kernels"
-    try:
-        version = importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    assert version is None, f"a distribution named kernels ({version}) is installed beside this repo's kernels/"

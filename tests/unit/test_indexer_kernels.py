@@ -2,7 +2,7 @@
 
 Scores (PyTorch path) against `DeepseekV4IndexerScorer`, top-k selection with its fixed
 tie-break against a per-query sort, and the Triton scores under the interpreter on CPU
-(KVMESH_TEST_DEVICE=cuda, as `python -m bench.kernels_gpu` sets it, runs them on a GPU).
+(KVMESH_TEST_DEVICE=cuda, as `python -m kvmesh.bench.kernels_gpu` sets it, runs them on a GPU).
 """
 
 import pytest
@@ -10,9 +10,9 @@ import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
-import kernels.indexer.ops as indexer_ops
-from kernels.indexer import indexer_scores, indexer_scores_triton, indexer_topk
-from kernels.indexer.ref import indexer_masked_scores_ref, indexer_scores_ref, indexer_topk_ref
+import kvmesh.kernels.indexer.ops as indexer_ops
+from kvmesh.kernels.indexer import indexer_scores, indexer_scores_triton, indexer_topk
+from kvmesh.kernels.indexer.ref import indexer_masked_scores_ref, indexer_scores_ref, indexer_topk_ref
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import apply_rotary, build_attention_metadata, paged_attention, rms_norm, rope_table, silu_and_mul
-from kernels.ref import apply_rotary_ref, paged_attention_ref, rms_norm_ref, rope_cos_sin_ref, silu_and_mul_ref
+from kvmesh.kernels import apply_rotary, build_attention_metadata, paged_attention, rms_norm, rope_table, silu_and_mul
+from kvmesh.kernels.ref import apply_rotary_ref, paged_attention_ref, rms_norm_ref, rope_cos_sin_ref, silu_and_mul_ref
 from tests.unit.paged_cases import D, K, L, P, Q, S, run_both
 
 # a tiny GQA layout: 6 query heads over 2 kv heads, pages of 4 token slots

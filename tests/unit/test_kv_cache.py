@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_cache import KVCacheManager
-from engine.kv_layout import DEEPSEEK_V4_PAGE, LLAMA_PAGE, flat_layout, llama_layout
-from engine.request import Request
-from kvstore.block_hash import hash_blocks
-from kvstore.block_pool import NoFreeBlocksError
-from kvstore.kv_events import BlockRemoved, BlockStored
-from kvstore.kv_tier import FileTier
-from kvstore.staging import choose_push_path
+from kvmesh.engine.kv_cache import KVCacheManager
+from kvmesh.engine.kv_layout import DEEPSEEK_V4_PAGE, LLAMA_PAGE, flat_layout, llama_layout
+from kvmesh.engine.request import Request
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.kvstore.block_pool import NoFreeBlocksError
+from kvmesh.kvstore.kv_events import BlockRemoved, BlockStored
+from kvmesh.kvstore.kv_tier import FileTier
+from kvmesh.kvstore.staging import choose_push_path
 
 
 class MemoryRunner:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvstore.kv_publisher import KVEventPublisher
+from kvmesh.kvstore.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.kvstore.kv_publisher import KVEventPublisher
 
 
 def _wait(predicate, timeout_s: float = 30.0) -> None:

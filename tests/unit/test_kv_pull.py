@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from engine.request import Request
-from kvstore.block_hash import hash_blocks
-from prefill_svc.kv_pull import ROUND_TRIP_S, KVPuller
+from kvmesh.engine.request import Request
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.prefill_svc.kv_pull import ROUND_TRIP_S, KVPuller
 
 
 class Cache:
@@ -70,15 +70,15 @@ def test_no_pull_where_computing_is_cheaper_or_the_instance_holds_as_much():
 def test_a_pull_whose_bytes_do_not_check_out_is_cancelled_and_computed_never_used():
     """The peer answers with a digest the landed bytes do not match (corrupted on the way): the
     receive is cancelled, nothing counts as cached, and the compute does those blocks. The cache
-    and its pages are real (engine.kv_cache.KVCacheManager over host memory); the peer and the
+    and its pages are real (kvmesh.engine.kv_cache.KVCacheManager over host memory); the peer and the
     receiver are doubles that land corrupted bytes."""
     import numpy as np
     import torch
 
-    from engine.kv_cache import KVCacheManager
-    from engine.kv_layout import llama_layout
-    from kvstore.transport import pages_digest
-    from protos.kvmesh.v1 import prefill_pb2
+    from kvmesh.engine.kv_cache import KVCacheManager
+    from kvmesh.engine.kv_layout import llama_layout
+    from kvmesh.kvstore.transport import pages_digest
+    from kvmesh.protos.v1 import prefill_pb2
     from tests.unit.test_kv_cache import MemoryRunner
 
     runner = MemoryRunner(llama_layout(1, 16, 1, 2, torch.float32), 16)

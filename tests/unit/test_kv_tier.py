@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.block_hash import hash_blocks
-from kvstore.kv_events import BlockRemoved, BlockStored
-from kvstore.kv_tier import FileTier, HostTier
+from kvmesh.kvstore.block_hash import hash_blocks
+from kvmesh.kvstore.kv_events import BlockRemoved, BlockStored
+from kvmesh.kvstore.kv_tier import FileTier, HostTier
 
 PAGE = 4096
 

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from engine.checkpoint import load_tokenizer
-from engine.forward import ForwardItem
-from engine.llama_runner import LlamaRunner
-from engine.loader import resolve_model
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.llama.runner import LlamaRunner
+from kvmesh.engine.loader import resolve_model
 
 PAGE = 16
 ATOL = 1e-4
@@ -195,7 +195,7 @@ def test_greedy_generation_matches_transformers_generate(runner, hf, tokenizer, 
 
 def test_small_steps_use_the_gguf_blocks_and_agree_with_fp32_weights(files, runner):
     # the default checkpoint keeps its GGUF blocks: decode steps of <= 64 sequences compute from them
-    from engine.models.llama import QUANTIZED_MAX_BATCH
+    from kvmesh.engine.llama.model import QUANTIZED_MAX_BATCH
 
     assert runner.model.q_lm_head is not None
     assert all(x is not None for w in runner.model.layers for x in (w.q_qkv, w.q_o, w.q_gate_up, w.q_down))
@@ -210,9 +210,9 @@ def test_small_steps_use_the_gguf_blocks_and_agree_with_fp32_weights(files, runn
 
 
 def test_fused_batched_decode_equals_the_torch_path_and_each_sequence_alone(runner, monkeypatch):
-    # a decode step of B sequences runs as one numba call (engine.models.llama_step); the torch ops
+    # a decode step of B sequences runs as one numba call (kvmesh.engine.llama.step); the torch ops
     # path (same block matmuls, torch RMSNorm, RoPE, gathers and SDPA) is its reference here
-    import engine.models.llama as llama
+    import kvmesh.engine.llama.model as llama
 
     # ragged contexts: the new token of the 16-token one opens page 2, the 15-token one's fills
     # page 1's last slot, the 40-token one reads three pages, the 1030-token one's keys are three

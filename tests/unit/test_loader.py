@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint import ModelFiles
-from engine.config import ModelConfig
-from engine.loader import DEFAULT_MODEL, cache_root, default_gguf_path, load_config, resolve_model
+from kvmesh.engine.checkpoint import ModelFiles
+from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.loader import DEFAULT_MODEL, cache_root, default_gguf_path, load_config, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,8 +105,8 @@ def test_default_model_resolves_to_a_converted_checkpoint():
 # (one appended line each), then resolve the model twice.
 _COUNTING_RESOLVE = """
 import sys
-import engine.gguf_blocks
-import engine.loader
+import kvmesh.engine.gguf_blocks
+import kvmesh.engine.loader
 from pathlib import Path
 
 log = Path(sys.argv[2])
@@ -121,10 +121,10 @@ def counted(module, name):
 
     setattr(module, name, wrapper)
 
-counted(engine.loader, "_convert_gguf")
-counted(engine.gguf_blocks, "write_blocks")
-first = engine.loader.resolve_model(sys.argv[1]).checkpoint_dir
-assert engine.loader.resolve_model(sys.argv[1]).checkpoint_dir == first  # second call: cached
+counted(kvmesh.engine.loader, "_convert_gguf")
+counted(kvmesh.engine.gguf_blocks, "write_blocks")
+first = kvmesh.engine.loader.resolve_model(sys.argv[1]).checkpoint_dir
+assert kvmesh.engine.loader.resolve_model(sys.argv[1]).checkpoint_dir == first  # second call: cached
 print(first)
 """
 
@@ -135,7 +135,7 @@ def test_concurrent_first_use_converts_once(tmp_path):
     cache, log = tmp_path / "cache", tmp_path / "calls.log"
     cache.mkdir()
     log.touch()
-    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(cache)}
     # stderr to files, not pipes: a full pipe would stall the process holding the lock
     errs = [tmp_path / f"stderr-{i}.log" for i in range(2)]
     procs = []

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from engine.loader import load_config, resolve_model
+from kvmesh.engine.loader import load_config, resolve_model
 
 
 def test_make_tiny_model_writes_a_loadable_checkpoint(tmp_path):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.forward import ForwardItem
-from engine.llama_runner import LlamaRunner
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.llama.runner import LlamaRunner
 from tests.unit.tiny_llama import tiny_llama
 
 PAGE = 4
@@ -102,8 +102,8 @@ def test_the_runner_registry_picks_by_architecture_and_names_what_it_serves(tiny
     import json
     import shutil
 
-    from engine.checkpoint import ModelFiles
-    from engine.runners import RUNNERS, create_runner
+    from kvmesh.engine.checkpoint import ModelFiles
+    from kvmesh.engine.runners import RUNNERS, create_runner
 
     assert isinstance(create_runner(tiny[0], num_pages=2, page_size=PAGE), LlamaRunner)
     other = tmp_path / "other"

@@ -2,7 +2,7 @@
 
 Routers against `DeepseekV4TopKRouter` / `DeepseekV4HashRouter`, the PyTorch experts against
 `DeepseekV4Experts` on the same weights, the Triton experts under the interpreter on CPU
-(KVMESH_TEST_DEVICE=cuda, as `python -m bench.kernels_gpu` sets it, runs them on a GPU).
+(KVMESH_TEST_DEVICE=cuda, as `python -m kvmesh.bench.kernels_gpu` sets it, runs them on a GPU).
 """
 
 import os
@@ -18,9 +18,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4TopKRouter,
 )
 
-from kernels.moe import moe_experts, moe_experts_triton, route_hash, route_topk
-from kernels.moe.ref import moe_experts_ref, route_hash_ref, route_topk_ref
-from kernels.moe.triton_moe import BlockSizes, align_block_size
+from kvmesh.kernels.moe import moe_experts, moe_experts_triton, route_hash, route_topk
+from kvmesh.kernels.moe.ref import moe_experts_ref, route_hash_ref, route_topk_ref
+from kvmesh.kernels.moe.triton_moe import BlockSizes, align_block_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -313,7 +313,12 @@ def test_moe_experts_triton_bf16_close_to_fp32_reference(triton_device):
 def test_bench_gpu_without_a_gpu_says_so_and_exits_0():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.kernels_gpu"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvmesh.bench.kernels_gpu"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA GPU: nothing to benchmark" in proc.stdout

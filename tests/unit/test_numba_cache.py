@@ -7,8 +7,8 @@ from pathlib import Path
 
 from numba.core.registry import CPUDispatcher
 
-from kernels import numba_cache, quant
-from kernels.numba_cache import NUMBA_SOURCES, SharedSourceLocator, cache_root, sources_digest
+from kvmesh.kernels import numba_cache, quant
+from kvmesh.kernels.numba_cache import NUMBA_SOURCES, SharedSourceLocator, cache_root, sources_digest
 
 ROOT = Path(numba_cache.__file__).resolve().parent.parent
 

@@ -9,11 +9,11 @@ import json
 import grpc
 import pytest
 
-from engine.outcomes import FailureCause
-from gateway import openai_api
-from gateway.openai_api import BadField, parse
-from protos.kvmesh.v1 import common_pb2, gateway_pb2
-from runtime.wire import status_of
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway import openai_api
+from kvmesh.gateway.openai_api import BadField, parse
+from kvmesh.protos.v1 import common_pb2, gateway_pb2
+from kvmesh.runtime.wire import status_of
 
 
 def test_a_chat_body_becomes_messages_and_sampling():

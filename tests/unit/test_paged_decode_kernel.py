@@ -4,8 +4,8 @@ under Triton's interpreter on CPU (on a GPU with KVMESH_TEST_DEVICE=cuda)."""
 import pytest
 import torch
 
-from kernels.paged_decode import paged_decode_attention_triton
-from kernels.ref import paged_attention_ref, paged_decode_attention_ref
+from kvmesh.kernels.paged_decode import paged_decode_attention_triton
+from kvmesh.kernels.ref import paged_attention_ref, paged_decode_attention_ref
 from tests.unit.paged_cases import decode_case
 
 
@@ -31,7 +31,7 @@ def test_triton_paged_decode_equals_the_reference(triton_device, B, Q, K, D, S, 
 
 
 def test_triton_paged_decode_equals_the_models_reference_after_its_write(triton_device):
-    # kernels.ref.paged_attention_ref writes each sequence's new token's K/V into its page, then
+    # kvmesh.kernels.ref.paged_attention_ref writes each sequence's new token's K/V into its page, then
     # attends (what the model's step does); the kernel reads that cache and must agree
     B, Q, K, D, S, prior = 3, 9, 3, 16, 4, [0, 6, 11]
     q, kv, table = decode_case(B, Q, K, D, S, [n + 1 for n in prior], seed=1)

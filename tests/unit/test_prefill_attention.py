@@ -1,4 +1,4 @@
-"""Prefill attention in query blocks (`kernels.attention._causal_blocks`) against the references.
+"""Prefill attention in query blocks (`kvmesh.kernels.attention._causal_blocks`) against the references.
 
 Blocks of 256 queries never split the tiny prompts of test_kernels.py, so these tests shrink
 the block to a few queries (every block boundary, the diagonal and the merge of the keys before
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-import kernels.attention as attention
-from kernels import build_attention_metadata, paged_attention
+import kvmesh.kernels.attention as attention
+from kvmesh.kernels import build_attention_metadata, paged_attention
 from tests.unit.paged_cases import run_both
 
 
@@ -69,8 +69,8 @@ def test_default_block_at_model_shapes_matches_fp64(nc, n):
 def runner_and_hf():
     from transformers import AutoModelForCausalLM
 
-    from engine.llama_runner import LlamaRunner
-    from engine.loader import resolve_model
+    from kvmesh.engine.llama.runner import LlamaRunner
+    from kvmesh.engine.loader import resolve_model
 
     files = resolve_model()
     r = LlamaRunner(files, num_pages=100, page_size=16)
@@ -82,7 +82,7 @@ def runner_and_hf():
 def test_long_prefill_matches_transformers_and_chunks(runner_and_hf):
     # 600 tokens: three query blocks in one forward, then the same prompt after a cached prefix of
     # 277 tokens (mid-page, mid-block) as the prefill service's chunks would leave it
-    from engine.forward import ForwardItem
+    from kvmesh.engine.forward import ForwardItem
 
     runner, hf = runner_and_hf
     rng = random.Random(5)

@@ -5,11 +5,11 @@ import concurrent.futures
 import pytest
 import torch
 
-from engine.kv_layout import llama_layout
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from kvstore.block_pool import NoFreeBlocksError
-from prefill_svc.engine import PrefillEngine
+from kvmesh.engine.kv_layout import llama_layout
+from kvmesh.engine.request import Request
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.kvstore.block_pool import NoFreeBlocksError
+from kvmesh.prefill_svc.engine import PrefillEngine
 
 
 class ArgmaxRunner:
@@ -108,8 +108,8 @@ def test_a_failed_compute_frees_its_pages_for_the_request_waiting_for_them_first
 def test_hashes_from_the_caller_are_used_instead_of_hashing_again(monkeypatch):
     # the gateway hashed the prompt for routing; prefill caches its blocks under those hashes
     # and never hashes the prompt itself
-    import engine.kv_cache as prefill_engine  # where prefill hashes a prompt
-    from kvstore.block_hash import hash_blocks
+    import kvmesh.engine.kv_cache as prefill_engine  # where prefill hashes a prompt
+    from kvmesh.kvstore.block_hash import hash_blocks
 
     tokens = list(range(10, 22))  # 3 full pages of 4
     given = hash_blocks(tokens, 4)

@@ -1,11 +1,11 @@
-"""bench.profile_decode on a tiny random Llama: every part is timed, the hook comes off after,
+"""kvmesh.bench.profile_decode on a tiny random Llama: every part is timed, the hook comes off after,
 and the weight bytes are counted from the weights themselves. No timing is asserted."""
 
 import pytest
 
-import engine.models.llama as llama
-from bench.profile_decode import MATMULS, PARTS, REST, format_profile, profile, weight_bytes_per_token
-from engine.llama_runner import LlamaRunner
+import kvmesh.engine.llama.model as llama
+from kvmesh.bench.profile_decode import MATMULS, PARTS, REST, format_profile, profile, weight_bytes_per_token
+from kvmesh.engine.llama.runner import LlamaRunner
 from tests.unit.tiny_llama import tiny_llama
 
 
@@ -42,7 +42,7 @@ def test_weight_bytes_count_each_fp32_weight_once(runner):
 
 
 def test_profile_of_a_batch_decodes_every_sequence_together(runner):
-    from bench.profile_decode import pages_needed
+    from kvmesh.bench.profile_decode import pages_needed
 
     # two sequences of 3 + 2 tokens in pages of 4: two pages each, inside the runner's 8
     assert pages_needed([1, 5, 9], 2, runner.page_size, batch=2) == 4

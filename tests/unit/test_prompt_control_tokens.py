@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
-from engine.checkpoint import load_tokenizer
-from engine.loader import resolve_model
-from gateway.requests import PromptBuilder
+from kvmesh.engine.checkpoint import load_tokenizer
+from kvmesh.engine.loader import resolve_model
+from kvmesh.gateway.requests import PromptBuilder
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import load_checkpoint_tensors
-from engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
-from engine.loader import default_gguf_path, resolve_model
-from kernels.quant import TN, block_sums, pack_q4_1, pack_q8_0, q4_1_tile, q8_0_tile, quantized_matmul
-from kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref, quantized_matmul_ref
+from kvmesh.engine.checkpoint import load_checkpoint_tensors
+from kvmesh.engine.gguf_blocks import GGUFBlocks, _from_raw, extract_blocks, load_blocks
+from kvmesh.engine.loader import default_gguf_path, resolve_model
+from kvmesh.kernels.quant import TN, block_sums, pack_q4_1, pack_q8_0, q4_1_tile, q8_0_tile, quantized_matmul
+from kvmesh.kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref, quantized_matmul_ref
 
 
 def _q4_1(rng, n, k):
@@ -58,7 +58,7 @@ def test_each_row_is_computed_the_same_alone_or_in_a_batch():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 13])  # one row streams; several: unpacked once, groups of <= 6
 def test_tiles_give_the_batched_kernels_bits(rows):
-    # the fused decode step (engine.models.llama_step) multiplies tile by tile with
+    # the fused decode step (kvmesh.engine.llama.step) multiplies tile by tile with
     # q4_1_tile / q8_0_tile: its rows must come out exactly as quantized_matmul computes them
     rng = np.random.default_rng(3)
     w4 = pack_q4_1(*_q4_1(rng, 100, 96))  # a padded last tile too

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outcomes import FinishReason
-from engine.request import Request, RequestStatus, finish_reason
-from engine.sampling_params import SamplingParams
+from kvmesh.engine.outcomes import FinishReason
+from kvmesh.engine.request import Request, RequestStatus, finish_reason
+from kvmesh.engine.sampling_params import SamplingParams
 
 
 def test_counters_start_from_the_prompt():

@@ -7,13 +7,13 @@ import asyncio
 
 import pytest
 
-from engine.outcomes import FailureCause
-from gateway.accounting import Stage
-from gateway.admission import AdmissionQueue, OverloadedError
-from gateway.attempt import Attempt
-from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.failure import RequestFailed
-from gateway.router import InstanceLoad, pick_decode
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway.accounting import Stage
+from kvmesh.gateway.admission import AdmissionQueue, OverloadedError
+from kvmesh.gateway.attempt import Attempt
+from kvmesh.gateway.breaker import BreakerState, CircuitBreaker
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.router import InstanceLoad, pick_decode
 
 
 class Clock:
@@ -211,8 +211,8 @@ def test_a_finished_attempt_keeps_its_routed_tokens_and_a_cancel_mid_stream_canc
 
 
 def test_instances_that_disagree_on_page_size_or_model_are_not_routed_to():
-    from gateway.pool import InstancePool, MismatchError
-    from protos.kvmesh.v1 import common_pb2
+    from kvmesh.gateway.pool import InstancePool, MismatchError
+    from kvmesh.protos.v1 import common_pb2
 
     async def scenario():
         pool = InstancePool(

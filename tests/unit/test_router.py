@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.router import InstanceLoad, PrefillRouter, pick_decode
+from kvmesh.gateway.router import InstanceLoad, PrefillRouter, pick_decode
 
 PAGE = 16
 
@@ -121,7 +121,7 @@ def test_unknown_policy_is_rejected():
 
 
 def test_request_ids_that_could_forge_log_lines_are_refused():
-    from runtime.wire import check_request_id
+    from kvmesh.runtime.wire import check_request_id
 
     assert check_request_id("req-1_a.b:c@d/e+f=g") == "req-1_a.b:c@d/e+f=g"
     for bad in ("a\nb] prefill forged", "\x1b[31mred", "x" * 129, "tab\there", "ünïcode"):

@@ -3,7 +3,7 @@ load guard on a trace whose every request shares its first block."""
 
 import random
 
-from bench.routing_sim import LRUBlocks, TraceRequest, fixed_chooser, oracle_hit_rate, router_chooser, simulate
+from kvmesh.bench.routing_sim import LRUBlocks, TraceRequest, fixed_chooser, oracle_hit_rate, router_chooser, simulate
 
 # four requests, all at t=0, prefill at 1024 tokens/s, 512-token blocks
 TINY = [
@@ -76,7 +76,7 @@ def test_bad_arguments_and_traces_are_refused(tmp_path):
 
     import pytest
 
-    from bench.routesim import add_arguments, run
+    from kvmesh.bench.routesim import add_arguments, run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -98,7 +98,7 @@ def test_bad_arguments_and_traces_are_refused(tmp_path):
 def test_out_of_range_trace_values_are_refused(tmp_path):
     import pytest
 
-    from bench.routing_sim import load_trace
+    from kvmesh.bench.routing_sim import load_trace
 
     for row, what in (
         ('{"timestamp": 0, "input_length": 600, "hash_ids": [-1]}', "hash_ids"),
@@ -112,7 +112,7 @@ def test_out_of_range_trace_values_are_refused(tmp_path):
 
 
 def test_multiturn_conversations_follow_whole_earlier_prompts_by_hand():
-    from bench.multiturn import conversations
+    from kvmesh.bench.multiturn import conversations
 
     def req(t: float, tokens: int, ids) -> TraceRequest:
         return TraceRequest(t, tokens, tuple(ids))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.sampler import sample, token_logprobs
-from engine.sampling_params import SamplingParams
+from kvmesh.engine.sampler import sample, token_logprobs
+from kvmesh.engine.sampling_params import SamplingParams
 
 V = 50
 
@@ -82,7 +82,7 @@ def test_top_p_nucleus_matches_transformers_rule():
 def test_filter_keeps_the_same_tokens_as_transformers_warpers(temperature, top_k, top_p):
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from engine.sampler import _filtered_probs
+    from kvmesh.engine.sampler import _filtered_probs
 
     logits = _logits()
     hf = TemperatureLogitsWarper(temperature)(None, logits.clone())

@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 
-from decode_svc.config import DecodeConfig
-from gateway.config import GatewayConfig
 from kvmesh import settings_doc
 from kvmesh.cli import build_parser
-from prefill_svc.config import PrefillConfig
-from runtime.settings import add_arguments, from_args, settings_of
+from kvmesh.decode_svc.config import DecodeConfig
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.prefill_svc.config import PrefillConfig
+from kvmesh.runtime.settings import add_arguments, from_args, settings_of
 
 CONFIGS = (GatewayConfig, PrefillConfig, DecodeConfig)
 GATEWAY_ADDRS = ["--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2"]

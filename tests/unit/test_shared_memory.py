@@ -8,8 +8,8 @@ import tempfile
 import numpy as np
 import torch
 
-from kvstore import shared_memory
-from kvstore.shared_memory import PeerRegions, RegionDescriptor, SharedRegion, locate, shared_zeros
+from kvmesh.kvstore import shared_memory
+from kvmesh.kvstore.shared_memory import PeerRegions, RegionDescriptor, SharedRegion, locate, shared_zeros
 
 
 def test_a_tensor_in_shared_memory_starts_zeroed_and_its_pages_are_located():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
 
-from kernels.sparse_attention import sink_attention, sparse_sink_attention, window_bias
+from kvmesh.kernels.sparse_attention import sink_attention, sparse_sink_attention, window_bias
 
 
 def test_dense_sink_attention_is_transformers_eager():

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode_svc.config import DecodeConfig
-from decode_svc.engine import DecodeEngine
-from engine.kv_layout import llama_layout
-from engine.sampler import _filtered_probs, verify_drafts
-from engine.sampling_params import SamplingParams
-from engine.speculative.governor import SpeculationGovernor
-from engine.speculative.ngram import propose_ngram
+from kvmesh.decode_svc.config import DecodeConfig
+from kvmesh.decode_svc.engine import DecodeEngine
+from kvmesh.engine.kv_layout import llama_layout
+from kvmesh.engine.sampler import _filtered_probs, verify_drafts
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.speculative.governor import SpeculationGovernor
+from kvmesh.engine.speculative.ngram import propose_ngram
 
 
 def test_ngram_lookup_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -95,8 +95,8 @@ def test_speculation_is_refused_without_the_slots_or_the_module_it_needs():
 
 @pytest.fixture(scope="module")
 def runner():
-    from engine.llama_runner import LlamaRunner
-    from engine.loader import resolve_model
+    from kvmesh.engine.llama.runner import LlamaRunner
+    from kvmesh.engine.loader import resolve_model
 
     r = LlamaRunner(resolve_model(None), num_pages=64)
     r.warmup()
@@ -105,7 +105,7 @@ def runner():
 
 def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) -> tuple[list[int], SimpleNamespace]:
     """Prefill `prompt` into decode's reserved pages in process, then decode with `config`."""
-    from engine.forward import ForwardItem
+    from kvmesh.engine.forward import ForwardItem
 
     engine = DecodeEngine(config, runner)
     res = engine.reserve("r", len(prompt), max_tokens)
@@ -127,8 +127,8 @@ def _generate(runner, config: DecodeConfig, prompt: list[int], max_tokens: int) 
 
 
 def test_greedy_output_with_ngram_drafts_equals_output_without(runner):
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import resolve_model
 
     tok = load_tokenizer(resolve_model(None))
     quote = "The quick brown fox jumps over the lazy dog. " * 3

@@ -9,10 +9,10 @@ import json
 import jsonschema
 import pytest
 
-from gateway import openai_api
-from gateway.openai_api import BadField, parse
-from gateway.tools import ToolError, call_schema, parse_hermes_calls, parse_tools, tool_calls
-from protos.kvmesh.v1 import gateway_pb2
+from kvmesh.gateway import openai_api
+from kvmesh.gateway.openai_api import BadField, parse
+from kvmesh.gateway.tools import ToolError, call_schema, parse_hermes_calls, parse_tools, tool_calls
+from kvmesh.protos.v1 import gateway_pb2
 
 WEATHER = {
     "type": "function",
@@ -126,15 +126,15 @@ def test_a_whole_answer_and_a_stream_carry_the_calls_with_finish_reason_tool_cal
 
 @pytest.fixture(scope="module")
 def builder():
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
-    from gateway.requests import PromptBuilder
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import resolve_model
+    from kvmesh.gateway.requests import PromptBuilder
 
     return PromptBuilder(load_tokenizer(resolve_model(None)), "m", 2048, 16, 64)
 
 
 def test_tools_are_rendered_by_a_template_that_renders_them_else_in_the_system_message(builder):
-    from gateway.requests import PromptBuilder
+    from kvmesh.gateway.requests import PromptBuilder
 
     tools = parse_tools({"tools": [WEATHER]})
     chat = [("user", "Weather in Paris?")]

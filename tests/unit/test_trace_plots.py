@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from bench.routing_sim import TraceRequest, router_chooser, simulate
-from bench.trace import measured_prefill_rate, scale_trace
-from bench.trace_plots import PLOT_FILES, MeasuredRequest, write_plots
+from kvmesh.bench.routing_sim import TraceRequest, router_chooser, simulate
+from kvmesh.bench.trace import measured_prefill_rate, scale_trace
+from kvmesh.bench.trace_plots import PLOT_FILES, MeasuredRequest, write_plots
 
 # six requests, two prefixes of 3 shared blocks, one every 0.1 s
 TRACE = [TraceRequest(0.1 * i, 0, (100 + i % 2, 200 + i % 2, 300 + i % 2, 1000 + i)) for i in range(6)]

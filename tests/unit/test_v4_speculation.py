@@ -16,13 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from decode_svc.config import DecodeConfig
-from engine.forward import ForwardItem
-from engine.loader import resolve_model
-from engine.models.deepseek_v4_shapes import MTP_PREFIX, mtp_shapes
-from engine.models.deepseek_v4_weights import check_and_take, load_config, normalize_names
-from engine.tiny_models import make_tiny_model
-from engine.v4_runner import DeepseekV4Runner
+from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.decode_svc.config import DecodeConfig
+from kvmesh.engine.deepseek_v4.runner import DeepseekV4Runner
+from kvmesh.engine.deepseek_v4.shapes import MTP_PREFIX, mtp_shapes
+from kvmesh.engine.deepseek_v4.weights import check_and_take, normalize_names
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.loader import load_deepseek_v4_config as load_config
+from kvmesh.engine.loader import resolve_model
 from tests.unit.test_speculative import _generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -103,7 +104,7 @@ def test_the_loader_maps_deepseeks_mtp_names_and_names_what_is_missing_or_missha
 def test_mtp_drafts_in_one_pass_equal_drafts_position_by_position(runner):
     # the first pass runs every pending pair at once (their K=V written before any attends):
     # the same as running them one at a time
-    from engine.forward import DraftItem
+    from kvmesh.engine.forward import DraftItem
 
     torch.manual_seed(0)
     hidden = torch.randn(5, 2, 64)
@@ -131,11 +132,11 @@ def _oracle(truth: list[int]):
 
 
 def test_greedy_output_with_drafts_equals_output_without_for_each_k(runner, monkeypatch):
-    import engine.speculative.ngram
+    from kvmesh.engine.speculative import ngram
 
     prompt = list(range(300, 317))
     plain, _ = _generate(runner, DecodeConfig(num_pages=64), prompt, 12)
-    monkeypatch.setattr(engine.speculative.ngram, "propose_ngram", _oracle(prompt + plain))
+    monkeypatch.setattr(ngram, "propose_ngram", _oracle(prompt + plain))
     for method in ("ngram", "mtp"):
         for k in (1, 2, 3, 4):
             config = DecodeConfig(num_pages=64, speculative=method, num_draft_tokens=k, draft_row_cost=0.01)
@@ -169,7 +170,7 @@ def test_mtp_whose_drafts_are_the_targets_argmax_is_accepted_every_time(tiny, tm
 def test_decode_measures_what_a_draft_costs_on_deepseek_v4(runner):
     # the start-up measurement runs its rows on scratch slots (V4 rows need one) and times a pass
     # of the MTP module on top: a cost above the floor
-    from decode_svc.engine import DecodeEngine
+    from kvmesh.decode_svc.engine import DecodeEngine
 
     engine = DecodeEngine(DecodeConfig(num_pages=64, speculative="mtp", num_draft_tokens=2), runner)
     assert engine.calibrate() > 0.05
@@ -183,11 +184,11 @@ def test_the_mtp_block_computes_what_the_models_own_verified_layer_computes(tmp_
     # first pass over positions 0..n-1 must give the model's logits at each position: the
     # module's attention, window and head against the path tests/unit/test_deepseek_v4_model.py
     # checks against transformers.
-    from engine.forward import DraftItem
-    from engine.models.deepseek_v4 import DeepseekV4Model
-    from engine.models.deepseek_v4_mtp import DeepseekV4MTP
-    from engine.models.deepseek_v4_shapes import expected_shapes
-    from engine.models.deepseek_v4_state import V4StateLayout
+    from kvmesh.engine.deepseek_v4.model import DeepseekV4Model
+    from kvmesh.engine.deepseek_v4.mtp import DeepseekV4MTP
+    from kvmesh.engine.deepseek_v4.shapes import expected_shapes
+    from kvmesh.engine.deepseek_v4.state import V4StateLayout
+    from kvmesh.engine.forward import DraftItem
 
     one = make_tiny_model(
         "deepseek_v4", tmp_path, num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"]

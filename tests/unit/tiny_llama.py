@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import ModelFiles
-from engine.loader import resolve_model
+from kvmesh.engine.checkpoint import ModelFiles
+from kvmesh.engine.loader import resolve_model
 
 
 def tiny_llama(out_dir: Path, max_positions: int = 64):

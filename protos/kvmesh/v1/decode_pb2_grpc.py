@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.kvmesh.v1 import common_pb2 as protos_dot_kvmesh_dot_v1_dot_common__pb2
-from protos.kvmesh.v1 import decode_pb2 as protos_dot_kvmesh_dot_v1_dot_decode__pb2
+from kvmesh.protos.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
+from kvmesh.protos.v1 import decode_pb2 as kvmesh_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kvmesh/v1/decode_pb2_grpc.py depends on'
+        + ' but the generated code in kvmesh/v1/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,23 +38,23 @@ class DecodeStub:
         """
         self.Reserve = channel.unary_unary(
                 '/kvmesh.v1.Decode/Reserve',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+                request_serializer=kvmesh_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/kvmesh.v1.Decode/Generate',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+                request_serializer=kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvmesh.v1.Decode/Release',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReleaseResponse.FromString,
+                request_serializer=kvmesh_dot_v1_dot_decode__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_decode__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvmesh.v1.Decode/GetStats',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
                 _registered_method=True)
 
 
@@ -94,23 +94,23 @@ def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReleaseRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_decode__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_decode__pb2.ReleaseResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.StatsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,8 +139,8 @@ class Decode:
             request,
             target,
             '/kvmesh.v1.Decode/Reserve',
-            protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
+            kvmesh_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
+            kvmesh_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -166,8 +166,8 @@ class Decode:
             request,
             target,
             '/kvmesh.v1.Decode/Generate',
-            protos_dot_kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            kvmesh_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -193,8 +193,8 @@ class Decode:
             request,
             target,
             '/kvmesh.v1.Decode/Release',
-            protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReleaseRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_decode__pb2.ReleaseResponse.FromString,
+            kvmesh_dot_v1_dot_decode__pb2.ReleaseRequest.SerializeToString,
+            kvmesh_dot_v1_dot_decode__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -220,8 +220,8 @@ class Decode:
             request,
             target,
             '/kvmesh.v1.Decode/GetStats',
-            protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
+            kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.kvmesh.v1 import gateway_pb2 as protos_dot_kvmesh_dot_v1_dot_gateway__pb2
+from kvmesh.protos.v1 import gateway_pb2 as kvmesh_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kvmesh/v1/gateway_pb2_grpc.py depends on'
+        + ' but the generated code in kvmesh/v1/gateway_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class GatewayStub:
         """
         self.Generate = channel.unary_stream(
                 '/kvmesh.v1.Gateway/Generate',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+                request_serializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/kvmesh.v1.Gateway/ListModels',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+                request_serializer=kvmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -70,13 +70,13 @@ def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -105,8 +105,8 @@ class Gateway:
             request,
             target,
             '/kvmesh.v1.Gateway/Generate',
-            protos_dot_kvmesh_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            kvmesh_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
+            kvmesh_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -132,8 +132,8 @@ class Gateway:
             request,
             target,
             '/kvmesh.v1.Gateway/ListModels',
-            protos_dot_kvmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+            kvmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from protos.kvmesh.v1 import common_pb2 as protos_dot_kvmesh_dot_v1_dot_common__pb2
-from protos.kvmesh.v1 import prefill_pb2 as protos_dot_kvmesh_dot_v1_dot_prefill__pb2
+from kvmesh.protos.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
+from kvmesh.protos.v1 import prefill_pb2 as kvmesh_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/kvmesh/v1/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in kvmesh/v1/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,18 +38,18 @@ class PrefillStub:
         """
         self.Prefill = channel.unary_unary(
                 '/kvmesh.v1.Prefill/Prefill',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                request_serializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvmesh.v1.Prefill/GetStats',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
                 _registered_method=True)
         self.PushBlocks = channel.unary_unary(
                 '/kvmesh.v1.Prefill/PushBlocks',
-                request_serializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.FromString,
+                request_serializer=kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.StatsRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.InstanceStats.SerializeToString,
             ),
             'PushBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.PushBlocks,
-                    request_deserializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.FromString,
-                    response_serializer=protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class Prefill:
             request,
             target,
             '/kvmesh.v1.Prefill/Prefill',
-            protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            kvmesh_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            kvmesh_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class Prefill:
             request,
             target,
             '/kvmesh.v1.Prefill/GetStats',
-            protos_dot_kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
+            kvmesh_dot_v1_dot_common__pb2.StatsRequest.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.InstanceStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Prefill:
             request,
             target,
             '/kvmesh.v1.Prefill/PushBlocks',
-            protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.SerializeToString,
-            protos_dot_kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.FromString,
+            kvmesh_dot_v1_dot_prefill__pb2.PushBlocksRequest.SerializeToString,
+            kvmesh_dot_v1_dot_prefill__pb2.PushBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

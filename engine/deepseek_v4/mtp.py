@@ -36,11 +36,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.forward import DraftItem
-from engine.models.deepseek_v4 import DeepseekV4Model, _rms, _rope
-from engine.models.deepseek_v4_shapes import MTP_PREFIX
-from kernels.ops import to_device
-from kernels.sparse_attention import sparse_sink_attention
+from kvmesh.engine.deepseek_v4.model import DeepseekV4Model, _rms, _rope
+from kvmesh.engine.deepseek_v4.shapes import MTP_PREFIX
+from kvmesh.engine.forward import DraftItem
+from kvmesh.kernels.ops import to_device
+from kvmesh.kernels.sparse_attention import sparse_sink_attention
 
 
 class DeepseekV4MTP:

@@ -5,7 +5,7 @@ A checkpoint may use transformers' parameter names (`model.layers.0.self_attn.q_
 `save_pretrained` writes and its loader renames (`layers.0.attn.wq_a.weight`,
 `...ffn.experts.3.w1.weight`); `normalize_names` maps the second to the first, following
 transformers' conversion mapping for `deepseek_v4` (conversion_mapping.py). `check_and_take`
-checks them against every tensor the config implies (engine.models.deepseek_v4_shapes), so
+checks them against every tensor the config implies (kvmesh.engine.deepseek_v4.shapes), so
 loading names the first missing, misshapen or unknown tensor instead of failing deep inside a
 forward.
 """
@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from engine.models.deepseek_v4_shapes import MTP_PREFIX, expected_shapes, mtp_shapes
+from kvmesh.engine.deepseek_v4.shapes import MTP_PREFIX, expected_shapes, mtp_shapes
 
 # (pattern, replacement) applied in order to keys under model.layers.
 _LAYER_RENAMES = [
@@ -64,19 +64,6 @@ MTP_OWN = (
 )
 """The MTP tensors beyond its transformer block, named as DeepSeek-V4's inference/model.py
 (`MTPBlock`) and its released checkpoints name them."""
-
-
-def load_config(checkpoint_dir, name: str):
-    """transformers' `DeepseekV4Config` from config.json; its validation failures (an unknown
-    layer type, lengths that disagree with num_hidden_layers, ...) raise ValueError naming
-    the field."""
-    from transformers import DeepseekV4Config
-
-    try:
-        return DeepseekV4Config.from_pretrained(checkpoint_dir)
-    except Exception as exc:  # huggingface_hub's StrictDataclass errors are not ValueErrors
-        cause = exc.__cause__ or exc
-        raise ValueError(f"config.json of {name!r} is not a valid DeepSeek-V4 config: {cause}") from exc
 
 
 def normalize_key(key: str) -> str | None:
@@ -159,7 +146,7 @@ def check_and_take(
     """Normalize names and check every tensor against the config; fp32 copies of float tensors.
     A checkpoint with any `mtp.0.*` tensor must carry the whole MTP module (`mtp_shapes`).
     routed_experts=False: the main layers' routed experts are not expected (an expert-parallel
-    rank reads only its own, `engine.expert_weights`); `tensors` must not hold them either.
+    rank reads only its own, `kvmesh.engine.ep.expert_weights`); `tensors` must not hold them either.
 
     Raises ValueError naming the first missing tensor, the first with a wrong shape, or the
     first the config does not use.

@@ -2,7 +2,7 @@
 # D=head_dim, L=layers, P=pages, S=page_size, M=pages of one sequence (padded to the batch's most),
 # NT=tiles of TN output features
 """A decode step of B sequences (one new token each) through every Llama layer and the lm_head,
-as one numba call over the GGUF file's Q4_1 / Q8_0 blocks (`kernels.quant`).
+as one numba call over the GGUF file's Q4_1 / Q8_0 blocks (`kvmesh.kernels.quant`).
 
 As torch ops around the block kernels a decode step costs ~10 ops a layer (RMSNorm, RoPE, the
 K/V write, gathers and SDPA, SiLU*up, adds), ~16 us each on 2 cores whatever B: 6.3 ms of a
@@ -29,8 +29,8 @@ from numba.core import cgutils
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
-from kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
-from kernels.quant import TN, block_sums, prefetch, q4_1_tile, q8_0_tile
+from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
+from kvmesh.kernels.quant import TN, block_sums, prefetch, q4_1_tile, q8_0_tile
 
 STEP_PARTS = (
     "RMSNorm",
@@ -226,8 +226,8 @@ def decode_step(
     h [B, H] fp32: the tokens' embedding rows (becomes the last residual); lens [B] int64: each
     sequence's context in tokens, the new one included (its position is lens - 1); cos, sin_rot
     [B, D] fp32: RoPE rows at those positions (`kernels.rope_table`); blocks [L, 2, B, M] int64:
-    each sequence's K and V page blocks in kv [P*L*2, S, K, D] (`engine.kv_layout.LLAMA_PAGE` seen
-    as `kernels.attention`'s read blocks; entries past a sequence's own pages are never read), written at each sequence's position;
+    each sequence's K and V page blocks in kv [P*L*2, S, K, D] (`kvmesh.engine.kv_layout.LLAMA_PAGE` seen
+    as `kvmesh.kernels.attention`'s read blocks; entries past a sequence's own pages are never read), written at each sequence's position;
     norms [L + 1, 2, H]: the input and post-attention norms, then the final norm twice; qkv, o,
     gate_up, down: (qs, d, m) of the layers' Q4_1 weights stacked [L, NT, ...] (gate_up's gate rows
     first, `inter` of them, a multiple of TN); head (q, d) of the Q8_0 lm_head; logits [B, NT*TN]

@@ -5,20 +5,20 @@ DeepSeek-V4 checkpoint under torch.distributed (gloo on CPU; NCCL when every ran
 Attention is data-parallel: each step's sequences are split over the ranks by request count
 (`split_by_requests`), each rank runs attention (and the shared expert) for its own share over
 the pages every rank maps; the routed experts are spread over the ranks per the EPLB placement
-(engine.eplb; experts in order, one replica each, when none is given) and every MoE layer
+(kvmesh.engine.ep.eplb; experts in order, one replica each, when none is given) and every MoE layer
 dispatches tokens to the ranks holding their experts and combines the results with all-to-all
-(engine.expert_parallel). Logits come back to rank 0, which samples. All ranks step in
-lockstep: one plan a step, sent by rank 0 (engine.ep_worker), and a rank without sequences
+(kvmesh.engine.ep.dispatch). Logits come back to rank 0, which samples. All ranks step in
+lockstep: one plan a step, sent by rank 0 (kvmesh.engine.ep.worker), and a rank without sequences
 still joins each exchange.
 
 A new placement (`set_placement`) is loaded by every rank before the next step: running
 requests keep their pages and state, so none is dropped. This process is rank 0: it wraps the
 single-process `DeepseekV4Runner` (its pages and slots are already in shared memory) and spawns
-ranks 1..N-1 on this host (engine.ep_ranks), or, given `init_addr`, waits for them to join from
+ranks 1..N-1 on this host (kvmesh.engine.ep.ranks), or, given `init_addr`, waits for them to join from
 other hosts. Ranks on other hosts share no memory with rank 0: each keeps a mirror of the pool,
 a sequence stays on the rank that ran it last step while the split stays balanced (sticky DP
 attention), and rank 0 sends a rank the pages and slots it lacks before a step and takes back
-the ones it wrote after (engine.ep_worker), over torch.distributed. References: DeepSeek-V3
+the ones it wrote after (kvmesh.engine.ep.worker), over torch.distributed. References: DeepSeek-V3
 technical report §3.4 (EP with DP attention, redundant experts), SGLang's DP-attention + DeepEP
 MoE serving design.
 """
@@ -35,8 +35,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.ep_ranks import EPWorldError, RankProcesses, RemoteRanks, pick_backend
-from engine.ep_worker import (
+from kvmesh.engine.deepseek_v4.runner import check_items, warm_up
+from kvmesh.engine.ep.dispatch import EPLoads, EPTimes, ExpertParallelMoE, check_placement, split_by_requests
+from kvmesh.engine.ep.eplb import Placement, default_placement
+from kvmesh.engine.ep.expert_weights import CheckpointExperts
+from kvmesh.engine.ep.ranks import EPWorldError, RankProcesses, RemoteRanks, pick_backend
+from kvmesh.engine.ep.worker import (
     StepPlan,
     WorldSpec,
     comm_device,
@@ -47,16 +51,12 @@ from engine.ep_worker import (
     stream_width,
     unpack,
 )
-from engine.eplb import Placement, default_placement
-from engine.expert_parallel import EPLoads, EPTimes, ExpertParallelMoE, check_placement, split_by_requests
-from engine.expert_weights import CheckpointExperts
-from engine.forward import DraftItem, ForwardItem
-from engine.v4_runner import check_items, warm_up
-from kvstore.shared_memory import locate
+from kvmesh.engine.forward import DraftItem, ForwardItem
+from kvmesh.kvstore.shared_memory import locate
 
 if TYPE_CHECKING:
-    from engine.checkpoint import ModelFiles
-    from engine.v4_runner import DeepseekV4Runner
+    from kvmesh.engine.checkpoint import ModelFiles
+    from kvmesh.engine.deepseek_v4.runner import DeepseekV4Runner
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 class ExpertParallelRunner:
     """N ranks of one DeepSeek-V4 model behind the single-process runner's interface.
 
-    runner: rank 0's `DeepseekV4Runner` (built by engine.runners); files: its checkpoint (the
+    runner: rank 0's `DeepseekV4Runner` (built by kvmesh.engine.runners); files: its checkpoint (the
     workers load it themselves); placement: an EPLB placement for num_ranks ranks (None:
     `default_placement`); timeout_s bounds every collective, start_timeout_s the workers' start
     (model load included); gather_streams: bring every row's last hidden streams to rank 0 each
@@ -129,7 +129,7 @@ class ExpertParallelRunner:
         self._owner: dict[int, int] = {}  # state slot of a sequence -> the rank that ran it last
         self._lock = threading.Lock()
         self.times = EPTimes()
-        """Rank 0's seconds in each part of the exchanges since start (engine.expert_parallel)."""
+        """Rank 0's seconds in each part of the exchanges since start (kvmesh.engine.ep.dispatch)."""
         store = torch.distributed.TCPStore(
             init_addr[0] if init_addr else "127.0.0.1",
             0,
@@ -188,7 +188,7 @@ class ExpertParallelRunner:
 
     # -- the world --------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the workers (engine.ep_ranks) and leave the world."""
+        """Stop the workers (kvmesh.engine.ep.ranks) and leave the world."""
         self.ranks.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -126,12 +126,12 @@ def random_mtp_tensors(config, seed: int = 0) -> dict:
     """A random multi-token-prediction module for `config`, named as DeepSeek-V4's released
     checkpoints name it (`mtp.0.enorm.weight`, `mtp.0.attn.wq_a.weight`,
     `mtp.0.ffn.experts.3.w1.weight`, `mtp.0.hc_attn_fn`, ...; shapes from
-    engine.models.deepseek_v4_shapes.mtp_shapes). Matrices std 0.02, norms 1, and random values
+    kvmesh.engine.deepseek_v4.shapes.mtp_shapes). Matrices std 0.02, norms 1, and random values
     where init leaves zeros the tests would not see through (sinks, hyper-connection biases,
     router biases), as `make_tiny_model` does for the target."""
     import torch
 
-    from engine.models.deepseek_v4_shapes import MTP_PREFIX, mtp_shapes
+    from kvmesh.engine.deepseek_v4.shapes import MTP_PREFIX, mtp_shapes
 
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -172,7 +172,7 @@ def make_tiny_model(
     trained ones; s > 0 makes `HOT_EXPERTS` hot in every MoE layer, as real traffic does: their
     top-k selection bias (`e_score_correction_bias`, which picks experts but does not weigh
     them) grows by s, and each hash-MoE table row takes a hot expert with probability
-    min(1, 4 s). EPLB (engine.eplb) has something to balance then. Raises ValueError for an
+    min(1, 4 s). EPLB (kvmesh.engine.ep.eplb) has something to balance then. Raises ValueError for an
     unknown arch or s < 0.
 
     mtp: also write a random multi-token-prediction module (`random_mtp_tensors`, DeepSeek's
@@ -186,8 +186,8 @@ def make_tiny_model(
     import torch
     from transformers import DeepseekV4ForCausalLM
 
-    from engine.checkpoint import load_tokenizer
-    from engine.loader import resolve_model
+    from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.loader import resolve_model
 
     out = Path(out_dir)
     config = deepseek_v4_tiny_config(**overrides)

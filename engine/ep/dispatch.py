@@ -12,7 +12,7 @@ its experts and the weighted outputs summed back at home), in the collective for
 `torch.distributed` collectives:
 
 1. route (the model did it): each token's K logical experts and weights;
-2. pick a replica: logical expert e of layer i has replicas[i, e] physical slots (engine.eplb);
+2. pick a replica: logical expert e of layer i has replicas[i, e] physical slots (kvmesh.engine.ep.eplb);
    a token with global index g takes replica g mod replicas[i, e], so the split over replicas is
    even and a function of the batch alone (reproducible; EPLB's balancedness assumes exactly
    this even split);
@@ -25,7 +25,7 @@ its experts and the weighted outputs summed back at home), in the collective for
    `moe_experts` (K = 1, weight 1: the raw expert output, in x.dtype), so `--kernel-backend
    triton` runs them as Triton kernels;
 6. combine: `all_to_all_single` back with the splits reversed, then each token sums its K
-   weighted outputs in fp32 in ascending expert order: `kernels.moe.moe_experts`' own order, so
+   weighted outputs in fp32 in ascending expert order: `kvmesh.kernels.moe.moe_experts`' own order, so
    EP gives the single-process numbers (up to the matmuls' batch-shape rounding).
 
 A rank sends one row per (token, expert) assignment; DeepEP sends a token once per destination
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.eplb import Placement, mean_over_max
+from kvmesh.engine.ep.eplb import Placement, mean_over_max
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class ExpertParallelMoE:
     model: the rank's `DeepseekV4Model` (its own routed experts may be dropped: this object
     holds what the rank computes); experts: where slot weights are read from when a placement is
     loaded, `take(layer, expert_ids) -> (gate_up [n, 2I, H], down [n, H, I])`
-    (`engine.expert_weights.CheckpointExperts`); group: the EP process group (None: the
+    (`kvmesh.engine.ep.expert_weights.CheckpointExperts`); group: the EP process group (None: the
     default one); device: where the collectives' buffers live (cpu for gloo, the rank's GPU for
     NCCL); times: where the exchanges' seconds add up (a fresh EPTimes when None).
     """

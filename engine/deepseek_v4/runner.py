@@ -2,7 +2,7 @@
 """The model step for DeepSeek-V4 checkpoints: the `Runner` protocol (engine/forward.py) over V4's paged state.
 
 Pages hold each token's sliding-window K=V and each window's compressed entries, indexer keys
-and (at a page's end) the CSA overlap (engine/models/deepseek_v4_state.py); a request also
+and (at a page's end) the CSA overlap (engine/deepseek_v4/state.py); a request also
 holds one state slot for its open windows. The KV push sends a request's pages and then its
 slot buffer, so decode continues exactly where prefill stopped.
 """
@@ -16,16 +16,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.checkpoint import ModelFiles, load_checkpoint_tensors
-from engine.forward import DraftItem, ForwardItem
-from engine.kv_layout import flat_layout
-from engine.loader import load_config
-from engine.models.deepseek_v4 import DeepseekV4Model
-from engine.models.deepseek_v4_mtp import DeepseekV4MTP
-from engine.models.deepseek_v4_state import V4StateLayout
-from engine.models.deepseek_v4_weights import has_mtp
-from engine.models.deepseek_v4_weights import load_config as load_v4_config
-from kernels.backend import KernelBackend
+from kvmesh.engine.checkpoint import ModelFiles, load_checkpoint_tensors
+from kvmesh.engine.deepseek_v4.model import DeepseekV4Model
+from kvmesh.engine.deepseek_v4.mtp import DeepseekV4MTP
+from kvmesh.engine.deepseek_v4.state import V4StateLayout
+from kvmesh.engine.deepseek_v4.weights import has_mtp
+from kvmesh.engine.forward import DraftItem, ForwardItem
+from kvmesh.engine.kv_layout import flat_layout
+from kvmesh.engine.loader import load_config
+from kvmesh.engine.loader import load_deepseek_v4_config as load_v4_config
+from kvmesh.kernels.backend import KernelBackend
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class DeepseekV4Runner:
         self.draft_window = self.hf_config.sliding_window
         """Positions the MTP module's sliding-window attention looks back over."""
         self.page_size, self.num_pages, self.num_state_slots = page_size, num_pages, num_state_slots
-        # pages, then slots, in one shared-memory region (engine.kv_layout.DEEPSEEK_V4_PAGE)
+        # pages, then slots, in one shared-memory region (kvmesh.engine.kv_layout.DEEPSEEK_V4_PAGE)
         self.page_layout = flat_layout(self.layout.page_floats, self.layout.slot_floats, str(self.device))
         self.memory = self.page_layout.allocate(num_pages, num_state_slots)
         self.pages, self.slots = self.memory.pages, self.memory.slots  # [P, page_floats], [R, slot_floats]
@@ -118,7 +118,7 @@ class DeepseekV4Runner:
         return self.layout.slot_view(self.slots, slot, "hidden", -1).clone()
 
     def propose_drafts(self, items: Sequence[DraftItem]) -> list[list[int]]:
-        """Drafts from the checkpoint's MTP module (engine.models.deepseek_v4_mtp): items[b].k
+        """Drafts from the checkpoint's MTP module (kvmesh.engine.deepseek_v4.mtp): items[b].k
         tokens for each item. Raises ValueError without an MTP module or for a bad item."""
         if not self.has_mtp:
             raise ValueError(f"{self.config.name!r} has no multi-token-prediction module (mtp.* tensors)")

@@ -2,7 +2,7 @@
 # D=head_dim, V=vocab
 """The model step prefill and decode share: a batch of sequences' new tokens in, logits out.
 
-`LlamaRunner` owns the weights (engine/models/llama.py) and the page-major KV cache; callers own
+`LlamaRunner` owns the weights (engine/llama/model.py) and the page-major KV cache; callers own
 page allocation (kvstore) and scheduling, and describe each sequence of a step as a
 `ForwardItem`: its new tokens, how many tokens its pages already hold, and its page ids.
 A step may mix prefill items (many new tokens, maybe after a cached prefix) and decode items
@@ -19,23 +19,23 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.checkpoint import ModelFiles, load_checkpoint_tensors
-from engine.config import ModelConfig
-from engine.cuda_graphs import DecodeGraphs
-from engine.device import weight_dtype
-from engine.forward import ForwardItem
-from engine.gguf_blocks import load_blocks
-from engine.kv_layout import llama_layout
-from engine.loader import load_config
-from engine.models.llama import LlamaModel
-from kernels import build_attention_metadata, rope_table, to_device
-from kernels.quant import kernel_threads
+from kvmesh.engine.checkpoint import ModelFiles, load_checkpoint_tensors
+from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.cuda_graphs import DecodeGraphs
+from kvmesh.engine.device import weight_dtype
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.gguf_blocks import load_blocks
+from kvmesh.engine.kv_layout import llama_layout
+from kvmesh.engine.llama.model import LlamaModel
+from kvmesh.engine.loader import load_config
+from kvmesh.kernels import build_attention_metadata, rope_table, to_device
+from kvmesh.kernels.quant import kernel_threads
 
 logger = logging.getLogger(__name__)
 
 
 class LlamaRunner:
-    """Weights plus a paged KV cache laid out as `engine.kv_layout.LLAMA_PAGE` ([P, L, 2, S, K, D],
+    """Weights plus a paged KV cache laid out as `kvmesh.engine.kv_layout.LLAMA_PAGE` ([P, L, 2, S, K, D],
     page-major: the KV transfer sends and receives whole pages through `page_buffer`), and the
     batched forward step. Pages hold garbage until a forward writes them.
     """
@@ -50,11 +50,11 @@ class LlamaRunner:
         device: torch.device | str = "cpu",
     ) -> None:
         """Load `files` (config.json, *.safetensors) and allocate `num_pages` pages of KV, weights
-        and pages on `device` in `dtype` (None: `engine.device.weight_dtype`, fp32 on the CPU,
+        and pages on `device` in `dtype` (None: `kvmesh.engine.device.weight_dtype`, fp32 on the CPU,
         bf16 on a GPU; a GGUF file's weights are dequantized at load).
 
         With gguf_blocks, CPU decode steps (up to `QUANTIZED_MAX_BATCH` sequences) compute from
-        the GGUF blocks the loader kept beside a converted GGUF file (`engine.gguf_blocks`);
+        the GGUF blocks the loader kept beside a converted GGUF file (`kvmesh.engine.gguf_blocks`);
         False, or another device, serves every step from the dense weights.
 
         Raises ValueError for a non-Llama checkpoint, num_pages < 1, page_size < 1, or a
@@ -78,9 +78,9 @@ class LlamaRunner:
         c = self.config
         self.page_layout = llama_layout(c.num_layers, page_size, c.num_kv_heads, c.head_dim, dtype, str(self.device))
         # one page more than the pool's: the scratch page the padding rows of a CUDA graph's
-        # bucket write (engine.cuda_graphs), never handed to a request
+        # bucket write (kvmesh.engine.cuda_graphs), never handed to a request
         self.memory = self.page_layout.allocate(num_pages + 1)
-        self.kv_cache = self.memory.pages[:num_pages]  # [P, L, 2, S, K, D]: engine.kv_layout.LLAMA_PAGE
+        self.kv_cache = self.memory.pages[:num_pages]  # [P, L, 2, S, K, D]: kvmesh.engine.kv_layout.LLAMA_PAGE
         self.scratch_page = num_pages
         self.decode_graphs: DecodeGraphs | None = None
         """CUDA graphs of the decode step (`enable_decode_graphs`); None: every step eager."""
@@ -118,7 +118,7 @@ class LlamaRunner:
 
     def page_buffer(self, page_id: int) -> np.ndarray | torch.Tensor:
         """Zero-copy, writable 1-D uint8 view of page `page_id` (page_nbytes bytes): numpy on
-        the CPU, a device tensor on a GPU (engine.kv_layout.KVMemory.page_buffer).
+        the CPU, a device tensor on a GPU (kvmesh.engine.kv_layout.KVMemory.page_buffer).
 
         Only write whole pages of K/V bytes from another LlamaRunner of the same model, page
         size and dtype: attention reads unused slots too (then masks them), so they must stay
@@ -130,7 +130,7 @@ class LlamaRunner:
 
     def enable_decode_graphs(self, max_batch: int) -> None:
         """Serve decode steps of up to max_batch sequences from CUDA graphs captured now, one a
-        bucket (engine.cuda_graphs); on the CPU the same fixed-shape steps run eagerly (tests)."""
+        bucket (kvmesh.engine.cuda_graphs); on the CPU the same fixed-shape steps run eagerly (tests)."""
         self.decode_graphs = DecodeGraphs(self, max_batch, capture=self.device.type == "cuda")
         seconds = self.decode_graphs.capture_all()
         logger.info(

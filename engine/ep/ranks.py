@@ -1,10 +1,10 @@
 """Rank 0's hold on ranks 1..N-1 of expert-parallel decode, over one control link each
-(engine.ep_link): ranks it spawns on this host (`RankProcesses`, each runs
-engine.ep_worker.worker_main and maps rank 0's pages), or ranks on other hosts that join it over
+(kvmesh.engine.ep.link): ranks it spawns on this host (`RankProcesses`, each runs
+kvmesh.engine.ep.worker.worker_main and maps rank 0's pages), or ranks on other hosts that join it over
 the network (`RemoteRanks`, each a `kvmesh serve ep-rank` process running
-engine.ep_worker.remote_main with pages of its own). Rank 0 waits for what they report while
+kvmesh.engine.ep.worker.remote_main with pages of its own). Rank 0 waits for what they report while
 starting, sends each step's plan down the links, says why they went down when a step fails,
-and stops them (engine.ep_runner is rank 0's runner over them).
+and stops them (kvmesh.engine.ep.runner is rank 0's runner over them).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from engine.ep_link import SILENT_AFTER_S, STOP, Link
-from engine.ep_worker import WorldSpec, worker_main
+from kvmesh.engine.ep.link import SILENT_AFTER_S, STOP, Link
+from kvmesh.engine.ep.worker import WorldSpec, worker_main
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """Every tensor a DeepSeek-V4 config implies, by name (transformers' naming; `mtp.0.` for the
-multi-token-prediction module) and shape: what engine.models.deepseek_v4_weights checks a
-checkpoint against, and what engine.tiny_models fills with random values.
+multi-token-prediction module) and shape: what kvmesh.engine.deepseek_v4.weights checks a
+checkpoint against, and what kvmesh.bench.tiny_models fills with random values.
 """
 
 from __future__ import annotations
 
-from engine.models.deepseek_v4_state import CSA, HCA, SLIDING
+from kvmesh.engine.deepseek_v4.state import CSA, HCA, SLIDING
 
 MTP_PREFIX = "mtp.0."
 """Where the multi-token-prediction module's tensors live, in either naming."""

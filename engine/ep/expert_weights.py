@@ -8,7 +8,7 @@ model is built without the main layers' routed experts (`rank_keeps`), and this 
 ones a placement names straight from the safetensors files (memory-mapped: only the bytes of
 those experts are touched), at start and again for each new placement.
 
-Both namings `engine.models.deepseek_v4_weights` accepts work: transformers' fused
+Both namings `kvmesh.engine.deepseek_v4.weights` accepts work: transformers' fused
 `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] (one row of
 E is read), or DeepSeek's per-expert `layers.{i}.ffn.experts.{e}.w1/w2/w3.weight` (gate_up is
 w1 then w3, as `normalize_names` stacks them). The MTP block's experts are not routed over
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import checkpoint_tensor_names
-from engine.models.deepseek_v4_weights import normalize_key, routed_expert_key
+from kvmesh.engine.checkpoint import checkpoint_tensor_names
+from kvmesh.engine.deepseek_v4.weights import normalize_key, routed_expert_key
 
 
 def rank_keeps(key: str) -> bool:

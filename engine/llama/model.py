@@ -10,22 +10,22 @@
   2.6e-5 to 4.3e-5, still inside the 1e-4 parity bound the tests hold it to (the tied
   lm_head keeps the embedding's [V, H] layout: a transposed copy would cost 113 MB);
 - every sequence's tokens go through each matmul as one [T, H] batch;
-- prefill's fp32 matmuls run through oneDNN (`kernels.dense`) on CPUs not made by Intel:
+- prefill's fp32 matmuls run through oneDNN (`kvmesh.kernels.dense`) on CPUs not made by Intel:
   PyTorch's MKL takes a generic path there (oneDNN's AVX-512 code ran 1.6-2x faster on prefill's
   shapes on an AMD EPYC); on Intel's they stay on MKL, the faster of the two there;
 - logits only for the rows asked for (the last new token of each sequence);
 - a decode step (one new token a sequence) of up to `QUANTIZED_MAX_BATCH` sequences
   multiplies straight from the GGUF file's Q4_1 / Q8_0 blocks when the checkpoint has them
-  (`kernels.quant`), reading 5x fewer weight bytes than fp32. Prefill keeps the fp32 weights:
+  (`kvmesh.kernels.quant`), reading 5x fewer weight bytes than fp32. Prefill keeps the fp32 weights:
   a prompt's first positions carry residuals near 2e4, where the kernels' per-block sums
   round up to 1.5e-4 away from transformers' logits, past the 1e-4 the parity tests hold;
 - a decode step of up to `QUANTIZED_MAX_BATCH` sequences runs as one numba call,
-  `engine.models.llama_step.decode_step`: every layer and the lm_head from the blocks, with
+  `kvmesh.engine.llama.step.decode_step`: every layer and the lm_head from the blocks, with
   RMSNorm, RoPE, the K/V write, attention over each sequence's own pages and SiLU*up in the same
-  call, so no torch op runs per layer. Measured on 2 busy-shared cores (`bench.profile_decode`):
+  call, so no torch op runs per layer. Measured on 2 busy-shared cores (`kvmesh.bench.profile_decode`):
   as torch ops around the block kernels a batch-1 step spent 6.3 ms a token outside the matmuls
   (RMSNorm alone 2.0 ms, ~16 us a torch op on a [1, H] tensor), fused 1.5 ms; a 16-sequence step
-  spent ~40 ms outside them. Its matmuls are the block kernels' tiles (`kernels.quant.q4_1_tile`),
+  spent ~40 ms outside them. Its matmuls are the block kernels' tiles (`kvmesh.kernels.quant.q4_1_tile`),
   bit for bit; the rest rounds within an ulp or two of the torch ops (sums in another order), well
   inside the parity bound, and a sequence gets the same bits alone or in any batch.
 """
@@ -39,13 +39,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.gguf_blocks import GGUFBlocks
-from engine.models.llama_step import decode_step
-from kernels import AttentionMetadata, apply_rotary, paged_attention, rms_norm, silu_and_mul
-from kernels.attention import DecodeGroup
-from kernels.dense import dense_matmul, onednn_weight
-from kernels.quant import TN, Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0, quantized_matmul
+from kvmesh.engine.config import ModelConfig
+from kvmesh.engine.gguf_blocks import GGUFBlocks
+from kvmesh.engine.llama.step import decode_step
+from kvmesh.kernels import AttentionMetadata, apply_rotary, paged_attention, rms_norm, silu_and_mul
+from kvmesh.kernels.attention import DecodeGroup
+from kvmesh.kernels.dense import dense_matmul, onednn_weight
+from kvmesh.kernels.quant import TN, Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0, quantized_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +63,13 @@ class _Layer:
     q_o: Q4_1Weight | Q8_0Weight | None = None
     q_gate_up: Q4_1Weight | Q8_0Weight | None = None
     q_down: Q4_1Weight | Q8_0Weight | None = None
-    # oneDNN's copies of w_qkv, w_o, w_gate_up, w_down for prefill's GEMMs (`kernels.dense`)
+    # oneDNN's copies of w_qkv, w_o, w_gate_up, w_down for prefill's GEMMs (`kvmesh.kernels.dense`)
     dnn: tuple[torch.Tensor | None, ...] = (None, None, None, None)
 
 
 QUANTIZED_MAX_BATCH = 64
 """Decode steps of up to this many sequences use the block kernels. Measured on 2 cores of an Intel
-Xeon (`python -m bench.quant --rows 16 32 64 128 256`): Q4_1 layers 2.3x the speed of
+Xeon (`python -m kvmesh.bench.quant --rows 16 32 64 128 256`): Q4_1 layers 2.3x the speed of
 torch's fp32 GEMM (MKL) at 16 rows, 1.4x at 32, 1.0x at 64, 0.73x at 128; the Q8_0 lm_head 1.7-2.1x
 at 16, 1.1x at 64. (AMD EPYC, before the register-blocked rows: 2.8x at 16, 1.6x at 64.)"""
 
@@ -86,7 +86,7 @@ def _pack(blocks: dict[str, GGUFBlocks], names: list[str]) -> Q4_1Weight | Q8_0W
 
 def _mm(x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None, dnn: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ w [in, out], from the blocks q [out, in] when given, else through oneDNN's
-    copy dnn when given (`kernels.dense`)."""
+    copy dnn when given (`kvmesh.kernels.dense`)."""
     return dense_matmul(x, w, dnn) if q is None else quantized_matmul(x, q)
 
 
@@ -96,7 +96,7 @@ def _lm_head(h: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None
 
 
 class LlamaModel:
-    """Llama weights plus the forward pass; holds no KV, which `LlamaRunner` (engine/llama_runner.py) owns."""
+    """Llama weights plus the forward pass; holds no KV, which `LlamaRunner` (engine/llama/runner.py) owns."""
 
     def __init__(
         self,
@@ -109,7 +109,7 @@ class LlamaModel:
         """Take transformers-named tensors (`model.layers.{i}.self_attn.q_proj.weight`, ...),
         converted to `dtype` on `device` as they are taken.
 
-        `blocks` are GGUF blocks of some of those weights (`engine.gguf_blocks.load_blocks`),
+        `blocks` are GGUF blocks of some of those weights (`kvmesh.engine.gguf_blocks.load_blocks`),
         used for CPU decode steps when dtype is fp32 (ignored on another device or dtype). Raises
         ValueError when a tensor is missing, has the wrong shape, or is left over (e.g. a bias
         this model does not have).
@@ -248,7 +248,7 @@ class LlamaModel:
 
         input_ids [T] int64; cos, sin_rot [T, 1, D] RoPE rows at each token's position
         (`kernels.rope_table`); meta from `kernels.build_attention_metadata`; kv_cache
-        [P, L, 2, S, K, D], `engine.kv_layout.LLAMA_PAGE` (written in place); logits_index [B] int64 rows of T to
+        [P, L, 2, S, K, D], `kvmesh.engine.kv_layout.LLAMA_PAGE` (written in place); logits_index [B] int64 rows of T to
         compute logits for, or None for all rows. Returns [B, V] fp32.
         """
         c = self.config

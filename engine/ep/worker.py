@@ -1,12 +1,12 @@
 # P=pages, R=state slots, B=sequences of this rank, V=vocab
 """Ranks 1..N-1 of expert-parallel decode: processes that hold the model and their share of the
-routed experts, and run their share of each step when rank 0 says so (engine.ep_runner is rank 0).
+routed experts, and run their share of each step when rank 0 says so (kvmesh.engine.ep.runner is rank 0).
 
 Control and data take different roads. Rank 0 sends each step's plan (this rank's sequences,
 its first global token index, a placement to load first, pages and state slots to take or give
-back) over a control link (engine.ep_link: a pipe, or an authenticated TCP connection to a rank
+back) over a control link (kvmesh.engine.ep.link: a pipe, or an authenticated TCP connection to a rank
 on another host), so an idle rank waits for work without a collective timing out; the step's
-data (pages and slots, the MoE dispatch and combine, engine.expert_parallel, and the logits
+data (pages and slots, the MoE dispatch and combine, kvmesh.engine.ep.dispatch, and the logits
 gathered to rank 0) goes over torch.distributed, every wait bounded by the process group's
 timeout. A rank that loses rank 0 (its parent gone, its link closed or silent) exits within
 seconds; one whose step fails sends rank 0 the traceback and exits, so rank 0's collective
@@ -14,7 +14,7 @@ fails at once and names the cause.
 
 Where the KV pages and state slots live depends on the host:
 - a rank spawned on rank 0's host (`worker_main`) maps rank 0's shared-memory region
-  (kvstore.shared_memory) writable through /proc/PID/fd/FD, so whichever rank runs a
+  (kvmesh.kvstore.shared_memory) writable through /proc/PID/fd/FD, so whichever rank runs a
   sequence's attention reads and extends the same pages;
 - a rank on another host (`remote_main`, `kvmesh serve ep-rank`) holds a mirror of the pool in
   its own memory: rank 0 sends it the pages and slots of the sequences it runs that it lacks
@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.ep_link import STOP, Link
-from engine.forward import ForwardItem
-from engine.kv_layout import flat_layout
-from kvstore.shared_memory import HEADER_NBYTES, RegionDescriptor, map_region
+from kvmesh.engine.ep.link import STOP, Link
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.kv_layout import flat_layout
+from kvmesh.kvstore.shared_memory import HEADER_NBYTES, RegionDescriptor, map_region
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.checkpoint import ModelFiles
+    from kvmesh.engine.checkpoint import ModelFiles
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def recv_from_zero(numel: int, spec: WorldSpec):
 
 
 def _placement(arrays: tuple[np.ndarray, np.ndarray], num_ranks: int):
-    from engine.eplb import Placement
+    from kvmesh.engine.ep.eplb import Placement
 
     return Placement(np.asarray(arrays[0], np.int64), np.asarray(arrays[1], np.int64), num_ranks)
 
@@ -307,14 +307,14 @@ def _build(spec: WorldSpec, rank: int):
     """(model, its ExpertParallelMoE, pages [P, page_floats], slots [R, slot_floats]) of a worker."""
     import torch
 
-    from engine.checkpoint import load_checkpoint_tensors
-    from engine.expert_parallel import ExpertParallelMoE
-    from engine.expert_weights import CheckpointExperts, rank_keeps
-    from engine.models.deepseek_v4 import DeepseekV4Model
-    from engine.models.deepseek_v4_state import V4StateLayout
-    from engine.models.deepseek_v4_weights import has_mtp
-    from engine.models.deepseek_v4_weights import load_config as load_v4_config
-    from kernels.backend import create_kernel_backend
+    from kvmesh.engine.checkpoint import load_checkpoint_tensors
+    from kvmesh.engine.deepseek_v4.model import DeepseekV4Model
+    from kvmesh.engine.deepseek_v4.state import V4StateLayout
+    from kvmesh.engine.deepseek_v4.weights import has_mtp
+    from kvmesh.engine.ep.dispatch import ExpertParallelMoE
+    from kvmesh.engine.ep.expert_weights import CheckpointExperts, rank_keeps
+    from kvmesh.engine.loader import load_deepseek_v4_config as load_v4_config
+    from kvmesh.kernels.backend import create_kernel_backend
 
     hf_config = load_v4_config(spec.files.checkpoint_dir, spec.files.name)
     # every tensor but the main layers' routed experts: the rank reads only its slots' experts

