@@ -68,7 +68,7 @@ def run_pull_bench(args) -> int:
         pull = statistics.median(r.pull_s for r in pulled) * 1000
         rest = statistics.median(r.compute_s for r in pulled) * 1000
         tokens = statistics.median(r.num_pulled_tokens for r in pulled)
-        nbytes = tokens // 16 * pulled[0].page_nbytes
+        nbytes = tokens // 16 * pulled[0].kv_transfer.page_nbytes
         gbps = nbytes / (pull / 1000) / 1e9 if pull and tokens else 0.0
         print(f"{n:>14}{c:>10.1f}{tokens:>12.0f}{pull:>10.1f}{rest:>10.1f}{pull + rest:>11.1f}"
               f"{(pull + rest) / c:>8.2f}x{gbps:>8.2f}")  # fmt: skip

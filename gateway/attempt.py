@@ -10,6 +10,7 @@ answer: the address, and how many leading pages decode holds, which the push the
 its round trip covers the prefill choice; otherwise Prefill (TTFT's path) leaves first under a
 transfer id the gateway picks and Reserve right behind it, neither waiting for the other. A Reserve that
 answers another address or id (a restarted KV listener, an older decode) gets Prefill again.
+What every attempt of a request shares, `Hops`, holds the bounds on each hop (`Deadlines`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from kvmesh.engine.outcomes import FailureCause
 from kvmesh.gateway import wire
 from kvmesh.gateway.accounting import AttemptAccounting
 from kvmesh.gateway.answer import Answer
-from kvmesh.gateway.config import Deadlines
 from kvmesh.gateway.failure import RequestFailed, failure_from_rpc
+from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.requests import GenerateInput
-from kvmesh.gateway.router import InstanceLoad
 from kvmesh.protos.v1 import decode_pb2, gateway_pb2, prefill_pb2
 from kvmesh.runtime import tracing
 
@@ -50,6 +50,25 @@ GRAMMAR_COMPILE_ALLOWANCE_S = 60.0
 before its first step, and an instance's first grammar also builds xgrammar's table of the
 vocabulary (seconds on a quiet host, 30 s seen on a busy 2-core one). A decode that died or froze
 meanwhile is still caught by the channel's keepalive pings (kvmesh.runtime.service, 5 s)."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """The bounds on a request's hops (seconds), the same for every request of a gateway."""
+
+    rpc_timeout_s: float
+    """Deadline of Reserve; past the KV deadline, the bound on decode's first message."""
+    token_timeout_s: float
+    """Longest wait for the next message of the decode stream."""
+    prefill_timeout_base_s: float
+    """A Prefill call's deadline is this plus the tokens queued before it at the floor rate."""
+    prefill_min_tokens_per_s: float
+    """The floor rate of prefill (tokens a second) the Prefill deadline allows for."""
+
+    def prefill_s(self, queued_tokens: int) -> float:
+        """A Prefill call's deadline: base + `queued_tokens` (on the instance, this prompt's
+        included) at the floor rate, seconds."""
+        return self.prefill_timeout_base_s + queued_tokens / self.prefill_min_tokens_per_s
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,15 @@ class GatewayConfig:
     drain_grace_s: float = drain_grace_setting()
 
     def __post_init__(self) -> None:
+        self._check_instances()
+        self._check_routing()
+        self._check_durations()
+        self._check_queue_bounds()
+        self._check_fronts()
+        self._check_max_tokens()
+
+    def _check_instances(self) -> None:
+        """Instances to route to (listed, or found in the registry), each listed one host:port."""
         if not self.discovers:
             if not self.prefill_addresses:
                 raise ValueError(
@@ -217,13 +226,17 @@ class GatewayConfig:
                 host, _, port = a.rpartition(":")
                 if not host or not port.isdigit() or not 0 < int(port) < 65536:
                     raise ValueError(f"{flag} needs host:port with a port in [1, 65535], got {a!r}")
+
+    def _check_routing(self) -> None:
+        """The page size, the routing policy and its load weight."""
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token (the same on every service), got {self.page_size}")
         check_policy(self.routing_policy)
-        if self.max_tokens_limit < 1:
-            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
             raise ValueError(f"load_weight must be a finite number >= 0, got {self.load_weight}")
+
+    def _check_durations(self) -> None:
+        """Deadlines, rates and intervals: finite and > 0 (the wait for instances may be 0)."""
         for name in (
             "rpc_timeout_s",
             "prefill_timeout_base_s",
@@ -237,26 +250,35 @@ class GatewayConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        if (
-            min(
-                self.max_queued_requests,
-                self.max_queued_tokens,
-                self.max_requests_per_key,
-                self.max_queued_tokens_per_key,
-            )
-            < 0
-        ):
+        if not (math.isfinite(self.wait_for_instances_s) and self.wait_for_instances_s >= 0):
+            raise ValueError(f"wait_for_instances_s must be a finite number >= 0, got {self.wait_for_instances_s}")
+
+    def _check_queue_bounds(self) -> None:
+        """The admission queue's bounds, in total and per key: >= 0 (0 per key: no bound)."""
+        bounds = (
+            self.max_queued_requests,
+            self.max_queued_tokens,
+            self.max_requests_per_key,
+            self.max_queued_tokens_per_key,
+        )
+        if min(bounds) < 0:
             raise ValueError(
                 f"max_queued_requests, max_queued_tokens, max_requests_per_key and max_queued_tokens_per_key "
                 f"must be >= 0, got {self.max_queued_requests}, {self.max_queued_tokens}, "
                 f"{self.max_requests_per_key}, {self.max_queued_tokens_per_key}"
             )
-        if not (math.isfinite(self.wait_for_instances_s) and self.wait_for_instances_s >= 0):
-            raise ValueError(f"wait_for_instances_s must be a finite number >= 0, got {self.wait_for_instances_s}")
+
+    def _check_fronts(self) -> None:
+        """The HTTP port (apart from the gRPC one) and TLS (a certificate and its key, or neither)."""
         if not 0 <= self.http_port < 65536 or self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port must be in [0, 65535] and differ from the gRPC port, got {self.http_port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both --tls-cert and --tls-key (or neither)")
+
+    def _check_max_tokens(self) -> None:
+        """The largest max_tokens a request may ask for, and the default within it."""
+        if self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError(
                 f"default_max_tokens must be in [1, {self.max_tokens_limit}], got {self.default_max_tokens}"
@@ -266,22 +288,3 @@ class GatewayConfig:
     def discovers(self) -> bool:
         """Whether instances come from the registry too (--discover with a --redis-url)."""
         return self.discover and bool(self.redis_url)
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """The bounds on a request's hops (seconds), the same for every request of a gateway."""
-
-    rpc_timeout_s: float
-    """Deadline of Reserve; past the KV deadline, the bound on decode's first message."""
-    token_timeout_s: float
-    """Longest wait for the next message of the decode stream."""
-    prefill_timeout_base_s: float
-    """A Prefill call's deadline is this plus the tokens queued before it at the floor rate."""
-    prefill_min_tokens_per_s: float
-    """The floor rate of prefill (tokens a second) the Prefill deadline allows for."""
-
-    def prefill_s(self, queued_tokens: int) -> float:
-        """A Prefill call's deadline: base + `queued_tokens` (on the instance, this prompt's
-        included) at the floor rate, seconds."""
-        return self.prefill_timeout_base_s + queued_tokens / self.prefill_min_tokens_per_s

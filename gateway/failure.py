@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 
 from kvmesh.engine.outcomes import FailureCause
-from kvmesh.gateway.router import InstanceLoad
+from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.runtime.wire import cause_of, retry_after_of
 
 

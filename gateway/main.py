@@ -7,8 +7,9 @@ import argparse
 import asyncio
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from kvmesh.engine.checkpoint import load_tokenizer, model_fingerprint
+from kvmesh.engine.checkpoint import ModelFiles, load_tokenizer, model_fingerprint
 from kvmesh.engine.loader import load_config, resolve_model
 from kvmesh.gateway import metrics
 from kvmesh.gateway.admission import AdmissionQueue
@@ -26,6 +27,9 @@ from kvmesh.protos.v1 import gateway_pb2_grpc
 from kvmesh.runtime import lifecycle, service
 from kvmesh.runtime.lifecycle import Lifecycle
 
+if TYPE_CHECKING:
+    from kvmesh.gateway.http.server import HttpFront
+
 logger = logging.getLogger(__name__)
 
 API_KEYS_ENV = "KVMESH_API_KEYS"
@@ -41,8 +45,26 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     builder = PromptBuilder(
         tokenizer, files.name, model_config.max_position_embeddings, config.default_max_tokens, config.max_tokens_limit
     )
+    pool = _instance_pool(config, files)
+    path = _request_path(config, builder, pool, frozenset(model_config.eos_token_ids))
+    svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port, tls=_read_tls(config))
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(path), svc.server)
+    http = _http_front(config, path)
+    await _wait_for_instances(config)
+    await pool.poll_once()
+    release = await _start_discovery(config, pool, files.name)
+    pool.start_polling(config.stats_interval_s)
+    service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
+    life = Lifecycle(svc, config.drain_grace_s, [http] if http is not None else [])
+    await life.start()
+    banner = _banner(config, files.name, svc.address, http, len(path.keys))
+    await life.serve(stop, banner, release=[*release, pool.close])
+
+
+def _instance_pool(config: GatewayConfig, files: ModelFiles) -> InstancePool:
+    """The pool of the listed instances, reading the prefix index in config.redis_url (if any)."""
     index = AsyncRedisKVIndexReader(config.redis_url, model=files.name) if config.redis_url else None
-    pool = InstancePool(
+    return InstancePool(
         config.prefill_addresses,
         config.decode_addresses,
         config.page_size,
@@ -57,6 +79,13 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         config.pull_min_blocks,
         config.tier_hit_weight,
     )
+
+
+def _request_path(
+    config: GatewayConfig, builder: PromptBuilder, pool: InstancePool, eos_token_ids: frozenset[int]
+) -> RequestPath:
+    """The one request path over `pool`: its admission queue (pumped as capacity grows), the API
+    keys (ValueError when --api-key-file cannot be read) and the session table."""
     admission = AdmissionQueue(
         pool.decode_capacity,
         config.max_queued_requests,
@@ -70,11 +99,11 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         keys = ApiKeys.load(config.api_key_file, os.environ.get(API_KEYS_ENV, ""))
     except OSError as exc:
         raise ValueError(f"--api-key-file {config.api_key_file}: {exc.strerror}") from None
-    path = RequestPath(
+    return RequestPath(
         builder,
         pool,
         admission,
-        frozenset(model_config.eos_token_ids),
+        eos_token_ids,
         config.rpc_timeout_s,
         config.prefill_timeout_base_s,
         config.prefill_min_tokens_per_s,
@@ -82,51 +111,66 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
         keys,
         SessionTable(config.max_sessions),
     )
-    tls = None
-    if config.tls_cert:
-        try:
-            with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
-                tls = (k.read(), c.read())
-        except OSError as exc:
-            raise ValueError(f"TLS: cannot read {exc.filename}: {exc.strerror}") from None
-    svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port, tls=tls)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(path), svc.server)
-    http = None
-    if config.http_port:
-        from kvmesh.gateway.http_api import HttpFront  # starlette and uvicorn load only when HTTP is on
 
-        http = HttpFront(
-            path,
-            config.host,
-            config.http_port,
-            config.tls_cert,
-            config.tls_key,
-            config.drain_grace_s,
-            tool_parser=config.tool_parser,
-            session_from_user=config.session_from_user,
-        )
+
+def _read_tls(config: GatewayConfig) -> tuple[bytes, bytes] | None:
+    """(private key, certificate chain) as PEM bytes, or None for plain TCP; ValueError naming
+    the file that cannot be read."""
+    if not config.tls_cert:
+        return None
+    try:
+        with open(config.tls_key, "rb") as k, open(config.tls_cert, "rb") as c:
+            return k.read(), c.read()
+    except OSError as exc:
+        raise ValueError(f"TLS: cannot read {exc.filename}: {exc.strerror}") from None
+
+
+def _http_front(config: GatewayConfig, path: RequestPath) -> HttpFront | None:
+    """The OpenAI-compatible HTTP front over `path` (kvmesh.gateway.http.server.HttpFront), or None
+    without --http-port."""
+    if not config.http_port:
+        return None
+    from kvmesh.gateway.http.server import HttpFront  # starlette and uvicorn load only when HTTP is on
+
+    return HttpFront(
+        path,
+        config.host,
+        config.http_port,
+        config.tls_cert,
+        config.tls_key,
+        config.drain_grace_s,
+        tool_parser=config.tool_parser,
+        session_from_user=config.session_from_user,
+    )
+
+
+async def _wait_for_instances(config: GatewayConfig) -> None:
+    """With --wait-for-instances: wait for every listed instance to report SERVING."""
     if config.wait_for_instances_s:
         # started beside its instances (`kvmesh up`): the tokenizer loaded while they loaded
         # their models; SERVING only once every listed instance is, so the first poll finds them
         addresses = [*config.prefill_addresses, *config.decode_addresses]
         await asyncio.gather(*(service.wait_for_health(a, config.wait_for_instances_s) for a in addresses))
-    await pool.poll_once()
-    release: list = []
-    if config.discovers:
-        registry = AsyncRegistryReader(config.redis_url, model=files.name)
-        discovery = Discovery(registry.live, pool, config.discovery_interval_s)
-        await discovery.refresh()  # after the static instances' first poll: their ids dedupe the registry's
-        discovery.start()
-        release += [discovery.close, registry.close]
-    pool.start_polling(config.stats_interval_s)
-    service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
-    life = Lifecycle(svc, config.drain_grace_s, [http] if http is not None else [])
-    await life.start()
+
+
+async def _start_discovery(config: GatewayConfig, pool: InstancePool, model: str) -> list:
+    """With --discover and a --redis-url: add the registry's instances now and follow it in the
+    background. Returns what to close at shutdown (none without discovery)."""
+    if not config.discovers:
+        return []
+    registry = AsyncRegistryReader(config.redis_url, model=model)
+    discovery = Discovery(registry.live, pool, config.discovery_interval_s)
+    await discovery.refresh()  # after the static instances' first poll: their ids dedupe the registry's
+    discovery.start()
+    return [discovery.close, registry.close]
+
+
+def _banner(config: GatewayConfig, model: str, address: str, http: HttpFront | None, num_keys: int) -> str:
+    """The line logged once the gateway serves: its model, its addresses and how it is set up."""
     http_note = f", OpenAI HTTP API on {http.address}/v1" if http is not None else ""
-    keys_note = f", {len(keys)} API keys" if len(keys) else ""
+    keys_note = f", {num_keys} API keys" if num_keys else ""
     found = ", finding instances in the Redis registry" if config.discovers else ""
-    banner = f"gateway serving {files.name} on {svc.address}{http_note}{keys_note}{found}"
-    await life.serve(stop, banner, release=[*release, pool.close])
+    return f"gateway serving {model} on {address}{http_note}{keys_note}{found}"
 
 
 def main(args: argparse.Namespace) -> None:

@@ -1,6 +1,7 @@
 """The gateway's one request path: authenticate, validate, admit, route, and the retry loop
-over attempts. The gRPC servicer (gateway/servicer.py) and the OpenAI-compatible HTTP front
-(gateway/http_api.py) are thin adapters over `RequestPath`.
+over attempts (the routing and the retries are gateway/tries.py's). The gRPC servicer
+(gateway/servicer.py) and the OpenAI-compatible HTTP front (gateway/http/) are thin adapters
+over `RequestPath`.
 
 Per request: check the caller's API key; tokenize; wait for a turn in the admission queue
 (a burst beyond the decode pools queues, bounded, and each key within its own bounds); hash
@@ -36,15 +37,14 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from kvmesh.engine.outcomes import FailureCause
 from kvmesh.gateway import metrics, wire
 from kvmesh.gateway.admission import AdmissionQueue, OverloadedError
-from kvmesh.gateway.answer import Answer, record_final
-from kvmesh.gateway.attempt import Attempt, Hops
+from kvmesh.gateway.answer import record_final
+from kvmesh.gateway.attempt import Deadlines, Hops
 from kvmesh.gateway.auth import ApiKeys
-from kvmesh.gateway.config import Deadlines
 from kvmesh.gateway.failure import RequestFailed
 from kvmesh.gateway.pool import InstancePool, MismatchError
 from kvmesh.gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
 from kvmesh.gateway.sessions import SessionTable
-from kvmesh.kvstore.block_hash import hash_blocks, tenant_root
+from kvmesh.gateway.tries import GatewayParts, Tries
 from kvmesh.protos.v1 import gateway_pb2
 from kvmesh.runtime import tracing
 from kvmesh.runtime.logs import request_context
@@ -177,45 +177,13 @@ class RequestPath:
             span.end()
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, key: str, span, arrived: float, session: str):
+        """The request's steps once its key is known: check and tokenize it, check the mesh can
+        serve it, wait for its turn in the admission queue, then run its tries."""
+        inp, session_key = await self._checked_input(request, key, span, session)
+        self._check_servable(inp)
         t0 = tracing.now_ns()
-        try:
-            session_key = self.sessions.key(self.keys.tenant_of(key), session) if session else b""
-            if _tokenize_inline(request):
-                inp = wire.generate_input(self.builder, request)
-            else:
-                inp = await asyncio.to_thread(wire.generate_input, self.builder, request)
-        except UnknownModelError as exc:
-            raise RequestFailed(FailureCause.UNKNOWN_MODEL, str(exc)) from None
-        except ValueError as exc:
-            raise RequestFailed(FailureCause.BAD_REQUEST, str(exc)) from None
-        rid = inp.request_id
-        request_context.set((rid, tracing.trace_id(span)))
-        span.set_attribute("kvmesh.request_id", rid)
-        tracing.record(
-            span, "gateway.tokenize", t0, tracing.now_ns(), {"kvmesh.prompt_tokens": len(inp.prompt_token_ids)}
-        )
-        try:
-            self.pool.check_usable()
-        except MismatchError as exc:
-            raise RequestFailed(FailureCause.MISMATCH, f"[{rid}] {exc}") from None
-        except LookupError as exc:
-            raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
-        largest = self.pool.max_decode_batch()
-        if largest and inp.sampling.n > largest:  # refused before any leg runs: no decode could hold it
-            raise RequestFailed(
-                FailureCause.BAD_REQUEST,
-                f"[{rid}] n is {inp.sampling.n}, more than the largest decode batch ({largest} sequences); "
-                f"ask for at most {largest} choices",
-                param="n",
-            )
-        t0 = tracing.now_ns()
-        n_prompt = len(inp.prompt_token_ids)
-        try:
-            priority, weight = self.keys.class_of(key)
-            waited = await self.admission.admit(n_prompt, key, priority, weight)
-        except OverloadedError as exc:
-            raise RequestFailed(FailureCause.OVERLOADED, f"[{rid}] {exc}", retry_after_s=exc.retry_after_s) from None
-        unprefilled = n_prompt  # the key's prompt tokens still waiting for prefill
+        waited = await self._admit(inp, key)
+        unprefilled = len(inp.prompt_token_ids)  # the key's prompt tokens still waiting for prefill
         try:
             if waited:
                 tracing.record(span, "kvmesh.gateway.admission", t0, tracing.now_ns())
@@ -236,108 +204,71 @@ class RequestPath:
         finally:
             self.admission.done(key, unprefilled)
 
-    async def _attempts(
+    async def _checked_input(
+        self, request: gateway_pb2.GenerateRequest, key: str, span, session: str
+    ) -> tuple[GenerateInput, bytes]:
+        """(the request checked and tokenized, its session's key: SessionTable.key, b"" without
+        a session). Small requests are tokenized on the event loop, larger ones in a thread
+        (_tokenize_inline); the request id goes on log lines and the span from here on.
+
+        Raises RequestFailed: UNKNOWN_MODEL, or BAD_REQUEST for input a caller can fix."""
+        t0 = tracing.now_ns()
+        try:
+            session_key = self.sessions.key(self.keys.tenant_of(key), session) if session else b""
+            if _tokenize_inline(request):
+                inp = wire.generate_input(self.builder, request)
+            else:
+                inp = await asyncio.to_thread(wire.generate_input, self.builder, request)
+        except UnknownModelError as exc:
+            raise RequestFailed(FailureCause.UNKNOWN_MODEL, str(exc)) from None
+        except ValueError as exc:
+            raise RequestFailed(FailureCause.BAD_REQUEST, str(exc)) from None
+        rid = inp.request_id
+        request_context.set((rid, tracing.trace_id(span)))
+        span.set_attribute("kvmesh.request_id", rid)
+        tracing.record(
+            span, "gateway.tokenize", t0, tracing.now_ns(), {"kvmesh.prompt_tokens": len(inp.prompt_token_ids)}
+        )
+        return inp, session_key
+
+    def _check_servable(self, inp: GenerateInput) -> None:
+        """Refuse, before any leg runs, what no instance can serve. Raises RequestFailed: MISMATCH
+        (every instance of a role disagrees with the gateway), NO_INSTANCE (none routable),
+        BAD_REQUEST (more choices than the largest decode batch)."""
+        rid = inp.request_id
+        try:
+            self.pool.check_usable()
+        except MismatchError as exc:
+            raise RequestFailed(FailureCause.MISMATCH, f"[{rid}] {exc}") from None
+        except LookupError as exc:
+            raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
+        largest = self.pool.max_decode_batch()
+        if largest and inp.sampling.n > largest:  # no decode could hold it
+            raise RequestFailed(
+                FailureCause.BAD_REQUEST,
+                f"[{rid}] n is {inp.sampling.n}, more than the largest decode batch ({largest} sequences); "
+                f"ask for at most {largest} choices",
+                param="n",
+            )
+
+    async def _admit(self, inp: GenerateInput, key: str) -> float:
+        """Wait for the request's turn in the admission queue, in its key's class; returns the
+        seconds it waited. Raises RequestFailed(OVERLOADED, retry_after_s set) past a bound."""
+        try:
+            priority, weight = self.keys.class_of(key)
+            return await self.admission.admit(len(inp.prompt_token_ids), key, priority, weight)
+        except OverloadedError as exc:
+            rid = inp.request_id
+            raise RequestFailed(FailureCause.OVERLOADED, f"[{rid}] {exc}", retry_after_s=exc.retry_after_s) from None
+
+    def _attempts(
         self, inp: GenerateInput, span, arrived: float, waited: float, tenant: str = "", session_key: bytes = b""
-    ):
-        """Route and run the request; retry once on other instances while no token was sent.
-        Its block hashes chain from `tenant`'s root (the key's cache namespace; "" without keys);
-        session_key (SessionTable.key; b"": none) adds the session's last turn to what the index
-        says its instances hold, and remembers this turn's."""
-        rid, n_prompt = inp.request_id, len(inp.prompt_token_ids)
-        hops = Hops(inp, span, self.deadlines)
-        excluded: set[str] = set()
-        retries = 0
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.admission.max_queue_time_s
-        hashes: Sequence[bytes] | None = None
-        waited_for_room = False  # decode was full: Reserve goes first from then on (no Prefill wasted)
-        while True:
-            attempt: Attempt | None = None
-            answer = Answer(self.builder.tokenizer, inp, self.eos_token_ids, arrived, waited, retries)
-            try:
-                t0 = tracing.now_ns()
-                exclude = frozenset(excluded)
-                if hashes is None:
-                    # the prompt's block hashes, once per request: the index lookup, routing and
-                    # both legs' caches read them
-                    hashes = hash_blocks(inp.prompt_token_ids, self.pool.page_size, tenant_root(tenant))
-                # one lookup for both roles: which prefill and which decode hold how much of it
-                cached_blocks, tiered_blocks = await self.pool.lookup_prefix_tiered(hashes)
-                if session_key:
-                    cached_blocks, tiered_blocks = dict(cached_blocks), dict(tiered_blocks)
-                    self.sessions.add_held(session_key, hashes, cached_blocks, tiered_blocks)
-                try:
-                    decode = self.pool.pick_decode(exclude, cached_blocks)
-                except LookupError as exc:
-                    raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
-                attempt = Attempt(self.pool, rid, None, decode)
-                # bounds the prefill before it is chosen: the longest queue it can meet
-                prefill_by = loop.time() + self.deadlines.prefill_s(
-                    self.pool.max_queued_prefill_tokens(exclude) + n_prompt
-                )
-                decode_blocks = self.pool.decode_reuse(decode, cached_blocks)
-                # Reserve first (Prefill waits for it) when decode holds some of the prompt, when
-                # a full decode was waited for, or for n choices (a larger reservation)
-                reserve_first = decode_blocks > 0 or waited_for_room or inp.sampling.n > 1
-                await attempt.open(hops, prefill_by, hashes, decode_hit=reserve_first)
-                try:
-                    prefill, cached_hint = self.pool.pick_prefill(
-                        n_prompt, cached_blocks, hashes, exclude, tiered_blocks
-                    )
-                except LookupError as exc:
-                    raise RequestFailed(FailureCause.NO_INSTANCE, f"[{rid}] {exc}") from None
-                # a peer holding more of the prompt: prefill may pull from it instead of computing
-                attempt.pull = self.pool.pull_source(prefill, cached_blocks, exclude)
-                # the prefill tokens this request adds to the instance's queue
-                attempt.route_prefill(prefill, n_prompt - cached_hint)
-                if session_key:
-                    self.sessions.remember(session_key, prefill.instance_id, decode.instance_id, hashes)
-                tracing.record(
-                    span,
-                    "gateway.route",
-                    t0,
-                    tracing.now_ns(),
-                    {
-                        "kvmesh.prefill.instance": prefill.instance_id or prefill.address,
-                        "kvmesh.decode.instance": decode.instance_id or decode.address,
-                        "kvmesh.index_cached_tokens": cached_hint,
-                        "kvmesh.index_decode_cached_tokens": decode_blocks * self.pool.page_size,
-                        "kvmesh.pull.peer": attempt.pull[0],
-                        "kvmesh.pull.index_tokens": attempt.pull[1] * self.pool.page_size,
-                        "kvmesh.routing_policy": self.pool.router.policy,
-                    },
-                )
-                logger.debug(
-                    "[%s] %d prompt tokens -> prefill %s (index: %d cached), decode %s",
-                    rid,
-                    n_prompt,
-                    prefill.address,
-                    cached_hint,
-                    decode.address,
-                )
-                attempt.send()
-                async with contextlib.aclosing(attempt.stream(answer)) as messages:
-                    async for msg in messages:
-                        yield msg
-                return
-            except RequestFailed as failure:
-                if attempt is not None:
-                    attempt.abort(failure)
-                if answer.token_ids:
-                    raise
-                if failure.wait_for_room and loop.time() < give_up_at:
-                    # decode had no pages after all (or another gateway filled it): answers end
-                    # every step, so try again shortly, within the queue's time bound
-                    waited_for_room = True
-                    await asyncio.sleep(min(0.5, give_up_at - loop.time()))
-                    continue
-                if failure.cause.retryable and failure.instance is not None and retries == 0:
-                    retries += 1
-                    excluded.add(failure.instance.address)
-                    logger.warning("%s; retrying on another instance", failure)
-                    continue
-                raise
-            except BaseException:
-                if attempt is not None:
-                    attempt.abort(None)  # the client went away (or a bug): release both legs
-                raise
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """Route and run the request; retry once on other instances while no token was sent
+        (kvmesh.gateway.tries.Tries). Its block hashes chain from `tenant`'s root (the key's
+        cache namespace; "" without keys); session_key (SessionTable.key; b"": none) adds the
+        session's last turn to what the index says its instances hold, and remembers this turn's."""
+        parts = GatewayParts(
+            self.pool, self.sessions, self.builder.tokenizer, self.eos_token_ids, self.admission.max_queue_time_s
+        )
+        return Tries(parts, Hops(inp, span, self.deadlines), arrived, waited, tenant, session_key).run()

@@ -12,6 +12,8 @@ tokens so far.
 For comparison (`kvmesh routesim`), the same router also offers `round_robin`, `random`,
 `consistent_hash` (over the prompt's first `hash_blocks` block hashes, a ring with virtual
 nodes) and `least_load` (fewest queued tokens, cache ignored).
+What the gateway knows of each instance, `InstanceLoad`, is gateway/instance_load.py's
+(importable from here too).
 """
 
 from __future__ import annotations
@@ -25,54 +27,9 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.gateway.breaker import CircuitBreaker
+from kvmesh.gateway.instance_load import InstanceLoad, queued_tokens
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class InstanceLoad:
-    """What the gateway knows about one instance; counts are its own in-flight accounting
-    plus what the instance last reported.
-
-    It is routable when it answers its health polls (`reachable`), agrees with the
-    gateway on page size and model (`mismatch` is empty) and its circuit breaker lets a
-    request through.
-    """
-
-    address: str
-    instance_id: str = ""
-    reachable: bool = True
-    failed_polls: int = 0
-    """Stats polls in a row that failed."""
-    mismatch: str = ""
-    """Why the instance cannot serve with this gateway (page size or model differ); '' when it can."""
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    in_flight_requests: int = 0
-    in_flight_tokens: int = 0
-    reported_queued_tokens: int = 0
-    reported_active_requests: int = 0
-    max_requests: int = 0
-    """Requests the instance takes at once, as it reports (decode); 0 until known."""
-    total_routed_tokens: int = 0
-    """Prefill tokens of requests routed here that were not cancelled (the cache_aware tie-break)."""
-    kv_address: str = ""
-    kv_layout: str = ""
-    """The KV page layout the instance reported (kvmesh.engine.kv_layout.PageLayout.describe); '' until it has."""
-    kv_tier_medium: str = ""
-    """The medium of the instance's second KV tier ("host", "disk"), as it reported; '' for none."""
-    """Where prefill pushes this decode instance's KV, as its stats and Reserve answers last said;
-    '' until known (the gateway then waits for Reserve before it sends Prefill)."""
-
-    @property
-    def routable(self) -> bool:
-        return self.reachable and not self.mismatch and self.breaker.allows()
-
-    @property
-    def has_free_slot(self) -> bool:
-        """Fewer requests in flight here than it takes (always, while its capacity is unknown)."""
-        load = max(self.in_flight_requests, self.reported_active_requests)
-        return not self.max_requests or load < self.max_requests
 
 
 @dataclass(frozen=True)
@@ -252,12 +209,6 @@ class PrefillRouter:
             num_prompt_tokens, cached_blocks, page_size, block_hashes, tiered_blocks or {}, self.tier_hit_weight
         )
         return self._choose(self, healthy, ask)
-
-
-def queued_tokens(inst: InstanceLoad) -> int:
-    """Prefill tokens queued on an instance: the gateway's own count or the instance's report,
-    whichever is larger (the report lags a burst; the gateway does not see other gateways)."""
-    return max(inst.in_flight_tokens, inst.reported_queued_tokens)
 
 
 def _point(key: bytes) -> int:

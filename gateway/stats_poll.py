@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvmesh.gateway.router import InstanceLoad
+from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.protos.v1 import common_pb2
 
 logger = logging.getLogger(__name__)

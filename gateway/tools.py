@@ -1,8 +1,9 @@
 """Tool calling for the OpenAI front: `tools` and `tool_choice` in, `tool_calls` out.
 
-A request's tools reach the prompt through kvmesh.gateway.requests.PromptBuilder: the chat template
-renders them where it renders tools (a tool whose text holds a special token is refused there),
-and otherwise they are described in the system message (`with_tools`: their names,
+This module knows nothing of the gateway's other parts; they use it. A request's tools reach the
+prompt through the gateway's prompt builder (kvmesh.gateway.requests, kvmesh.gateway.chat_template):
+the chat template renders them where it renders tools (a tool whose text holds a special token is
+refused there), and otherwise they are described in the system message (`with_tools`: their names,
 descriptions and argument schemas as JSON, and how to call them: a JSON array of {"name",
 "arguments"}), as content: tool definitions are data, never control tokens. Then:
 
@@ -69,7 +70,8 @@ def parse_tools(body: dict, parser: str = "json") -> ToolRequest | None:
     """The request's tools and tool_choice (None when it has no tools). Raises ToolError for a
     tool that is not {"type": "function", "function": {"name", "parameters"?, "description"?}},
     a bad name (OpenAI's [A-Za-z0-9_-]{1,64}), parameters that are not a JSON Schema object, a
-    tool_choice that is not none/auto/required or a named function among the tools."""
+    tool_choice that is not none/auto/required or a named function among the tools; ValueError
+    for a `parser` not in TOOL_PARSERS."""
     raw = body.get("tools")
     choice = body.get("tool_choice")
     if raw is None or raw == []:
@@ -78,40 +80,49 @@ def parse_tools(body: dict, parser: str = "json") -> ToolRequest | None:
         return None
     if not isinstance(raw, list) or len(raw) > 128:
         raise ToolError("tools must be a list of at most 128 function tools", "tools")
-    tools = []
-    for i, t in enumerate(raw):
-        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(fn, dict):
-            raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise ToolError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}", "tools")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict) or params.get("type", "object") != "object":
-            raise ToolError(f"tools[{i}].function.parameters must be a JSON Schema of an object", "tools")
-        description = fn.get("description", "")
-        if not isinstance(description, str):
-            raise ToolError(f"tools[{i}].function.description must be a string", "tools")
-        tools.append(Tool(name, description, params))
+    tools = [_tool(i, t) for i, t in enumerate(raw)]
     if len({t.name for t in tools}) != len(tools):
         raise ToolError("tools must have distinct names", "tools")
-    forced = ""
-    if choice is None:
-        choice = "auto"
-    elif isinstance(choice, dict):
-        fn = choice.get("function") if choice.get("type") == "function" else None
-        named = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(named, str) or named not in {t.name for t in tools}:
-            raise ToolError("tool_choice must name a function among the tools", "tool_choice")
-        forced, choice = named, "function"
-    elif choice not in ("none", "auto", "required"):
-        raise ToolError("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
+    choice, forced = _choice(choice, {t.name for t in tools})
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool parser {parser!r}; one of {sorted(TOOL_PARSERS)}")
     return ToolRequest(tuple(tools), choice, forced, parallel, parser)
+
+
+def _tool(i: int, t: Any) -> Tool:
+    """tools[i], a function tool: {"type": "function", "function": {"name", "parameters"?, "description"?}}."""
+    fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+    if not isinstance(fn, dict):
+        raise ToolError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", "tools")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ToolError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}", "tools")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise ToolError(f"tools[{i}].function.parameters must be a JSON Schema of an object", "tools")
+    description = fn.get("description", "")
+    if not isinstance(description, str):
+        raise ToolError(f"tools[{i}].function.description must be a string", "tools")
+    return Tool(name, description, params)
+
+
+def _choice(choice: Any, names: set[str]) -> tuple[str, str]:
+    """(ToolRequest.choice, ToolRequest.forced) of a tool_choice: none, auto (also when absent),
+    required, or {"type": "function", "function": {"name"}} naming one of `names`."""
+    if choice is None:
+        return "auto", ""
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(named, str) or named not in names:
+            raise ToolError("tool_choice must name a function among the tools", "tool_choice")
+        return "function", named
+    if choice not in ("none", "auto", "required"):
+        raise ToolError("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
+    return choice, ""
 
 
 def tool_schemas(request: ToolRequest) -> list[dict]:

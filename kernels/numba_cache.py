@@ -7,7 +7,8 @@ took to be ready on a 2-core machine, issue 29). `SharedSourceLocator` puts the 
 file in NUMBA_SOURCES in `$KVMESH_CACHE_DIR/numba/<sha256 of all their texts>` (default
 `~/.cache/kvmesh`): the same sources find the same compiled code wherever they live, and an
 edit to any of them starts a folder of its own. Keyed by all of them, not by each file: a
-kernel in one file inlines kernels of the other, whose change numba would not see. numba still
+kernel in one file inlines kernels of the others, whose change numba would not see; the files
+whose constants and LLVM intrinsics the kernels compile in (NUMBA_INLINED) count too. numba still
 checks, per entry, its file's content hash and the CPU it was compiled for (its index), so a
 foreign entry is recompiled, never used. Import this module before any `numba.njit(cache=True)`
 of kvmesh runs (the files in NUMBA_SOURCES do); a folder that cannot be written falls back to
@@ -22,21 +23,21 @@ from pathlib import Path
 
 from numba.core import caching
 
-
-def cache_root() -> Path:
-    """kvmesh's cache folder on this machine: $KVMESH_CACHE_DIR or ~/.cache/kvmesh."""
-    return Path(os.environ.get("KVMESH_CACHE_DIR") or Path.home() / ".cache" / "kvmesh")
-
+from kvmesh import cache_root  # importable from here too
 
 _KVMESH_ROOT = Path(__file__).resolve().parent.parent
-NUMBA_SOURCES = ("kernels/quant.py", "engine/llama/step.py")
+NUMBA_SOURCES = ("kernels/quant.py", "kernels/quant_tiles.py", "engine/llama/step.py", "engine/llama/step_attention.py")
 """kvmesh's files with `numba.njit(cache=True)` kernels (tests/unit checks the list is whole)."""
+NUMBA_INLINED = ("kernels/quant_format.py", "kernels/quant_llvm.py")
+"""Files without cached kernels whose constants and intrinsics those kernels compile in: part of
+the digest too, as numba's index would not see an edit to them."""
 
 
 def sources_digest() -> str:
-    """sha256 (16 hex digits) of NUMBA_SOURCES' texts, in order: the cache folder's name."""
+    """sha256 (16 hex digits) of NUMBA_SOURCES' and NUMBA_INLINED's texts, in order: the cache
+    folder's name."""
     h = hashlib.sha256()
-    for rel in NUMBA_SOURCES:
+    for rel in (*NUMBA_SOURCES, *NUMBA_INLINED):
         h.update((_KVMESH_ROOT / rel).read_bytes())
     return h.hexdigest()[:16]
 

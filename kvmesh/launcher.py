@@ -128,36 +128,14 @@ def start_mesh(
     """
     from kvmesh.engine.loader import resolve_model
 
-    if num_prefill < 1 or num_decode < 1:
-        raise ValueError(f"need at least one prefill and one decode, got {num_prefill} and {num_decode}")
-    if not _port_free(host, port):
-        raise RuntimeError(f"port {port} on {host} is in use (another kvmesh?): pick another with --port")
-    if http_port and not _port_free(host, http_port):
-        raise RuntimeError(
-            f"HTTP port {http_port} on {host} is in use (another kvmesh?): pick another with --http-port (0: none)"
-        )
+    _check_start(num_prefill, num_decode, host, port, http_port)
     resolve_model(model)  # converts the GGUF once here, before the children race for it
     env = {**os.environ, **(env or {})}
     if model:
         env["KVMESH_MODEL"] = model
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    redis_proc = None
-    redis_url = env.get("REDIS_URL", "")
-    if redis_url:
-        if not ping(redis_url):
-            raise RuntimeError(f"REDIS_URL={redis_url} does not answer; unset it to start a private redis-server")
-    else:
-        redis_proc = RedisProcess(die_with_parent=True)
-        redis_url = redis_proc.url
-    cpu_share = ""
-    if CPU_SHARE_ENV not in env:  # the instances share this machine's cores: prefill goes first
-        fd, cpu_share = tempfile.mkstemp(
-            prefix="kvmesh-cpu-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-        )
-        os.close(fd)  # empty: the first instance to open it sizes it (`CpuShare`)
-        env[CPU_SHARE_ENV] = cpu_share
-        for name in ("KVMESH_MAX_BATCH_TOKENS", "KVMESH_CHUNKED_PREFILL_SIZE"):
-            env.setdefault(name, str(SHARED_CORES_FORWARD_TOKENS))
+    redis_proc, redis_url = _redis(env)
+    cpu_share = _cpu_share(env)
     mesh = Mesh(
         gateway_address=f"{host}:{port}",
         redis_url=redis_url,
@@ -168,32 +146,11 @@ def start_mesh(
         http_address=f"http://{host}:{http_port}" if http_port else "",
     )
     try:
-        roles = (
-            ("decode", num_decode, mesh.decode_addresses, extra_decode_args),
-            ("prefill", num_prefill, mesh.prefill_addresses, extra_prefill_args),
-        )
-        for kind, count, addresses, extra in roles:
-            for i in range(count):
-                p = free_port(host)
-                addresses.append(f"{host}:{p}")
-                args = ["--host", host, "--port", str(p), "--redis-url", redis_url, *(extra or [])]
-                mesh.procs.append((f"{kind}-{i}", _serve(kind, args, env, log)))
+        _start_instances(mesh, "decode", num_decode, mesh.decode_addresses, extra_decode_args, host, env, log)
+        _start_instances(mesh, "prefill", num_prefill, mesh.prefill_addresses, extra_prefill_args, host, env, log)
         # the gateway starts beside the instances (its imports and tokenizer overlap their model
         # loads) and reports SERVING only once they all do (--wait-for-instances)
-        gw_args = [
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--redis-url",
-            redis_url,
-            *[a for d in mesh.prefill_addresses for a in ("--prefill", d)],
-            *[a for d in mesh.decode_addresses for a in ("--decode", d)],
-            "--wait-for-instances",
-            str(ready_timeout_s),
-            *(["--http-port", str(http_port)] if http_port else []),
-            *(extra_gateway_args or []),
-        ]
+        gw_args = _gateway_args(mesh, host, port, ready_timeout_s, http_port, extra_gateway_args)
         mesh.procs.append(("gateway", _serve("gateway", gw_args, env, log)))
         _wait_ready(mesh, [*mesh.prefill_addresses, *mesh.decode_addresses, mesh.gateway_address], ready_timeout_s)
         mesh.remove_cpu_share()  # every instance maps it now; nothing is left behind, even after a SIGKILL
@@ -201,6 +158,82 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+def _check_start(num_prefill: int, num_decode: int, host: str, port: int, http_port: int) -> None:
+    """Raise ValueError for fewer than one instance of a role, RuntimeError for a port in use."""
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"need at least one prefill and one decode, got {num_prefill} and {num_decode}")
+    if not _port_free(host, port):
+        raise RuntimeError(f"port {port} on {host} is in use (another kvmesh?): pick another with --port")
+    if http_port and not _port_free(host, http_port):
+        raise RuntimeError(
+            f"HTTP port {http_port} on {host} is in use (another kvmesh?): pick another with --http-port (0: none)"
+        )
+
+
+def _redis(env: dict[str, str]) -> tuple[RedisProcess | None, str]:
+    """(the redis-server started for the mesh, or None, and its URL): REDIS_URL's, when it answers
+    (RuntimeError when it does not), else a private one on a free port."""
+    redis_url = env.get("REDIS_URL", "")
+    if redis_url:
+        if not ping(redis_url):
+            raise RuntimeError(f"REDIS_URL={redis_url} does not answer; unset it to start a private redis-server")
+        return None, redis_url
+    redis_proc = RedisProcess(die_with_parent=True)
+    return redis_proc, redis_proc.url
+
+
+def _cpu_share(env: dict[str, str]) -> str:
+    """The CPU-share file the mesh's instances take turns on the cores through, made and set in
+    `env` with the shared-cores prefill sizes; "" when the caller's environment set one."""
+    if CPU_SHARE_ENV in env:
+        return ""
+    # the instances share this machine's cores: prefill goes first
+    fd, cpu_share = tempfile.mkstemp(prefix="kvmesh-cpu-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.close(fd)  # empty: the first instance to open it sizes it (`CpuShare`)
+    env[CPU_SHARE_ENV] = cpu_share
+    for name in ("KVMESH_MAX_BATCH_TOKENS", "KVMESH_CHUNKED_PREFILL_SIZE"):
+        env.setdefault(name, str(SHARED_CORES_FORWARD_TOKENS))
+    return cpu_share
+
+
+def _start_instances(
+    mesh: Mesh,
+    kind: str,
+    count: int,
+    addresses: list[str],
+    extra: list[str] | None,
+    host: str,
+    env: dict[str, str],
+    log,
+) -> None:
+    """Start `count` instances of `kind` on free ports of `host`, their addresses added to `addresses`."""
+    for i in range(count):
+        p = free_port(host)
+        addresses.append(f"{host}:{p}")
+        args = ["--host", host, "--port", str(p), "--redis-url", mesh.redis_url, *(extra or [])]
+        mesh.procs.append((f"{kind}-{i}", _serve(kind, args, env, log)))
+
+
+def _gateway_args(
+    mesh: Mesh, host: str, port: int, ready_timeout_s: float, http_port: int, extra: list[str] | None
+) -> list[str]:
+    """The gateway's flags: the mesh's instances, waited for up to ready_timeout_s seconds."""
+    return [
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--redis-url",
+        mesh.redis_url,
+        *[a for d in mesh.prefill_addresses for a in ("--prefill", d)],
+        *[a for d in mesh.decode_addresses for a in ("--decode", d)],
+        "--wait-for-instances",
+        str(ready_timeout_s),
+        *(["--http-port", str(http_port)] if http_port else []),
+        *(extra or []),
+    ]
 
 
 def _port_free(host: str, port: int) -> bool:

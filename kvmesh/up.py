@@ -37,14 +37,7 @@ def run_up(
         raise ValueError(f"decode_ep must be >= 1, got {decode_ep}")
     if prefill_threads < 0 or decode_threads < 0:
         raise ValueError(f"thread counts must be >= 0 (0: every core), got {prefill_threads} and {decode_threads}")
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt  # start_mesh stops what it started on the way out
-
-    # during start-up Ctrl-C and SIGTERM abort at once (even when the shell started us with
-    # SIGINT ignored, as it does for background jobs); afterwards they stop the loop below
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
+    _interrupt_on_signals()
     print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
     try:
         mesh = launcher.start_mesh(
@@ -53,16 +46,7 @@ def run_up(
             model,
             port,
             extra_prefill_args=["--torch-threads", str(prefill_threads)] if prefill_threads else None,
-            extra_decode_args=[
-                *(["--torch-threads", str(decode_threads)] if decode_threads else []),
-                *(
-                    ["--speculative", speculative, "--num-draft-tokens", str(num_draft_tokens)]
-                    if speculative != "off"
-                    else []
-                ),
-                *(["--ep", str(decode_ep)] if decode_ep > 1 else []),
-            ]
-            or None,
+            extra_decode_args=_decode_args(decode_threads, speculative, num_draft_tokens, decode_ep),
             http_port=http_port,
         )
     except KeyboardInterrupt:
@@ -71,6 +55,32 @@ def run_up(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    _print_where(mesh)
+    return _watch(mesh, stop)
+
+
+def _interrupt_on_signals() -> None:
+    """During start-up Ctrl-C and SIGTERM abort at once (even when the shell started us with
+    SIGINT ignored, as it does for background jobs); afterwards they stop `_watch`."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt  # start_mesh stops what it started on the way out
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def _decode_args(decode_threads: int, speculative: str, num_draft_tokens: int, decode_ep: int) -> list[str] | None:
+    """The flags `kvmesh up` adds to every decode's `kvmesh serve decode` (None: none)."""
+    return [
+        *(["--torch-threads", str(decode_threads)] if decode_threads else []),
+        *(["--speculative", speculative, "--num-draft-tokens", str(num_draft_tokens)] if speculative != "off" else []),
+        *(["--ep", str(decode_ep)] if decode_ep > 1 else []),
+    ] or None
+
+
+def _print_where(mesh: launcher.Mesh) -> None:
+    """Say where the mesh answers, how to ask it and how to grow it."""
     http = f", OpenAI HTTP {mesh.http_address}/v1" if mesh.http_address else ""
     print(
         f"kvmesh is up: gateway {mesh.gateway_address}{http} (prefill {', '.join(mesh.prefill_addresses)}; "
@@ -85,6 +95,10 @@ def run_up(
             flush=True,
         )
     print(f"scale: kvmesh serve prefill|decode --redis-url {mesh.redis_url} joins this gateway", flush=True)
+
+
+def _watch(mesh: launcher.Mesh, stop: threading.Event) -> int:
+    """Keep the mesh up until `stop` is set (0) or one of its processes dies (1); then stop it."""
     code = 0
     try:
         while not stop.wait(0.5):

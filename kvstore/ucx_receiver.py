@@ -1,33 +1,29 @@
 """Decode side of the UCX KV push: `KVReceiver` lands pushed pages in reserved buffers
 (protocol in kvstore/ucx_transfer.py).
 
-It is one file over 300 lines on purpose: it is one state machine per push (hello, header,
-sizes, the posted receives or the same-host pull, the ack, the cut-off on release or expiry),
-and every step of it guards the same invariant, that no byte lands in a page after the page
-was handed back; split, that invariant would have no single place to be read and checked.
+Each push is one state machine: hello, header, sizes, the posted receives or the same-host
+pull, the ack, the cut-off on release or expiry. This module holds the listener and each
+connection's receive loop, which walks a push through those steps; the transfer table
+(kvstore/ucx_table.py) owns each transfer's pages, its landing and its future, and is the one
+place that keeps the invariant every step guards, that no byte lands in a page after the page
+was handed back; the ways pages land, posted receives or a pull from the sender's shared pool,
+are in kvstore/ucx_landing.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ucxx
-from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXError
 
 import kvmesh.kvstore.shared_memory as shared_memory
-from kvmesh.kvstore.transport import TransferError, TransferResult
+from kvmesh.kvstore.transport import TransferError
 from kvmesh.kvstore.ucx_common import (
-    _DATA_TAG_BIT,
-    _TAG_ACK,
-    _TAG_GO,
     _TAG_HEADER,
     _TAG_HELLO,
     _TAG_SIZES,
@@ -40,66 +36,12 @@ from kvmesh.kvstore.ucx_common import (
     MAGIC,
     MAX_BUFFERS,
     VERSION,
-    _as_buffer,
-    _check_transfer_id,
-    _post_all,
     _runtime,
 )
+from kvmesh.kvstore.ucx_landing import data_tag_base, pull_pages, receive_pages, send_ack, send_go, sender_pool
+from kvmesh.kvstore.ucx_table import ExpectedTransfer, TransferTable
 
 logger = logging.getLogger(__name__)
-
-
-class _TransferFuture(asyncio.Future):
-    """The future `KVReceiver.expect` returns; cancel() never lets pages be freed early.
-
-    While no push lands (before the first part, or between parts), cancel() cancels at
-    once. While pages are landing it returns False and the future is cancelled once UCX
-    has let go of the pages (every receive completed or cut off), so code that awaits it
-    (asyncio.wait_for, task.cancel) never resumes while UCX still writes.
-    """
-
-    def __init__(self, entry: _Expected, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop=loop)
-        self._entry = entry
-
-    def cancel(self, msg: Any = None) -> bool:
-        entry = self._entry
-        if entry.landing and not self.done():
-            entry.cancel_requested = True
-            if entry.ep is not None:
-                # cut the push off: a stopped or wedged sender would hold the pages forever;
-                # aborting cancels the posted receives, and _land then cancels this future
-                entry.ep.abort()
-            return False
-        return super().cancel(msg)
-
-    def _cancel_now(self) -> None:
-        super().cancel()
-
-
-@dataclass(eq=False)
-class _Expected:
-    transfer_id: int
-    buffers: list[Array]
-    views: list[np.ndarray]
-    """The same buffers as writable uint8 arrays, for pulls from a sender's shared pool."""
-    future: _TransferFuture = field(init=False)
-    """Set by `expect` right after the entry is made (the future refers to its entry)."""
-    landing: bool = False
-    """A push is writing into the buffers now."""
-    cancel_requested: bool = False
-    sizes: list[int] = field(default_factory=list)
-    num_landed: int = 0
-    """Buffers landed so far, in order: the next part must start here."""
-    started_at: float = 0.0
-    """perf_counter when the first part's receives were posted."""
-    ep: Any = None
-    """The sender's endpoint while the push lands (aborted to cut a cancelled push off)."""
-
-
-def _byte_view(buf) -> np.ndarray:
-    """A writable 1-D uint8 numpy view of a C-contiguous host buffer."""
-    return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
 
 
 class KVReceiver:
@@ -117,19 +59,17 @@ class KVReceiver:
     Call `expect`, `cancel`, `refuse` and `close` from the event loop thread that ran `start`.
     """
 
-    REFUSED_KEPT = 4096
+    REFUSED_KEPT = TransferTable.REFUSED_KEPT
     """Refused transfer ids remembered, so a push that comes after its refusal is NACKed at once."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, reservation_wait_s: float = 2.0) -> None:
         self.host = host
         self.port = port
         self.reservation_wait_s = reservation_wait_s
-        self._awaited: dict[int, asyncio.Future] = {}  # pushes waiting for their expect()
-        self._refused: OrderedDict[int, None] = OrderedDict()
+        self._table = TransferTable()  # the transfers expected, refused and awaited
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None
         self._closed = False
-        self._expected: dict[int, _Expected] = {}  # registered, not done
         self._conns: dict[asyncio.Task, Any] = {}  # receive loop -> its ucxx Endpoint
         self._num_conns = 0
         self._num_pushes = 0  # numbers each push's data tags (see ucx_common._DATA_TAG_BIT)
@@ -163,6 +103,16 @@ class KVReceiver:
         """ "host:port" senders push to."""
         return f"{self.host}:{self.port}"
 
+    @property
+    def _expected(self) -> dict[int, ExpectedTransfer]:
+        """The transfers registered and not done, by id (the table's; tests read it)."""
+        return self._table.expected
+
+    @property
+    def _awaited(self) -> dict[int, asyncio.Future]:
+        """Pushes waiting for their transfer's expect(), by id (the table's; tests read it)."""
+        return self._table.awaited
+
     def expect(self, transfer_id: int, buffers: Sequence[np.ndarray]) -> asyncio.Future:
         """Register the destination pages of one transfer.
 
@@ -186,60 +136,24 @@ class KVReceiver:
         """
         if self._loop is None or self._closed:
             raise RuntimeError("KVReceiver must be started (and not closed) before expect()")
-        tid = _check_transfer_id(transfer_id)
-        if tid in self._expected:
-            raise ValueError(f"transfer {tid} is already expected")
-        arrays = [_as_buffer(b, i, writable=True) for i, b in enumerate(buffers)]
-        views = [] if any(a.cuda for a in arrays) else [_byte_view(b) for b in buffers]
-        entry = _Expected(tid, arrays, views)
-        entry.sizes = [b.nbytes for b in entry.buffers]
-        entry.future = _TransferFuture(entry, self._loop)
-        entry.future.add_done_callback(lambda _f: self._forget(entry))
-        self._expected[tid] = entry
-        self._refused.pop(tid, None)
-        self._wake(tid)
-        return entry.future
+        return self._table.expect(transfer_id, buffers, self._loop)
 
     def refuse(self, transfer_id: int) -> None:
         """No `expect` will come for `transfer_id` (its Reserve was refused): a push for it,
         waiting or yet to come, is NACKed (ACK_UNKNOWN) at once. The last `REFUSED_KEPT` ids
         are remembered; an unknown id is fine."""
-        self._refused[transfer_id] = None
-        while len(self._refused) > self.REFUSED_KEPT:
-            self._refused.popitem(last=False)
-        self._wake(transfer_id)
-
-    def _wake(self, transfer_id: int) -> None:
-        waiter = self._awaited.pop(transfer_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _await_reservation(self, tid: int) -> _Expected | None:
-        """The entry of `tid`, waiting up to reservation_wait_s for its expect(); None when it
-        was refused or did not come in time."""
-        entry = self._expected.get(tid)
-        if entry is not None or tid in self._refused or self.reservation_wait_s <= 0:
-            return entry
-        assert self._loop is not None
-        waiter = self._awaited.setdefault(tid, self._loop.create_future())
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.reservation_wait_s)
-        except TimeoutError:
-            self._awaited.pop(tid, None)
-        return self._expected.get(tid)
+        self._table.refuse(transfer_id)
 
     def cancel(self, transfer_id: int) -> None:
         """The pages of `transfer_id` are no longer wanted (request aborted or expired).
 
         No push landing (none yet, or between parts): forgotten now, the future is
-        cancelled, a later push gets NACK 1. A push landing: the sender's endpoint is aborted (its posted receives are cancelled,
-        so a stopped sender cannot hold the pages), and the future is cancelled once UCX
-        has let go of the buffers; the sender's push fails. Unknown or finished ids are
-        ignored. Free the pages when the future is done.
+        cancelled, a later push gets NACK 1. A push landing: the sender's endpoint is aborted
+        (its posted receives are cancelled, so a stopped sender cannot hold the pages), and
+        the future is cancelled once UCX has let go of the buffers; the sender's push fails.
+        Unknown or finished ids are ignored. Free the pages when the future is done.
         """
-        entry = self._expected.get(transfer_id)
-        if entry is not None:
-            entry.future.cancel()
+        self._table.cancel(transfer_id)
 
     async def close(self) -> None:
         """Stop listening, drop every connection, fail or cancel every open transfer.
@@ -250,11 +164,7 @@ class KVReceiver:
         if self._closed:
             return
         self._closed = True  # from now on new connections are aborted on arrival
-        for tid in list(self._awaited):
-            self._wake(tid)  # pushes waiting for a reservation: refused now
-        for entry in list(self._expected.values()):
-            if not entry.landing:
-                entry.future._cancel_now()
+        self._table.close()  # pushes waiting for a reservation: refused now; no push landing: cancelled
         tasks = list(self._conns)
         for ep in list(self._conns.values()):
             ep.abort()  # cancels posted receives: the loops end with errors
@@ -307,6 +217,7 @@ class KVReceiver:
             ep.abort()
 
     async def _serve_loop(self, ep, peer: str) -> None:
+        """Serve the connection's pushes one after another, until a header breaks the protocol."""
         header = np.empty(5, dtype="<u8")
         while True:
             await ep.recv(header, tag=_TAG_HEADER)  # idle here between pushes
@@ -320,150 +231,63 @@ class KVReceiver:
                     version,
                     n,
                 )
-                await self._ack(ep, ACK_PROTOCOL)
+                await send_ack(ep, ACK_PROTOCOL)
                 return
-            sizes = np.empty(n, dtype="<u8")
-            source = np.zeros(5 + n, dtype="<u8")
-            if n:
-                await ep.recv(sizes, tag=_TAG_SIZES)
-                await ep.recv(source, tag=_TAG_SOURCE)
-            entry = await self._await_reservation(tid)
-            if entry is None or entry.future.done() or entry.landing:
-                logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: refused", tid, peer)
-                await self._go(ep, ACK_UNKNOWN)
-                continue
-            expected = entry.sizes[first : first + n]
-            if first != entry.num_landed or sizes.tolist() != expected:
-                msg = (
-                    f"[transfer {tid}] size mismatch: pushed pages [{first}, {first + n}) of "
-                    f"{sizes.tolist()[:4]}... bytes, expected pages [{entry.num_landed}, ...) of "
-                    f"{len(entry.sizes)} pages of {entry.sizes[:4]}... bytes"
-                )
-                logger.warning("%s (from %s)", msg, peer)
-                self._finish(entry, error=TransferError(f"{msg} at {self.address}"))
-                await self._go(ep, ACK_SIZE_MISMATCH)
-                continue
-            pool = self._sender_pool(source, sizes) if n and entry.views else None
-            if pool is not None:
-                await self._pull(ep, peer, entry, first, pool, source[5:].tolist())
-            else:
-                await self._land(ep, peer, entry, first, n)
-            await self._ack(ep, ACK_OK)
+            await self._serve_push(ep, peer, tid, n, first)
 
-    async def _land(self, ep, peer: str, entry: _Expected, first: int, n: int) -> None:
-        """Receive buffers [first, first + n) of `entry`, all receives posted at once, after
-        telling the sender to go; resolve the transfer when its last buffer landed. The
-        receives are posted on the connection's endpoint (UCX matches tags per worker, so
-        the pages the sender sends over its data endpoint land in them), so aborting that
-        endpoint cancels them."""
-        entry.landing = True
-        entry.ep = ep
-        if first == 0:
-            entry.started_at = time.perf_counter()
-        error: BaseException | None = None
-        self._num_pushes += 1
-        tag_base = _DATA_TAG_BIT | (self._num_pushes % (1 << 43)) << 20
-        receives: list[asyncio.Future] = []
-        try:
-            buffers = entry.buffers[first : first + n]
-            receives = [asyncio.ensure_future(c) for c in _post_all(ep, ep.recv, buffers, tag_base)]
-            await asyncio.sleep(0)  # each task posts its receive at its first step
-            await self._go(ep, ACK_OK, tag_base)
-            results = await asyncio.gather(*receives, return_exceptions=True)
-            error = next((r for r in results if isinstance(r, BaseException)), None)
-        except BaseException as exc:  # cancelled by close()
-            error = exc
-            for receive in receives:
-                receive.cancel()
-        if error is not None:
-            ep.abort()  # no receive may stay posted into pages once the future is done
-            self._finish(
-                entry,
-                error=TransferError(
-                    f"[transfer {entry.transfer_id}] push from {peer} to {self.address} broke off: {error!r}"
-                ),
-            )
-            raise error
-        self.num_sent += 1
-        self._landed(entry, n)
-
-    def _sender_pool(self, source: np.ndarray, sizes: np.ndarray) -> np.ndarray | None:
-        """The sender's pool, mapped here, when the pages lie in one this process can map and
-        every page is inside it; None otherwise (the pages then come over UCX)."""
-        pid, fd, nonce0, nonce1, nbytes = (int(x) for x in source[:5])
-        if pid == 0:
-            return None
-        pool = self._peer_pools.open(shared_memory.RegionDescriptor(pid, fd, (nonce0, nonce1), nbytes))
-        if pool is None or any(int(o) + int(s) > nbytes for o, s in zip(source[5:], sizes)):
-            return None
-        return pool
-
-    async def _pull(self, ep, peer: str, entry: _Expected, first: int, pool: np.ndarray, offsets: list[int]) -> None:
-        """Copy buffers [first, first + len(offsets)) of `entry` from the sender's pool (mapped
-        here) on a worker thread, then tell the sender no data is to be sent (GO_PULLED).
-        A cancel meanwhile waits for the copy (it cannot hang: both sides are this process's
-        memory) and then cancels the future."""
-        entry.landing = True
-        entry.ep = None  # nothing to cut off: the copy is ours and ends by itself
-        if first == 0:
-            entry.started_at = time.perf_counter()
-        views = entry.views[first : first + len(offsets)]
-
-        def copy() -> None:
-            for view, offset in zip(views, offsets):
-                np.copyto(view, pool[offset : offset + view.nbytes])
-
-        copying = asyncio.ensure_future(asyncio.to_thread(copy))
-        try:
-            await asyncio.shield(copying)
-        except BaseException as exc:
-            if not copying.done():  # cancelled (close): the thread still writes the pages
-                await asyncio.wait({copying})
-            self._finish(
-                entry, error=TransferError(f"[transfer {entry.transfer_id}] pull from {peer}'s pool failed: {exc!r}")
-            )
-            raise
-        self.num_pulled += 1
-        await self._go(ep, GO_PULLED)
-        self._landed(entry, len(offsets))
-
-    def _landed(self, entry: _Expected, n: int) -> None:
-        """`n` more buffers of `entry` landed: resolve it when they were its last ones."""
-        entry.num_landed += n
-        entry.landing = False
-        entry.ep = None
-        if entry.cancel_requested:
-            self._finish(entry)
-        elif entry.num_landed == len(entry.buffers):
-            seconds = time.perf_counter() - entry.started_at
-            nbytes = sum(entry.sizes)
-            self._finish(entry, result=TransferResult(entry.transfer_id, len(entry.buffers), nbytes, seconds))
-            logger.debug("[transfer %d] %d pages, %d bytes landed in %.6f s", entry.transfer_id, n, nbytes, seconds)
-
-    async def _go(self, ep, code: int, tag_base: int = 0) -> None:
-        """Answer a header: ACK_OK and the push's data tag base, or why the pages are refused
-        (then none are sent)."""
-        await ep.send(np.array([code, tag_base], dtype="<u8"), tag=_TAG_GO)
-
-    async def _ack(self, ep, code: int) -> None:
-        await ep.send(np.array([code], dtype=np.uint8), tag=_TAG_ACK)
-
-    def _finish(
-        self, entry: _Expected, result: TransferResult | None = None, error: BaseException | None = None
-    ) -> None:
-        entry.landing = False
-        entry.ep = None
-        future = entry.future
-        if future.done():
+    async def _serve_push(self, ep, peer: str, tid: int, n: int, first: int) -> None:
+        """One push of pages [first, first + n) of transfer `tid`, after its header: its sizes
+        and source, its reservation, then its pages landed and acked, or the push refused."""
+        sizes = np.empty(n, dtype="<u8")
+        source = np.zeros(5 + n, dtype="<u8")
+        if n:
+            await ep.recv(sizes, tag=_TAG_SIZES)
+            await ep.recv(source, tag=_TAG_SOURCE)
+        assert self._loop is not None, "connections are served after start()"
+        entry = await self._table.await_reservation(tid, self._loop, self.reservation_wait_s)
+        if entry is None or entry.future.done() or entry.landing:
+            logger.warning("[transfer %d] push from %s for an unknown or cancelled transfer: refused", tid, peer)
+            await send_go(ep, ACK_UNKNOWN)
             return
-        if entry.cancel_requested:
-            future._cancel_now()
-        elif error is not None:
-            future.set_exception(error)
+        if not await self._sizes_match(ep, peer, entry, first, sizes):
+            return
+        pool = sender_pool(self._peer_pools, source, sizes) if n and entry.views else None
+        if pool is not None:
+            await self._pull(ep, peer, entry, first, pool, source[5:].tolist())
         else:
-            future.set_result(result)
+            await self._land(ep, peer, entry, first, n)
+        await send_ack(ep, ACK_OK)
 
-    def _forget(self, entry: _Expected) -> None:
-        if self._expected.get(entry.transfer_id) is entry:
-            del self._expected[entry.transfer_id]
-            self.refuse(entry.transfer_id)  # done: a late push for it is NACKed without waiting
+    async def _sizes_match(self, ep, peer: str, entry: ExpectedTransfer, first: int, sizes: np.ndarray) -> bool:
+        """Whether the push holds the transfer's next pages with the sizes registered; when
+        not, the transfer fails with TransferError and the push is refused."""
+        expected = entry.sizes[first : first + len(sizes)]
+        if first == entry.num_landed and sizes.tolist() == expected:
+            return True
+        msg = (
+            f"[transfer {entry.transfer_id}] size mismatch: pushed pages [{first}, {first + len(sizes)}) of "
+            f"{sizes.tolist()[:4]}... bytes, expected pages [{entry.num_landed}, ...) of "
+            f"{len(entry.sizes)} pages of {entry.sizes[:4]}... bytes"
+        )
+        logger.warning("%s (from %s)", msg, peer)
+        self._table.finish(entry, error=TransferError(f"{msg} at {self.address}"))
+        await send_go(ep, ACK_SIZE_MISMATCH)
+        return False
+
+    async def _land(self, ep, peer: str, entry: ExpectedTransfer, first: int, n: int) -> None:
+        """Receive the push's pages over UCX (`receive_pages`), each push with tags of its own."""
+        self._num_pushes += 1
+        where = f"from {peer} to {self.address}"
+        await receive_pages(ep, where, self._table, entry, first, n, data_tag_base(self._num_pushes))
+        self.num_sent += 1
+        self._table.landed(entry, n)
+
+    async def _pull(
+        self, ep, peer: str, entry: ExpectedTransfer, first: int, pool: np.ndarray, offsets: list[int]
+    ) -> None:
+        """Copy the push's pages from the sender's pool (`pull_pages`), then tell the sender no
+        data is to be sent (GO_PULLED)."""
+        await pull_pages(peer, self._table, entry, first, pool, offsets)
+        self.num_pulled += 1
+        await send_go(ep, GO_PULLED)
+        self._table.landed(entry, len(offsets))

@@ -48,52 +48,95 @@ def prefill_batch(
     the sampler raises; the caller frees the batch then.
     """
     size = kv_cache.page_size
-    plans = [chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, _chunk_tokens(r, chunk_size), size) for r in batch]
+    plan = _ChunkPlan(batch, chunk_size, size)
     num_chunks = [0] * len(batch)
-    shrunk: set[int] = set()  # requests whose plan a forward budget cut smaller than their own chunks
     last_logits: list[torch.Tensor | None] = [None] * len(batch)
     for r in batch:
         pages_ready(r, r.num_cached_tokens // size)  # the cached prefix: at once
-    while any(plans):
-        rows = [k for k, plan in enumerate(plans) if plan]
+    while rows := plan.computing():
         if forward_budget is not None:  # the rest of a prompt replanned while the budget binds, and once after
-            budget = forward_budget()
-            share = max(size, budget // len(rows) // size * size) if budget > 0 else 0
-            for k in rows:
-                r, own = batch[k], _chunk_tokens(batch[k], chunk_size)
-                if share and (not own or share < own):
-                    plans[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, share, size)
-                    shrunk.add(k)
-                elif k in shrunk:  # back to its own chunks
-                    plans[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, own, size)
-                    shrunk.discard(k)
-        items = []
-        for k in rows:
-            r, end = batch[k], plans[k][0]
-            new = r.prompt_token_ids[r.num_computed_tokens : end]
-            pages = r.block_ids[: kv_cache.num_pages_for(end)]
-            items.append(ForwardItem(new, r.num_computed_tokens, pages, r.state_slot))
-        # a request that asks for its prompt's logprobs computes alone, every position's logits
-        every = {row for row, k in enumerate(rows) if batch[k].sampling.prompt_logprobs is not None}
-        rest = [row for row in range(len(rows)) if row not in every]
-        last: dict[int, torch.Tensor] = {}  # row -> the logits after its last new token [V]
-        with forward_mark():
-            if rest:
-                logits = runner.forward([items[row] for row in rest])  # [rest, V]
-                last = {row: logits[i] for i, row in enumerate(rest)}
-            for row in sorted(every):
-                last[row] = _prompt_logprobs(runner, items[row], batch[rows[row]])
+            plan.fit(rows, forward_budget())
+        last = _forward(runner, kv_cache, batch, [(k, plan.ends[k][0]) for k in rows], forward_mark)
         for row, k in enumerate(rows):
             r = batch[k]
-            r.num_computed_tokens = plans[k].pop(0)
+            r.num_computed_tokens = plan.ends[k].pop(0)
             num_chunks[k] += 1
-            if plans[k]:
+            if plan.ends[k]:
                 pages_ready(r, r.num_computed_tokens // size)
             else:
                 last_logits[k] = last[row]
     logits = torch.stack([t for t in last_logits if t is not None])  # [B, V]
-    # one row a choice: a request with n choices draws n first tokens from its logits, choice i
-    # as a request of its own seeded seed + i
+    first_tokens, first_logprobs = sample_first_tokens(batch, logits)
+    return first_tokens, first_logprobs, num_chunks
+
+
+class _ChunkPlan:
+    """Where each request's chunks still to compute end (kvmesh.engine.forward.chunk_ends: token
+    counts, whole pages but the last), and which plans a forward budget cut smaller."""
+
+    def __init__(self, batch: list[Request], chunk_size: int, page_size: int) -> None:
+        self.batch, self.chunk_size, self.page_size = batch, chunk_size, page_size
+        self.ends = [
+            chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, _chunk_tokens(r, chunk_size), page_size) for r in batch
+        ]
+        self.shrunk: set[int] = set()  # requests whose plan a forward budget cut smaller than their own chunks
+
+    def computing(self) -> list[int]:
+        """The requests (indexes into the batch) with chunks left to compute."""
+        return [k for k, ends in enumerate(self.ends) if ends]
+
+    def fit(self, rows: list[int], budget: int) -> None:
+        """Replan the rest of each request of `rows` for a forward of at most `budget` tokens in
+        all (0: no bound but its own chunks), split evenly, whole pages each (a page at least);
+        a plan the budget cut goes back to the request's own chunks once the budget no longer binds."""
+        size = self.page_size
+        share = max(size, budget // len(rows) // size * size) if budget > 0 else 0
+        for k in rows:
+            r, own = self.batch[k], _chunk_tokens(self.batch[k], self.chunk_size)
+            if share and (not own or share < own):
+                self.ends[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, share, size)
+                self.shrunk.add(k)
+            elif k in self.shrunk:  # back to its own chunks
+                self.ends[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, own, size)
+                self.shrunk.discard(k)
+
+
+def _forward(
+    runner: Runner,
+    kv_cache: KVCacheManager,
+    batch: list[Request],
+    chunks: list[tuple[int, int]],
+    forward_mark: Callable[[], contextlib.AbstractContextManager],
+) -> dict[int, torch.Tensor]:
+    """One forward over the next chunk of each request `chunks` names ((index into the batch,
+    where the chunk ends), one a row), inside forward_mark(). Returns row -> the logits after its
+    last new token [V]."""
+    items = []
+    for k, end in chunks:
+        r = batch[k]
+        new = r.prompt_token_ids[r.num_computed_tokens : end]
+        pages = r.block_ids[: kv_cache.num_pages_for(end)]
+        items.append(ForwardItem(new, r.num_computed_tokens, pages, r.state_slot))
+    # a request that asks for its prompt's logprobs computes alone, every position's logits
+    every = {row for row, (k, _) in enumerate(chunks) if batch[k].sampling.prompt_logprobs is not None}
+    rest = [row for row in range(len(chunks)) if row not in every]
+    last: dict[int, torch.Tensor] = {}
+    with forward_mark():
+        if rest:
+            logits = runner.forward([items[row] for row in rest])  # [rest, V]
+            last = {row: logits[i] for i, row in enumerate(rest)}
+        for row in sorted(every):
+            last[row] = _prompt_logprobs(runner, items[row], batch[chunks[row][0]])
+    return last
+
+
+def sample_first_tokens(
+    batch: list[Request], logits: torch.Tensor
+) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+    """Each request's first tokens from the logits after its prompt (`logits` [B, V]), one a
+    choice: a request with n choices draws n from its logits, choice i as a request of its own
+    seeded seed + i (a seeded generator unless greedy), a grammar's first mask applied. Returns
+    (each request's first tokens, their logprobs when its sampling asks for them else None)."""
     owner = [k for k, r in enumerate(batch) for _ in range(r.sampling.n)]
     params = [r.sampling.for_choice(i) if r.sampling.n > 1 else r.sampling for r in batch for i in range(r.sampling.n)]
     choice_logits = logits if len(owner) == len(batch) else logits[owner]  # [choices, V]
@@ -112,7 +155,7 @@ def prefill_batch(
         found = token_logprobs(choice_logits[want], [drawn[j] for j in want], [params[j] for j in want])
         for j, lp in zip(want, found):
             first_logprobs[owner[j]] = [*(first_logprobs[owner[j]] or []), lp]
-    return first_tokens, first_logprobs, num_chunks
+    return first_tokens, first_logprobs
 
 
 PROMPT_LOGPROBS_CHUNK = 512

@@ -10,58 +10,34 @@ referenced until its KV push is done, then full prompt blocks stay in the prefix
 Chunked prefill (kvmesh.prefill_svc.chunked): a prompt longer than `chunked_prefill_size` tokens is
 computed in chunks, its pages handed to the push as they become final. KV events (blocks
 stored / removed / cleared) are published to the Redis index as the pool emits them.
+
+Beside it: the queue of requests and its counts (kvmesh.prefill_svc.pending), what a prefill
+produces (kvmesh.prefill_svc.result), each forward's turn on cores shared with a decode instance
+(kvmesh.prefill_svc.forward_turns).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
-import threading
 import time
-from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from kvmesh.engine.ep.eplb import expert_stats
 from kvmesh.engine.forward import Runner
 from kvmesh.engine.kv_cache import KVCacheManager
 from kvmesh.engine.request import Request, RequestStatus
-from kvmesh.engine.sampling_params import TokenLogprobs
 from kvmesh.kvstore.block_pool import NoFreeBlocksError
 from kvmesh.kvstore.kv_events import KVEvent
 from kvmesh.kvstore.kv_tier import KVTier
 from kvmesh.prefill_svc import metrics
 from kvmesh.prefill_svc.chunked import prefill_batch
+from kvmesh.prefill_svc.forward_turns import ForwardTurns
+from kvmesh.prefill_svc.pending import PendingRequests
+from kvmesh.prefill_svc.result import Cancelled, resolve
 from kvmesh.runtime.cpu_share import CpuShare, NoCpuShare
 
 logger = logging.getLogger(__name__)
-
-
-class Cancelled(Exception):
-    """The request was cancelled before its compute started."""
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """What one prefill produced; the caller must call release(block_ids, state_slot) after the push."""
-
-    first_token: int
-    block_ids: tuple[int, ...]
-    state_slot: int | None
-    """The request's state slot (models with state beyond pages, e.g. DeepSeek-V4), pushed after the pages."""
-    num_cached_tokens: int
-    num_computed_tokens: int
-    queue_s: float
-    compute_s: float
-    first_logprobs: TokenLogprobs | None = None
-    """The first token's logprobs, when the request's sampling asks for them."""
-    choice_first_tokens: tuple[int, ...] = ()
-    """n > 1: every choice's first token (first_token is choice 0's); () for one choice."""
-    choice_first_logprobs: tuple[TokenLogprobs, ...] = ()
-    """n > 1 with logprobs: every choice's first token's logprobs."""
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-    """With sampling.prompt_logprobs: each prompt token's (the first one's logprob NaN)."""
 
 
 class PrefillEngine:
@@ -105,17 +81,9 @@ class PrefillEngine:
         self._executor = executor or concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill_size = chunked_prefill_size
-        self._cpu_share = cpu_share if cpu_share is not None else NoCpuShare()
-        self.forward_tokens_beside_decode = forward_tokens_beside_decode
-        self.num_forwards = 0
-        self.forward_seconds = 0.0
-        """Wall seconds this instance's forwards took (its chunks), since start."""
-        self.cpu_share_wait_seconds = 0.0
-        """Seconds its forwards waited for a decode step on the same cores (--cpu-share)."""
-        self._pending: deque[Request] = deque()
-        self._count_lock = threading.Lock()
-        self.num_queued_tokens = 0
-        self.num_active = 0
+        self.turns = ForwardTurns(cpu_share, forward_tokens_beside_decode)
+        """Each forward's turn on cores shared with decode, its budget there, and their counts."""
+        self.pending = PendingRequests()
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
         self._tokens_per_s: float | None = None
@@ -141,20 +109,13 @@ class PrefillEngine:
         Requests queued while the worker is busy are computed together in one forward
         (up to max_batch_tokens prompt tokens), as vLLM and SGLang batch prefills.
         """
-        request.future = concurrent.futures.Future()
-        request.status = RequestStatus.WAITING
-        with self._count_lock:
-            self.num_queued_tokens += request.num_prompt_tokens
-            self.num_active += 1
-            self._pending.append(request)
+        future = self.pending.add(request)
         self._executor.submit(self._drain)
-        return request.future
+        return future
 
     def cancel(self, request: Request) -> None:
         """Stop a request whose compute has not started (it then fails with Cancelled)."""
-        with self._count_lock:
-            if request.status is RequestStatus.WAITING:
-                request.status = RequestStatus.ABORTED
+        self.pending.cancel(request)
 
     def release(self, block_ids: Sequence[int], state_slot: int | None = None) -> concurrent.futures.Future:
         """Drop the request's references and its state slot (on the worker thread); full blocks stay cached."""
@@ -162,7 +123,7 @@ class PrefillEngine:
 
     def _release(self, block_ids: list[int], state_slot: int | None) -> None:
         self.kv_cache.free(block_ids, state_slot)
-        if self._pending:  # requests may be waiting for these pages
+        if self.pending:  # requests may be waiting for these pages
             self._drain()
 
     def allocate_now(self, request: Request) -> bool:
@@ -189,16 +150,6 @@ class PrefillEngine:
         if self._owns_executor:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def _take_batch(self) -> list[Request]:
-        with self._count_lock:
-            batch: list[Request] = []
-            tokens = 0
-            while self._pending and (not batch or tokens + self._pending[0].num_prompt_tokens <= self.max_batch_tokens):
-                request = self._pending.popleft()
-                batch.append(request)
-                tokens += request.num_prompt_tokens
-            return batch
-
     def _drain(self) -> None:
         """On the worker thread: prefill every queued request that fits the token budget at once.
 
@@ -206,7 +157,7 @@ class PrefillEngine:
         waits at the head of the queue until a release frees them, as vLLM's scheduler keeps
         a request waiting; one that could not fit even in an empty pool fails at once.
         """
-        batch = self._take_batch()
+        batch = self.pending.take(self.max_batch_tokens)
         waiting: list[Request] = []
         try:
             ready = []
@@ -247,89 +198,61 @@ class PrefillEngine:
             if ready:
                 self._compute(ready)
         finally:
-            with self._count_lock:
-                for r in batch:
-                    if r not in waiting:
-                        self.num_queued_tokens -= r.num_prompt_tokens
-                        self.num_active -= 1
-                self._pending.extendleft(reversed(waiting))
-
-    @contextlib.contextmanager
-    def _forward_turn(self) -> Iterator[None]:
-        """Around each forward: its turn on shared cores (kvmesh.runtime.cpu_share), counted."""
-        with self._cpu_share.prefill_forward() as waited:
-            started = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.forward_seconds += time.perf_counter() - started
-                self.cpu_share_wait_seconds += waited
-                self.num_forwards += 1
-
-    def _forward_budget(self) -> int:
-        """Tokens the next forward may compute: forward_tokens_beside_decode while the decode
-        instance on these cores is stepping, else 0 (no bound beyond the chunk size)."""
-        return self.forward_tokens_beside_decode if self._cpu_share.decode_busy() else 0
+            self.pending.settle(batch, waiting)
 
     def _compute(self, ready: list[Request]) -> None:
         """Compute every ready request (kvmesh.prefill_svc.chunked), resolve their futures, then cache
         their prompt blocks."""
         started = time.perf_counter()
         cpu_started = time.process_time()
-        with self._count_lock:
-            for r in ready:
-                r.status = RequestStatus.RUNNING
+        self.pending.start(ready)
         try:
             first_tokens, first_logprobs, num_chunks = prefill_batch(
                 self.runner,
                 self.kv_cache,
                 ready,
                 self.chunked_prefill_size,
-                self._forward_turn,
-                self._forward_budget if self._cpu_share.shared and self.forward_tokens_beside_decode else None,
+                self.turns.turn,
+                self.turns.budget_of_forwards(),
             )
         except Exception as exc:
-            for r in ready:
-                self.kv_cache.free(r.block_ids, r.state_slot)
-                r.status = RequestStatus.ABORTED
-                assert r.future is not None
-                r.future.set_exception(exc)
-            # requests may wait for these pages: drain again once this drain has put them back
-            # in the queue (not from here, where a nested drain would pass them by)
-            self._executor.submit(self._drain)
+            self._fail(ready, exc)
             return
         done = time.perf_counter()
-        computed = sum(r.num_prompt_tokens - r.num_cached_tokens for r in ready)
-        if computed >= 16 and done > started:
-            rate = computed / (done - started)
-            self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate
+        self._measure_rate(ready, done - started)
         # first tokens out first: caching the blocks (and their KV events) and the log lines
         # take ~1 ms for a 2K-token prompt that TTFT need not pay; nothing can read the cache
         # in between, since the next request runs on this thread after this one
-        for r, choice_tokens, logprobs in zip(ready, first_tokens, first_logprobs):
-            r.token_ids.append(choice_tokens[0])
-            r.status = RequestStatus.FINISHED
-            assert r.future is not None
-            r.future.set_result(
-                PrefillResult(
-                    choice_tokens[0],
-                    tuple(r.block_ids),
-                    r.state_slot,
-                    r.num_cached_tokens,
-                    r.num_prompt_tokens - r.num_cached_tokens,
-                    queue_s=started - r.arrival_time,
-                    compute_s=done - started,
-                    first_logprobs=logprobs[0] if logprobs else None,
-                    choice_first_tokens=tuple(choice_tokens) if len(choice_tokens) > 1 else (),
-                    choice_first_logprobs=tuple(logprobs) if logprobs and len(choice_tokens) > 1 else (),
-                    prompt_logprobs=tuple(r.prompt_logprobs or ()),
-                )
-            )
+        resolve(ready, first_tokens, first_logprobs, started, done)
         # let the event loop thread, woken by set_result, take the GIL now: otherwise it waits
         # for the caching and logging below to end (computed -> the servicer resuming, 32-token
         # prompts, p50: 0.54 ms without, 0.19 ms with)
         time.sleep(0)
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
+        self._cache_prompts(ready, num_chunks, done - started)
+
+    def _fail(self, ready: list[Request], exc: Exception) -> None:
+        """The batch's forward or sampling raised: free its requests' pages and fail them with `exc`."""
+        for r in ready:
+            self.kv_cache.free(r.block_ids, r.state_slot)
+            r.status = RequestStatus.ABORTED
+            assert r.future is not None
+            r.future.set_exception(exc)
+        # requests may wait for these pages: drain again once this drain has put them back
+        # in the queue (not from here, where a nested drain would pass them by)
+        self._executor.submit(self._drain)
+
+    def _measure_rate(self, ready: list[Request], seconds: float) -> None:
+        """Fold the batch's prompt tokens computed per second into tokens_per_s (an EWMA; batches
+        of fewer than 16 computed tokens say too little)."""
+        computed = sum(r.num_prompt_tokens - r.num_cached_tokens for r in ready)
+        if computed >= 16 and seconds > 0:
+            rate = computed / seconds
+            self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate
+
+    def _cache_prompts(self, ready: list[Request], num_chunks: list[int], seconds: float) -> None:
+        """Keep each computed request's full prompt blocks in the prefix cache (their KV events go
+        out), count its tokens and log it."""
         for r, chunks in zip(ready, num_chunks):
             self.kv_cache.cache_prompt(r)
             self.num_prompt_tokens_computed += r.num_prompt_tokens - r.num_cached_tokens
@@ -339,7 +262,7 @@ class PrefillEngine:
                 r.request_id,
                 r.num_prompt_tokens,
                 r.num_cached_tokens,
-                done - started,
+                seconds,
                 chunks,
                 len(ready),
             )
@@ -350,12 +273,12 @@ class PrefillEngine:
         they may be a step stale and integrity_error is '' unchecked."""
         return {
             **self.kv_cache.stats(check),
-            "num_active_requests": self.num_active,
-            "num_queued_tokens": self.num_queued_tokens,
+            "num_active_requests": self.pending.num_active,
+            "num_queued_tokens": self.pending.num_queued_tokens,
             "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_prompt_tokens_cached": self.num_prompt_tokens_cached,
-            "num_forwards": self.num_forwards,
-            "forward_seconds": self.forward_seconds,
-            "cpu_share_wait_seconds": self.cpu_share_wait_seconds,
+            "num_forwards": self.turns.num_forwards,
+            "forward_seconds": self.turns.forward_seconds,
+            "cpu_share_wait_seconds": self.turns.cpu_share_wait_seconds,
             **expert_stats(self.runner.expert_token_counts()),
         }

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
+from typing import Any
 
-from kvmesh.engine.device import resolve_device
-from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.runners import create_runner
-from kvmesh.kvstore.kv_tier import create_tier
-from kvmesh.kvstore.registry import InstanceRecord
+from kvmesh.engine.forward import Runner
+from kvmesh.kvstore.kv_publisher import KVEventPublisher
+from kvmesh.kvstore.kv_tier import KVTier
+from kvmesh.kvstore.transport import KVPushReceiver
 from kvmesh.kvstore.transports import create_receiver, create_sender, keep_until_exit
 from kvmesh.prefill_svc import metrics
 from kvmesh.prefill_svc.config import PrefillConfig
@@ -21,9 +22,7 @@ from kvmesh.protos.v1 import prefill_pb2_grpc
 from kvmesh.runtime import lifecycle, service
 from kvmesh.runtime.cpu_share import open_cpu_share
 from kvmesh.runtime.kv_index import KVIndexWriter
-from kvmesh.runtime.lifecycle import Lifecycle
-from kvmesh.runtime.registration import Registration
-from kvmesh.runtime.served_model import ServedModel
+from kvmesh.runtime.model_start import ModelStart
 
 logger = logging.getLogger(__name__)
 
@@ -34,34 +33,54 @@ PREFILL_STATE_SLOTS = 64
 
 async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.MainThreadExecutor) -> None:
     """Load the model, clear this instance's old index entries, serve until stop is set."""
-    device = resolve_device(config.device)  # a device this machine lacks: refused before any port opens
-    files = resolve_model(config.model)
-    svc = service.Service(["kvmesh.v1.Prefill"], config.host, config.port)
-    address = config.reachable_address(svc.port)  # what gateways dial
-    instance_id = config.instance_id or address
+    start = ModelStart.open("prefill", config, executor, "kvmesh.v1.Prefill")
     # KV events leave the model thread at once; a background thread writes them to Redis
-    writer = KVIndexWriter(config.redis_url, files.name, instance_id, "prefill") if config.redis_url else None
-    publish = writer.publisher.publish if writer else None
-    # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
-    await asyncio.wrap_future(executor.submit(service.set_torch_threads, config.torch_threads))
-    runner = await asyncio.wrap_future(
-        executor.submit(
-            create_runner,
-            files,
-            config.num_pages,
-            config.page_size,
-            PREFILL_STATE_SLOTS,
-            config.kernel_backend,
-            device,
-        )
-    )
-    tier = create_tier(config.kv_tier_blocks, runner.page_nbytes, config.kv_tier_dir, device.type, instance_id)
-    engine = PrefillEngine(
+    writer = start.index_writer() if config.redis_url else None
+    runner = await start.load_runner(PREFILL_STATE_SLOTS)
+    tier = start.open_tier(runner.page_nbytes)
+    engine = _engine(config, runner, writer, executor, tier)
+    logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
+    keep_until_exit(config.kv_transport)  # this process leaves with os._exit: no UCX teardown
+    sender = create_sender(config.kv_transport)
+    model = start.served_model()
+    receiver, puller = await _open_pull(config, engine, runner)
+    servicer = PrefillServicer(engine, sender, model, config, puller)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, start.svc.server)
+    metrics.bind(engine)
+    start.serve_metrics(metrics.REGISTRY)
+    life = await start.open_ports()
+    await start.on_main(runner.warmup)
+
+    async def resync(publisher: KVEventPublisher) -> None:
+        # the snapshot on the worker thread, where the events come from
+        await asyncio.wrap_future(engine.call(lambda: publisher.resync(engine.kv_cache.snapshot())))
+
+    registration, leave = start.register(model, writer, resync)
+    release: list[Callable[[], Any]] = [engine.shutdown, sender.close]
+    if puller is not None and receiver is not None:
+        release += [puller.close, receiver.close]
+    if tier is not None:
+        release.append(tier.close)
+    if leave is not None:
+        release.append(leave)
+    await life.serve(stop, f"prefill {start.instance_id} serving on {start.svc.address}", registration, release)
+
+
+def _engine(
+    config: PrefillConfig,
+    runner: Runner,
+    writer: KVIndexWriter | None,
+    executor: service.MainThreadExecutor,
+    tier: KVTier | None,
+) -> PrefillEngine:
+    """The prefill engine on `runner`, computing on `executor` (the main thread), its KV events
+    going to `writer` (None: not published), evicted blocks to `tier` (None: dropped)."""
+    return PrefillEngine(
         runner,
         config.page_size,
         config.num_pages,
         config.enable_prefix_caching,
-        publish,
+        writer.publisher.publish if writer else None,
         executor=executor,
         max_batch_tokens=config.max_batch_tokens,
         chunked_prefill_size=config.chunked_prefill_size,
@@ -70,40 +89,18 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
         push_path=config.kv_push_path,
         tier=tier,
     )
-    logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
-    keep_until_exit(config.kv_transport)  # this process leaves with os._exit: no UCX teardown
-    sender = create_sender(config.kv_transport)
-    model = ServedModel.of(files, instance_id)
-    receiver, puller = None, None
-    if config.kv_pull:  # peers push the blocks this instance pulls into its own KV listener
-        receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
-        await receiver.start()
-        puller = KVPuller(engine, receiver, runner.page_layout.describe(), digest=config.kv_digest)
-    servicer = PrefillServicer(engine, sender, model, config, puller)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, svc.server)
-    metrics.bind(engine)
-    service.start_metrics_server(config.metrics_port, config.host, metrics.REGISTRY)
-    life = Lifecycle(svc, config.drain_grace_s)
-    await life.start()
-    await asyncio.wrap_future(executor.submit(runner.warmup))
-    registration = None
-    release = [engine.shutdown, sender.close]
-    if puller is not None and receiver is not None:
-        release += [puller.close, receiver.close]
-    if tier is not None:
-        release.append(tier.close)
-    if writer is not None:
-        record = InstanceRecord(instance_id, "prefill", address, model.fingerprint, config.page_size)
-        publisher = writer.publisher
 
-        async def resync() -> None:  # the snapshot on the worker thread, where the events come from
-            await asyncio.wrap_future(engine.call(lambda: publisher.resync(engine.kv_cache.snapshot())))
 
-        registration = Registration(
-            writer.index.registry, record, config.lease_ttl_s, after_beat=writer.after_beat(resync)
-        )
-        release.append(writer.leave)
-    await life.serve(stop, f"prefill {instance_id} serving on {svc.address}", registration, release)
+async def _open_pull(
+    config: PrefillConfig, engine: PrefillEngine, runner: Runner
+) -> tuple[KVPushReceiver | None, KVPuller | None]:
+    """With --kv-pull: the KV listener peers push the blocks this instance pulls into, started,
+    and the puller that asks them; else (None, None)."""
+    if not config.kv_pull:
+        return None, None
+    receiver = create_receiver(config.kv_transport, config.reachable_host, config.kv_port)
+    await receiver.start()
+    return receiver, KVPuller(engine, receiver, runner.page_layout.describe(), digest=config.kv_digest)
 
 
 def main(args: argparse.Namespace) -> None:

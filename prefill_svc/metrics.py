@@ -35,8 +35,8 @@ STEP_CPU = step_cpu_histogram(REGISTRY, buckets=(0.001, 0.005, 0.01, 0.025, 0.05
 def bind(engine) -> None:
     """Read the gauges from `engine` (a PrefillEngine) at scrape time."""
     register_expert_load(REGISTRY, engine.runner.expert_token_counts)
-    QUEUE_DEPTH.set_function(lambda: engine.num_active)
-    QUEUED_TOKENS.set_function(lambda: engine.num_queued_tokens)
+    QUEUE_DEPTH.set_function(lambda: engine.pending.num_active)
+    QUEUED_TOKENS.set_function(lambda: engine.pending.num_queued_tokens)
     engine.kv_cache.bind_metrics(used=PAGES_USED, free=PAGES_FREE, cached=PAGES_CACHED)
 
 

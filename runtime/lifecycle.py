@@ -14,7 +14,8 @@
 The order is the one STYLE.md names: register once warm, report SERVING, and on SIGTERM
 leave the registry first (gateways stop routing here), stop admitting on every front at once,
 give in-flight work the drain grace period, then release resources in the order given and
-flush the traces.
+flush the traces. Prefill and decode take their start-up steps through
+kvmesh.runtime.model_start.ModelStart, whose `open_ports` makes and starts their Lifecycle.
 """
 
 from __future__ import annotations

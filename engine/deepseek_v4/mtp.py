@@ -36,7 +36,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.deepseek_v4.model import DeepseekV4Model, _rms, _rope
+from kvmesh.engine.deepseek_v4.attention import grouped_o_a, output_projection, query_and_kv
+from kvmesh.engine.deepseek_v4.hyper_connections import hc_post, hc_pre
+from kvmesh.engine.deepseek_v4.model import DeepseekV4Model
+from kvmesh.engine.deepseek_v4.ops import rms_norm
 from kvmesh.engine.deepseek_v4.shapes import MTP_PREFIX
 from kvmesh.engine.forward import DraftItem
 from kvmesh.kernels.ops import to_device
@@ -52,10 +55,9 @@ class DeepseekV4MTP:
         if MTP_PREFIX + "e_proj.weight" not in model.w:
             raise ValueError("the checkpoint has no multi-token-prediction module (mtp.0.* tensors)")
         self.model, self.config = model, c
-        g, nh, D = c.o_groups, c.num_attention_heads, c.head_dim
-        p = MTP_PREFIX + "self_attn."
-        self.o_a = model.w[p + "o_a_proj.weight"].view(g, -1, nh * D // g).transpose(1, 2).contiguous()
-        self.kv = torch.zeros(num_pages, model.layout.page_size, D, device=model.device)  # [P, S, D] the module's K=V
+        self.o_a = grouped_o_a(model.w, MTP_PREFIX + "self_attn.", c)
+        # [P, S, D] the module's K=V
+        self.kv = torch.zeros(num_pages, model.layout.page_size, c.head_dim, device=model.device)
 
     @torch.inference_mode()
     def forward(
@@ -73,15 +75,15 @@ class DeepseekV4MTP:
         prediction of the token after tokens[r]) and the output streams [R, N, H]."""
         m, w, eps = self.model, self.model.w, self.model.eps
         p = MTP_PREFIX
-        e = _rms(F.embedding(tokens, w["model.embed_tokens.weight"]), w[p + "enorm.weight"], eps)  # [R, H]
-        x = _rms(hidden, w[p + "hnorm.weight"], eps)  # [R, N, H]
+        e = rms_norm(F.embedding(tokens, w["model.embed_tokens.weight"]), w[p + "enorm.weight"], eps)  # [R, H]
+        x = rms_norm(hidden, w[p + "hnorm.weight"], eps)  # [R, N, H]
         streams = F.linear(e, w[p + "e_proj.weight"]).unsqueeze(1) + F.linear(x, w[p + "h_proj.weight"])
-        post, comb, collapsed = m._hc(streams, p + "attn_hc")
-        a = self._attention(_rms(collapsed, w[p + "input_layernorm.weight"], eps), positions, tables, window_start)
-        streams = m._mix(post, comb, a, streams)
-        post, comb, collapsed = m._hc(streams, p + "ffn_hc")
-        f, _ = m.moe(_rms(collapsed, w[p + "post_attention_layernorm.weight"], eps), tokens, p + "mlp.", False)
-        streams = m._mix(post, comb, f, streams)  # [R, N, H]
+        post, comb, collapsed = hc_pre(streams, w, p + "attn_hc", self.config)
+        a = self._attention(rms_norm(collapsed, w[p + "input_layernorm.weight"], eps), positions, tables, window_start)
+        streams = hc_post(post, comb, a, streams)
+        post, comb, collapsed = hc_pre(streams, w, p + "ffn_hc", self.config)
+        f, _ = m.moe(rms_norm(collapsed, w[p + "post_attention_layernorm.weight"], eps), tokens, p + "mlp.", False)
+        streams = hc_post(post, comb, f, streams)  # [R, N, H]
         logits = m.head(streams, p + "hc_head_fn", p + "hc_head_scale", p + "hc_head_base", p + "norm.weight")
         return logits, streams
 
@@ -89,16 +91,11 @@ class DeepseekV4MTP:
         self, x: torch.Tensor, positions: torch.Tensor, tables: Sequence[torch.Tensor], window_start: torch.Tensor
     ) -> torch.Tensor:
         """The block's sliding-window attention (`DeepseekV4Attention`, compress ratio 0): x [R, H] -> [R, H]."""
-        c, w, eps = self.config, self.model.w, self.model.eps
+        c, w = self.config, self.model.w
         p = MTP_PREFIX + "self_attn."
-        R, nh, D, W = x.shape[0], c.num_attention_heads, c.head_dim, c.sliding_window
-        S = self.kv.shape[1]
+        R, W, S = x.shape[0], c.sliding_window, self.kv.shape[1]
         cos, sin = self.model.rope["main"](positions)
-        q_res = _rms(F.linear(x, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], eps)
-        q = _rms(F.linear(q_res, w[p + "q_b_proj.weight"]).view(R, nh, D), None, eps)
-        q = _rope(q, cos, sin)  # [R, Hq, D]
-        kv = _rms(F.linear(x, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], eps)
-        kv = _rope(kv.unsqueeze(1), cos, sin).squeeze(1)  # [R, D]
+        _, q, kv = query_and_kv(w, p, x, cos, sin, c)  # q [R, Hq, D], kv [R, D]
         width = max(len(t) for t in tables)
         padded = torch.stack([torch.cat([t, t[:1].expand(width - len(t))]) for t in tables])  # [R, M]
         self.kv[padded[torch.arange(R, device=kv.device), positions // S], positions % S] = kv
@@ -108,11 +105,8 @@ class DeepseekV4MTP:
         bias = torch.zeros(R, W, device=kv.device).masked_fill_(
             wpos < window_start[:, None].clamp(min=0), float("-inf")
         )
-        out = sparse_sink_attention(q, win_kv, bias, None, None, w[p + "sinks"], D**-0.5)
-        out = _rope(out, cos, -sin)  # undo the rope V carried (K=V), at the query's position
-        g = c.o_groups
-        grouped = torch.bmm(out.view(R, g, -1).transpose(0, 1), self.o_a).transpose(0, 1)  # [R, g, olr]
-        return F.linear(grouped.flatten(1), w[p + "o_b_proj.weight"])  # [R, H]
+        out = sparse_sink_attention(q, win_kv, bias, None, None, w[p + "sinks"], c.head_dim**-0.5)
+        return output_projection(out, cos, sin, self.o_a, w[p + "o_b_proj.weight"], c.o_groups)  # [R, H]
 
     def propose(self, items: Sequence[DraftItem]) -> list[list[int]]:
         """Up to items[b].k greedy drafts per sequence (the module's argmax, first index on ties).

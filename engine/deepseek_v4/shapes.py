@@ -61,12 +61,19 @@ def mtp_shapes(config) -> dict[str, tuple[int, ...]]:
 
 def _block_shapes(c, p: str, attn: str, mlp: str) -> dict[str, tuple[int, ...]]:
     """One transformer block's tensors under prefix p (`model.layers.3.`, `mtp.0.`)."""
-    H, D, V, N = c.hidden_size, c.head_dim, c.vocab_size, c.hc_mult
-    E, I, K = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
-    nh, qr, g, olr = c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
-    Hi, Di = c.index_n_heads, c.index_head_dim
+    return {
+        **_norm_and_hc_shapes(c, p),
+        **_attention_shapes(c, p + "self_attn."),
+        **_mlp_shapes(c, p + "mlp.", mlp),
+        **_compressor_shapes(c, p + "self_attn.compressor.", attn),
+    }
+
+
+def _norm_and_hc_shapes(c, p: str) -> dict[str, tuple[int, ...]]:
+    """A block's two norms and its two hyper-connections (attn_hc, ffn_hc)."""
+    H, N = c.hidden_size, c.hc_mult
     mix = (2 + N) * N
-    shapes: dict[str, tuple[int, ...]] = {
+    return {
         p + "input_layernorm.weight": (H,),
         p + "post_attention_layernorm.weight": (H,),
         p + "attn_hc.fn": (mix, N * H),
@@ -75,51 +82,70 @@ def _block_shapes(c, p: str, attn: str, mlp: str) -> dict[str, tuple[int, ...]]:
         p + "ffn_hc.fn": (mix, N * H),
         p + "ffn_hc.base": (mix,),
         p + "ffn_hc.scale": (3,),
-        p + "self_attn.q_a_proj.weight": (qr, H),
-        p + "self_attn.q_a_norm.weight": (qr,),
-        p + "self_attn.q_b_proj.weight": (nh * D, qr),
-        p + "self_attn.kv_proj.weight": (D, H),
-        p + "self_attn.kv_norm.weight": (D,),
-        p + "self_attn.o_a_proj.weight": (g * olr, nh * D // g),
-        p + "self_attn.o_b_proj.weight": (H, g * olr),
-        p + "self_attn.sinks": (nh,),
-        p + "mlp.gate.weight": (E, H),
-        p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
-        p + "mlp.experts.down_proj": (E, H, I),
-        p + "mlp.shared_experts.gate_proj.weight": (I, H),
-        p + "mlp.shared_experts.up_proj.weight": (I, H),
-        p + "mlp.shared_experts.down_proj.weight": (H, I),
+    }
+
+
+def _attention_shapes(c, p: str) -> dict[str, tuple[int, ...]]:
+    """The attention's own tensors under p (`model.layers.3.self_attn.`), compressors aside."""
+    H, D = c.hidden_size, c.head_dim
+    nh, qr, g, olr = c.num_attention_heads, c.q_lora_rank, c.o_groups, c.o_lora_rank
+    return {
+        p + "q_a_proj.weight": (qr, H),
+        p + "q_a_norm.weight": (qr,),
+        p + "q_b_proj.weight": (nh * D, qr),
+        p + "kv_proj.weight": (D, H),
+        p + "kv_norm.weight": (D,),
+        p + "o_a_proj.weight": (g * olr, nh * D // g),
+        p + "o_b_proj.weight": (H, g * olr),
+        p + "sinks": (nh,),
+    }
+
+
+def _mlp_shapes(c, p: str, mlp: str) -> dict[str, tuple[int, ...]]:
+    """The MoE's tensors under p (`model.layers.3.mlp.`): router, routed and shared experts."""
+    H, V = c.hidden_size, c.vocab_size
+    E, I, K = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "gate.weight": (E, H),
+        p + "experts.gate_up_proj": (E, 2 * I, H),
+        p + "experts.down_proj": (E, H, I),
+        p + "shared_experts.gate_proj.weight": (I, H),
+        p + "shared_experts.up_proj.weight": (I, H),
+        p + "shared_experts.down_proj.weight": (H, I),
     }
     if mlp == "hash_moe":
-        shapes[p + "mlp.gate.tid2eid"] = (V, K)
+        shapes[p + "gate.tid2eid"] = (V, K)
     else:
-        shapes[p + "mlp.gate.e_score_correction_bias"] = (E,)
-    cp = p + "self_attn.compressor."
+        shapes[p + "gate.e_score_correction_bias"] = (E,)
+    return shapes
+
+
+def _compressor_shapes(c, cp: str, attn: str) -> dict[str, tuple[int, ...]]:
+    """The compressors' tensors under cp (`model.layers.3.self_attn.compressor.`): HCA's, or
+    CSA's and its Lightning Indexer's; none for a sliding-window layer."""
+    H, D, qr = c.hidden_size, c.head_dim, c.q_lora_rank
+    Hi, Di = c.index_n_heads, c.index_head_dim
     if attn == HCA:
         r = c.compress_rates[HCA]
-        shapes.update(
-            {
-                cp + "kv_proj.weight": (D, H),
-                cp + "gate_proj.weight": (D, H),
-                cp + "position_bias": (r, D),
-                cp + "kv_norm.weight": (D,),
-            }
-        )
-    elif attn == CSA:
+        return {
+            cp + "kv_proj.weight": (D, H),
+            cp + "gate_proj.weight": (D, H),
+            cp + "position_bias": (r, D),
+            cp + "kv_norm.weight": (D,),
+        }
+    if attn == CSA:
         r = c.compress_rates[CSA]
         ip = cp + "indexer."
-        shapes.update(
-            {
-                cp + "kv_proj.weight": (2 * D, H),
-                cp + "gate_proj.weight": (2 * D, H),
-                cp + "position_bias": (r, 2 * D),
-                cp + "kv_norm.weight": (D,),
-                ip + "kv_proj.weight": (2 * Di, H),
-                ip + "gate_proj.weight": (2 * Di, H),
-                ip + "position_bias": (r, 2 * Di),
-                ip + "kv_norm.weight": (Di,),
-                ip + "q_b_proj.weight": (Hi * Di, qr),
-                ip + "scorer.weights_proj.weight": (Hi, H),
-            }
-        )
-    return shapes
+        return {
+            cp + "kv_proj.weight": (2 * D, H),
+            cp + "gate_proj.weight": (2 * D, H),
+            cp + "position_bias": (r, 2 * D),
+            cp + "kv_norm.weight": (D,),
+            ip + "kv_proj.weight": (2 * Di, H),
+            ip + "gate_proj.weight": (2 * Di, H),
+            ip + "position_bias": (r, 2 * Di),
+            ip + "kv_norm.weight": (Di,),
+            ip + "q_b_proj.weight": (Hi * Di, qr),
+            ip + "scorer.weights_proj.weight": (Hi, H),
+        }
+    return {}

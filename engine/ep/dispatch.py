@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +115,14 @@ class EPTimes:
     pages_s: float = 0.0
     step_s: float = 0.0
     steps: int = 0
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the seconds the block takes to `part` (e.g. "pages_s"); a block that raises adds
+        nothing (the step failed, the world is down)."""
+        started = time.perf_counter()
+        yield
+        setattr(self, part, getattr(self, part) + time.perf_counter() - started)
 
     def per_step_ms(self) -> dict[str, float]:
         """Each part's mean milliseconds per step (zeros before the first step)."""

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from kvmesh.engine.ep.link import SILENT_AFTER_S, STOP, Link
-from kvmesh.engine.ep.worker import WorldSpec, worker_main
+from kvmesh.engine.ep.worker import worker_main
+from kvmesh.engine.ep.world import WorldSpec
 
 logger = logging.getLogger(__name__)
 
@@ -155,73 +156,95 @@ class RemoteRanks(_Ranks):
         self.listener = Listener((host, port), authkey=authkey)
         self.hosts: list[str] = [""] * (num_ranks - 1)
         self.links = []
-        joined: dict[int, tuple[Link, str]] = {}
-        done = threading.Event()
-        lock = threading.Lock()
-
-        def accept() -> None:
-            while not done.is_set():
-                try:
-                    conn = self.listener.accept()
-                except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
-                    if done.is_set():  # the wake-up connection below
-                        return
-                    logger.warning("EP: refused a connection to %s:%d: %r (wrong KVMESH_EP_SECRET?)", host, port, exc)
-                    continue
-                if done.is_set():
-                    conn.close()
-                    return
-                peer = self.listener.last_accepted
-                try:
-                    msg: Any = ("alive",)
-                    while msg == ("alive",):  # its heartbeats may come first
-                        if not conn.poll(10.0):
-                            raise ValueError("no hello within 10 s")
-                        msg = conn.recv()
-                    kind, rank = msg
-                    if kind != "hello" or not isinstance(rank, int) or not 1 <= rank < num_ranks:
-                        raise ValueError(f"expected ('hello', rank in [1, {num_ranks})), got {(kind, rank)!r}")
-                except (EOFError, OSError, ValueError, TypeError) as exc:
-                    logger.warning("EP: dropping a connection from %s: %s", peer, exc)
-                    conn.close()
-                    continue
-                with lock:
-                    if rank in joined:
-                        logger.warning("EP: rank %d joined twice (from %s); keeping the first", rank, peer)
-                        conn.close()
-                        continue
-                    joined[rank] = (Link(conn, f"rank-{rank}"), f"{peer[0]}" if isinstance(peer, tuple) else str(peer))
-                    logger.info("EP: rank %d joined from %s", rank, peer)
-                    if len(joined) == num_ranks - 1:
-                        done.set()
-
-        thread = threading.Thread(target=accept, name="ep-accept", daemon=True)
+        self._address, self._num_ranks = (host, port), num_ranks
+        self._joined: dict[int, tuple[Link, str]] = {}  # rank -> its link and its host
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        thread = threading.Thread(target=self._accept, name="ep-accept", daemon=True)
         thread.start()
         try:
-            if not done.wait(timeout_s):
-                missing = sorted(set(range(1, num_ranks)) - set(joined))
-                raise EPWorldError(
-                    f"EP ranks {missing} did not join {host}:{port} within {timeout_s:.0f} s "
-                    "(start `kvmesh serve ep-rank --ep-init-addr HOST:PORT --rank R` on their hosts, with the "
-                    "same KVMESH_EP_SECRET)"
-                )
+            self._await_joined(timeout_s)
         except BaseException:
-            done.set()
-            _wake(host, port)
-            thread.join(5.0)
-            self.listener.close()
-            for link, _ in joined.values():
+            self._done.set()
+            self._stop_accepting(thread)
+            for link, _ in self._joined.values():
                 link.close()
             raise
-        _wake(host, port)  # the accept thread is blocked in accept(): one connection ends it
+        self._stop_accepting(thread)
+        for rank in range(1, num_ranks):
+            link, self.hosts[rank - 1] = self._joined[rank]
+            self.links.append(link)
+
+    def _await_joined(self, timeout_s: float) -> None:
+        """Wait until every rank joined; EPWorldError naming the ranks missing after timeout_s."""
+        if not self._done.wait(timeout_s):
+            host, port = self._address
+            missing = sorted(set(range(1, self._num_ranks)) - set(self._joined))
+            raise EPWorldError(
+                f"EP ranks {missing} did not join {host}:{port} within {timeout_s:.0f} s "
+                "(start `kvmesh serve ep-rank --ep-init-addr HOST:PORT --rank R` on their hosts, with the "
+                "same KVMESH_EP_SECRET)"
+            )
+
+    def _stop_accepting(self, thread: threading.Thread) -> None:
+        """End the accept thread and close the listener."""
+        _wake(*self._address)  # the accept thread is blocked in accept(): one connection ends it
         thread.join(5.0)
         self.listener.close()
-        for rank in range(1, num_ranks):
-            link, self.hosts[rank - 1] = joined[rank]
-            self.links.append(link)
+
+    def _accept(self) -> None:
+        """The accept thread: admit each authenticated connection that says hello as its rank,
+        until every rank joined (or the wake-up connection of `_stop_accepting` comes)."""
+        host, port = self._address
+        while not self._done.is_set():
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
+                if self._done.is_set():  # the wake-up connection
+                    return
+                logger.warning("EP: refused a connection to %s:%d: %r (wrong KVMESH_EP_SECRET?)", host, port, exc)
+                continue
+            if self._done.is_set():
+                conn.close()
+                return
+            peer = self.listener.last_accepted
+            try:
+                rank = _hello(conn, self._num_ranks)
+            except (EOFError, OSError, ValueError, TypeError) as exc:
+                logger.warning("EP: dropping a connection from %s: %s", peer, exc)
+                conn.close()
+                continue
+            self._admit(rank, conn, peer)
+
+    def _admit(self, rank: int, conn, peer: Any) -> None:
+        """Take `conn` as rank `rank`'s link (the first of each rank; a second is closed)."""
+        with self._lock:
+            if rank in self._joined:
+                logger.warning("EP: rank %d joined twice (from %s); keeping the first", rank, peer)
+                conn.close()
+                return
+            self._joined[rank] = (Link(conn, f"rank-{rank}"), f"{peer[0]}" if isinstance(peer, tuple) else str(peer))
+            logger.info("EP: rank %d joined from %s", rank, peer)
+            if len(self._joined) == self._num_ranks - 1:
+                self._done.set()
 
     def where(self, w: int) -> str:
         return f"rank {w + 1} (host {self.hosts[w]})"
+
+
+def _hello(conn, num_ranks: int) -> int:
+    """The rank a new connection says it is: its first message past any heartbeats must be
+    ("hello", rank in [1, num_ranks)) within 10 s. ValueError / TypeError otherwise, EOFError /
+    OSError when the connection breaks."""
+    msg: Any = ("alive",)
+    while msg == ("alive",):  # its heartbeats may come first
+        if not conn.poll(10.0):
+            raise ValueError("no hello within 10 s")
+        msg = conn.recv()
+    kind, rank = msg
+    if kind != "hello" or not isinstance(rank, int) or not 1 <= rank < num_ranks:
+        raise ValueError(f"expected ('hello', rank in [1, {num_ranks})), got {(kind, rank)!r}")
+    return rank
 
 
 def _wake(host: str, port: int) -> None:

@@ -2,9 +2,9 @@
 """Ranks 1..N-1 of expert-parallel decode: processes that hold the model and their share of the
 routed experts, and run their share of each step when rank 0 says so (kvmesh.engine.ep.runner is rank 0).
 
-Control and data take different roads. Rank 0 sends each step's plan (this rank's sequences,
-its first global token index, a placement to load first, pages and state slots to take or give
-back) over a control link (kvmesh.engine.ep.link: a pipe, or an authenticated TCP connection to a rank
+Control and data take different roads. Rank 0 sends each step's plan (kvmesh.engine.ep.plan:
+this rank's sequences, its first global token index, a placement to load first, pages and state
+slots to take or give back) over a control link (kvmesh.engine.ep.link: a pipe, or an authenticated TCP connection to a rank
 on another host), so an idle rank waits for work without a collective timing out; the step's
 data (pages and slots, the MoE dispatch and combine, kvmesh.engine.ep.dispatch, and the logits
 gathered to rank 0) goes over torch.distributed, every wait bounded by the process group's
@@ -19,128 +19,35 @@ Where the KV pages and state slots live depends on the host:
 - a rank on another host (`remote_main`, `kvmesh serve ep-rank`) holds a mirror of the pool in
   its own memory: rank 0 sends it the pages and slots of the sequences it runs that it lacks
   (or holds stale) before the step (`StepPlan.install_*`) and it sends back the pages and slots
-  it wrote (`StepPlan.writeback_*`) after, both over torch.distributed point-to-point, so rank
+  it wrote (`StepPlan.writeback_*`) after, both over torch.distributed point-to-point
+(kvmesh.engine.ep.transfer), so rank
   0's pool stays whole (KV pushes land there; decode's prefix cache reads it). SGLang's DP
   attention keeps a pool a rank; here rank 0's is the home copy and a rank's is a cache.
 """
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvmesh.engine.ep.link import STOP, Link
-from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.ep.transfer import gather_rows, pack, pack_size, recv_from_zero, stream_width, unpack
+from kvmesh.engine.ep.world import WorldSpec, comm_device, config_digest, init_world
 from kvmesh.engine.kv_layout import flat_layout
-from kvmesh.kvstore.shared_memory import HEADER_NBYTES, RegionDescriptor, map_region
+from kvmesh.kvstore.shared_memory import HEADER_NBYTES, map_region
 
 if TYPE_CHECKING:
-    import torch
-
     from kvmesh.engine.checkpoint import ModelFiles
+    from kvmesh.engine.ep.plan import StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorldSpec:
-    """What every rank needs to join the EP world and build its model (picklable)."""
-
-    files: ModelFiles
-    num_ranks: int
-    store_port: int
-    backend: str  # "gloo" | "nccl"
-    timeout_s: float
-    """Bound on every collective (and the rendezvous) in seconds."""
-    region: RegionDescriptor | None
-    """Rank 0's shared region holding pages, then slots; None: ranks on other hosts, each with
-    a mirror of the pool (rank 0 moves pages and slots over torch.distributed)."""
-    state_offset: int
-    """Byte offset of the pages in the region's pool."""
-    num_pages: int
-    page_size: int
-    num_state_slots: int
-    kernel_backend: str
-    torch_threads: int
-    phy2log: np.ndarray
-    replicas: np.ndarray
-    slot_floats: int = 0
-    """Floats in one of rank 0's state slots (its layout's; 0: not checked)."""
-    store_host: str = "127.0.0.1"
-    """Where rank 0's TCP store listens (its address on the EP network for remote ranks)."""
-    config_digest: str = ""
-    """sha256 of rank 0's config.json: a remote rank refuses to join with a different model."""
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step, as rank 0 tells a worker: its rows (maybe none; a sequence's speculative
-    verification rows are never split between ranks), the global index of its first token, the
-    rows every rank pads its logits to, a placement to load first, and whether to gather the
-    rows' last hidden streams too (speculative decoding's MTP drafter, on rank 0, reads them)."""
-
-    items: list[ForwardItem]
-    token_offset: int
-    max_rows: int
-    placement: tuple[np.ndarray, np.ndarray] | None = field(default=None)
-    streams: bool = False
-    install_pages: list[int] = field(default_factory=list)
-    """Remote ranks: pages whose contents rank 0 sends before the step (this order)."""
-    install_slots: list[int] = field(default_factory=list)
-    """Remote ranks: state slots rank 0 sends after those pages."""
-    writeback_pages: list[int] = field(default_factory=list)
-    """Remote ranks: pages the step writes, sent back to rank 0 after the logits."""
-    writeback_slots: list[int] = field(default_factory=list)
-    """Remote ranks: state slots the step writes, sent back after those pages."""
-
-
-def stream_width(config) -> int:
-    """Floats of one row's last hidden streams (hc_mult streams of hidden_size)."""
-    return config.hc_mult * config.hidden_size
-
-
-def comm_device(backend: str, rank: int) -> str:
-    """Where a rank's collective buffers live: its GPU under NCCL, else the CPU."""
-    return f"cuda:{rank}" if backend == "nccl" else "cpu"
-
-
-def init_world(spec: WorldSpec, rank: int, store=None) -> None:
-    """Join the EP process group as `rank` over the TCP store on 127.0.0.1:spec.store_port
-    (rank 0 passes the store it hosts). Raises RuntimeError / DistStoreError past spec.timeout_s."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    if store is None:
-        store = dist.TCPStore(spec.store_host, spec.store_port, spec.num_ranks, is_master=False, timeout=timeout)
-    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.num_ranks, timeout=timeout)
-
-
-def gather_rows(rows: torch.Tensor | None, max_rows: int, width: int, backend: str, rank: int) -> list | None:
-    """Every rank's rows [B_r, width] fp32 (its logits, or its last hidden streams flattened)
-    padded to [max_rows, width] and gathered to rank 0: the list of R tensors on rank 0, None
-    elsewhere. A collective."""
-    import torch
-    import torch.distributed as dist
-
-    device = comm_device(backend, rank)
-    padded = torch.zeros(max_rows, width, dtype=torch.float32, device=device)
-    if rows is not None:
-        padded[: rows.shape[0]] = rows.to(device)
-    if rank:
-        dist.gather(padded, None, dst=0)
-        return None
-    out = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    dist.gather(padded, out, dst=0)
-    return [t.cpu() for t in out]
 
 
 def worker_main(spec: WorldSpec, rank: int, conn) -> None:
@@ -194,11 +101,6 @@ def remote_main(conn, address: tuple[str, int], rank: int, files: ModelFiles, to
     return run_rank(spec, rank, link, lambda: link.silent_s > spec.timeout_s)
 
 
-def config_digest(files: ModelFiles) -> str:
-    """sha256 of the checkpoint's config.json (ranks on other hosts must load the same model)."""
-    return hashlib.sha256((files.checkpoint_dir / "config.json").read_bytes()).hexdigest()
-
-
 def run_rank(spec: WorldSpec, rank: int, link: Link, lost: Callable[[], bool]) -> int:
     """Join the world, build the model, say ready, then run steps from `link` until rank 0 sends
     STOP (returns 0) or `lost()` says rank 0 is gone (returns 1). A failure is sent to rank 0
@@ -244,7 +146,7 @@ def step(spec: WorldSpec, rank: int, plan: StepPlan, model, moe, pages, slots) -
     the group's timeout (RuntimeError past it)."""
     if plan.install_pages or plan.install_slots:
         numel = pack_size(plan.install_pages, plan.install_slots, pages, slots)
-        unpack(recv_from_zero(numel, spec), plan.install_pages, plan.install_slots, pages, slots)
+        unpack(recv_from_zero(numel, spec.timeout_s), plan.install_pages, plan.install_slots, pages, slots)
     if plan.placement is not None:
         moe.load_placement(_placement(plan.placement, spec.num_ranks))
     moe.token_offset = plan.token_offset
@@ -263,40 +165,6 @@ def step(spec: WorldSpec, rank: int, plan: StepPlan, model, moe, pages, slots) -
         dist.send(pack(plan.writeback_pages, plan.writeback_slots, pages, slots), dst=0)
 
 
-def pack_size(page_ids: Sequence[int], slot_ids: Sequence[int], pages, slots) -> int:
-    """Floats of pack(page_ids, slot_ids, ...)."""
-    return len(page_ids) * pages.shape[1] + len(slot_ids) * slots.shape[1]
-
-
-def pack(page_ids: Sequence[int], slot_ids: Sequence[int], pages, slots):
-    """The pages' rows [n, page_floats] then the slots' rows [m, slot_floats], as one flat fp32
-    tensor (what moves between rank 0 and a remote rank)."""
-    import torch
-
-    return torch.cat([pages[list(page_ids)].reshape(-1), slots[list(slot_ids)].reshape(-1)])
-
-
-def unpack(flat, page_ids: Sequence[int], slot_ids: Sequence[int], pages, slots) -> None:
-    """Write pack's output back into pages and slots (in place)."""
-    n = len(page_ids) * pages.shape[1]
-    if page_ids:
-        pages[list(page_ids)] = flat[:n].view(len(page_ids), pages.shape[1])
-    if slot_ids:
-        slots[list(slot_ids)] = flat[n:].view(len(slot_ids), slots.shape[1])
-
-
-def recv_from_zero(numel: int, spec: WorldSpec):
-    """numel fp32 from rank 0, point-to-point, within the group's timeout (RuntimeError past it)."""
-    import torch
-    import torch.distributed as dist
-
-    flat = torch.empty(numel, dtype=torch.float32)
-    work = dist.irecv(flat, src=0)
-    assert work is not None, "point-to-point ops return their work outside a coalescing manager"
-    work.wait(datetime.timedelta(seconds=spec.timeout_s))
-    return flat
-
-
 def _placement(arrays: tuple[np.ndarray, np.ndarray], num_ranks: int):
     from kvmesh.engine.ep.eplb import Placement
 
@@ -305,14 +173,33 @@ def _placement(arrays: tuple[np.ndarray, np.ndarray], num_ranks: int):
 
 def _build(spec: WorldSpec, rank: int):
     """(model, its ExpertParallelMoE, pages [P, page_floats], slots [R, slot_floats]) of a worker."""
-    import torch
+    from kvmesh.engine.ep.dispatch import ExpertParallelMoE
+    from kvmesh.engine.ep.expert_weights import CheckpointExperts
 
+    model = _load_model(spec, rank)
+    c = model.config
+    moe = ExpertParallelMoE(
+        model,
+        rank,
+        spec.num_ranks,
+        _placement((spec.phy2log, spec.replicas), spec.num_ranks),
+        CheckpointExperts(spec.files.checkpoint_dir, c.num_hidden_layers, c.n_routed_experts),
+        device=comm_device(spec.backend, rank),
+    )
+    model.routed_experts = moe
+    pages, slots = _pool(spec, model.layout, rank)
+    return model, moe, pages, slots
+
+
+def _load_model(spec: WorldSpec, rank: int):
+    """The rank's DeepseekV4Model without the main layers' routed experts (its
+    ExpertParallelMoE reads its slots' own), in rank 0's state layout. RuntimeError when the
+    layout's state slots differ from rank 0's."""
     from kvmesh.engine.checkpoint import load_checkpoint_tensors
     from kvmesh.engine.deepseek_v4.model import DeepseekV4Model
     from kvmesh.engine.deepseek_v4.state import V4StateLayout
     from kvmesh.engine.deepseek_v4.weights import has_mtp
-    from kvmesh.engine.ep.dispatch import ExpertParallelMoE
-    from kvmesh.engine.ep.expert_weights import CheckpointExperts, rank_keeps
+    from kvmesh.engine.ep.expert_weights import rank_keeps
     from kvmesh.engine.loader import load_deepseek_v4_config as load_v4_config
     from kvmesh.kernels.backend import create_kernel_backend
 
@@ -324,7 +211,7 @@ def _build(spec: WorldSpec, rank: int):
     layout = V4StateLayout.from_config(hf_config, spec.page_size, mtp=has_mtp(tensors))
     if spec.slot_floats and layout.slot_floats != spec.slot_floats:
         raise RuntimeError(f"rank {rank}: state slots of {layout.slot_floats} floats, rank 0's hold {spec.slot_floats}")
-    model = DeepseekV4Model(
+    return DeepseekV4Model(
         hf_config,
         tensors,
         layout,
@@ -332,16 +219,14 @@ def _build(spec: WorldSpec, rank: int):
         create_kernel_backend(spec.kernel_backend),
         routed_experts_here=False,
     )
-    del tensors
-    moe = ExpertParallelMoE(
-        model,
-        rank,
-        spec.num_ranks,
-        _placement((spec.phy2log, spec.replicas), spec.num_ranks),
-        CheckpointExperts(spec.files.checkpoint_dir, hf_config.num_hidden_layers, hf_config.n_routed_experts),
-        device=comm_device(spec.backend, rank),
-    )
-    model.routed_experts = moe
+
+
+def _pool(spec: WorldSpec, layout, rank: int):
+    """(pages [P, page_floats], slots [R, slot_floats]) fp32 the rank's attention reads and
+    writes: rank 0's shared region mapped writable on its host, else a zeroed mirror of rank
+    0's pool that rank 0 fills page by page (`step`)."""
+    import torch
+
     page_numel, slot_numel = spec.num_pages * layout.page_floats, spec.num_state_slots * layout.slot_floats
     if spec.region is None:  # another host: a mirror of rank 0's pool, filled as rank 0 sends pages
         state = torch.zeros(page_numel + slot_numel, dtype=torch.float32)
@@ -353,6 +238,5 @@ def _build(spec: WorldSpec, rank: int):
         )
         where = f"mapped from pid {spec.region.pid}"
     memory = flat_layout(layout.page_floats, layout.slot_floats).split(state, spec.num_pages, spec.num_state_slots)
-    pages, slots = memory.pages, memory.slots
     logger.info("rank %d ready: %d pages, %d slots %s", rank, spec.num_pages, spec.num_state_slots, where)
-    return model, moe, pages, slots
+    return memory.pages, memory.slots

@@ -33,7 +33,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -41,30 +41,14 @@ import torch.nn.functional as F
 
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.gguf_blocks import GGUFBlocks
-from kvmesh.engine.llama.step import decode_step
+from kvmesh.engine.llama.step import StepBatch, StepWeights, decode_step
+from kvmesh.engine.llama.weights import TensorTaker, pack_blocks, take_layer
 from kvmesh.kernels import AttentionMetadata, apply_rotary, paged_attention, rms_norm, silu_and_mul
 from kvmesh.kernels.attention import DecodeGroup
-from kvmesh.kernels.dense import dense_matmul, onednn_weight
-from kvmesh.kernels.quant import TN, Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0, quantized_matmul
+from kvmesh.kernels.dense import dense_matmul
+from kvmesh.kernels.quant import TN, Q4_1Weight, Q8_0Weight, quantized_matmul
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Layer:
-    input_norm: torch.Tensor  # [H]
-    w_qkv: torch.Tensor  # [H, (Q + 2K) * D], input-major
-    w_o: torch.Tensor  # [Q * D, H]
-    post_norm: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [H, 2I]
-    w_down: torch.Tensor  # [I, H]
-    # the same weights as GGUF blocks, output-major like the file ([N, K]); None: fp32 only
-    q_qkv: Q4_1Weight | Q8_0Weight | None = None
-    q_o: Q4_1Weight | Q8_0Weight | None = None
-    q_gate_up: Q4_1Weight | Q8_0Weight | None = None
-    q_down: Q4_1Weight | Q8_0Weight | None = None
-    # oneDNN's copies of w_qkv, w_o, w_gate_up, w_down for prefill's GEMMs (`kvmesh.kernels.dense`)
-    dnn: tuple[torch.Tensor | None, ...] = (None, None, None, None)
 
 
 QUANTIZED_MAX_BATCH = 64
@@ -72,16 +56,6 @@ QUANTIZED_MAX_BATCH = 64
 Xeon (`python -m kvmesh.bench.quant --rows 16 32 64 128 256`): Q4_1 layers 2.3x the speed of
 torch's fp32 GEMM (MKL) at 16 rows, 1.4x at 32, 1.0x at 64, 0.73x at 128; the Q8_0 lm_head 1.7-2.1x
 at 16, 1.1x at 64. (AMD EPYC, before the register-blocked rows: 2.8x at 16, 1.6x at 64.)"""
-
-
-def _pack(blocks: dict[str, GGUFBlocks], names: list[str]) -> Q4_1Weight | Q8_0Weight | None:
-    """The named weights' blocks stacked along the output rows and packed; None unless all
-    of them have blocks of one kind."""
-    parts = [blocks[n] for n in names if n in blocks]
-    if len(parts) != len(names) or len({p.kind for p in parts}) != 1:
-        return None
-    arrays = [np.concatenate(a) for a in zip(*(p.arrays for p in parts))]
-    return pack_q4_1(*arrays) if parts[0].kind == "q4_1" else pack_q8_0(*arrays)
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None, dnn: torch.Tensor | None) -> torch.Tensor:
@@ -118,65 +92,32 @@ class LlamaModel:
         blocks = blocks if dtype == torch.float32 and device.type == "cpu" else None
         self.config = c = config
         self.dtype = dtype
-        left = dict(weights)
-
-        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            if name not in left:
-                raise ValueError(f"checkpoint of {c.name!r} lacks tensor {name!r}")
-            t = left.pop(name)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-            return t.to(device=device, dtype=dtype)
-
-        H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
-        q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
-        self.embed = take("model.embed_tokens.weight", (c.vocab_size, H))  # [V, H]
-        self.layers: list[_Layer] = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            input_norm = take(p + "input_layernorm.weight", (H,))
-            qkv = [take(p + f"self_attn.{x}_proj.weight", (q_out if x == "q" else kv_out, H)) for x in "qkv"]
-            w_qkv = torch.cat(qkv).t().contiguous()
-            w_o = take(p + "self_attn.o_proj.weight", (H, q_out)).t().contiguous()
-            post_norm = take(p + "post_attention_layernorm.weight", (H,))
-            gate_up = [take(p + "mlp.gate_proj.weight", (I, H)), take(p + "mlp.up_proj.weight", (I, H))]
-            w_gate_up = torch.cat(gate_up).t().contiguous()
-            w_down = take(p + "mlp.down_proj.weight", (H, I)).t().contiguous()
-            self.layers.append(
-                _Layer(
-                    input_norm=input_norm,
-                    w_qkv=w_qkv,
-                    w_o=w_o,
-                    post_norm=post_norm,
-                    w_gate_up=w_gate_up,
-                    w_down=w_down,
-                    q_qkv=_pack(blocks, [p + f"self_attn.{x}_proj.weight" for x in "qkv"]) if blocks else None,
-                    q_o=_pack(blocks, [p + "self_attn.o_proj.weight"]) if blocks else None,
-                    q_gate_up=_pack(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) if blocks else None,
-                    q_down=_pack(blocks, [p + "mlp.down_proj.weight"]) if blocks else None,
-                    dnn=tuple(onednn_weight(x) for x in (w_qkv, w_o, w_gate_up, w_down)),
-                )
-            )
-        self.norm = take("model.norm.weight", (H,))
-        if c.tie_word_embeddings:
-            left.pop("lm_head.weight", None)  # some exports store the tied copy too
-            self.lm_head = self.embed
-        else:
-            self.lm_head = take("lm_head.weight", (c.vocab_size, H))  # [V, H]
-        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-        self.q_lm_head = _pack(blocks, [head]) if blocks else None
-        unused = [n for n in left if not n.endswith("rotary_emb.inv_freq")]
-        if unused:
-            raise ValueError(f"checkpoint of {c.name!r} has tensors this Llama does not use, e.g. {sorted(unused)[:3]}")
+        take = TensorTaker(c.name, weights, dtype, device)
+        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))  # [V, H]
+        self.layers = [take_layer(take, c, f"model.layers.{i}.", blocks) for i in range(c.num_layers)]
+        self.norm = take("model.norm.weight", (c.hidden_size,))
+        self._take_lm_head(take, blocks)
+        take.check_all_taken()
         self.step_cycles = np.zeros(0, np.int64)
         """A profiling hook: set it to zeros(len(llama_step.STEP_PARTS)) and each fused decode step adds its
         parts' cycles (`llama_step.read_cycles`) to it; empty (the default), nothing is counted."""
         self._step = self._stack_for_step()
 
-    def _stack_for_step(self) -> tuple | None:
-        """Arguments of `decode_step` that stay the same from step to step: the norms, and the
-        layers' Q4_1 blocks stacked [L, ...] (the layers keep views of them: nothing is stored
-        twice); None unless every layer has Q4_1 blocks and the lm_head Q8_0 ones."""
+    def _take_lm_head(self, take: TensorTaker, blocks: dict[str, GGUFBlocks] | None) -> None:
+        """The lm_head [V, H]: the embedding itself when tied, and its GGUF blocks if any."""
+        c = self.config
+        if c.tie_word_embeddings:
+            take.drop("lm_head.weight")  # some exports store the tied copy too
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight", (c.vocab_size, c.hidden_size))  # [V, H]
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        self.q_lm_head = pack_blocks(blocks, [head]) if blocks else None
+
+    def _stack_for_step(self) -> StepWeights | None:
+        """`decode_step`'s weights, the same from step to step: the norms, and the layers' Q4_1
+        blocks stacked [L, ...] (the layers keep views of them: nothing is stored twice); None
+        unless every layer has Q4_1 blocks and the lm_head Q8_0 ones."""
         names = ("q_qkv", "q_o", "q_gate_up", "q_down")
         if (
             self.config.intermediate_size % TN
@@ -200,14 +141,17 @@ class LlamaModel:
         ]
         norms = [torch.stack([w.input_norm, w.post_norm]) for w in self.layers] + [torch.stack([self.norm, self.norm])]
         c = self.config
-        return (
-            torch.stack(norms).numpy(),  # [L + 1, 2, H]
-            c.rms_norm_eps,
-            c.num_heads,
-            c.num_kv_heads,
-            c.intermediate_size,
-            *(stacked[n] for n in names),
-            (self.q_lm_head.q, self.q_lm_head.d),
+        return StepWeights(
+            norms=torch.stack(norms).numpy(),  # [L + 1, 2, H]
+            eps=c.rms_norm_eps,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            intermediate=c.intermediate_size,
+            qkv=stacked["q_qkv"],
+            o=stacked["q_o"],
+            gate_up=stacked["q_gate_up"],
+            down=stacked["q_down"],
+            head=(self.q_lm_head.q, self.q_lm_head.d),
         )
 
     def _decode_fused(
@@ -220,19 +164,18 @@ class LlamaModel:
         M = g.read_blocks.shape[-1] // B  # pages of the longest context
         # each context's length: the keys its mask lets through (all M*S of them without a mask)
         lens = torch.full((B,), M * S) if g.mask is None else g.mask.view(B, M * S).sum(1)  # [B] int64
-        h = self.embed.index_select(0, input_ids).numpy()  # [B, H], the residual stream (a copy)
-        logits = torch.empty(B, self._step[-1][0].shape[0] * TN)  # [B, V padded to tiles]
-        decode_step(  # type: ignore[call-arg]  # a numba dispatcher: mypy sees no signature
-            h,
-            lens.numpy(),
-            cos.view(B, D).numpy(),
-            sin_rot.view(B, D).numpy(),
-            g.read_blocks.view(L, 2, B, M).numpy(),
-            kv_cache.view(-1, S, K, D).numpy(),
-            *self._step,
-            logits.numpy(),
-            self.step_cycles,
+        logits = torch.empty(B, self._step.head[0].shape[0] * TN)  # [B, V padded to tiles]
+        batch = StepBatch(
+            h=self.embed.index_select(0, input_ids).numpy(),  # [B, H], the residual stream (a copy)
+            lens=lens.numpy(),
+            cos=cos.view(B, D).numpy(),
+            sin_rot=sin_rot.view(B, D).numpy(),
+            blocks=g.read_blocks.view(L, 2, B, M).numpy(),
+            kv=kv_cache.view(-1, S, K, D).numpy(),
+            logits=logits.numpy(),
+            cycles=self.step_cycles,
         )
+        decode_step(batch, self._step)
         return logits[:, : self.config.vocab_size]
 
     def forward(

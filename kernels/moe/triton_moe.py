@@ -3,9 +3,10 @@
 # BLOCK_M, BM/BN/BK=block sizes along rows (assignments), output columns, reduction
 """Routed experts as Triton kernels, vLLM's `fused_moe` design (DeepSeek-V4 §2.1).
 
-1. Align (`align_block_size`, PyTorch ops, no host sync): the A = T*K assignments are sorted
-   by expert and each expert's group padded to a multiple of BLOCK_M with a sentinel (A), so
-   every row block belongs to one expert (vLLM's / sglang's `moe_align_block_size`).
+1. Align (`align_block_size` of kvmesh.kernels.moe.align, PyTorch ops, no host sync): the
+   A = T*K assignments are sorted by expert and each expert's group padded to a multiple of
+   BLOCK_M with a sentinel (A), so every row block belongs to one expert (vLLM's / sglang's
+   `moe_align_block_size`).
 2. `_gate_up_kernel`, one program per (row block, BN columns of I): the grouped GEMM
    x[token] @ w_gate_up[e]^T for the gate and the up columns together, then the clamped SwiGLU
    fused in registers; writes act [A, I] in x.dtype.
@@ -22,60 +23,20 @@ The reference is `kvmesh.kernels.moe.ref.moe_experts_ref`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
+from kvmesh.kernels.moe.align import (  # importable from here too
+    Alignment,
+    BlockSizes,
+    align_block_size,
+    default_block_sizes,
+)
 from kvmesh.kernels.moe.experts import check_moe_args
 from kvmesh.kernels.triton_jit import jit
 
-
-class BlockSizes(NamedTuple):
-    """Tile shape of both grouped GEMMs (each >= 16, as tl.dot needs on a GPU)."""
-
-    m: int  # assignments per row block, the padding unit of each expert's group
-    n: int  # output columns per program
-    k: int  # reduction step
-
-
-def default_block_sizes(num_assignments: int, num_experts: int) -> BlockSizes:
-    """vLLM's default fused_moe config: small row blocks when experts get few tokens (decode)."""
-    if num_assignments <= 2 * num_experts:
-        return BlockSizes(16, 64, 64)
-    return BlockSizes(64, 64, 64)
-
-
-class Alignment(NamedTuple):
-    sorted_ids: torch.Tensor  # [P_max] int32 assignment of each row, A where padding
-    block_expert: torch.Tensor  # [P_max / BM] int32 expert of each row block
-    num_padded: torch.Tensor  # [1] int32 rows in use (P); blocks past it exit at once
-
-
-def align_block_size(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Sort assignments by expert and pad each expert's group to a multiple of block_m.
-
-    expert_ids [T, K] int64 in [0, E). Assignment a = t*K + k. P_max = A + min(E, A)*(BM-1)
-    bounds P without reading it back (at most A experts get tokens), so no host sync.
-    """
-    flat = expert_ids.reshape(-1)  # [A]
-    A = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]; bincount would sync on CUDA
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_end = padded.cumsum(0)  # [E]
-    order = torch.argsort(flat, stable=True)  # [A] assignments grouped by expert
-    expert_of = flat[order]  # [A]
-    rank = torch.arange(A, device=dev) - (counts.cumsum(0) - counts)[expert_of]  # [A] within group
-    rows = (padded_end - padded)[expert_of] + rank  # [A] padded row of each sorted assignment
-    p_max = A + min(num_experts, A) * (block_m - 1)
-    sorted_ids = torch.full((p_max,), A, dtype=torch.int32, device=dev)
-    sorted_ids[rows] = order.to(torch.int32)
-    block_start = torch.arange(0, p_max, block_m, device=dev)  # [P_max / BM]
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)  # E past the end
-    return Alignment(sorted_ids, block_expert.to(torch.int32), padded_end[-1:].to(torch.int32))
+__all__ = ["Alignment", "BlockSizes", "align_block_size", "default_block_sizes", "moe_experts_triton"]
 
 
 def _gate_up_kernel(
@@ -245,11 +206,30 @@ def moe_experts_triton(
     if any(b < 16 or b & (b - 1) for b in bs):
         raise ValueError(f"block sizes must be powers of two >= 16, got {tuple(bs)}")
     al = align_block_size(expert_ids, E, bs.m)
-    num_blocks = al.block_expert.numel()
     interpret = triton.knobs.runtime.interpret
     dot_fp32 = _dot_fp32(x.dtype, interpret)
     act = torch.empty(A, I, dtype=x.dtype, device=x.device)  # [A, I] by assignment
-    jit(_gate_up_kernel, interpret)[(num_blocks, triton.cdiv(I, bs.n))](
+    _launch_gate_up(x, w_gate_up, act, al, swiglu_limit, K, bs, dot_fp32, interpret)
+    routed = torch.empty(A, H, dtype=torch.float32, device=x.device)  # [A, H] weighted outputs
+    _launch_down(act, w_down, routed, weights, al, bs, dot_fp32, interpret)
+    return routed.view(T, K, H).sum(dim=1).to(x.dtype)  # [T, H]
+
+
+def _launch_gate_up(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    act: torch.Tensor,
+    al: Alignment,
+    swiglu_limit: float | None,
+    K: int,
+    bs: BlockSizes,
+    dot_fp32: bool,
+    interpret: bool,
+) -> None:
+    """Step 2: act [A, I] = clamped SwiGLU of x[token] @ w_gate_up[e]^T, one program per (row
+    block, BN columns of I)."""
+    (A, I), H = act.shape, x.shape[1]
+    jit(_gate_up_kernel, interpret)[(al.block_expert.numel(), triton.cdiv(I, bs.n))](
         x,
         w_gate_up,
         act,
@@ -271,8 +251,22 @@ def moe_experts_triton(
         BN=bs.n,
         BK=bs.k,
     )
-    routed = torch.empty(A, H, dtype=torch.float32, device=x.device)  # [A, H] weighted outputs
-    jit(_down_kernel, interpret)[(num_blocks, triton.cdiv(H, bs.n))](
+
+
+def _launch_down(
+    act: torch.Tensor,
+    w_down: torch.Tensor,
+    routed: torch.Tensor,
+    weights: torch.Tensor,
+    al: Alignment,
+    bs: BlockSizes,
+    dot_fp32: bool,
+    interpret: bool,
+) -> None:
+    """Step 3: routed [A, H] fp32 = act @ w_down[e]^T times each assignment's routing weight
+    (weights [T, K]), one program per (row block, BN columns of H)."""
+    (A, I), H = act.shape, routed.shape[1]
+    jit(_down_kernel, interpret)[(al.block_expert.numel(), triton.cdiv(H, bs.n))](
         act,
         w_down,
         routed,
@@ -291,4 +285,3 @@ def moe_experts_triton(
         BN=bs.n,
         BK=bs.k,
     )
-    return routed.view(T, K, H).sum(dim=1).to(x.dtype)  # [T, H]

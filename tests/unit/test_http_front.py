@@ -1,4 +1,4 @@
-"""The HTTP front as an adapter (gateway/http_api.py), over a scripted request path: the
+"""The HTTP front as an adapter (gateway/http/server.py and openai_call.py), over a scripted request path: the
 status and headers of a failure before the first token, the event stream of one after it,
 the body bound and health. Starlette's TestClient runs the app in-process; no mesh."""
 
@@ -11,9 +11,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from kvmesh.engine.outcomes import FailureCause
-from kvmesh.gateway import http_api
 from kvmesh.gateway.failure import RequestFailed
-from kvmesh.gateway.http_api import HttpFront
+from kvmesh.gateway.http import server
+from kvmesh.gateway.http.server import HttpFront
 from kvmesh.protos.v1 import gateway_pb2
 
 
@@ -103,7 +103,7 @@ def test_a_whole_answer_joins_the_deltas_and_the_request_goes_to_the_path_transl
 
 
 def test_bodies_past_the_bound_or_not_json_are_refused_before_the_path_sees_them(front, monkeypatch):
-    monkeypatch.setattr(http_api, "MAX_BODY_BYTES", 1 << 20)
+    monkeypatch.setattr(server, "MAX_BODY_BYTES", 1 << 20)
     client, path = front([FINAL])
     r = client.post("/v1/completions", content=json.dumps({"prompt": "x" * (2 << 20)}))
     assert r.status_code == 413 and r.json()["error"]["code"] == "bad_request"

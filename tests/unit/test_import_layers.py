@@ -3,7 +3,11 @@
 Layers, top to bottom (DESIGN.md, "Layers and a request's life"):
 
     bench/ (the lab)  >  kvmesh/ (the app)  >  gateway/, prefill_svc/, decode_svc/  >  runtime/
-    >  engine/  >  kvstore/, kernels/, protos/
+    >  engine/  >  kvstore/, kernels/, protos/  >  the namespace root
+
+The namespace root is the one module named ``kvmesh`` (kvmesh/__init__.py): Python imports it
+before any ``kvmesh.<package>``, so every layer may import it (``from kvmesh import
+cache_root``), and it imports no other kvmesh module.
 
 Every folder is a sub-package of the one namespace (`gateway/` installs as `kvmesh.gateway`,
 `protos/kvmesh` as `kvmesh.protos`; pyproject's package-dir), and modules are named so here.
@@ -42,6 +46,9 @@ LAYERS = {
     "kernels": 1,
     "protos": 1,
 }
+# the namespace root (kvmesh/__init__.py), a layer below every folder
+NAMESPACE = "kvmesh"
+NAMESPACE_LAYER = "namespace"
 # folder -> where its modules live on disk (protos/ holds the kvmesh/v1 package tree)
 SOURCE_DIRS = {"protos": "protos/kvmesh"}
 
@@ -102,11 +109,19 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def _folder(module: str) -> str:
-    """The layer folder of a module name: ``kvmesh.engine.ep.runner`` -> ``engine``, ``kvmesh.cli`` -> ``kvmesh``."""
+    """The layer folder of a module name: ``kvmesh.engine.ep.runner`` -> ``engine``, ``kvmesh.cli`` -> ``kvmesh``,
+    and ``kvmesh`` itself (the namespace root) -> ``namespace``."""
+    if module == NAMESPACE:
+        return NAMESPACE_LAYER
     parts = module.split(".")
     if parts[0] == "kvmesh" and len(parts) > 1 and parts[1] in LAYERS and parts[1] != "kvmesh":
         return parts[1]
     return parts[0]
+
+
+def _layer(folder: str) -> int:
+    """A folder's layer; the namespace root is 0, below every folder."""
+    return 0 if folder == NAMESPACE_LAYER else LAYERS[folder]
 
 
 def upward_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -114,7 +129,7 @@ def upward_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     for src, targets in graph.items():
         for dst in targets:
             a, b = _folder(src), _folder(dst)
-            if a != b and LAYERS[a] <= LAYERS[b]:
+            if a != b and _layer(a) <= _layer(b):
                 bad.append((src, dst))
     return sorted(bad)
 
@@ -215,6 +230,13 @@ def test_no_cycle_through_a_sub_package():
     assert not found, "import cycles through a sub-package:\n" + "\n".join("  " + " -> ".join(c) for c in found)
 
 
+def test_the_namespace_root_imports_no_kvmesh_module():
+    """kvmesh/__init__.py runs before every kvmesh module: an import there would load its
+    target (and whatever that loads) in every process, and would close a circle with any
+    module below it."""
+    assert import_graph()[NAMESPACE] == set()
+
+
 def test_nothing_imports_the_lab():
     bad = sorted((src, dst) for src, targets in import_graph().items() for dst in targets if _folder(dst) == "bench")
     bad = [(src, dst) for src, dst in bad if _folder(src) != "bench"]
@@ -241,6 +263,9 @@ def test_the_product_folders_hold_no_lab_module():
             [["kvmesh.engine.a", "kvmesh.engine.b"]],
         ),
         ({"kvmesh.a": {"kvmesh.engine.b"}, "kvmesh.engine.b": set()}, [], []),
+        # every layer may import the namespace root; the root imports no layer
+        ({"kvmesh.kernels.a": {"kvmesh"}, "kvmesh.gateway.b": {"kvmesh"}, "kvmesh": set()}, [], []),
+        ({"kvmesh": {"kvmesh.engine.b"}, "kvmesh.engine.b": set()}, [("kvmesh", "kvmesh.engine.b")], []),
         ({"kvmesh.a": {"kvmesh.bench.b"}, "kvmesh.bench.b": set()}, [("kvmesh.a", "kvmesh.bench.b")], []),
         (
             {"kvmesh.bench.a": {"kvmesh.b", "kvmesh.engine.c"}, "kvmesh.b": set(), "kvmesh.engine.c": set()},

@@ -1,4 +1,4 @@
-"""The OpenAI request translation (gateway/openai_api.py): bodies -> GenerateRequest, the
+"""The OpenAI request translation (gateway/http/): bodies -> GenerateRequest, the
 gateway's answer -> OpenAI's objects, statuses and error objects. Shapes only: ranges are the
 request path's checks, the same for gRPC and HTTP (tests/integration/test_http_api.py)."""
 
@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from kvmesh.engine.outcomes import FailureCause
-from kvmesh.gateway import openai_api
-from kvmesh.gateway.openai_api import BadField, parse
+from kvmesh.gateway.http import errors, logprobs, openai_answer, openai_request, sse
+from kvmesh.gateway.http.fields import BadField
+from kvmesh.gateway.http.openai_call import parse
 from kvmesh.protos.v1 import common_pb2, gateway_pb2
 from kvmesh.runtime.wire import status_of
 
@@ -128,7 +129,7 @@ def _final(**kw) -> gateway_pb2.Final:
 
 def test_answers_carry_usage_with_cached_tokens_and_the_finish_reason():
     chat = parse({"messages": [{"role": "user", "content": "hi"}]}, chat=True, request_id="r")
-    whole = openai_api.response(chat, "M", 5, ["Hello"], _final())
+    whole = openai_answer.response(chat, "M", 5, ["Hello"], _final())
     assert whole["object"] == "chat.completion" and whole["id"] == "chatcmpl-r" and whole["model"] == "M"
     assert whole["choices"] == [
         {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None, "finish_reason": "length"}
@@ -140,24 +141,24 @@ def test_answers_carry_usage_with_cached_tokens_and_the_finish_reason():
         "prompt_tokens_details": {"cached_tokens": 8},
     }
     text = parse({"prompt": "x"}, chat=False, request_id="r")
-    assert openai_api.response(text, "M", 5, ["Hi"], _final())["choices"][0]["text"] == "Hi"
+    assert openai_answer.response(text, "M", 5, ["Hi"], _final())["choices"][0]["text"] == "Hi"
 
 
 def test_stream_chunks_name_the_role_first_and_usage_only_when_asked():
     ask = parse({"messages": [{"role": "user", "content": "hi"}], "stream": True}, chat=True)
-    first = openai_api.chunk(ask, "M", 5, "He", first=True)
+    first = openai_answer.chunk(ask, "M", 5, "He", first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"} and "usage" not in first
-    last = openai_api.chunk(ask, "M", 5, None, "stop")
+    last = openai_answer.chunk(ask, "M", 5, None, "stop")
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
     with_usage = parse(
         {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, chat=True
     )
-    assert openai_api.chunk(with_usage, "M", 5, "x")["usage"] is None
-    tail = openai_api.usage_chunk(with_usage, "M", 5, _final())
+    assert openai_answer.chunk(with_usage, "M", 5, "x")["usage"] is None
+    tail = openai_answer.usage_chunk(with_usage, "M", 5, _final())
     assert tail["choices"] == [] and tail["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
-    event = openai_api.sse(first)
+    event = sse.sse(first)
     assert event.startswith(b"data: {") and event.endswith(b"}\n\n") and json.loads(event[6:]) == first
-    assert openai_api.sse("[DONE]") == b"data: [DONE]\n\n"
+    assert sse.sse("[DONE]") == b"data: [DONE]\n\n"
 
 
 @pytest.mark.parametrize(
@@ -175,18 +176,18 @@ def test_stream_chunks_name_the_role_first_and_usage_only_when_asked():
     ],
 )
 def test_each_cause_has_the_http_status_of_its_grpc_status_and_an_openai_error_object(cause, status, code):
-    got = openai_api.http_status(status_of(cause))
+    got = errors.http_status(status_of(cause))
     assert got == status
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(
         status, "rate_limit_error" if status == 429 else "server_error"
     )
-    body = openai_api.error(got, "what to change", cause, "p")
+    body = errors.error(got, "what to change", cause, "p")
     assert body == {"error": {"message": "what to change", "type": kind, "param": "p", "code": code}}
 
 
 def test_statuses_outside_the_table_are_500():
-    assert openai_api.http_status(grpc.StatusCode.DATA_LOSS) == 500
-    assert openai_api.http_status(grpc.StatusCode.RESOURCE_EXHAUSTED) == 429
+    assert errors.http_status(grpc.StatusCode.DATA_LOSS) == 500
+    assert errors.http_status(grpc.StatusCode.RESOURCE_EXHAUSTED) == 429
 
 
 @pytest.mark.parametrize(
@@ -199,7 +200,7 @@ def test_statuses_outside_the_table_are_500():
 def test_an_unsupported_field_that_is_turned_off_is_accepted(field, off):
     parse({"messages": [{"role": "user", "content": "hi"}], field: off}, chat=True)
     # every unsupported field is listed with a check; a value not off is refused
-    assert field in openai_api.UNSUPPORTED
+    assert field in openai_request.UNSUPPORTED
 
 
 def test_logprobs_ask_for_the_top_alternatives_and_are_shaped_as_openai_shows_them():
@@ -215,7 +216,7 @@ def test_logprobs_ask_for_the_top_alternatives_and_are_shaped_as_openai_shows_th
         common_pb2.TokenLogprobs(token_id=1, logprob=-0.5, top_token_ids=[1, 3], top_logprobs=[-0.5, -1.5]),
         common_pb2.TokenLogprobs(token_id=3, logprob=-2.0, top_token_ids=[2, 1], top_logprobs=[-0.25, -1.0]),
     ]
-    shaped = openai_api.LogprobsShaper(chat, texts.__getitem__).shape(entries)
+    shaped = logprobs.LogprobsShaper(chat, texts.__getitem__).shape(entries)
     assert shaped == {
         "content": [
             {"token": "He", "logprob": -0.5, "bytes": [72, 101], "top_logprobs": [
@@ -228,16 +229,16 @@ def test_logprobs_ask_for_the_top_alternatives_and_are_shaped_as_openai_shows_th
         "refusal": None,
     }  # fmt: skip
     completion = parse({"prompt": "hi", "logprobs": 1}, chat=False)
-    shaper = openai_api.LogprobsShaper(completion, texts.__getitem__, offset=2)  # after an echoed "hi"
+    shaper = logprobs.LogprobsShaper(completion, texts.__getitem__, offset=2)  # after an echoed "hi"
     first, second = shaper.shape(entries[:1]), shaper.shape(entries[1:])
     assert first == {"tokens": ["He"], "token_logprobs": [-0.5], "top_logprobs": [{"He": -0.5, " \ufffd": -1.5}],
                      "text_offset": [2]}  # fmt: skip
     # the sampled token is always in top_logprobs (up to logprobs + 1 entries), offsets run on
     assert second["top_logprobs"] == [{"llo": -0.25, "He": -1.0, " \ufffd": -2.0}] and second["text_offset"] == [4]
-    assert openai_api.LogprobsShaper(parse({"prompt": "hi"}, chat=False), texts.__getitem__).shape(entries) is None
-    whole = openai_api.response(chat, "M", 5, ["Hello"], _final(), [shaped])
+    assert logprobs.LogprobsShaper(parse({"prompt": "hi"}, chat=False), texts.__getitem__).shape(entries) is None
+    whole = openai_answer.response(chat, "M", 5, ["Hello"], _final(), [shaped])
     assert whole["choices"][0]["logprobs"] is shaped
-    assert openai_api.chunk(chat, "M", 5, "x", logprobs=shaped)["choices"][0]["logprobs"] is shaped
+    assert openai_answer.chunk(chat, "M", 5, "x", logprobs=shaped)["choices"][0]["logprobs"] is shaped
 
 
 def test_n_choices_are_asked_for_and_answered_each_with_its_own_finish():
@@ -245,13 +246,13 @@ def test_n_choices_are_asked_for_and_answered_each_with_its_own_finish():
     assert ask.request.sampling.n == 3
     assert parse({"prompt": "hi", "n": 1}, chat=False).request.sampling.n == 0  # the default: one
     final = _final(choice_finish=[common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP] * 1 + [1])
-    whole = openai_api.response(ask, "M", 5, ["a", "b", "c"], final)
+    whole = openai_answer.response(ask, "M", 5, ["a", "b", "c"], final)
     assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
         (0, "a", "length"),
         (1, "b", "stop"),
         (2, "c", "stop"),
     ]
-    assert openai_api.chunk(ask, "M", 5, "x", index=2)["choices"][0]["index"] == 2
+    assert openai_answer.chunk(ask, "M", 5, "x", index=2)["choices"][0]["index"] == 2
 
 
 def test_best_of_generates_more_and_returns_the_n_with_the_highest_summed_logprob():
@@ -259,15 +260,15 @@ def test_best_of_generates_more_and_returns_the_n_with_the_highest_summed_logpro
     s = ask.request.sampling
     assert s.n == 3 and s.logprobs == 0 and not ask.logprobs  # scored by logprobs nobody asked to see
     lp = [[common_pb2.TokenLogprobs(logprob=v) for v in values] for values in ([-1.0, -2.0], [-0.5], [-0.5, -0.1])]
-    assert openai_api.best_choices(ask, lp) == [1, 2]  # -0.5, then -0.6; -3.0 is dropped
+    assert openai_answer.best_choices(ask, lp) == [1, 2]  # -0.5, then -0.6; -3.0 is dropped
     final = _final(choice_finish=[1, 2, 1])
-    body = openai_api.response(ask, "M", 5, ["a", "b", "c"], final, [None] * 3, openai_api.best_choices(ask, lp))
+    body = openai_answer.response(ask, "M", 5, ["a", "b", "c"], final, [None] * 3, openai_answer.best_choices(ask, lp))
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
         (0, "b", "length"),
         (1, "c", "stop"),
     ]
     assert body["usage"]["completion_tokens"] == final.generated_tokens  # every choice's tokens
-    assert openai_api.LogprobsShaper(ask, lambda t: ("", b"")).shape(lp[0]) is None
+    assert logprobs.LogprobsShaper(ask, lambda t: ("", b"")).shape(lp[0]) is None
     assert parse({"prompt": "hi", "best_of": 2, "n": 2}, chat=False).best_of == 0  # nothing to pick from
 
 
@@ -280,7 +281,7 @@ def test_echo_with_logprobs_asks_for_the_prompt_s_and_shapes_its_first_token_as_
         common_pb2.TokenLogprobs(token_id=1, logprob=float("nan")),
         common_pb2.TokenLogprobs(token_id=2, logprob=-1.5, top_token_ids=[1], top_logprobs=[-0.5]),
     ]
-    shaped = openai_api.LogprobsShaper(ask, texts.__getitem__).shape(entries)
+    shaped = logprobs.LogprobsShaper(ask, texts.__getitem__).shape(entries)
     assert shaped == {
         "tokens": ["Hi", " there"],
         "token_logprobs": [None, -1.5],
@@ -293,12 +294,12 @@ def test_a_logprob_of_minus_infinity_reads_as_openai_s_floor_in_json():
     # a grammar's mask leaves fewer allowed tokens than top_logprobs asks for: the rest are -inf
     chat = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, chat=True)
     entry = common_pb2.TokenLogprobs(token_id=1, logprob=0.0, top_token_ids=[1, 2], top_logprobs=[0.0, float("-inf")])
-    shaped = openai_api.LogprobsShaper(chat, lambda t: (str(t), b"x")).shape([entry])
-    assert [t["logprob"] for t in shaped["content"][0]["top_logprobs"]] == [0.0, openai_api.LOGPROB_FLOOR]
+    shaped = logprobs.LogprobsShaper(chat, lambda t: (str(t), b"x")).shape([entry])
+    assert [t["logprob"] for t in shaped["content"][0]["top_logprobs"]] == [0.0, logprobs.LOGPROB_FLOOR]
     json.dumps(shaped, allow_nan=False)  # valid JSON
     completion = parse({"prompt": "hi", "logprobs": 1}, chat=False)
-    shaped = openai_api.LogprobsShaper(completion, lambda t: (str(t), b"x")).shape([entry])
-    assert shaped["top_logprobs"] == [{"1": 0.0, "2": openai_api.LOGPROB_FLOOR}]
+    shaped = logprobs.LogprobsShaper(completion, lambda t: (str(t), b"x")).shape([entry])
+    assert shaped["top_logprobs"] == [{"1": 0.0, "2": logprobs.LOGPROB_FLOOR}]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Tool calling's translation (gateway/tools.py and its use in gateway/openai_api.py): tools into
+"""Tool calling's translation (gateway/tools.py and its use in gateway/http/): tools into
 the system message and a grammar, calls out of the answer. The grammar's effect on a real model
 is tests/integration/test_http_api.py's."""
 
@@ -9,8 +9,9 @@ import json
 import jsonschema
 import pytest
 
-from kvmesh.gateway import openai_api
-from kvmesh.gateway.openai_api import BadField, parse
+from kvmesh.gateway.http import openai_answer
+from kvmesh.gateway.http.fields import BadField
+from kvmesh.gateway.http.openai_call import parse
 from kvmesh.gateway.tools import ToolError, call_schema, parse_hermes_calls, parse_tools, tool_calls
 from kvmesh.protos.v1 import gateway_pb2
 
@@ -100,10 +101,10 @@ def test_a_whole_answer_and_a_stream_carry_the_calls_with_finish_reason_tool_cal
     ask = parse({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}, chat=True)
     final = gateway_pb2.Final(finish_reason="stop", prompt_tokens=5, generated_tokens=9)
     text = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
-    whole = openai_api.response(ask, "M", 1, [text], final)["choices"][0]
+    whole = openai_answer.response(ask, "M", 1, [text], final)["choices"][0]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
     assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    chunks = openai_api.tool_chunks(ask, "M", 1, 0, text, "stop")
+    chunks = openai_answer.tool_chunks(ask, "M", 1, 0, text, "stop")
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0]["tool_calls"][0]["index"] == 0 and deltas[0]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

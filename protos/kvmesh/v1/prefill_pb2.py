@@ -23,23 +23,24 @@ _sym_db = _symbol_database.Default()
 
 
 from kvmesh.protos.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
+from kvmesh.protos.v1 import gateway_pb2 as kvmesh_dot_v1_dot_gateway__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/prefill.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x82\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\x04\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x1b\n\x13\x64\x65\x63ode_cached_pages\x18\x08 \x01(\x05\x12\x11\n\tpull_from\x18\t \x01(\t\x12\x13\n\x0bpull_blocks\x18\n \x01(\x05\"\x8c\x01\n\x11PushBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x11\n\tkv_layout\x18\x06 \x01(\t\"\\\n\x12PushBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x11\n\tkv_digest\x18\x04 \x01(\t\"\x92\x04\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x11\n\tnum_pages\x18\x04 \x01(\x05\x12\x13\n\x0bpage_nbytes\x18\x05 \x01(\x03\x12\x13\n\x0bnbytes_sent\x18\x06 \x01(\x03\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x11\n\tkv_digest\x18\x0b \x01(\t\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\x12\x1a\n\x12\x65xposed_transfer_s\x18\r \x01(\x01\x12\x19\n\x11num_pulled_tokens\x18\x0e \x01(\x05\x12\x0e\n\x06pull_s\x18\x0f \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x10 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x1b\n\x13\x63hoice_first_tokens\x18\x11 \x03(\x05\x12\x37\n\x15\x63hoice_first_logprobs\x18\x12 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x13 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs2\xd5\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12=\n\x08GetStats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.InstanceStats\x12I\n\nPushBlocks\x12\x1c.kvmesh.v1.PushBlocksRequest\x1a\x1d.kvmesh.v1.PushBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/prefill.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x17kvmesh/v1/gateway.proto\"\x82\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x19\n\x11\x64\x65\x63ode_kv_address\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\x04\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x0c\x12\x1b\n\x13\x64\x65\x63ode_cached_pages\x18\x08 \x01(\x05\x12\x11\n\tpull_from\x18\t \x01(\t\x12\x13\n\x0bpull_blocks\x18\n \x01(\x05\"\x8c\x01\n\x11PushBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\x04\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x11\n\tkv_layout\x18\x06 \x01(\t\"\\\n\x12PushBlocksResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x11\n\tkv_digest\x18\x04 \x01(\t\"\xb2\x04\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x13\n\x0binstance_id\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0c \x01(\t\x12\x19\n\x11num_pulled_tokens\x18\x0e \x01(\x05\x12\x0e\n\x06pull_s\x18\x0f \x01(\x01\x12\x30\n\x0e\x66irst_logprobs\x18\x10 \x01(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x1b\n\x13\x63hoice_first_tokens\x18\x11 \x03(\x05\x12\x37\n\x15\x63hoice_first_logprobs\x18\x12 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12\x31\n\x0fprompt_logprobs\x18\x13 \x03(\x0b\x32\x18.kvmesh.v1.TokenLogprobs\x12*\n\x0bkv_transfer\x18\x14 \x01(\x0b\x32\x15.kvmesh.v1.KVTransferJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x0b\x10\x0cJ\x04\x08\r\x10\x0eR\tnum_pagesR\x0bpage_nbytesR\x0bnbytes_sentR\ntransfer_sR\tkv_digestR\x12\x65xposed_transfer_s2\xd5\x01\n\x07Prefill\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12=\n\x08GetStats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.InstanceStats\x12I\n\nPushBlocks\x12\x1c.kvmesh.v1.PushBlocksRequest\x1a\x1d.kvmesh.v1.PushBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=63
-  _globals['_PREFILLREQUEST']._serialized_end=321
-  _globals['_PUSHBLOCKSREQUEST']._serialized_start=324
-  _globals['_PUSHBLOCKSREQUEST']._serialized_end=464
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=466
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=558
-  _globals['_PREFILLRESPONSE']._serialized_start=561
-  _globals['_PREFILLRESPONSE']._serialized_end=1091
-  _globals['_PREFILL']._serialized_start=1094
-  _globals['_PREFILL']._serialized_end=1307
+  _globals['_PREFILLREQUEST']._serialized_start=88
+  _globals['_PREFILLREQUEST']._serialized_end=346
+  _globals['_PUSHBLOCKSREQUEST']._serialized_start=349
+  _globals['_PUSHBLOCKSREQUEST']._serialized_end=489
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=491
+  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=583
+  _globals['_PREFILLRESPONSE']._serialized_start=586
+  _globals['_PREFILLRESPONSE']._serialized_end=1148
+  _globals['_PREFILL']._serialized_start=1151
+  _globals['_PREFILL']._serialized_end=1364
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from kvmesh.protos.v1 import common_pb2 as _common_pb2
+from kvmesh.protos.v1 import gateway_pb2 as _gateway_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -60,43 +61,33 @@ class PushBlocksResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., kv_digest: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "num_pages", "page_nbytes", "nbytes_sent", "transfer_s", "queue_s", "compute_s", "instance_id", "kv_digest", "traceparent", "exposed_transfer_s", "num_pulled_tokens", "pull_s", "first_logprobs", "choice_first_tokens", "choice_first_logprobs", "prompt_logprobs")
+    __slots__ = ("first_token", "num_cached_tokens", "num_computed_tokens", "queue_s", "compute_s", "instance_id", "traceparent", "num_pulled_tokens", "pull_s", "first_logprobs", "choice_first_tokens", "choice_first_logprobs", "prompt_logprobs", "kv_transfer")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
-    PAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
-    NBYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
-    KV_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
-    EXPOSED_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PULL_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_cached_tokens: int
     num_computed_tokens: int
-    num_pages: int
-    page_nbytes: int
-    nbytes_sent: int
-    transfer_s: float
     queue_s: float
     compute_s: float
     instance_id: str
-    kv_digest: str
     traceparent: str
-    exposed_transfer_s: float
     num_pulled_tokens: int
     pull_s: float
     first_logprobs: _common_pb2.TokenLogprobs
     choice_first_tokens: _containers.RepeatedScalarFieldContainer[int]
     choice_first_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes_sent: _Optional[int] = ..., transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., kv_digest: _Optional[str] = ..., traceparent: _Optional[str] = ..., exposed_transfer_s: _Optional[float] = ..., num_pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., choice_first_tokens: _Optional[_Iterable[int]] = ..., choice_first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    kv_transfer: _gateway_pb2.KVTransfer
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., instance_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., num_pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., choice_first_tokens: _Optional[_Iterable[int]] = ..., choice_first_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., kv_transfer: _Optional[_Union[_gateway_pb2.KVTransfer, _Mapping]] = ...) -> None: ...

@@ -1,6 +1,6 @@
 """Streaming answers over ASGI, whatever they carry: a client's disconnect cancels the work
 awaited on its behalf (`cancel_on_disconnect`), and `EventStream` sends server-sent events as
-they come. gateway/http_api.py uses both for the OpenAI front.
+they come. gateway/http/openai_call.py uses both for the OpenAI front.
 """
 
 from __future__ import annotations

@@ -1,0 +1,15 @@
+"""Server-sent events: how a streamed answer is framed on the wire, whatever API it answers
+(kvmesh.gateway.http.streaming.EventStream sends them)."""
+
+from __future__ import annotations
+
+import json
+
+DONE = "[DONE]"
+"""The data of the event that ends an OpenAI stream."""
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
