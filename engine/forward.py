@@ -79,6 +79,8 @@ class Runner(Protocol):
     """How pages and slots sit in memory, and on which device (kvmesh.engine.kv_layout)."""
     num_state_slots: int
     """Per-request state slots beyond pages (0 when pages hold all of a request's state)."""
+    dtype: torch.dtype
+    """What the model computes in and its pages hold (`--dtype`, kvmesh.engine.precision); logits are fp32 whatever it is."""
 
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         """One step; fp32 logits [B, V], row b after the last new token of items[b]. Raises

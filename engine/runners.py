@@ -11,6 +11,7 @@ import torch
 
 from kvmesh.engine.checkpoint import ModelFiles, architecture
 from kvmesh.engine.device import resolve_device
+from kvmesh.engine.precision import Precision, resolve_dtype
 from kvmesh.kernels.backend import KernelBackend, create_kernel_backend
 
 if TYPE_CHECKING:
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RunnerSpec:
     """What a builder gets: the checkpoint, the pool's pages (page_size tokens each), the state
-    slots where the architecture keeps per-request state, the MoE and indexer kernels, the device."""
+    slots where the architecture keeps per-request state, the MoE and indexer kernels, the device
+    and the dtype weights, activations and pages take there."""
 
     files: ModelFiles
     num_pages: int
@@ -28,6 +30,7 @@ class RunnerSpec:
     num_state_slots: int
     kernels: KernelBackend
     device: torch.device
+    dtype: torch.dtype = torch.float32
 
 
 def _llama(s: RunnerSpec) -> Runner:
@@ -35,7 +38,7 @@ def _llama(s: RunnerSpec) -> Runner:
     # whatever the backend, on a GPU the paged decode attention op (kvmesh.kernels.custom_ops)
     from kvmesh.engine.llama.runner import LlamaRunner  # imported on use: each pulls in its model code
 
-    return LlamaRunner(s.files, s.num_pages, s.page_size, device=s.device)
+    return LlamaRunner(s.files, s.num_pages, s.page_size, s.dtype, device=s.device)
 
 
 def _deepseek_v4(s: RunnerSpec) -> Runner:
@@ -50,6 +53,23 @@ RUNNERS: dict[str, Callable[[RunnerSpec], Runner]] = {
 }
 """config.json's `architectures[0]` -> builder(RunnerSpec)."""
 
+DTYPES: dict[str, tuple[str, ...]] = {
+    "LlamaForCausalLM": ("float32", "bfloat16"),
+    "DeepseekV4ForCausalLM": ("float32",),
+}
+"""The dtypes each architecture's runner computes in (`--dtype`, kvmesh.engine.precision). DeepSeek-V4's
+state rows and kernels are fp32 only so far: its `auto` is fp32 and `--dtype bfloat16` is refused."""
+
+
+def runner_precision(files: ModelFiles, device: torch.device, dtype: str = "float32") -> Precision:
+    """What `dtype` (auto|float32|bfloat16) resolves to for `files`' architecture on `device`, and
+    why (kvmesh.engine.precision.resolve_dtype). Raises ValueError for an architecture no runner
+    serves (naming those served), and as resolve_dtype does."""
+    arch = architecture(files)
+    if arch not in RUNNERS:
+        raise ValueError(f"model {files.name!r} has architecture {arch!r}; supported: {sorted(RUNNERS)}")
+    return resolve_dtype(dtype, device, DTYPES[arch], arch.removesuffix("ForCausalLM"))
+
 
 def create_runner(
     files: ModelFiles,
@@ -58,19 +78,20 @@ def create_runner(
     num_state_slots: int = 64,
     kernel_backend: str = "torch",
     device: str | torch.device = "cpu",
+    dtype: str = "float32",
 ) -> Runner:
     """The runner for the checkpoint's architecture, with `num_pages` pages of `page_size` tokens
     (and `num_state_slots` state slots where the architecture keeps per-request state), its
     MoE and indexer kernels from `kernel_backend` (kernels/backend.py), its weights, pages and
-    slots on `device` (auto|cpu|cuda[:N], kvmesh.engine.device, or a torch.device).
+    slots on `device` (auto|cpu|cuda[:N], kvmesh.engine.device, or a torch.device), computing in
+    `dtype` (auto|float32|bfloat16: `runner_precision`).
 
     Raises ValueError for an architecture no runner serves (naming the ones that are served), an
-    unknown or unavailable kernel backend or device, and whatever the runner raises for a bad
-    checkpoint.
+    unknown or unavailable kernel backend, device or dtype, and whatever the runner raises for a
+    bad checkpoint.
     """
-    arch = architecture(files)
-    if arch not in RUNNERS:
-        raise ValueError(f"model {files.name!r} has architecture {arch!r}; supported: {sorted(RUNNERS)}")
     where = device if isinstance(device, torch.device) else resolve_device(device)
+    precision = runner_precision(files, where, dtype)
     kernels = create_kernel_backend(kernel_backend, where)
-    return RUNNERS[arch](RunnerSpec(files, num_pages, page_size, num_state_slots, kernels, where))
+    spec = RunnerSpec(files, num_pages, page_size, num_state_slots, kernels, where, precision.dtype)
+    return RUNNERS[architecture(files)](spec)

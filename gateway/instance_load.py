@@ -15,8 +15,8 @@ class InstanceLoad:
     plus what the instance last reported.
 
     It is routable when it answers its health polls (`reachable`), agrees with the
-    gateway on page size and model (`mismatch` is empty) and its circuit breaker lets a
-    request through.
+    gateway on page size and model and with the mesh on dtype (`mismatch` is empty) and its
+    circuit breaker lets a request through.
     """
 
     address: str
@@ -25,7 +25,7 @@ class InstanceLoad:
     failed_polls: int = 0
     """Stats polls in a row that failed."""
     mismatch: str = ""
-    """Why the instance cannot serve with this gateway (page size or model differ); '' when it can."""
+    """Why the instance cannot serve with this gateway (page size, model or dtype differ); '' when it can."""
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     in_flight_requests: int = 0
     in_flight_tokens: int = 0
@@ -41,6 +41,8 @@ class InstanceLoad:
     kv_layout: str = ""
     """The KV page layout the instance reported (kvmesh.engine.kv_layout.PageLayout.describe); '' until it has."""
     kv_tier_medium: str = ""
+    dtype: str = ""
+    """What the instance computes in ("float32", "bfloat16"), as it reported; '' until it has."""
     """The medium of the instance's second KV tier ("host", "disk"), as it reported; '' for none."""
 
     @property

@@ -184,10 +184,24 @@ class InstanceSet:
 
     def _mismatch(self, inst: InstanceLoad, stats) -> str:
         """Why `inst` cannot serve with this gateway, from its `stats`: its page size or model
-        differ ('' when it can)."""
+        differ from the gateway's, or its dtype from the instances already serving (the first
+        to report one sets the mesh's: KV pages of one dtype cannot land in the other's) ('' when it can)."""
         name = stats.instance_id or inst.address
         if stats.page_size and stats.page_size != self.page_size:
             return f"{name} has page_size {stats.page_size}, the gateway {self.page_size}"
+        other = next(
+            (
+                o
+                for o in (*self.prefills, *self.decodes)
+                if o is not inst and o.dtype and o.reachable and not o.mismatch
+            ),
+            None,
+        )
+        if stats.dtype and other is not None and other.dtype != stats.dtype:
+            return (
+                f"{name} computes in {stats.dtype}, {other.instance_id or other.address} already serving in "
+                f"{other.dtype}: every prefill and decode of a mesh needs the same --dtype"
+            )
         if stats.model_fingerprint and self.model_fingerprint and stats.model_fingerprint != self.model_fingerprint:
             return (
                 f"{name} serves model {stats.model_fingerprint}, the gateway {self.model_fingerprint} "

@@ -48,6 +48,7 @@ async def poll_instance(
     inst.kv_address = stats.kv_address
     inst.kv_layout = stats.kv_layout
     inst.kv_tier_medium = stats.kv_tier_medium
+    inst.dtype = stats.dtype
     why = mismatch(inst, stats)
     if why and why != inst.mismatch:
         logger.error("%s; not routing to it", why)

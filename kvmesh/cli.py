@@ -7,6 +7,7 @@ kvmesh/cli_commands.py."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvmesh.cli_commands import (
@@ -93,6 +94,12 @@ def _add_up(sub: Subparsers) -> None:
         type=int,
         default=1,
         help="expert-parallel ranks of each decode (MoE models; default 1: single-process decode)",
+    )
+    up.add_argument(
+        "--dtype",
+        default=os.environ.get("KVMESH_DTYPE", "auto"),
+        help="what every prefill and decode computes in: auto (bfloat16 where the hardware has it natively, "
+        "else float32), float32 or bfloat16 (env KVMESH_DTYPE; default auto; docs/precision.md)",
     )
     up.set_defaults(func=_cmd_up)
 

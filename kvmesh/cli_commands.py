@@ -94,6 +94,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.num_draft_tokens,
             args.http_port,
             args.decode_ep,
+            args.dtype,
         )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from kvmesh import launcher
+from kvmesh.engine.precision import check_dtype_spec
 
 
 def run_up(
@@ -21,6 +22,7 @@ def run_up(
     num_draft_tokens: int = 4,
     http_port: int = 8000,
     decode_ep: int = 1,
+    dtype: str = "auto",
 ) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
 
@@ -31,8 +33,10 @@ def run_up(
     it computes. speculative / num_draft_tokens go to every decode
     (`kvmesh serve decode --speculative ... --num-draft-tokens ...`), decode_ep too (`--ep N`:
     each decode runs N expert-parallel ranks; MoE models only). http_port: the gateway's
-    OpenAI-compatible HTTP API (0: none).
+    OpenAI-compatible HTTP API (0: none). dtype: every instance's `--dtype` (auto|float32|bfloat16;
+    ValueError for another).
     """
+    check_dtype_spec(dtype)
     if decode_ep < 1:
         raise ValueError(f"decode_ep must be >= 1, got {decode_ep}")
     if prefill_threads < 0 or decode_threads < 0:
@@ -45,8 +49,16 @@ def run_up(
             num_decode,
             model,
             port,
-            extra_prefill_args=["--torch-threads", str(prefill_threads)] if prefill_threads else None,
-            extra_decode_args=_decode_args(decode_threads, speculative, num_draft_tokens, decode_ep),
+            extra_prefill_args=[
+                "--dtype",
+                dtype,
+                *(["--torch-threads", str(prefill_threads)] if prefill_threads else []),
+            ],
+            extra_decode_args=[
+                "--dtype",
+                dtype,
+                *_decode_args(decode_threads, speculative, num_draft_tokens, decode_ep),
+            ],
             http_port=http_port,
         )
     except KeyboardInterrupt:
@@ -70,13 +82,13 @@ def _interrupt_on_signals() -> None:
     signal.signal(signal.SIGINT, interrupt)
 
 
-def _decode_args(decode_threads: int, speculative: str, num_draft_tokens: int, decode_ep: int) -> list[str] | None:
-    """The flags `kvmesh up` adds to every decode's `kvmesh serve decode` (None: none)."""
+def _decode_args(decode_threads: int, speculative: str, num_draft_tokens: int, decode_ep: int) -> list[str]:
+    """The flags `kvmesh up` adds to every decode's `kvmesh serve decode`, beside --dtype."""
     return [
         *(["--torch-threads", str(decode_threads)] if decode_threads else []),
         *(["--speculative", speculative, "--num-draft-tokens", str(num_draft_tokens)] if speculative != "off" else []),
         *(["--ep", str(decode_ep)] if decode_ep > 1 else []),
-    ] or None
+    ]
 
 
 def _print_where(mesh: launcher.Mesh) -> None:

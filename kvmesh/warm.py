@@ -13,12 +13,18 @@ import time
 
 def warm(model: str | None = None) -> float:
     """Convert `model` (None: the default SmolLM2) if it is not cached yet, build its CPU runner
-    and run one warm-up step, which compiles every block kernel a decode step uses. Returns the
-    seconds it took (a second or two when everything was cached already). Raises ValueError for
-    an unknown model."""
+    in fp32 and in what `--dtype auto` picks here (when that is another), and run one warm-up
+    step of each, which compiles every block kernel a decode step uses (numba compiles them once
+    a page dtype). Returns the seconds it took (a second or two when everything was cached
+    already). Raises ValueError for an unknown model."""
+    import torch
+
     from kvmesh.engine.loader import resolve_model
-    from kvmesh.engine.runners import create_runner
+    from kvmesh.engine.runners import create_runner, runner_precision
 
     started = time.perf_counter()
-    create_runner(resolve_model(model), num_pages=2, page_size=16, num_state_slots=1).warmup()
+    files = resolve_model(model)
+    auto = runner_precision(files, torch.device("cpu"), "auto").name
+    for dtype in dict.fromkeys(("float32", auto)):
+        create_runner(files, num_pages=2, page_size=16, num_state_slots=1, dtype=dtype).warmup()
     return time.perf_counter() - started

@@ -9,8 +9,9 @@ recompute. Two media (kvmesh.kvstore.kv_events.MEDIA):
 
 Each stored and evicted block is a KV event with the tier's medium, so the prefix index and
 the router know a tier hit from a pool hit. A file is written whole under a temporary name
-and renamed into place, and carries the page's BLAKE2b digest: a file that is missing,
-truncated or corrupted (deleted under a running service, a full disk) is a miss, dropped from
+and renamed into place, and carries the BLAKE2b digest of the page's layout (its shape and
+dtype, kvmesh.engine.kv_layout.PageLayout.describe) and bytes: a file that is missing,
+truncated, corrupted or of another layout (a bf16 block where fp32 ones are kept) is a miss, dropped from
 the tier with its event, never wrong bytes. A full disk makes `put` a no-op (logged once),
 never an error for the request whose allocation evicted the page.
 
@@ -193,7 +194,8 @@ class HostTier(_Tier):
 
 class FileTier(_Tier):
     """`disk`: one file a block, `<directory>/<hash hex>.kv` (a header with the page's digest,
-    then its bytes), at most capacity_blocks files.
+    then its bytes), at most capacity_blocks files. `layout` names what a page holds (its shape and
+    dtype): it enters every digest, so only a page of this layout checks out.
 
     The directory is this tier's alone: files found there at start are an earlier run's and
     are removed (its index entries were cleared with the instance). Raises ValueError for a
@@ -201,8 +203,11 @@ class FileTier(_Tier):
 
     medium = "disk"
 
-    def __init__(self, directory: str | Path, capacity_blocks: int, page_nbytes: int, on_events=None) -> None:
+    def __init__(
+        self, directory: str | Path, capacity_blocks: int, page_nbytes: int, on_events=None, layout: str = ""
+    ) -> None:
         super().__init__(capacity_blocks, page_nbytes, on_events)
+        self.layout = layout
         self.directory = Path(directory)
         if self.directory.exists():
             shutil.rmtree(self.directory)
@@ -213,10 +218,16 @@ class FileTier(_Tier):
     def _path(self, block_hash: BlockHash) -> Path:
         return self.directory / f"{block_hash.hex()}.kv"  # hex of a hash we made: never a user's text
 
+    def _digest(self, data: np.ndarray) -> bytes:
+        """BLAKE2b-16 of this tier's layout, then the page's bytes."""
+        h = hashlib.blake2b(self.layout.encode(), digest_size=16)
+        h.update(data.data)
+        return h.digest()
+
     def _write(self, block_hash: BlockHash, slot: int, data: np.ndarray) -> bool:
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
-        digest = hashlib.blake2b(data.data, digest_size=16).digest()
+        digest = self._digest(data)
         try:
             if not self.directory.is_dir():  # removed under the running service: made again
                 self.directory.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -249,11 +260,7 @@ class FileTier(_Tier):
             return None
         magic, digest, nbytes = _HEADER.unpack(raw[: _HEADER.size].tobytes())
         data = raw[_HEADER.size :]
-        if (
-            magic != _MAGIC
-            or nbytes != self.page_nbytes
-            or hashlib.blake2b(data.data, digest_size=16).digest() != digest
-        ):
+        if magic != _MAGIC or nbytes != self.page_nbytes or self._digest(data) != digest:
             logger.warning("KV tier block %s does not check out; recomputing it", block_hash.hex())
             return None
         return data
@@ -274,17 +281,17 @@ KVTier = HostTier | FileTier
 
 
 def create_tier(
-    capacity_blocks: int, page_nbytes: int, directory: str, device_type: str, instance_id: str
+    capacity_blocks: int, page_nbytes: int, directory: str, device_type: str, instance_id: str, layout: str = ""
 ) -> KVTier | None:
-    """The second tier a service's settings ask for: none for capacity 0; a FileTier in a
-    directory of its own under `directory` (named by a digest of the instance id) when one is
-    given; else a HostTier beside a GPU pool. Raises ValueError for a host tier beside a pool
+    """The second tier a service's settings ask for: none for capacity 0; a FileTier of pages of
+    `layout` in a directory of its own under `directory` (named by a digest of the instance id)
+    when one is given; else a HostTier beside a GPU pool. Raises ValueError for a host tier beside a pool
     that is host memory already (on the CPU: give a directory)."""
     if capacity_blocks == 0:
         return None
     if directory:
         name = "kvmesh-tier-" + hashlib.sha256(instance_id.encode()).hexdigest()[:16]
-        return FileTier(Path(directory) / name, capacity_blocks, page_nbytes)
+        return FileTier(Path(directory) / name, capacity_blocks, page_nbytes, layout=layout)
     if device_type == "cpu":
         raise ValueError(
             "--kv-tier-blocks beside a pool in host memory (--device cpu) needs --kv-tier-dir: a host tier "

@@ -37,7 +37,7 @@ async def serve(config: PrefillConfig, stop: asyncio.Event, executor: service.Ma
     # KV events leave the model thread at once; a background thread writes them to Redis
     writer = start.index_writer() if config.redis_url else None
     runner = await start.load_runner(PREFILL_STATE_SLOTS)
-    tier = start.open_tier(runner.page_nbytes)
+    tier = start.open_tier(runner.page_layout)
     engine = _engine(config, runner, writer, executor, tier)
     logger.info("KV push path: %s (%s)", engine.kv_cache.push_path, engine.kv_cache.push_path_reason)
     keep_until_exit(config.kv_transport)  # this process leaves with os._exit: no UCX teardown

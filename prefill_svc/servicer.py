@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from kvmesh.engine.outcomes import FailureCause
+from kvmesh.engine.precision import dtype_name
 from kvmesh.kvstore.block_hash import HASH_NBYTES
 from kvmesh.kvstore.transport import KVPushSender, TransferError, pages_digest, parse_address
 from kvmesh.prefill_svc.config import PrefillConfig
@@ -109,5 +110,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             page_size=self.engine.page_size,
             model_fingerprint=self.model.fingerprint,
             kv_layout=self.engine.runner.page_layout.describe(),
+            dtype=dtype_name(self.engine.runner.dtype),
             **stats,
         )

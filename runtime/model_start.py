@@ -4,7 +4,7 @@ the servicer, the KV transport), then hands over to kvmesh.runtime.lifecycle:
 
     start = ModelStart.open("prefill", config, executor, "kvmesh.v1.Prefill")  # device, model, port, name
     runner = await start.load_runner(num_state_slots)   # on the main thread
-    tier = start.open_tier(runner.page_nbytes)
+    tier = start.open_tier(runner.page_layout)
     ...                                                 # engine, servicer on start.svc.server
     start.serve_metrics(registry)
     life = await start.open_ports()                     # health NOT_SERVING while the model warms
@@ -28,8 +28,10 @@ import torch
 from kvmesh.engine.checkpoint import ModelFiles
 from kvmesh.engine.device import resolve_device
 from kvmesh.engine.forward import Runner
+from kvmesh.engine.kv_layout import PageLayout
 from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.runners import create_runner
+from kvmesh.engine.precision import Precision
+from kvmesh.engine.runners import create_runner, runner_precision
 from kvmesh.kvstore.kv_publisher import KVEventPublisher
 from kvmesh.kvstore.kv_tier import KVTier, create_tier
 from kvmesh.kvstore.registry import InstanceRecord, InstanceRegistry
@@ -44,13 +46,14 @@ logger = logging.getLogger(__name__)
 
 
 class ModelStart:
-    """One prefill or decode process on its way up: the device and checkpoint it serves, its
-    gRPC server (bound, not started) and its name. Built by `open`.
+    """One prefill or decode process on its way up: the device, checkpoint and precision it
+    serves, its gRPC server (bound, not started) and its name. Built by `open`.
 
     Attributes:
         role: "prefill" or "decode" (its registry record and its KV events say it).
         address: host:port others dial (ModelServiceConfig.reachable_address).
         instance_id: --instance-id, else a name made from `address`.
+        precision: what --dtype resolved to here, and why (logged at open).
     """
 
     def __init__(
@@ -62,9 +65,10 @@ class ModelStart:
         files: ModelFiles,
         svc: service.Service,
         instance_id: str,
+        precision: Precision,
     ) -> None:
         self.role, self.config, self.executor = role, config, executor
-        self.device, self.files, self.svc = device, files, svc
+        self.device, self.files, self.svc, self.precision = device, files, svc, precision
         self.address = config.reachable_address(svc.port)
         self.instance_id = instance_id
 
@@ -79,16 +83,19 @@ class ModelStart:
         default_id: Callable[[str], str] = str,
     ) -> ModelStart:
         """Resolve the device (one this machine lacks is refused before any port opens) and the
-        checkpoint, check it (`check_files`, raising ValueError), bind the gRPC port of
+        checkpoint, check it (`check_files`, raising ValueError), resolve --dtype for it (a dtype its
+        family does not compute is refused, ValueError) and log the choice, bind the gRPC port of
         `service_name` ("kvmesh.v1.Prefill") and name the instance: --instance-id, else
         `default_id(address)`. Raises ValueError, or OSError when the port cannot be bound."""
         device = resolve_device(config.device)
         files = resolve_model(config.model)
         if check_files is not None:
             check_files(files)
+        precision = runner_precision(files, device, config.dtype)
         svc = service.Service([service_name], config.host, config.port)
         instance_id = config.instance_id or default_id(config.reachable_address(svc.port))
-        return cls(role, config, executor, device, files, svc, instance_id)
+        logger.info("%s %s computes in %s (%s)", role, instance_id, precision.name, precision.reason)
+        return cls(role, config, executor, device, files, svc, instance_id, precision)
 
     async def on_main(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) on the main thread, where torch is fastest (service.MainThreadExecutor)."""
@@ -108,16 +115,24 @@ class ModelStart:
             num_state_slots,
             config.kernel_backend,
             self.device,
+            self.precision.name,
         )
 
     def index_writer(self) -> KVIndexWriter:
         """This instance's KV events on their way to the prefix index (its old entries cleared now)."""
         return KVIndexWriter(self.config.redis_url, self.files.name, self.instance_id, self.role)
 
-    def open_tier(self, page_nbytes: int) -> KVTier | None:
-        """The second KV tier the settings ask for, of pages of `page_nbytes` (None: none)."""
+    def open_tier(self, layout: PageLayout) -> KVTier | None:
+        """The second KV tier the settings ask for, of pages of `layout` (None: none)."""
         config = self.config
-        return create_tier(config.kv_tier_blocks, page_nbytes, config.kv_tier_dir, self.device.type, self.instance_id)
+        return create_tier(
+            config.kv_tier_blocks,
+            layout.page_nbytes,
+            config.kv_tier_dir,
+            self.device.type,
+            self.instance_id,
+            layout.describe(),
+        )
 
     def served_model(self) -> ServedModel:
         """The checkpoint as this instance serves it (what its servicer checks requests against)."""

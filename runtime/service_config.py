@@ -58,6 +58,14 @@ class ModelServiceConfig:
         "cpu, or cuda[:N] (weights, pages and state slots on the GPU: Llama in bf16, DeepSeek-V4 in its "
         "checkpoint's dtype; the Triton kernels; refused at start when torch sees no such device)",
     )
+    dtype: str = setting(
+        "auto",
+        "--dtype",
+        "what the model computes in and keeps its KV pages in: auto (bfloat16 where the hardware computes it "
+        "natively: CUDA sm80+, or a CPU with amx_bf16 or avx512_bf16 in its flags; else float32), float32 (greedy "
+        "tokens equal transformers' fp32), or bfloat16; every prefill and decode of a mesh needs the same "
+        "(docs/precision.md)",
+    )
     kernel_backend: str = setting(
         "torch",
         "--kernel-backend",
@@ -134,10 +142,12 @@ class ModelServiceConfig:
         # imported here: the kernels package loads torch, and the gateway's command line
         # (which never builds this config) parses these flags too
         from kvmesh.engine.device import check_device_spec
+        from kvmesh.engine.precision import check_dtype_spec
         from kvmesh.kernels.backend import check_backend
         from kvmesh.kvstore.staging import check_push_path
 
         check_device_spec(self.device)  # whether this machine has it: kvmesh.engine.device.resolve_device at start
+        check_dtype_spec(self.dtype)  # what it means here: kvmesh.engine.runners.runner_precision at start
         check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
         check_push_path(self.kv_push_path)

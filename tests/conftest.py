@@ -31,6 +31,10 @@ import pytest
 _ROOT = str(Path(__file__).resolve().parents[1])
 sys.path[:] = [p for p in sys.path if p not in ("", _ROOT)] + [_ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
+# Every service a test starts computes in fp32 unless the test asks for another --dtype: the suite's
+# parity tests hold transformers' fp32 numbers (on a CPU with bf16, `auto` would pick bf16); the
+# bf16 tests pass --dtype bfloat16 and judge by the acceptance rule (docs/precision.md)
+os.environ["KVMESH_DTYPE"] = "float32"
 
 from kvmesh.redis_server import RedisProcess, ping  # noqa: E402
 

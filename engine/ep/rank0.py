@@ -66,7 +66,7 @@ class RankZeroWorld:
         self.runner, self.num_ranks = runner, num_ranks
         self.config, self.page_size, self.num_pages = runner.config, runner.page_size, runner.num_pages
         self.page_nbytes, self.num_state_slots = runner.page_nbytes, runner.num_state_slots
-        self.page_layout = runner.page_layout
+        self.page_layout, self.dtype = runner.page_layout, runner.dtype
         self.backend = pick_backend(num_ranks) if backend == "auto" else backend
         self.timeout_s = timeout_s
         self._pending: Placement | None = None

@@ -61,7 +61,14 @@ at 16, 1.1x at 64. (AMD EPYC, before the register-blocked rows: 2.8x at 16, 1.6x
 def _mm(x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None, dnn: torch.Tensor | None) -> torch.Tensor:
     """x [T, in] @ w [in, out], from the blocks q [out, in] when given, else through oneDNN's
     copy dnn when given (`kvmesh.kernels.dense`)."""
-    return dense_matmul(x, w, dnn) if q is None else quantized_matmul(x, q)
+    if q is None:
+        return dense_matmul(x, w, dnn)
+    return quantized_matmul(x.float(), q).to(x.dtype)  # the block kernels compute in fp32
+
+
+def _numba_view(pages: torch.Tensor) -> np.ndarray:
+    """The pages as numba reads them: fp32 as they are, bf16 as their bits (uint16; no copy)."""
+    return pages.view(torch.uint16).numpy() if pages.dtype == torch.bfloat16 else pages.numpy()
 
 
 def _lm_head(h: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None) -> torch.Tensor:
@@ -84,12 +91,13 @@ class LlamaModel:
         converted to `dtype` on `device` as they are taken.
 
         `blocks` are GGUF blocks of some of those weights (`kvmesh.engine.gguf_blocks.load_blocks`),
-        used for CPU decode steps when dtype is fp32 (ignored on another device or dtype). Raises
+        used for CPU decode steps (ignored on another device): in bf16 too, where a step computes
+        in fp32 from the file's 4- and 8-bit blocks and reads and writes bf16 pages. Raises
         ValueError when a tensor is missing, has the wrong shape, or is left over (e.g. a bias
         this model does not have).
         """
         device = torch.device(device)
-        blocks = blocks if dtype == torch.float32 and device.type == "cpu" else None
+        blocks = blocks if device.type == "cpu" else None
         self.config = c = config
         self.dtype = dtype
         take = TensorTaker(c.name, weights, dtype, device)
@@ -140,6 +148,7 @@ class LlamaModel:
             for i, w in enumerate(self.layers)
         ]
         norms = [torch.stack([w.input_norm, w.post_norm]) for w in self.layers] + [torch.stack([self.norm, self.norm])]
+        norms = [n.float() for n in norms]  # a bf16 model's are exact in fp32
         c = self.config
         return StepWeights(
             norms=torch.stack(norms).numpy(),  # [L + 1, 2, H]
@@ -166,12 +175,12 @@ class LlamaModel:
         lens = torch.full((B,), M * S) if g.mask is None else g.mask.view(B, M * S).sum(1)  # [B] int64
         logits = torch.empty(B, self._step.head[0].shape[0] * TN)  # [B, V padded to tiles]
         batch = StepBatch(
-            h=self.embed.index_select(0, input_ids).numpy(),  # [B, H], the residual stream (a copy)
+            h=self.embed.index_select(0, input_ids).float().numpy(),  # [B, H] fp32, the residual stream (a copy)
             lens=lens.numpy(),
-            cos=cos.view(B, D).numpy(),
-            sin_rot=sin_rot.view(B, D).numpy(),
+            cos=cos.view(B, D).float().numpy(),  # a bf16 model's rows, exact in fp32
+            sin_rot=sin_rot.view(B, D).float().numpy(),
             blocks=g.read_blocks.view(L, 2, B, M).numpy(),
-            kv=kv_cache.view(-1, S, K, D).numpy(),
+            kv=_numba_view(kv_cache).reshape(-1, S, K, D),
             logits=logits.numpy(),
             cycles=self.step_cycles,
         )

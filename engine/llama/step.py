@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
-from kvmesh.engine.llama.step_attention import attend_pages, plan_jobs
+from kvmesh.engine.llama.step_attention import attend_pages, kv_store, plan_jobs
 from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 from kvmesh.kernels.quant import TN, block_sums, q4_1_tile, q8_0_tile
 
@@ -116,8 +116,8 @@ def _write_kv(kv, k_blocks, v_blocks, lens, rot, y_qkv, nq, nk):  # each token's
         kb, vb = k_blocks[b, page], v_blocks[b, page]
         for kh in range(nk):
             for i in range(D):
-                kv[kb, slot, kh, i] = rot[b, nq + kh, i]
-                kv[vb, slot, kh, i] = y_qkv[b, (nq + nk + kh) * D + i]
+                kv[kb, slot, kh, i] = kv_store(rot[b, nq + kh, i], kv)
+                kv[vb, slot, kh, i] = kv_store(y_qkv[b, (nq + nk + kh) * D + i], kv)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
@@ -187,7 +187,7 @@ class StepBatch(NamedTuple):
     """[L, 2, B, M] int64: each sequence's K and V page blocks in kv (entries past a sequence's
     own pages are never read)."""
     kv: np.ndarray
-    """[P*L*2, S, K, D] fp32: the pages, `kvmesh.engine.kv_layout.LLAMA_PAGE` seen as
+    """[P*L*2, S, K, D] fp32, or bf16 pages as their bits (uint16): the pages, `kvmesh.engine.kv_layout.LLAMA_PAGE` seen as
     `kvmesh.kernels.attention`'s read blocks; written at each sequence's position."""
     logits: np.ndarray
     """[B, NT*TN] fp32, out."""

@@ -9,6 +9,11 @@ A sequence's keys are split into parts of SPLIT_TOKENS (flash-decoding, Dao et a
 maxima and sums, as flash attention rescales. Each key and value is read once for all the query
 heads of its kv head (GQA). Attention sums in another order than SDPA (within an ulp or two);
 the split depends on a sequence's own length only, so its bits do not depend on the batch.
+
+Pages hold fp32 or bf16 (`--dtype`): a bf16 page is handed to numba as its bits (uint16, numpy
+has no bf16), which `kv_load` widens to fp32 as it reads (exact) and `kv_store` rounds to, to
+nearest even as torch's `.to(torch.bfloat16)` does; every sum stays fp32. numba compiles each
+kernel once per page dtype.
 """
 
 from __future__ import annotations
@@ -57,6 +62,42 @@ def _f32_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return nbtypes.float32(nbtypes.int32), codegen
+
+
+@intrinsic
+def kv_load(typingctx, x):
+    """A page element as fp32: an fp32 element itself, a bf16 one (its 16 bits, uint16) widened
+    exactly (the bits become an fp32's upper half)."""
+    if isinstance(x, nbtypes.Float) and x.bitwidth == 32:
+        return nbtypes.float32(x), lambda context, builder, signature, args: args[0]
+    if isinstance(x, nbtypes.Integer) and x.bitwidth == 16:
+
+        def widen(context, builder, signature, args):
+            bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(bits, ir.FloatType())
+
+        return nbtypes.float32(x), widen
+    return None
+
+
+@intrinsic
+def kv_store(typingctx, value, pages):
+    """fp32 `value` as an element of `pages` (an array of fp32, or of bf16 bits as uint16): itself,
+    or rounded to the nearest bf16, ties to even (torch's conversion; NaN is not expected here)."""
+    dtype = getattr(pages, "dtype", None)
+    if dtype == nbtypes.float32:
+        return nbtypes.float32(value, pages), lambda context, builder, signature, args: args[0]
+    if isinstance(dtype, nbtypes.Integer) and dtype.bitwidth == 16:
+
+        def narrow(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            bits = builder.bitcast(args[0], i32)
+            lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+            rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb)
+            return builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), ir.IntType(16))
+
+        return dtype(value, pages), narrow
+    return None
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -115,7 +156,7 @@ def _attend_part(q, kv, k_blocks, v_blocks, p0, p1, kh, scale, top, total, acc):
                 qr = qs[r]
                 dot = np.float32(0)
                 for i in range(D):
-                    dot += qr[i] * key[i]
+                    dot += qr[i] * kv_load(key[i])
                 dot *= scale
                 scores[r, j] = dot
                 top[r] = max(top[r], dot)
@@ -138,7 +179,7 @@ def _attend_part(q, kv, k_blocks, v_blocks, p0, p1, kh, scale, top, total, acc):
             for r in range(R):
                 e, ar = scores[r, j], acc[r]
                 for i in range(D):
-                    ar[i] += e * val[i]
+                    ar[i] += e * kv_load(val[i])
             j += 1
 
 
@@ -188,8 +229,8 @@ def plan_jobs(lens, nk, group, D):
 def attend_pages(rot, kv, k_blocks, v_blocks, lens, jobs, heads_out):
     """One layer's attention of B new tokens over their sequences' pages, into heads_out [B, Q, D].
 
-    rot [B, Q + K, D] fp32: the tokens' rotated queries, then keys; kv [P*L*2, S, K, D] fp32 the
-    pages (this token's K/V already written); k_blocks, v_blocks [B, M] int64 each sequence's
+    rot [B, Q + K, D] fp32: the tokens' rotated queries, then keys; kv [P*L*2, S, K, D] fp32, or
+    bf16 as uint16 bits, the pages (this token's K/V already written); k_blocks, v_blocks [B, M] int64 each sequence's
     K and V page blocks of this layer; lens [B] int64 context tokens; jobs from `plan_jobs`."""
     B, nq, nk = heads_out.shape[0], heads_out.shape[1], kv.shape[2]
     group = nq // nk

@@ -53,7 +53,7 @@ def fake(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2(fake):
-    return create_runner(resolve_model(None), 32, PAGE, 0, "torch", CUDA)
+    return create_runner(resolve_model(None), 32, PAGE, 0, "torch", CUDA, "bfloat16")
 
 
 @pytest.fixture(scope="module")

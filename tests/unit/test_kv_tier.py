@@ -85,6 +85,20 @@ def test_a_deleted_truncated_or_corrupted_file_is_a_miss_with_its_event(tmp_path
     assert tier.num_failed_loads == 3 and not any(p.exists() for p in files.values())
 
 
+def test_a_block_of_another_layout_is_a_miss_even_of_the_same_size(tmp_path):
+    # the layout (shape and dtype) enters each file's digest: a bf16 page where fp32 ones of the
+    # same byte count are kept (twice the tokens a page) never checks out as one of them
+    bf16 = FileTier(tmp_path / "bf16", 8, PAGE, layout="[P, L, 2, S, K, D] (1, 2, 32, 4, 4) () bfloat16")
+    fp32 = FileTier(tmp_path / "fp32", 8, PAGE, layout="[P, L, 2, S, K, D] (1, 2, 16, 4, 4) () float32")
+    (h,), (page,) = _hashes(1), _pages(1)
+    bf16.put(h, page)
+    fp32.put(h, page)
+    (tmp_path / "fp32" / f"{h.hex()}.kv").write_bytes((tmp_path / "bf16" / f"{h.hex()}.kv").read_bytes())
+    out = np.zeros(PAGE, dtype=np.uint8)
+    assert not fp32.get(h, out) and not out.any()
+    assert bf16.get(h, out) and np.array_equal(out, page)
+
+
 def test_a_full_disk_loses_only_the_copy(tmp_path):
     events: list = []
     tier = FileTier(tmp_path / "tier", 8, PAGE, events.extend)

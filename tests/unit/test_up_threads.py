@@ -1,4 +1,5 @@
-"""`kvmesh up --prefill-threads / --decode-threads` reach each instance as --torch-threads."""
+"""`kvmesh up --prefill-threads / --decode-threads` reach each instance as --torch-threads, and
+`--dtype` as its --dtype."""
 
 from __future__ import annotations
 
@@ -27,19 +28,24 @@ def test_thread_flags_become_each_instances_torch_threads(monkeypatch):
 
     monkeypatch.setattr(launcher, "start_mesh", fake_start_mesh)
     assert cli.main(["up", "--port", "50999", "--prefill-threads", "1", "--decode-threads", "2"]) == 130
-    assert seen["extra_prefill_args"] == ["--torch-threads", "1"]
-    assert seen["extra_decode_args"] == ["--torch-threads", "2"]
+    # --dtype from KVMESH_DTYPE (the suite's float32, tests/conftest.py) reaches both roles
+    assert seen["extra_prefill_args"] == ["--dtype", "float32", "--torch-threads", "1"]
+    assert seen["extra_decode_args"] == ["--dtype", "float32", "--torch-threads", "2"]
     assert (seen["num_prefill"], seen["num_decode"], seen["port"]) == (1, 1, 50999)
     seen.clear()
     assert cli.main(["up", "--port", "50999"]) == 130  # the default: every core, no flag passed
-    assert seen["extra_prefill_args"] is None and seen["extra_decode_args"] is None
+    assert seen["extra_prefill_args"] == seen["extra_decode_args"] == ["--dtype", "float32"]
     assert seen["http_port"] == 8000  # the OpenAI-compatible HTTP API is on by default
     seen.clear()
     assert cli.main(["up", "--port", "50999", "--http-port", "off"]) == 130
     assert seen["http_port"] == 0
     seen.clear()
     assert cli.main(["up", "--port", "50999", "--speculative", "ngram", "--num-draft-tokens", "3"]) == 130
-    assert seen["extra_decode_args"] == ["--speculative", "ngram", "--num-draft-tokens", "3"]
+    assert seen["extra_decode_args"] == ["--dtype", "float32", "--speculative", "ngram", "--num-draft-tokens", "3"]
+    seen.clear()
+    assert cli.main(["up", "--port", "50999", "--dtype", "bf16"]) == 130
+    assert seen["extra_prefill_args"] == seen["extra_decode_args"] == ["--dtype", "bf16"]
+    assert cli.main(["up", "--port", "50999", "--dtype", "float16"]) == 1  # refused before anything starts
 
 
 def test_negative_thread_counts_are_refused():
