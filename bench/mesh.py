@@ -163,8 +163,11 @@ def run_bench(args) -> int:
 
     n = args.new_tokens
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
-    say(f"{n} new tokens a request, {args.rounds} rounds a level")
-    result: dict = _peers(args, say)
+    precision = peers.mesh_precision(args.model)
+    say(
+        f"{n} new tokens a request, {args.rounds} rounds a level; the mesh computes in {precision.name} ({precision.reason})"
+    )
+    result: dict = {"dtype": precision.name, **_peers(args, say)}
     long_ids = peers.long_prompt_ids(load_tokenizer(resolve_model(args.model)), LONG_PROMPT_TOKENS)
     say("starting the mesh (1 prefill, 1 decode) ...")
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-", suffix=".log") as log:
@@ -235,7 +238,8 @@ def _ratio(value: float | None, base: float | None) -> str:
 
 def _print_table(r: dict) -> None:
     hf, cpp, engine = r["hf_tokens_per_s"], r["llama_cpp_tokens_per_s"], r["engine_tokens_per_s"]
-    print(f"\n{'decode (tok/s) [weights read]':<50}{'value':>9}{'vs transformers':>17}{'vs llama.cpp':>14}")
+    print(f"\nthe engine and the mesh compute in {r['dtype']} (decode from the GGUF blocks, pages in that dtype)")
+    print(f"{'decode (tok/s) [weights read]':<50}{'value':>9}{'vs transformers':>17}{'vs llama.cpp':>14}")
 
     def row(name: str, value: float | None, base_hf: float | None, base_cpp: float | None) -> None:
         text = "-" if value is None else f"{value:.1f}"
@@ -264,7 +268,7 @@ def _print_table(r: dict) -> None:
     if cpp is None:
         print("llama.cpp not installed: pip install ../shared/wheels/llama_cpp_python-*.whl for its figures")
     p, hfp, cppp = r["prefill_tokens_per_s"], r["hf_prefill_tokens_per_s"], r["llama_cpp_prefill_tokens_per_s"]
-    print(f"\nprefill of a {r['long_prompt_tokens']}-token prompt (tok/s) [fp32]")
+    print(f"\nprefill of a {r['long_prompt_tokens']}-token prompt (tok/s) [transformers fp32, kvmesh {r['dtype']}]")
     row("transformers forward", hfp, hfp, cppp)
     row("llama.cpp prompt evaluation", cppp, hfp, cppp)
     row("kvmesh prefill (chunked)", p, hfp, cppp)

@@ -13,7 +13,7 @@ prints one JSON object of medians over R rounds:
   `tokens_per_s` single-stream decode, prefill excluded; `prefill_tokens_per_s`, its prompt
   evaluation of the same P tokens. It has no batched decode of several sequences, so no
   `batch_tokens_per_s`.
-- engine (kvmesh's LlamaRunner alone, GGUF blocks at batch 1, no services): `tokens_per_s`.
+- engine (kvmesh's LlamaRunner alone in the mesh's dtype, GGUF blocks at batch 1, no services): `tokens_per_s`.
 
 Decode prompts are the bench's first prompt in the chat template; the P-token prompt is the
 same text for every peer (`long_prompt_ids`). Every figure is tokens per second.
@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvmesh.engine.checkpoint import long_prompt_ids
+
+if TYPE_CHECKING:
+    from kvmesh.engine.precision import Precision
 
 PROMPT = "Tell me a story about a lighthouse keeper."
 
@@ -112,6 +117,17 @@ def _llama_cpp(args) -> dict:
     }
 
 
+def mesh_precision(model: str | None) -> Precision:
+    """What the mesh a bench starts computes in on this CPU: `KVMESH_DTYPE` (which its services
+    read), else auto."""
+    import torch
+
+    from kvmesh.engine.loader import resolve_model
+    from kvmesh.engine.runners import runner_precision
+
+    return runner_precision(resolve_model(model), torch.device("cpu"), os.environ.get("KVMESH_DTYPE") or "auto")
+
+
 def _engine(args) -> dict:
     from kvmesh.bench.engine import _prompts, bench_runner
     from kvmesh.engine.checkpoint import load_tokenizer
@@ -120,7 +136,8 @@ def _engine(args) -> dict:
 
     files = resolve_model(args.model)
     prompts = _prompts(load_tokenizer(files), 1)
-    runner = LlamaRunner(files, num_pages=(len(prompts[0]) + args.new_tokens) // 16 + 2)
+    dtype = mesh_precision(args.model).dtype  # the mesh's, so that the two rows compare like for like
+    runner = LlamaRunner(files, num_pages=(len(prompts[0]) + args.new_tokens) // 16 + 2, dtype=dtype)
     runner.warmup()
     bench_runner(runner, prompts, 4)
     return {"tokens_per_s": _median([bench_runner(runner, prompts, args.new_tokens) for _ in range(args.rounds)])}

@@ -62,7 +62,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 
 def weight_dtype(device: torch.device) -> torch.dtype:
-    """The dtype a dense model's weights and KV pages take on `device`: fp32 on the CPU (the
-    parity tests hold transformers' fp32 numbers there), bf16 on a GPU (what SGLang and vLLM
-    serve DeepSeek and Llama checkpoints in)."""
+    """The dtype a runner built without one takes on `device`: fp32 on the CPU (the parity tests
+    hold transformers' fp32 numbers there), bf16 on a GPU. Services choose theirs with `--dtype`
+    (kvmesh.engine.precision)."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -55,8 +55,8 @@ class ModelServiceConfig:
         "auto",
         "--device",
         "where the model computes and its KV pages live: auto (cuda:0 when torch sees a CUDA device, else cpu), "
-        "cpu, or cuda[:N] (weights, pages and state slots on the GPU: Llama in bf16, DeepSeek-V4 in its "
-        "checkpoint's dtype; the Triton kernels; refused at start when torch sees no such device)",
+        "cpu, or cuda[:N] (weights, pages and state slots on the GPU, in --dtype; the Triton kernels; refused at "
+        "start when torch sees no such device)",
     )
     dtype: str = setting(
         "auto",

@@ -120,7 +120,7 @@ def kv_layout_mismatch(instance: str, layout: str, pushed: str) -> str:
         return ""
     return (
         f"{instance} keeps KV pages as {layout}, the push would bring {pushed}: prefill and decode need the same "
-        "model, --page-size and dtype (--device cpu is fp32, cuda bf16; docs/gpu.md)"
+        "model, --page-size and --dtype (docs/precision.md)"
     )
 
 

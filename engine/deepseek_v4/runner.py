@@ -50,7 +50,7 @@ class DeepseekV4Runner:
         Raises ValueError for a bad config or checkpoint (naming the field or tensor), a
         page_size that is not a multiple of every compress rate, or num_pages / slots < 1."""
         self.device = torch.device(device)
-        self.dtype = torch.float32  # its state rows and kernels are fp32 (kvmesh.engine.runners.DTYPES)
+        self.dtype = torch.float32  # its pages and state rows are fp32 (kvmesh.engine.runners.DTYPES)
         if num_pages < 1 or num_state_slots < 1:
             raise ValueError(f"num_pages and num_state_slots must be >= 1, got {num_pages} and {num_state_slots}")
         start = time.monotonic()
