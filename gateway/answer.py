@@ -109,6 +109,8 @@ class Answer:
                 delta.delta.logprobs.append(logprobs[i])
             if i == 0:
                 delta.delta.prompt_logprobs.extend(prefill.prompt_logprobs)
+                delta.delta.prompt_tokens = len(self.request.prompt_token_ids)
+                delta.delta.cached_tokens = prefill.num_cached_tokens
             deltas.append(delta)
         return deltas
 
@@ -162,6 +164,7 @@ class Answer:
             admission_s=self.waited,
             drafted_tokens=sum(c.drafted for c in self._choices),
             accepted_tokens=sum(c.accepted for c in self._choices),
+            stop_sequence=first.stops.matched,
         )
         _add_prefill_figures(out, prefill, reserve, self._decode_digest)
         if len(self._choices) > 1:

@@ -134,3 +134,11 @@ class ApiKeys:
         if not label:
             return ""
         return self._tenants[int(label.removeprefix("key-")) - 1]
+
+    def owner_of(self, label: str) -> str:
+        """Who owns what the key labelled `label` stores (the Responses API's stored responses):
+        the key itself, named by its digest (hex), whatever namespace it shares its cache with;
+        "" for the open gateway's label ""."""
+        if not label:
+            return ""
+        return self._digests[int(label.removeprefix("key-")) - 1].hex()

@@ -82,6 +82,14 @@ class GatewayConfig:
         "dropped first; 0: no session affinity",
         ge=0,
     )
+    response_ttl_s: float = setting(
+        30 * 24 * 3600.0,
+        "--response-ttl",
+        "seconds a stored response of /v1/responses (store: true) stays retrievable and continuable by "
+        "previous_response_id: in --redis-url's Redis when there is one (every gateway shares them), else in "
+        "this gateway's memory (the 10,000 most recent)",
+        gt=0,
+    )
     session_from_user: bool = setting(
         False,
         "--session-from-user",

@@ -57,6 +57,8 @@ class StopStringMatcher:
         self.longest = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.emitted = 0
+        self.matched = ""
+        """The stop string that was hit ("" until one is)."""
 
     def _held(self) -> int:
         """Length of the longest tail of the unemitted text that starts a stop string."""
@@ -71,10 +73,11 @@ class StopStringMatcher:
         self.text += delta
         if self.stop:
             search_from = max(0, self.emitted - self.longest + 1)
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
             if hits:
-                out = self.text[self.emitted : min(hits)]
-                self.emitted = min(hits)
+                at, self.matched = min(hits, key=lambda hit: hit[0])
+                out = self.text[self.emitted : at]
+                self.emitted = at
                 return out, True
         end = len(self.text) if final else len(self.text) - self._held()
         out = self.text[self.emitted : end]

@@ -131,6 +131,7 @@ def _http_front(config: GatewayConfig, path: RequestPath) -> HttpFront | None:
     if not config.http_port:
         return None
     from kvmesh.gateway.http.server import HttpFront  # starlette and uvicorn load only when HTTP is on
+    from kvmesh.gateway.response_store import create_response_store
 
     return HttpFront(
         path,
@@ -141,6 +142,7 @@ def _http_front(config: GatewayConfig, path: RequestPath) -> HttpFront | None:
         config.drain_grace_s,
         tool_parser=config.tool_parser,
         session_from_user=config.session_from_user,
+        responses=create_response_store(config.redis_url, config.response_ttl_s),
     )
 
 

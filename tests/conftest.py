@@ -41,6 +41,7 @@ from kvmesh.redis_server import RedisProcess, ping  # noqa: E402
 SHARED_MESHES = {
     "observed_mesh": (
         "tests/integration/test_http_api.py",
+        "tests/integration/test_agent_apis.py",
         "tests/integration/test_mesh.py",
         "tests/integration/test_observability.py",
     ),

@@ -96,7 +96,7 @@ class OpenAICall:
                     return await self._stream(ask, messages)
                 return await self._whole(ask, messages)
         except RequestFailed as failure:
-            return failure_response(failure, _param_of(failure, ask))
+            return failure_response(failure, param_of(failure, ask))
         except ClientGone:
             logger.info("client disconnected before the answer; request cancelled")
             return Response(status_code=499)
@@ -182,7 +182,7 @@ _FIELD_AT_FAULT = re.compile(
 _PARAM_OF_WORDS = {"message roles": "messages", "the session id": "x-session-id", "prompt": "prompt"}
 
 
-def _param_of(failure: RequestFailed, ask: OpenAIRequest) -> str | None:
+def param_of(failure: RequestFailed, ask: OpenAIRequest) -> str | None:
     """The request field a refused request names (OpenAI's error `param`): the failure's own,
     the field that asked for a grammar the instances refused, or the field the message starts
     with (the request path's checks say what to change, field first)."""

@@ -4,10 +4,12 @@ a thin adapter over kvmesh.gateway.request_path.RequestPath.
     POST /v1/chat/completions   OpenAI Chat Completions (stream: server-sent events)
     POST /v1/completions        OpenAI Completions
     GET  /v1/models             the served model (GET /v1/models/{id} too)
+    POST /v1/responses          OpenAI Responses (stored: GET / DELETE /v1/responses/{id}, .../input_items)
+    POST /v1/messages           Anthropic Messages (and /v1/messages/count_tokens)
     GET  /health                200 while the gateway serves, 503 otherwise (no key needed)
 
-Each route is its API's module's (openai_call.py, models.py); this one binds the socket,
-serves, and stops.
+Each route is its API's module's (openai_call.py, responses_call.py, messages_call.py,
+models.py); this one binds the socket, serves, and stops.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvmesh.gateway.detokenizer import TokenText
+from kvmesh.gateway.http.messages_call import MessagesCall
 from kvmesh.gateway.http.models import ModelList
 from kvmesh.gateway.http.openai_call import OpenAICall, OpenAIFront
+from kvmesh.gateway.http.responses_call import ResponsesCall
 from kvmesh.gateway.request_path import RequestPath
+from kvmesh.gateway.response_store import MemoryResponseStore, ResponseStore
 from kvmesh.runtime.service import MAX_MESSAGE_BYTES
 
 MAX_BODY_BYTES = MAX_MESSAGE_BYTES
@@ -39,7 +44,8 @@ class HttpFront:
     """The HTTP server: binds `host:port` at once (OSError when taken), serves from `start()`
     to `stop()`; TLS when `tls_cert` and `tls_key` (PEM files) are given. tool_parser: how
     calls are found in a free answer (kvmesh.gateway.tools.TOOL_PARSERS); session_from_user: the
-    `user` field names a request's session when no x-session-id header does.
+    `user` field names a request's session when no x-session-id header does; responses: where
+    /v1/responses keeps stored responses (None: this process's memory, for a day).
 
     Raises OSError when the port is taken, ValueError when the certificate or key cannot be
     loaded."""
@@ -54,8 +60,10 @@ class HttpFront:
         grace_s: float = 25.0,
         tool_parser: str = "json",
         session_from_user: bool = False,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.path = path
+        self.responses = responses if responses is not None else MemoryResponseStore(24 * 3600.0)
         self._token_texts: TokenText | None = None  # made on first use: logprobs are rare
         self.openai = OpenAIFront(path, self._token_text, tool_parser, session_from_user)
         self.serving = False
@@ -76,6 +84,12 @@ class HttpFront:
                 Route("/v1/models/{model:path}", models.model, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/responses", self.responses_create, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.responses_get, methods=["GET"]),
+                Route("/v1/responses/{response_id}", self.responses_delete, methods=["DELETE"]),
+                Route("/v1/responses/{response_id}/input_items", self.responses_input_items, methods=["GET"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.messages_count_tokens, methods=["POST"]),
             ]
         )
 
@@ -119,6 +133,7 @@ class HttpFront:
             with contextlib.suppress(TimeoutError, SystemExit):
                 await asyncio.wait_for(self._task, self.grace_s + 5)
         self._sock.close()
+        await self.responses.close()
 
     async def health(self, request: Request) -> Response:
         """GET /health: 200 {"status": "ok"} from start() to stop(), else 503; no key needed."""
@@ -133,6 +148,30 @@ class HttpFront:
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions (OpenAI Completions; the prompt as it is, text or token ids)."""
         return await OpenAICall(self.openai, request, False, MAX_BODY_BYTES).answer()
+
+    async def responses_create(self, request: Request) -> Response:
+        """POST /v1/responses (OpenAI Responses; `previous_response_id` continues a stored one)."""
+        return await ResponsesCall(self.openai, self.responses, request, MAX_BODY_BYTES).create()
+
+    async def responses_get(self, request: Request) -> Response:
+        """GET /v1/responses/{response_id}: a response this key stored."""
+        return await ResponsesCall(self.openai, self.responses, request, MAX_BODY_BYTES).get()
+
+    async def responses_delete(self, request: Request) -> Response:
+        """DELETE /v1/responses/{response_id}."""
+        return await ResponsesCall(self.openai, self.responses, request, MAX_BODY_BYTES).delete()
+
+    async def responses_input_items(self, request: Request) -> Response:
+        """GET /v1/responses/{response_id}/input_items."""
+        return await ResponsesCall(self.openai, self.responses, request, MAX_BODY_BYTES).input_items()
+
+    async def messages(self, request: Request) -> Response:
+        """POST /v1/messages (Anthropic Messages)."""
+        return await MessagesCall(self.openai, request, MAX_BODY_BYTES).create()
+
+    async def messages_count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens."""
+        return await MessagesCall(self.openai, request, MAX_BODY_BYTES).count_tokens()
 
     def _token_text(self, token_id: int) -> tuple[str, bytes]:
         """A token's (text, bytes) for logprobs (kvmesh.gateway.detokenizer.TokenText)."""

@@ -6,7 +6,7 @@ import warnings
 from kvmesh.protos.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 from kvmesh.protos.v1 import prefill_pb2 as kvmesh_dot_v1_dot_prefill__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
