@@ -43,6 +43,7 @@ from kvmesh.engine.speculative.verify import StepRows
 from kvmesh.kvstore.kv_events import KVEvent
 from kvmesh.kvstore.kv_tier import KVTier
 from kvmesh.runtime.cpu_share import open_cpu_share
+from kvmesh.runtime.latency_fit import LinearFit
 
 # the errors a caller of the engine sees (decode_svc/delivery.py's), importable from here too
 __all__ = ["CapacityError", "DecodeEngine", "RequestReleased"]
@@ -77,6 +78,8 @@ class DecodeEngine(Admission):
         self.max_batch_size_seen = 0
         self.num_steps = 0
         self.step_seconds = 0.0
+        self.step_fit = LinearFit(3)
+        """A step's wall seconds on [1, batch rows, context tokens]: the ITL predictor's input."""
         """Wall seconds spent in steps (the batch's forward and sampling) since start."""
         self.num_generated_tokens = 0
         """Tokens the steps sampled since start (num_generated_tokens / num_steps: the mean batch)."""
@@ -114,7 +117,7 @@ class DecodeEngine(Admission):
         """Requests in the running batch."""
         return len(self._running)
 
-    def stats(self) -> dict[str, int | float | str | list[int]]:
+    def stats(self) -> dict[str, int | float | str | list[int] | list[float]]:
         """Cache and batch figures for GetStats; integrity_error is '' when check_integrity() passes."""
         with self._cond:
             return {
@@ -123,6 +126,8 @@ class DecodeEngine(Admission):
                 "max_batch_size": self.max_batch_size_seen,
                 "num_steps": self.num_steps,
                 "step_seconds": self.step_seconds,
+                "decode_fit": self.step_fit.coefficients() or [],
+                "num_context_tokens": sum(r.num_tokens for r in self._running),
                 "num_generated_tokens": self.num_generated_tokens,
                 "cpu_share_wait_seconds": self.cpu_share_wait_seconds,
                 **expert_stats(self.runner.expert_token_counts()),
@@ -148,10 +153,14 @@ class DecodeEngine(Admission):
                 continue
             try:
                 # on cores shared with a prefill instance, a step and a prefill forward take turns
+                started = time.perf_counter()
                 with self._cpu_share.decode_step() as waited:
                     metrics.CPU_SHARE_WAIT.inc(waited)
                     self.cpu_share_wait_seconds += waited
                     self._step(batch)
+                with self._cond:  # the step as its requests live it: the turn waited included
+                    context = sum(r.num_tokens for r in batch)
+                    self.step_fit.add((1, len(batch), context), time.perf_counter() - started)
             except Exception as exc:  # a failed step ends these streams, never the service
                 self._fail(batch, exc)
 

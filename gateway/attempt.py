@@ -31,6 +31,7 @@ from kvmesh.gateway.answer import Answer
 from kvmesh.gateway.failure import RequestFailed, failure_from_rpc
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.requests import GenerateInput
+from kvmesh.gateway.slo import NO_SLO, Slo
 from kvmesh.protos.v1 import decode_pb2, gateway_pb2, prefill_pb2
 from kvmesh.runtime import tracing
 
@@ -80,6 +81,8 @@ class Hops:
     """The request's trace span (its context rides in each call's metadata); None: no tracing."""
     deadlines: Deadlines
     """The gateway's bounds on each hop."""
+    slo: Slo = NO_SLO
+    """The request's latency targets (kvmesh.gateway.slo; none by default)."""
 
 
 class Attempt(AttemptAccounting):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.gateway.router import check_policy
+from kvmesh.gateway.slo import SLO_MISS, Slo
 from kvmesh.runtime.service_config import drain_grace_setting, metrics_port_setting, redis_url_setting
 from kvmesh.runtime.settings import setting
 
@@ -81,6 +82,27 @@ class GatewayConfig:
         "sessions (x-session-id) whose last turn's instances the gateway remembers, least recently used "
         "dropped first; 0: no session affinity",
         ge=0,
+    )
+    slo_ttft_ms: float = setting(
+        0.0,
+        "--slo-ttft-ms",
+        "TTFT target (milliseconds) of requests that set none (the gRPC field slo_ttft_ms, the header "
+        "x-slo-ttft-ms): routed where the predicted TTFT meets it, most prefix reuse first; 0: none (routing by "
+        "prefix and load alone)",
+        ge=0,
+    )
+    slo_itl_ms: float = setting(
+        0.0,
+        "--slo-itl-ms",
+        "inter-token latency target (milliseconds) of requests that set none (slo_itl_ms, x-slo-tpot-ms): decode "
+        "is picked among the instances predicted to meet it; 0: none",
+        ge=0,
+    )
+    slo_miss: str = setting(
+        "queue",
+        "--slo-miss",
+        "what a request no instance is predicted to serve within its SLO gets: queue (routed where its predicted "
+        "TTFT is least) or shed (refused at once, RESOURCE_EXHAUSTED / HTTP 429, retry-after from the prediction)",
     )
     response_ttl_s: float = setting(
         30 * 24 * 3600.0,
@@ -242,6 +264,13 @@ class GatewayConfig:
         check_policy(self.routing_policy)
         if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
             raise ValueError(f"load_weight must be a finite number >= 0, got {self.load_weight}")
+        if self.slo_miss not in SLO_MISS:
+            raise ValueError(f"slo_miss must be one of {list(SLO_MISS)}, got {self.slo_miss!r}")
+
+    @property
+    def slo(self) -> Slo:
+        """The SLO of requests that set none (seconds)."""
+        return Slo(self.slo_ttft_ms / 1000, self.slo_itl_ms / 1000)
 
     def _check_durations(self) -> None:
         """Deadlines, rates and intervals: finite and > 0 (the wait for instances may be 0)."""

@@ -41,9 +41,16 @@ class InstanceLoad:
     kv_layout: str = ""
     """The KV page layout the instance reported (kvmesh.engine.kv_layout.PageLayout.describe); '' until it has."""
     kv_tier_medium: str = ""
+    """The medium of the instance's second KV tier ("host", "disk"), as it reported; '' for none."""
     dtype: str = ""
     """What the instance computes in ("float32", "bfloat16"), as it reported; '' until it has."""
-    """The medium of the instance's second KV tier ("host", "disk"), as it reported; '' for none."""
+    prefill_fit: tuple[float, ...] = ()
+    push_fit: tuple[float, ...] = ()
+    decode_fit: tuple[float, ...] = ()
+    """The latency profile the instance reported (InstanceStats' fields of those names; () until
+    measured): what kvmesh.gateway.predictor predicts TTFT and ITL from."""
+    context_tokens: int = 0
+    """Decode: the tokens of context its running requests hold, as it reported."""
 
     @property
     def routable(self) -> bool:

@@ -110,6 +110,8 @@ def _request_path(
         config.token_timeout_s,
         keys,
         SessionTable(config.max_sessions),
+        config.slo,
+        config.slo_miss == "shed",
     )
 
 

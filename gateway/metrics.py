@@ -50,3 +50,23 @@ REQUESTS = Counter(
     ["finish_reason", "status"],
     registry=REGISTRY,
 )
+TTFT_PREDICTION_ERROR = Histogram(
+    "kvmesh_gateway_ttft_prediction_error_seconds",
+    "Predicted minus measured TTFT of each request the gateway predicted (kvmesh.gateway.predictor): "
+    "negative when the prediction was short",
+    buckets=(-10, -2.5, -1, -0.5, -0.25, -0.1, -0.05, -0.025, 0, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+    registry=REGISTRY,
+)
+TTFT_PREDICTION_RATIO = Histogram(
+    "kvmesh_gateway_ttft_prediction_ratio",
+    "Predicted over measured TTFT of each request the gateway predicted (1: exact; 0.75-1.25: within 25%)",
+    buckets=(0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2, 4),
+    registry=REGISTRY,
+)
+SLO_REQUESTS = Counter(
+    "kvmesh_gateway_slo_requests_total",
+    "Requests with an SLO, by outcome: met (TTFT and ITL within it), missed, or shed (refused at routing "
+    "because no instance was predicted to meet it, --slo-miss shed)",
+    ["outcome"],
+    registry=REGISTRY,
+)

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from kvmesh.gateway import metrics
 from kvmesh.gateway.instance_load import InstanceLoad, queued_tokens
 from kvmesh.gateway.instances import InstanceSet
-from kvmesh.gateway.router import PrefillRouter, pick_decode
+from kvmesh.gateway.predictor import LatencyPredictor
+from kvmesh.gateway.router import PrefillRouter, RouteDecision, pick_decode
 from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader
 
 # Requests a decode instance is assumed to take before its first stats report says.
@@ -58,6 +59,7 @@ class InstancePool(InstanceSet):
             policy=routing_policy,
             tier_hit_weight=tier_hit_weight,
         )
+        self.predictor = LatencyPredictor(page_size, self.prefills, self.decodes)
         self._rr = 0
 
     def decode_capacity(self) -> int:
@@ -100,20 +102,39 @@ class InstancePool(InstanceSet):
         The gateway's own requests call the parts apart (`pick_decode`, then `lookup_prefix`
         and `pick_prefill` while decode's Reserve is in flight); this is them in one call."""
         cached_blocks = await self.lookup_prefix(block_hashes)
-        prefill, cached_tokens = self.pick_prefill(len(prompt_token_ids), cached_blocks, block_hashes, exclude)
-        return prefill, self.pick_decode(exclude, cached_blocks), cached_tokens
+        prefill, decision = self.pick_prefill(len(prompt_token_ids), cached_blocks, block_hashes, exclude)
+        return prefill, self.pick_decode(exclude, cached_blocks), decision.cached_tokens
 
     def pick_decode(
-        self, exclude: frozenset[str] = frozenset(), cached_blocks: Mapping[str, int] | None = None
+        self,
+        exclude: frozenset[str] = frozenset(),
+        cached_blocks: Mapping[str, int] | None = None,
+        slo_itl_s: float = 0.0,
+        num_prompt_tokens: int = 0,
     ) -> InstanceLoad:
         """The decode instance to reserve on (router.pick_decode: the fewest active requests, or
         within decode_hit_slack of them the one holding the most of the prompt by
-        `cached_blocks`, lookup_prefix's answer), not one in `exclude`. Raises LookupError when
-        none is routable, or when no prefill instance is (a reservation would be wasted)."""
+        `cached_blocks`, lookup_prefix's answer), not one in `exclude`; with an ITL SLO
+        (`slo_itl_s` > 0), among those predicted to meet it when any is. Raises LookupError
+        when none is routable, or when no prefill instance is (a reservation would be wasted)."""
         if not any(i.routable and i.address not in exclude for i in self.prefills):
             raise LookupError("no healthy prefill instance")
         self._rr += 1
-        return pick_decode(self.decodes, self._rr, exclude, cached_blocks or {}, self.decode_hit_slack)
+        decodes = self.decodes
+        if slo_itl_s > 0:
+            meeting = [
+                d for d in decodes if (itl := self.predictor.itl(d, num_prompt_tokens)) is None or itl <= slo_itl_s
+            ]
+            if any(d.routable and d.address not in exclude for d in meeting):
+                decodes = meeting  # else the least loaded, as without an SLO
+        return pick_decode(decodes, self._rr, exclude, cached_blocks or {}, self.decode_hit_slack)
+
+    def best_itl(self, num_prompt_tokens: int, exclude: frozenset[str] = frozenset()) -> float | None:
+        """The least predicted ITL over the routable decode instances (seconds); None while one has no profile."""
+        predictions = [
+            self.predictor.itl(d, num_prompt_tokens) for d in self.decodes if d.routable and d.address not in exclude
+        ]
+        return None if not predictions or None in predictions else min(p for p in predictions if p is not None)
 
     def decode_reuse(self, decode: InstanceLoad, cached_blocks: Mapping[str, int]) -> int:
         """Leading prompt blocks `decode` holds by `lookup_prefix`'s answer, when they are worth
@@ -142,20 +163,30 @@ class InstancePool(InstanceSet):
         block_hashes,
         exclude: frozenset[str] = frozenset(),
         tiered_blocks: Mapping[str, int] | None = None,
-    ) -> tuple[InstanceLoad, int]:
-        """(prefill instance, prompt tokens the index says it holds in its pool or second tier)
-        by the routing policy, from `lookup_prefix_tiered`'s answer (cached_blocks,
-        tiered_blocks). Raises LookupError when none is routable.
+        slo_ttft_s: float = 0.0,
+        decode_cached_pages: int = 0,
+    ) -> tuple[InstanceLoad, RouteDecision]:
+        """(prefill instance, the decision: prompt tokens the index says it holds in its pool or
+        second tier, the predicted TTFT with a TTFT SLO) by the routing policy, or within the
+        SLO (`slo_ttft_s` > 0: router.within_slo, by this pool's predictor), from
+        `lookup_prefix_tiered`'s answer (cached_blocks, tiered_blocks). Raises LookupError when
+        none is routable.
 
         Synchronous: the caller counts the request on the instance before its next await, so
         concurrent requests see each other."""
+
+        def predict(inst: InstanceLoad, cached_tokens: int) -> float | None:
+            found = self.predictor.ttft(inst, num_prompt_tokens, cached_tokens, decode_cached_pages)
+            return found.seconds if found is not None else None
+
         decision = self.router.choose(
-            num_prompt_tokens, cached_blocks, self.page_size, block_hashes, exclude, tiered_blocks
+            num_prompt_tokens, cached_blocks, self.page_size, block_hashes, exclude, tiered_blocks, slo_ttft_s, predict
         )
         prefill = next(i for i in self.prefills if i.address == decision.address)
-        metrics.ROUTED_REQUESTS.labels(self.router.policy, "prefix" if self.prefix.informed else "load_only").inc()
+        policy = "slo" if decision.predicted_ttft_s is not None else self.router.policy
+        metrics.ROUTED_REQUESTS.labels(policy, "prefix" if self.prefix.informed else "load_only").inc()
         metrics.INDEX_CACHED_TOKENS.inc(decision.cached_tokens)
-        return prefill, decision.cached_tokens
+        return prefill, decision
 
     def pull_source(
         self, prefill: InstanceLoad, cached_blocks: Mapping[str, int], exclude: frozenset[str] = frozenset()

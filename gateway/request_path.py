@@ -44,6 +44,7 @@ from kvmesh.gateway.failure import RequestFailed
 from kvmesh.gateway.pool import InstancePool, MismatchError
 from kvmesh.gateway.requests import GenerateInput, PromptBuilder, UnknownModelError
 from kvmesh.gateway.sessions import SessionTable
+from kvmesh.gateway.slo import NO_SLO, Slo, slo_of
 from kvmesh.gateway.tries import GatewayParts, Tries
 from kvmesh.protos.v1 import gateway_pb2
 from kvmesh.runtime import tracing
@@ -91,6 +92,8 @@ class RequestPath:
         token_timeout_s: longest wait for the next message of a decode stream.
         keys: the API keys callers must present (None or empty: the gateway is open).
         sessions: where each session's last turn went (kvmesh.gateway.sessions; None: no affinity).
+        slo: the latency targets of requests that set none (kvmesh.gateway.slo); slo_shed: refuse
+            a request no instance is predicted to serve within its SLO (else queue it).
     """
 
     def __init__(
@@ -105,6 +108,8 @@ class RequestPath:
         token_timeout_s: float,
         keys: ApiKeys | None = None,
         sessions: SessionTable | None = None,
+        slo: Slo = NO_SLO,
+        slo_shed: bool = False,
     ) -> None:
         self.builder = builder
         self.pool = pool
@@ -113,6 +118,8 @@ class RequestPath:
         self.deadlines = Deadlines(rpc_timeout_s, token_timeout_s, prefill_timeout_base_s, prefill_min_tokens_per_s)
         self.keys = keys or ApiKeys(())
         self.sessions = sessions or SessionTable(0)
+        self.slo = slo
+        self.slo_shed = slo_shed
 
     def authenticate(self, authorization: str | None) -> str:
         """The caller's key label ("" on an open gateway) from its `authorization` value
@@ -153,7 +160,11 @@ class RequestPath:
         try:
             key = self.authenticate(authorization)
             session = next((str(v) for k, v in metadata if k.lower() == SESSION_HEADER), "")
-            async with contextlib.aclosing(self._generate(request, key, span, arrived, session)) as messages:
+            try:
+                slo = slo_of((request.slo_ttft_ms, request.slo_itl_ms), metadata, self.slo)
+            except ValueError as exc:
+                raise RequestFailed(FailureCause.BAD_REQUEST, str(exc)) from None
+            async with contextlib.aclosing(self._generate(request, key, span, arrived, session, slo)) as messages:
                 async for msg in messages:
                     if msg.HasField("final"):
                         # counted as it goes out: a caller may stop reading once it has it
@@ -176,7 +187,9 @@ class RequestPath:
         finally:
             span.end()
 
-    async def _generate(self, request: gateway_pb2.GenerateRequest, key: str, span, arrived: float, session: str):
+    async def _generate(
+        self, request: gateway_pb2.GenerateRequest, key: str, span, arrived: float, session: str, slo: Slo
+    ):
         """The request's steps once its key is known: check and tokenize it, check the mesh can
         serve it, wait for its turn in the admission queue, then run its tries."""
         inp, session_key = await self._checked_input(request, key, span, session)
@@ -189,7 +202,7 @@ class RequestPath:
                 tracing.record(span, "kvmesh.gateway.admission", t0, tracing.now_ns())
             # closed here, not whenever the garbage collector finds it: a caller that leaves
             # mid-answer must abort the attempt (and release its reservation) at once
-            attempts = self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key), session_key)
+            attempts = self._attempts(inp, span, arrived, waited, self.keys.tenant_of(key), session_key, slo)
             async with contextlib.aclosing(attempts):
                 async for msg in attempts:
                     if unprefilled:
@@ -262,13 +275,25 @@ class RequestPath:
             raise RequestFailed(FailureCause.OVERLOADED, f"[{rid}] {exc}", retry_after_s=exc.retry_after_s) from None
 
     def _attempts(
-        self, inp: GenerateInput, span, arrived: float, waited: float, tenant: str = "", session_key: bytes = b""
+        self,
+        inp: GenerateInput,
+        span,
+        arrived: float,
+        waited: float,
+        tenant: str = "",
+        session_key: bytes = b"",
+        slo: Slo = NO_SLO,
     ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         """Route and run the request; retry once on other instances while no token was sent
         (kvmesh.gateway.tries.Tries). Its block hashes chain from `tenant`'s root (the key's
         cache namespace; "" without keys); session_key (SessionTable.key; b"": none) adds the
         session's last turn to what the index says its instances hold, and remembers this turn's."""
         parts = GatewayParts(
-            self.pool, self.sessions, self.builder.tokenizer, self.eos_token_ids, self.admission.max_queue_time_s
+            self.pool,
+            self.sessions,
+            self.builder.tokenizer,
+            self.eos_token_ids,
+            self.admission.max_queue_time_s,
+            self.slo_shed,
         )
-        return Tries(parts, Hops(inp, span, self.deadlines), arrived, waited, tenant, session_key).run()
+        return Tries(parts, Hops(inp, span, self.deadlines, slo), arrived, waited, tenant, session_key).run()

@@ -39,6 +39,10 @@ class RouteDecision:
     address: str
     cached_tokens: int
     cost_tokens: float
+    predicted_ttft_s: float | None = None
+    """The TTFT predicted there (seconds from routing), when the request has a TTFT SLO."""
+    meets_slo: bool = True
+    """False when no instance was predicted to meet the SLO (this one was predicted fastest)."""
 
 
 @dataclass(frozen=True)
@@ -194,13 +198,18 @@ class PrefillRouter:
         block_hashes: Sequence[bytes] = (),
         exclude: frozenset[str] = frozenset(),
         tiered_blocks: Mapping[str, int] | None = None,
+        slo_ttft_s: float = 0.0,
+        predict: Callable[[InstanceLoad, int], float | None] | None = None,
     ) -> RouteDecision:
         """Pick a routable prefill instance (not one whose address is in `exclude`).
 
         cached_blocks maps instance_id -> leading prompt blocks it holds in its page pool (from
         the index; empty when the index is down), tiered_blocks -> those it holds in its pool
         or its second tier; block_hashes are the prompt's block hashes (only consistent_hash
-        reads them). Raises LookupError when no instance is routable.
+        reads them). With a TTFT SLO (`slo_ttft_s` > 0) and `predict` (instance, its cached
+        tokens -> predicted TTFT, seconds; None: no profile yet), `within_slo` chooses instead
+        of the policy once every instance has a prediction. Raises LookupError when no instance
+        is routable.
         """
         healthy = [i for i in self.instances if i.routable and i.address not in exclude]
         if not healthy:
@@ -208,7 +217,37 @@ class PrefillRouter:
         ask = RouteAsk(
             num_prompt_tokens, cached_blocks, page_size, block_hashes, tiered_blocks or {}, self.tier_hit_weight
         )
+        if slo_ttft_s > 0 and predict is not None:
+            chosen = within_slo(healthy, ask, slo_ttft_s, predict)
+            if chosen is not None:
+                return chosen
         return self._choose(self, healthy, ask)
+
+
+def within_slo(
+    healthy: Sequence[InstanceLoad],
+    ask: RouteAsk,
+    slo_ttft_s: float,
+    predict: Callable[[InstanceLoad, int], float | None],
+) -> RouteDecision | None:
+    """Latency-aware routing: among the instances predicted to meet the TTFT SLO, the one that
+    reuses the most of the prompt (then the fastest); when none is, the fastest, marked as
+    missing it (llm-d's SLO headroom routing, prefix reuse first as SGLang's and Dynamo's KV
+    routers weigh it). None while an instance has no prediction (its profile is not measured
+    yet): the policy decides meanwhile."""
+    scored = []
+    for inst in healthy:
+        decision = ask.decide(inst)
+        predicted = predict(inst, decision.cached_tokens)
+        if predicted is None:
+            return None
+        scored.append((decision, predicted))
+    meeting = [(d, p) for d, p in scored if p <= slo_ttft_s]
+    if meeting:
+        decision, predicted = max(meeting, key=lambda dp: (dp[0].cached_tokens, -dp[1]))
+        return RouteDecision(decision.address, decision.cached_tokens, decision.cost_tokens, predicted, True)
+    decision, predicted = min(scored, key=lambda dp: dp[1])
+    return RouteDecision(decision.address, decision.cached_tokens, decision.cost_tokens, predicted, False)
 
 
 def _point(key: bytes) -> int:

@@ -49,6 +49,8 @@ async def poll_instance(
     inst.kv_layout = stats.kv_layout
     inst.kv_tier_medium = stats.kv_tier_medium
     inst.dtype = stats.dtype
+    inst.prefill_fit, inst.push_fit = tuple(stats.prefill_fit), tuple(stats.push_fit)
+    inst.decode_fit, inst.context_tokens = tuple(stats.decode_fit), stats.num_context_tokens
     why = mismatch(inst, stats)
     if why and why != inst.mismatch:
         logger.error("%s; not routing to it", why)

@@ -26,7 +26,9 @@ from kvmesh.gateway.attempt import Attempt, Hops
 from kvmesh.gateway.failure import RequestFailed
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.pool import InstancePool
+from kvmesh.gateway.router import RouteDecision
 from kvmesh.gateway.sessions import SessionTable
+from kvmesh.gateway.slo_watch import SloWatch
 from kvmesh.kvstore.block_hash import hash_blocks, tenant_root
 from kvmesh.protos.v1 import gateway_pb2
 from kvmesh.runtime import tracing
@@ -49,6 +51,8 @@ class GatewayParts:
     max_queue_time_s: float
     """How long the tries may keep waiting for room on a full decode (seconds; the admission
     queue's bound)."""
+    slo_shed: bool = False
+    """Refuse a request no instance is predicted to serve within its SLO (--slo-miss shed)."""
 
 
 class Tries:
@@ -79,6 +83,7 @@ class Tries:
         """The prompt's block hashes, once per request: the index lookup, routing and both
         legs' caches read them."""
         self.waited_for_room = False  # decode was full: Reserve goes first from then on (no Prefill wasted)
+        self.watch = SloWatch(self.pool, hops.slo, self.request_id, self.num_prompt_tokens, arrived)
         self._give_up_at = 0.0  # event-loop time the waits for room end; set by run()
 
     async def run(self) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
@@ -100,13 +105,18 @@ class Tries:
             try:
                 t0 = tracing.now_ns()
                 cached_blocks, tiered_blocks = await self._look_up()
+                if self.parts.slo_shed and self.hops.slo:
+                    self.watch.check(cached_blocks, self.excluded)  # before any page or slot is taken
                 attempt = self._pick_decode(cached_blocks)
                 decode_blocks = await self._open(attempt, cached_blocks)
-                prefill, cached_hint = self._pick_prefill(attempt, cached_blocks, tiered_blocks)
-                self._record_route(attempt, prefill, t0, cached_hint, decode_blocks)
+                prefill, decision = self._pick_prefill(attempt, cached_blocks, tiered_blocks, decode_blocks)
+                self._record_route(attempt, prefill, t0, decision, decode_blocks)
                 attempt.send()
                 async with contextlib.aclosing(attempt.stream(answer)) as messages:
                     async for msg in messages:
+                        self.watch.first_token()
+                        if msg.HasField("final"):
+                            self.watch.final(msg.final)
                         yield msg
                 return
             except RequestFailed as failure:
@@ -135,7 +145,7 @@ class Tries:
     def _pick_decode(self, cached_blocks: dict[str, int]) -> Attempt:
         """A new attempt on the decode instance picked for this try (counted on it at once)."""
         try:
-            decode = self.pool.pick_decode(self.excluded, cached_blocks)
+            decode = self.pool.pick_decode(self.excluded, cached_blocks, self.hops.slo.itl_s, self.num_prompt_tokens)
         except LookupError as exc:
             raise RequestFailed(FailureCause.NO_INSTANCE, f"[{self.request_id}] {exc}") from None
         return Attempt(self.pool, self.request_id, None, decode)
@@ -156,30 +166,38 @@ class Tries:
         return decode_blocks
 
     def _pick_prefill(
-        self, attempt: Attempt, cached_blocks: dict[str, int], tiered_blocks: dict[str, int]
-    ) -> tuple[InstanceLoad, int]:
-        """Route `attempt`'s prefill leg, and name a peer it may pull from; returns (the prefill
-        instance, prompt tokens the index says it holds)."""
+        self, attempt: Attempt, cached_blocks: dict[str, int], tiered_blocks: dict[str, int], decode_blocks: int
+    ) -> tuple[InstanceLoad, RouteDecision]:
+        """Route `attempt`'s prefill leg (within what is left of the TTFT SLO, when the request
+        has one), and name a peer it may pull from; returns (the prefill instance, the decision:
+        prompt tokens the index says it holds, the TTFT predicted there)."""
         try:
-            prefill, cached_hint = self.pool.pick_prefill(
-                self.num_prompt_tokens, cached_blocks, self.hashes, self.excluded, tiered_blocks
+            prefill, decision = self.pool.pick_prefill(
+                self.num_prompt_tokens,
+                cached_blocks,
+                self.hashes,
+                self.excluded,
+                tiered_blocks,
+                self.watch.ttft_budget_s,
+                decode_blocks,
             )
         except LookupError as exc:
             raise RequestFailed(FailureCause.NO_INSTANCE, f"[{self.request_id}] {exc}") from None
         # a peer holding more of the prompt: prefill may pull from it instead of computing
         attempt.pull = self.pool.pull_source(prefill, cached_blocks, self.excluded)
         # the prefill tokens this request adds to the instance's queue
-        attempt.route_prefill(prefill, self.num_prompt_tokens - cached_hint)
+        attempt.route_prefill(prefill, self.num_prompt_tokens - decision.cached_tokens)
         if self.session_key:
             assert self.hashes is not None, self.request_id
             self.parts.sessions.remember(self.session_key, prefill.instance_id, attempt.decode.instance_id, self.hashes)
-        return prefill, cached_hint
+        return prefill, decision
 
     def _record_route(
-        self, attempt: Attempt, prefill: InstanceLoad, t0: int, cached_hint: int, decode_blocks: int
+        self, attempt: Attempt, prefill: InstanceLoad, t0: int, decision: RouteDecision, decode_blocks: int
     ) -> None:
-        """The route's span (from t0, ns) and its log line."""
-        decode, page_size = attempt.decode, self.pool.page_size
+        """The route's span (from t0, ns), with what was predicted there, and its log line."""
+        decode, page_size, cached_hint = attempt.decode, self.pool.page_size, decision.cached_tokens
+        predicted = self.watch.routed(prefill, decision, decode, decode_blocks)
         tracing.record(
             self.hops.span,
             "gateway.route",
@@ -193,6 +211,7 @@ class Tries:
                 "kvmesh.pull.peer": attempt.pull[0],
                 "kvmesh.pull.index_tokens": attempt.pull[1] * page_size,
                 "kvmesh.routing_policy": self.pool.router.policy,
+                **predicted,
             },
         )
         logger.debug(

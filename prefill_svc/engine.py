@@ -36,6 +36,7 @@ from kvmesh.prefill_svc.forward_turns import ForwardTurns
 from kvmesh.prefill_svc.pending import PendingRequests
 from kvmesh.prefill_svc.result import Cancelled, resolve
 from kvmesh.runtime.cpu_share import CpuShare, NoCpuShare
+from kvmesh.runtime.latency_fit import LinearFit
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,11 @@ class PrefillEngine:
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
         self._tokens_per_s: float | None = None
+        self.compute_fit = LinearFit(3)
+        """A batch's compute seconds on [requests, tokens computed, sum of tokens x (cached +
+        tokens / 2)] (the attention's part grows with the context): the TTFT predictor's input."""
+        self.push_fit = LinearFit(2)
+        """A push's seconds after the compute (what TTFT pays) on [1, pages pushed]."""
 
     @property
     def pool(self):
@@ -246,6 +252,10 @@ class PrefillEngine:
         """Fold the batch's prompt tokens computed per second into tokens_per_s (an EWMA; batches
         of fewer than 16 computed tokens say too little)."""
         computed = sum(r.num_prompt_tokens - r.num_cached_tokens for r in ready)
+        attention = sum(
+            (r.num_prompt_tokens - r.num_cached_tokens) * (r.num_prompt_tokens + r.num_cached_tokens) / 2 for r in ready
+        )
+        self.compute_fit.add((len(ready), computed, attention), seconds)
         if computed >= 16 and seconds > 0:
             rate = computed / seconds
             self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate
@@ -267,7 +277,7 @@ class PrefillEngine:
                 len(ready),
             )
 
-    def stats(self, check: bool = True) -> dict[str, int | float | str | list[int]]:
+    def stats(self, check: bool = True) -> dict[str, int | float | str | list[int] | list[float]]:
         """Cache figures. Through call() (on the worker thread) they are exact and the cache's
         integrity is checked; with check=False, from another thread while the worker computes,
         they may be a step stale and integrity_error is '' unchecked."""
@@ -280,5 +290,7 @@ class PrefillEngine:
             "num_forwards": self.turns.num_forwards,
             "forward_seconds": self.turns.forward_seconds,
             "cpu_share_wait_seconds": self.turns.cpu_share_wait_seconds,
+            "prefill_fit": self.compute_fit.coefficients() or [],
+            "push_fit": self.push_fit.coefficients() or [],
             **expert_stats(self.runner.expert_token_counts()),
         }

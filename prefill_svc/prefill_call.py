@@ -260,6 +260,7 @@ class PrefillCall:
     def _record_push(self, result: PrefillResult, report: PushReport) -> None:
         """The push metrics and the request's log line."""
         metrics.observe_push(report.nbytes, report.seconds)
+        self.engine.push_fit.add((1, len(result.block_ids) - self.request.decode_cached_pages), report.exposed_s)
         logger.info(
             "[%s] prefilled %d tokens (%d cached), pushed %d bytes in %d parts, %.3f s (%.3f s after the compute)",
             self.rid,

@@ -152,6 +152,8 @@ def front(mesh, tmp_path_factory):
         key,
         "--drain-grace",
         "2",
+        "--slo-miss",
+        "shed",  # requests without an SLO are not affected; one with an SLO no instance can meet is refused
     ]
     env = {**os.environ, "KVMESH_API_KEYS": KEY_B, PARENT_PID_ENV: str(os.getpid())}
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -684,6 +686,37 @@ def test_a_session_header_is_taken_and_a_session_id_too_long_is_a_400(mesh, fron
         error = _error(c.post("/chat/completions", json=chat, headers={**a, "x-session-id": "s" * 300}), 400)
         assert "session id" in error["message"]
     assert "chat-42" not in front.log()  # a session id is user text: never logged
+    wait_idle(mesh)
+
+
+def test_instances_publish_latency_profiles_and_an_slo_none_can_meet_is_shed_with_a_predicted_retry_after(mesh, front):
+    # the instances measure themselves as they serve: a few requests, and both publish a profile
+    for i in range(6):
+        complete(mesh, f"{QUESTION} Answer number {i}, in a long sentence please.", max_tokens=4)
+    prefill = instance_stats(mesh.prefill_addresses[0], "prefill")
+    decode = instance_stats(mesh.decode_addresses[0], "decode")
+    assert len(prefill.prefill_fit) == 3 and len(prefill.push_fit) == 2 and len(decode.decode_fit) == 3
+    # the gateway routes with a prediction (once its stats poll brought the profiles) and says what
+    # it predicted (gRPC Final)
+    deadline = time.monotonic() + 60
+    while (done := complete(mesh, QUESTION, max_tokens=4)).final.predicted_itl_s == 0:
+        assert time.monotonic() < deadline, "the gateway never predicted"
+    assert done.final.predicted_ttft_s > 0
+    chat = {"model": _model(), "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2}
+    a = {"Authorization": f"Bearer {KEY_A}"}
+    with front.http() as c:
+        # 1 ms to the first token: no instance is predicted to make it; refused before any page is
+        # taken (served, as without an SLO, until this gateway's poll brings the profiles)
+        while (over := c.post("/chat/completions", json=chat, headers={**a, "x-slo-ttft-ms": "1"})).status_code == 200:
+            assert time.monotonic() < deadline, "the gateway never shed"
+        assert _error(over, 429)["code"] == "rate_limit_exceeded" and int(over.headers["retry-after"]) >= 1
+        assert "SLO" in over.json()["error"]["message"]
+        # a generous one is served, and a malformed one is the caller's to fix
+        assert c.post("/chat/completions", json=chat, headers={**a, "x-slo-ttft-ms": "60000"}).status_code == 200
+        assert (
+            "x-slo-tpot-ms"
+            in _error(c.post("/chat/completions", json=chat, headers={**a, "x-slo-tpot-ms": "soon"}), 400)["message"]
+        )
     wait_idle(mesh)
 
 

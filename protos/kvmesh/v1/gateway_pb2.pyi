@@ -16,7 +16,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "messages", "chat", "sampling", "prompt_token_ids", "tools")
+    __slots__ = ("request_id", "model", "prompt", "messages", "chat", "sampling", "prompt_token_ids", "tools", "slo_ttft_ms", "slo_itl_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_ITL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: bytes
@@ -33,7 +35,9 @@ class GenerateRequest(_message.Message):
     sampling: GenerateOptions
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tools: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[GenerateOptions, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ...) -> None: ...
+    slo_ttft_ms: float
+    slo_itl_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[GenerateOptions, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tools: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_itl_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateOptions(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "ignore_eos", "logprobs", "n", "grammar", "prompt_logprobs")
@@ -108,7 +112,7 @@ class KVTransfer(_message.Message):
     def __init__(self, num_pages: _Optional[int] = ..., page_nbytes: _Optional[int] = ..., nbytes: _Optional[int] = ..., seconds: _Optional[float] = ..., prefill_digest: _Optional[str] = ..., decode_digest: _Optional[str] = ..., exposed_seconds: _Optional[float] = ..., decode_cached_pages: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s", "drafted_tokens", "accepted_tokens", "pulled_tokens", "pull_s", "choice_finish", "choice_generated_tokens", "stop_sequence")
+    __slots__ = ("finish_reason", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s", "itl_s", "prefill_instance", "decode_instance", "request_id", "kv_transfer", "queue_s", "prefill_s", "finish", "retries", "admission_s", "drafted_tokens", "accepted_tokens", "pulled_tokens", "pull_s", "choice_finish", "choice_generated_tokens", "stop_sequence", "predicted_ttft_s", "predicted_itl_s")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,8 @@ class Final(_message.Message):
     CHOICE_FINISH_FIELD_NUMBER: _ClassVar[int]
     CHOICE_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ITL_S_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
@@ -155,7 +161,9 @@ class Final(_message.Message):
     choice_finish: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
     choice_generated_tokens: _containers.RepeatedScalarFieldContainer[int]
     stop_sequence: str
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., retries: _Optional[int] = ..., admission_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ..., choice_finish: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., choice_generated_tokens: _Optional[_Iterable[int]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
+    predicted_ttft_s: float
+    predicted_itl_s: float
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., itl_s: _Optional[float] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., finish: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., retries: _Optional[int] = ..., admission_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., pull_s: _Optional[float] = ..., choice_finish: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ..., choice_generated_tokens: _Optional[_Iterable[int]] = ..., stop_sequence: _Optional[str] = ..., predicted_ttft_s: _Optional[float] = ..., predicted_itl_s: _Optional[float] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

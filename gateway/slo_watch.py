@@ -1,0 +1,133 @@
+"""One request's latency predictions at the gateway and how they turn out (kvmesh.gateway.tries
+runs it): before routing, whether any instance is predicted to meet the request's SLO (with
+--slo-miss shed, a request none is gets RESOURCE_EXHAUSTED at once, never a page or a queue
+slot); at routing, the TTFT and ITL predicted where it goes (on the route's span and in Final);
+at its first token, the measured TTFT that calibrates the predictor; at its end, the prediction's
+error and whether the SLO was met (Prometheus)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+
+from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway import metrics
+from kvmesh.gateway.failure import RequestFailed
+from kvmesh.gateway.instance_load import InstanceLoad
+from kvmesh.gateway.pool import InstancePool
+from kvmesh.gateway.predictor import TtftPrediction
+from kvmesh.gateway.router import RouteDecision
+from kvmesh.gateway.slo import Slo
+from kvmesh.protos.v1 import gateway_pb2
+
+
+class SloWatch:
+    """The predictions of one request (arrived at `arrived`, time.perf_counter() seconds)."""
+
+    def __init__(self, pool: InstancePool, slo: Slo, request_id: str, num_prompt_tokens: int, arrived: float) -> None:
+        self.pool, self.slo, self.request_id = pool, slo, request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.arrived = arrived
+        self.prefill: InstanceLoad | None = None
+        self.ttft: TtftPrediction | None = None
+        self.itl_s: float | None = None
+        self.routed_at = 0.0
+        self.calibrated = False
+        self.committed = (0.0, 0.0)  # the predictor's record of this try's place in the queue
+
+    @property
+    def ttft_budget_s(self) -> float:
+        """What is left of the TTFT SLO now (seconds, at least 1 ms); 0 without a TTFT SLO."""
+        if not self.slo.ttft_s:
+            return 0.0
+        return max(self.slo.ttft_s - (time.perf_counter() - self.arrived), 1e-3)
+
+    def check(self, cached_blocks: Mapping[str, int], exclude: frozenset[str]) -> None:
+        """Shed: raise RequestFailed(OVERLOADED, retry_after_s from the prediction) when no
+        routable prefill is predicted to meet the TTFT SLO or no decode the ITL SLO. An
+        instance without a profile yet is taken to meet it (nothing says otherwise)."""
+        misses = []
+        retry_after = 1.0
+        if self.slo.ttft_s:
+            best = self._best_ttft(cached_blocks, exclude)
+            budget = self.ttft_budget_s
+            if best is not None and best > budget:
+                misses.append(f"TTFT {best * 1000:.0f} ms predicted, {budget * 1000:.0f} ms left of its SLO")
+                retry_after = max(retry_after, best - budget)
+        if self.slo.itl_s:
+            best_itl = self.pool.best_itl(self.num_prompt_tokens, exclude)
+            if best_itl is not None and best_itl > self.slo.itl_s:
+                misses.append(f"ITL {best_itl * 1000:.1f} ms predicted, SLO {self.slo.itl_s * 1000:.1f} ms")
+        if misses:
+            metrics.SLO_REQUESTS.labels("shed").inc()
+            raise RequestFailed(
+                FailureCause.OVERLOADED,
+                f"[{self.request_id}] no instance is predicted to meet this request's SLO ({'; '.join(misses)}); "
+                "retry later, or relax x-slo-ttft-ms / x-slo-tpot-ms",
+                retry_after_s=math.ceil(retry_after),
+            )
+
+    def _best_ttft(self, cached_blocks: Mapping[str, int], exclude: frozenset[str]) -> float | None:
+        """The least TTFT predicted over the routable prefill instances; None when one has no profile."""
+        page = self.pool.page_size
+        reusable = (self.num_prompt_tokens - 1) // page
+        best: float | None = None
+        for inst in self.pool.prefills:
+            if not inst.routable or inst.address in exclude:
+                continue
+            cached = min(cached_blocks.get(inst.instance_id, 0), reusable) * page
+            found = self.pool.predictor.ttft(inst, self.num_prompt_tokens, cached)
+            if found is None:
+                return None
+            best = found.seconds if best is None else min(best, found.seconds)
+        return best
+
+    def routed(self, prefill: InstanceLoad, decision: RouteDecision, decode: InstanceLoad, decode_pages: int) -> dict:
+        """The try went to `prefill` and `decode` (holding `decode_pages` of the prompt): its
+        predictions, and the route span's attributes that show them and their inputs."""
+        self.prefill, self.routed_at, self.calibrated = prefill, time.perf_counter(), False
+        predictor = self.pool.predictor
+        self.ttft = predictor.ttft(prefill, self.num_prompt_tokens, decision.cached_tokens, decode_pages)
+        self.itl_s = predictor.itl(decode, self.num_prompt_tokens)
+        if self.ttft is not None:
+            self.committed = predictor.commit(prefill, self.ttft)
+        attributes: dict = {"kvmesh.slo.ttft_s": self.slo.ttft_s, "kvmesh.slo.itl_s": self.slo.itl_s}
+        if self.ttft is not None:
+            attributes.update(
+                {
+                    "kvmesh.predicted.ttft_s": self.routed_at - self.arrived + self.ttft.seconds,
+                    "kvmesh.predicted.raw_s": self.ttft.raw_s,
+                    "kvmesh.predicted.queue_s": self.ttft.queue_s,
+                    "kvmesh.predicted.compute_s": self.ttft.compute_s,
+                    "kvmesh.predicted.push_s": self.ttft.push_s,
+                    "kvmesh.predicted.peers_s": self.ttft.peers_s,
+                    "kvmesh.predicted.decode_s": self.ttft.decode_s,
+                    "kvmesh.predicted.meets_slo": decision.meets_slo,
+                }
+            )
+        if self.itl_s is not None:
+            attributes["kvmesh.predicted.itl_s"] = self.itl_s
+        return attributes
+
+    def first_token(self) -> None:
+        """The first token is out: its TTFT since routing calibrates the predictor (once a try)."""
+        if self.calibrated or self.prefill is None or self.ttft is None:
+            return
+        self.calibrated = True
+        self.pool.predictor.observe(self.prefill, self.ttft, time.perf_counter() - self.routed_at, self.committed)
+
+    def final(self, final: gateway_pb2.Final) -> None:
+        """Put the predictions in `final` (TTFT from arrival), and count the error and the SLO's outcome."""
+        if self.ttft is not None:
+            final.predicted_ttft_s = self.routed_at - self.arrived + self.ttft.seconds
+            if final.ttft_s > 0:
+                metrics.TTFT_PREDICTION_ERROR.observe(final.predicted_ttft_s - final.ttft_s)
+                metrics.TTFT_PREDICTION_RATIO.observe(final.predicted_ttft_s / final.ttft_s)
+        if self.itl_s is not None:
+            final.predicted_itl_s = self.itl_s
+        if self.slo:
+            met = (not self.slo.ttft_s or final.ttft_s <= self.slo.ttft_s) and (
+                not self.slo.itl_s or final.itl_s <= self.slo.itl_s
+            )
+            metrics.SLO_REQUESTS.labels("met" if met else "missed").inc()
