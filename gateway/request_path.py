@@ -161,7 +161,7 @@ class RequestPath:
             key = self.authenticate(authorization)
             session = next((str(v) for k, v in metadata if k.lower() == SESSION_HEADER), "")
             try:
-                slo = slo_of((request.slo_ttft_ms, request.slo_itl_ms), metadata, self.slo)
+                slo = slo_of((request.slo_ttft_ms, request.slo_itl_ms), metadata, self._band_slo(key))
             except ValueError as exc:
                 raise RequestFailed(FailureCause.BAD_REQUEST, str(exc)) from None
             async with contextlib.aclosing(self._generate(request, key, span, arrived, session, slo)) as messages:
@@ -186,6 +186,12 @@ class RequestPath:
             raise
         finally:
             span.end()
+
+    def _band_slo(self, key: str) -> Slo:
+        """The SLO of a request of the key labelled `key` that sets none: its key's (the key file's
+        slo_ttft_ms / slo_itl_ms), field by field, else the gateway's."""
+        ttft_ms, itl_ms = self.keys.slo_ms_of(key)
+        return Slo(ttft_ms / 1000 if ttft_ms else self.slo.ttft_s, itl_ms / 1000 if itl_ms else self.slo.itl_s)
 
     async def _generate(
         self, request: gateway_pb2.GenerateRequest, key: str, span, arrived: float, session: str, slo: Slo

@@ -97,16 +97,26 @@ def test_a_tenant_s_block_hashes_chain_from_its_own_root():
     assert not {*a} & {*b} and not {*a} & {*plain}  # the first block's hash covers the tenant already
 
 
-def test_the_key_file_gives_each_key_a_priority_and_a_weight(tmp_path):
+def test_the_key_file_gives_each_key_a_priority_a_weight_and_an_slo(tmp_path):
     f = tmp_path / "keys"
-    f.write_text("sk-gold team priority=10 weight=3\nsk-bulk priority=-1\nsk-plain\n")
+    f.write_text("sk-gold team priority=10 weight=3 slo_ttft_ms=500\nsk-bulk priority=-1\nsk-plain\n")
     keys = ApiKeys.load(str(f), "sk-env")
+    assert keys.slo_ms_of(keys.identify("Bearer sk-gold")) == (500.0, 0.0)
+    assert keys.slo_ms_of(keys.identify("Bearer sk-bulk")) == keys.slo_ms_of("") == (0.0, 0.0)
     assert keys.class_of(keys.identify("Bearer sk-gold")) == (10, 3.0)
     assert keys.class_of(keys.identify("Bearer sk-bulk")) == (-1, 1.0)
     assert keys.class_of(keys.identify("Bearer sk-plain")) == keys.class_of(keys.identify("Bearer sk-env")) == (0, 1.0)
     assert keys.tenant_of(keys.identify("Bearer sk-gold")) == "ns:team"
     assert ApiKeys(()).class_of("") == (0, 1.0)
-    for line in ("sk-x priority=high", "sk-x weight=0", "sk-x a b", "sk-x colour=red", "sk-x priority=5000"):
+    for line in (
+        "sk-x priority=high",
+        "sk-x weight=0",
+        "sk-x a b",
+        "sk-x colour=red",
+        "sk-x priority=5000",
+        "sk-x slo_ttft_ms=soon",
+        "sk-x slo_itl_ms=-1",
+    ):
         f.write_text(line + "\n")
         with pytest.raises(ValueError, match="line 1"):
             ApiKeys.load(str(f))

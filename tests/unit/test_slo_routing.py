@@ -10,10 +10,12 @@ import time
 import pytest
 
 from kvmesh.engine.outcomes import FailureCause
+from kvmesh.gateway.auth import ApiKeys
 from kvmesh.gateway.failure import RequestFailed
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.pool import InstancePool
 from kvmesh.gateway.predictor import LatencyPredictor
+from kvmesh.gateway.request_path import RequestPath
 from kvmesh.gateway.router import PrefillRouter
 from kvmesh.gateway.slo import Slo, slo_of
 from kvmesh.gateway.slo_watch import SloWatch
@@ -138,3 +140,11 @@ def test_a_request_s_slo_comes_from_its_fields_then_its_headers_then_the_gateway
             slo_of((0, 0), [("x-slo-ttft-ms", bad)], default)
     with pytest.raises(ValueError, match="slo_itl_ms"):
         slo_of((0, -1), [], default)
+
+
+def test_a_key_s_band_slo_comes_before_the_gateway_s_field_by_field():
+    path = RequestPath.__new__(RequestPath)  # only its keys and its SLO are read
+    path.keys = ApiKeys(["sk-a", "sk-b"], slos={"sk-a": (500.0, 0.0)})
+    path.slo = Slo(2.0, 0.1)
+    assert path._band_slo("key-1") == Slo(0.5, 0.1)
+    assert path._band_slo("key-2") == path._band_slo("") == Slo(2.0, 0.1)
