@@ -4,16 +4,19 @@ load the gateway sees, calibrated online against what the gateway then measures.
 
 TTFT at a prefill instance, from the moment the request is routed (seconds):
 
-    queue    the prompts queued there before it: a . [requests, tokens, tokens^2 / (2 requests)]
-             with the instance's prefill_fit a (each queued prompt taken as the queue's mean length)
+    queue    the wait before it computes: the virtual finish time of the prompts this gateway
+             routed there (each one's compute added as it is routed, the whole moved by how much
+             later or sooner each first token came than expected: a FIFO queue's), or the queue
+             the instance reports, by its profile (prefill_fit a . [requests, tokens,
+             tokens^2 / (2 requests)]: other gateways' work too); the longer of the two
     compute  this prompt's uncached tokens T after its C cached ones: a . [1, T, T (C + T / 2)]
     push     the pages decode does not hold: push_fit . [1, pages]
 
 and their sum is `raw`. The prediction is the gateway's own fit of measured TTFT on
 [1, queue, compute, push, the other prefill instances' queues, a step of each busy decode] for
-that instance (its last 64 requests, once it has 8): how much each
-part really costs there (a queue that batches, cores shared with decode), the hops and the first
-token's trip, learned as they happen (llm-d predicts from a model it trains online; this is the
+that instance (its last 64 requests, once it has 8): how much each part really costs there (a
+queue that batches, cores shared with decode), the hops and the first token's trip, learned as
+they happen (llm-d predicts from a model it trains online; this is the
 smallest such model, and its error is published: kvmesh_gateway_ttft_prediction_error_seconds).
 
 ITL at a decode instance: decode_fit . [1, rows + 1, context + prompt], its step time once this
