@@ -5,6 +5,7 @@ parser) a 400."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -28,8 +29,30 @@ async def read_json(request: Request, max_bytes: int) -> Any:
                 )
             )
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise Refused(error_response(400, "the body is not valid JSON", FailureCause.BAD_REQUEST)) from None
     except RecursionError:
         raise Refused(error_response(400, "the body nests too deeply", FailureCause.BAD_REQUEST)) from None
+    if _has_lone_surrogate(raw, body):
+        raise Refused(
+            error_response(
+                400,
+                "the body holds a lone surrogate escape (\\uD800-\\uDFFF): text must be valid Unicode",
+                FailureCause.BAD_REQUEST,
+            )
+        )
+    return body
+
+
+def _has_lone_surrogate(raw: bytes | bytearray, body: Any) -> bool:
+    """Whether a string of `body` holds half of a UTF-16 surrogate pair, which no UTF-8 text (a
+    prompt, a protobuf string, an answer) can carry. Only a \\uD8xx-\\uDFxx escape in the raw
+    JSON makes one, so bodies without such an escape are not walked."""
+    if not re.search(rb"\\u[dD][89a-fA-F]", raw):
+        return False
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

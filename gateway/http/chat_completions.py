@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from kvmesh.engine.sampling_params import MAX_LOGPROBS
-from kvmesh.gateway.http.fields import BadField, get_field
+from kvmesh.gateway.http.fields import BadField, get_field, refuses_out_of_range
 from kvmesh.gateway.http.grammar import read_grammar
 from kvmesh.gateway.http.openai_request import OpenAIRequest, generate_options, new_request, read_shared
 from kvmesh.gateway.tools import ToolError, ToolRequest, call_schema, parse_tools, tool_schemas
@@ -23,6 +23,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 """OpenAI's message roles -> the chat template's ("developer" is OpenAI's newer name for system)."""
 
 
+@refuses_out_of_range
 def parse_chat(body: Any, request_id: str = "", tool_parser: str = "json") -> OpenAIRequest:
     """Translate the JSON body of /v1/chat/completions: messages through the chat template.
 
@@ -117,7 +118,7 @@ def _shown_calls(calls: Any, where: str) -> list[dict]:
         fn = c["function"]
         try:
             arguments = json.loads(fn.get("arguments") or "{}")
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             raise BadField(f"{where}.tool_calls: arguments must be JSON text", f"{where}.tool_calls") from None
         shown.append({"name": fn.get("name"), "arguments": arguments})
     return shown

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.engine.sampling_params import MAX_CHOICES
-from kvmesh.gateway.http.fields import BadField, get_field
+from kvmesh.gateway.http.fields import BadField, get_field, refuses_out_of_range
 from kvmesh.gateway.http.grammar import read_grammar
 from kvmesh.gateway.http.openai_request import OpenAIRequest, generate_options, new_request, read_shared
 
@@ -15,6 +15,7 @@ MAX_COMPLETION_LOGPROBS = 5
 """Most top alternatives /v1/completions' `logprobs` may ask for (OpenAI's bound)."""
 
 
+@refuses_out_of_range
 def parse_completion(body: Any, request_id: str = "") -> OpenAIRequest:
     """Translate the JSON body of /v1/completions: the prompt as it is, text or token ids.
 

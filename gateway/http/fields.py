@@ -4,10 +4,13 @@ yet is refused unless it holds the value that turns it off."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class BadField(ValueError):
@@ -45,3 +48,20 @@ def refuse_unsupported(body: dict, unsupported: dict[str, Callable[[Any], bool]]
                 f"{name} is not supported by this server yet; leave it out (or send the value that turns it off)",
                 name,
             )
+
+
+def refuses_out_of_range(translate: F) -> F:
+    """`translate` (a body -> request translation) with the values protobuf cannot hold (an
+    integer past its field's 32- or 64-bit range, where no shape check caught it first) refused
+    as a BadField (HTTP 400), not a server error."""
+
+    @functools.wraps(translate)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return translate(*args, **kwargs)
+        except BadField:
+            raise
+        except ValueError as exc:  # protobuf's "Value out of range: ..."
+            raise BadField(f"a field holds a value out of its range ({str(exc)[:80]})", None) from None
+
+    return checked  # type: ignore[return-value]

@@ -38,6 +38,7 @@ from kvmesh.gateway.http.messages_request import MessagesRequest, param_of_chat,
 from kvmesh.gateway.http.openai_call import OpenAIFront
 from kvmesh.gateway.http.openai_request import OpenAIRequest
 from kvmesh.gateway.http.streaming import ClientGone, EventStream, cancel_on_disconnect
+from kvmesh.gateway.requests import UnknownModelError
 from kvmesh.protos.v1 import gateway_pb2
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class MessagesCall:
             return _anthropic(refused.response)
         builder = self.front.path.builder
         conversation = [(m.role, m.content) for m in ask.request.messages]
+        try:
+            builder.check_model(ask.request.model)
+        except UnknownModelError as exc:
+            return error_response(404, str(exc))
         try:
             ids = await asyncio.to_thread(builder.tokenize, b"", conversation, True, (), ask.tools)
         except ValueError as exc:

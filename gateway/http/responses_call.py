@@ -274,19 +274,33 @@ def _page(items: list[dict], query) -> tuple[list[dict], bool]:
 
 
 def truncate_to_context(front: OpenAIFront, ask: OpenAIRequest) -> None:
-    """Truncation "auto": drop the conversation's oldest turns (after its system messages)
-    until its prompt and max_tokens fit the context, keeping at least the last message; the
-    turn left first is a user's. Tokenizes the prompt once per cut (seconds on huge prompts)."""
+    """Truncation "auto": drop the conversation's oldest turns (after its leading system
+    messages) until its prompt and max_tokens fit the context, keeping at least the last
+    message; the turn left first is a user's where one can be. The cut is found by bisection
+    over the places a kept conversation may start: at most ~log2(messages) tokenizations, and a
+    conversation over the builder's byte bound is refused before it is tokenized."""
     builder = front.path.builder
     messages = ask.request.messages
     budget = builder.max_context - (ask.request.sampling.max_tokens or builder.default_max_tokens)
-    system = sum(1 for m in messages if m.role == "system")  # instructions come first
+    lead = next((k for k, m in enumerate(messages) if m.role != "system"), len(messages))
+    rest = list(messages[lead:])
+    if len(rest) < 2:
+        return
+    # where the kept conversation may start: the first message, each later user turn, the last message
+    cuts = sorted({0, len(rest) - 1, *(k for k, m in enumerate(rest) if m.role == "user")})
 
-    def fits() -> bool:
-        ids = builder.tokenize(b"", [(m.role, m.content) for m in messages], True, tools=ask.tools)
-        return len(ids) <= budget
+    def fits(cut: int) -> bool:
+        conversation = [(m.role, m.content) for m in (*messages[:lead], *rest[cut:])]
+        try:
+            return len(builder.tokenize(b"", conversation, True, tools=ask.tools)) <= budget
+        except ValueError:  # too many bytes to tokenize at all: does not fit
+            return False
 
-    while len(messages) - system > 1 and not fits():
-        del messages[system]
-        while len(messages) - system > 1 and messages[system].role != "user":
-            del messages[system]
+    lo, hi = 0, len(cuts) - 1  # the first cut that fits is in cuts[lo:hi + 1] (the last one if none does)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(cuts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    del messages[lead : lead + cuts[lo]]

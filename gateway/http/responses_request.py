@@ -294,7 +294,7 @@ def _message_item(item: dict, where: str) -> dict:
     _text_of(parts, where)
     return {
         "type": "message",
-        "id": item.get("id") or new_id("msg"),
+        "id": _item_id(item, "msg", where),
         "role": item["role"],
         "content": parts,
         "status": "completed",
@@ -307,11 +307,11 @@ def _call_item(item: dict, where: str) -> dict:
             raise BadField(f"{where}.{name} must be a string", where)
     try:
         json.loads(item["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):
         raise BadField(f"{where}.arguments must be JSON text", where) from None
     return {
         "type": "function_call",
-        "id": item.get("id") or new_id("fc"),
+        "id": _item_id(item, "fc", where),
         "call_id": item["call_id"],
         "name": item["name"],
         "arguments": item["arguments"],
@@ -325,7 +325,7 @@ def _output_item(item: dict, where: str) -> dict:
     _text_of(item.get("output"), where)
     return {
         "type": "function_call_output",
-        "id": item.get("id") or new_id("fco"),
+        "id": _item_id(item, "fco", where),
         "call_id": item["call_id"],
         "output": item["output"],
         "status": "completed",
@@ -359,3 +359,13 @@ def check_tool_outputs(messages: list[dict]) -> None:
             raise BadField(
                 f"No tool call found for function call output with call_id {m.get('tool_call_id')}.", "input"
             )
+
+
+def _item_id(item: dict, prefix: str, where: str) -> str:
+    """An input item's id: the client's (a string of at most 128 characters) or a new one."""
+    given = item.get("id")
+    if given is None:
+        return new_id(prefix)
+    if not isinstance(given, str) or not 0 < len(given) <= 128:
+        raise BadField(f"{where}.id must be a string of at most 128 characters", where)
+    return given

@@ -279,3 +279,45 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits_and_starts
     roles = [m.role for m in ask.request.messages]
     assert roles == ["system", "user", "assistant", "user"], roles  # 3 + 10 + 10 + 4 = 27 <= 30
     assert ask.request.messages[-1].content == "last question"
+
+
+def test_values_protobuf_cannot_hold_and_bad_text_are_400s_not_server_errors():
+    from kvmesh.gateway.http.body import _has_lone_surrogate
+
+    with pytest.raises(BadField, match="out of its range"):
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "top_k": 2**31})
+    nested = "[" * 100_000 + "]" * 100_000
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": nested}
+    with pytest.raises(BadField, match="JSON text"):
+        read_responses({"input": [call]})
+    lone = b'{"input": "a\\ud800b"}'
+    assert _has_lone_surrogate(lone, json.loads(lone))
+    pair = b'{"input": "\\ud83d\\ude00"}'
+    assert not _has_lone_surrogate(pair, json.loads(pair))
+    assert not _has_lone_surrogate(b'{"input": "plain"}', {"input": "plain"})
+
+
+class _CountingBuilder(_Builder):
+    """_Builder that counts its tokenizations and refuses, as the real one does by bytes, a
+    conversation of more than 40 messages before tokenizing it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def tokenize(self, prompt, messages, chat, token_ids=(), tools=None):
+        if len(messages) > 40:
+            raise ValueError("prompt is too many bytes")
+        self.calls += 1
+        return super().tokenize(prompt, messages, chat, token_ids, tools)
+
+
+def test_truncation_auto_bisects_takes_too_many_bytes_as_too_long_and_keeps_a_system_turn_in_the_middle():
+    builder = _CountingBuilder()
+    turns = [{"role": role, "content": "w"} for _ in range(500) for role in ("user", "assistant")]
+    turns[600] = {"role": "developer", "content": "mid"}  # a system turn inside the conversation
+    ask = parse_chat({"messages": [{"role": "system", "content": "rules"}, *turns[:-1]], "max_tokens": 10})
+    truncate_to_context(SimpleNamespace(path=SimpleNamespace(builder=builder)), ask)
+    kept = [(m.role, m.content) for m in ask.request.messages]
+    assert kept[0] == ("system", "rules") and kept[1][0] == "user" and kept[-1] == ("user", "w")
+    assert sum(3 if c == "rules" else len(c.split()) + 2 for _, c in kept) <= 30  # the budget: 40 - 10
+    assert builder.calls <= 12  # ~log2(500 cut points) tokenizations, not one per dropped turn
