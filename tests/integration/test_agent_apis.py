@@ -74,11 +74,14 @@ class Gateways:
         proc, address = spawn_service("gateway", args, self.log_path)
         return Gateway(proc, address, port)
 
-    def restart(self, i: int) -> None:
+    def stop_one(self, i: int) -> None:
+        """Stop gateway i (SIGTERM) and start it again on the same HTTP port; `serving_again` waits for it."""
         old = self.all[i]
         terminate([old.proc])
         reap([old.proc])
         self.all[i] = self._start(old.http_port)
+
+    def serving_again(self, i: int) -> None:
         serving([(self.all[i].proc, self.all[i].grpc_address)])
         _wait_http(self.all[i])
 
@@ -219,8 +222,10 @@ def test_a_five_turn_chain_alternates_gateways_through_a_restart_and_hits_the_ca
     previous = None
     turns = []
     for turn in range(5):
+        if turn == 1:
+            gateways.stop_one(0)  # restarted while turn 1 goes through the other gateway
         if turn == 2:
-            gateways.restart(0)  # stored responses live in Redis: the restarted gateway continues the chain
+            gateways.serving_again(0)  # stored responses live in Redis: the new process continues the chain
         g = gateways.all[turn % 2]
         r = g.openai().responses.create(
             model="",

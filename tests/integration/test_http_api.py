@@ -690,15 +690,18 @@ def test_a_session_header_is_taken_and_a_session_id_too_long_is_a_400(mesh, fron
 
 
 def test_instances_publish_latency_profiles_and_an_slo_none_can_meet_is_shed_with_a_predicted_retry_after(mesh, front):
-    # the instances measure themselves as they serve: a few requests, and both publish a profile
-    for i in range(6):
+    # the instances measure themselves as they serve: after a few requests (the earlier tests' on
+    # this shared mesh, or these) both publish a profile
+    deadline = time.monotonic() + 60
+    for i in range(20):
+        prefill = instance_stats(mesh.prefill_addresses[0], "prefill")
+        decode = instance_stats(mesh.decode_addresses[0], "decode")
+        if prefill.prefill_fit and prefill.push_fit and decode.decode_fit:
+            break
         complete(mesh, f"{QUESTION} Answer number {i}, in a long sentence please.", max_tokens=4)
-    prefill = instance_stats(mesh.prefill_addresses[0], "prefill")
-    decode = instance_stats(mesh.decode_addresses[0], "decode")
     assert len(prefill.prefill_fit) == 3 and len(prefill.push_fit) == 2 and len(decode.decode_fit) == 3
     # the gateway routes with a prediction (once its stats poll brought the profiles) and says what
     # it predicted (gRPC Final)
-    deadline = time.monotonic() + 60
     while (done := complete(mesh, QUESTION, max_tokens=4)).final.predicted_itl_s == 0:
         assert time.monotonic() < deadline, "the gateway never predicted"
     assert done.final.predicted_ttft_s > 0
