@@ -33,6 +33,8 @@ import argparse
 import asyncio
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -166,9 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-itl-ms", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-
-    import subprocess
-    import sys
 
     from kvmesh.launcher import start_mesh
     from kvmesh.redis_server import free_port

@@ -17,7 +17,7 @@ from kvmesh.gateway.failure import RequestFailed
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.pool import InstancePool
 from kvmesh.gateway.predictor import TtftPrediction
-from kvmesh.gateway.router import RouteDecision
+from kvmesh.gateway.router import RouteAsk, RouteDecision
 from kvmesh.gateway.slo import Slo
 from kvmesh.protos.v1 import gateway_pb2
 
@@ -70,14 +70,12 @@ class SloWatch:
 
     def _best_ttft(self, cached_blocks: Mapping[str, int], exclude: frozenset[str]) -> float | None:
         """The least TTFT predicted over the routable prefill instances; None when one has no profile."""
-        page = self.pool.page_size
-        reusable = (self.num_prompt_tokens - 1) // page
+        ask = RouteAsk(self.num_prompt_tokens, cached_blocks, self.pool.page_size, ())
         best: float | None = None
         for inst in self.pool.prefills:
             if not inst.routable or inst.address in exclude:
                 continue
-            cached = min(cached_blocks.get(inst.instance_id, 0), reusable) * page
-            found = self.pool.predictor.ttft(inst, self.num_prompt_tokens, cached)
+            found = self.pool.predictor.ttft(inst, self.num_prompt_tokens, ask.cached_tokens(inst))
             if found is None:
                 return None
             best = found.seconds if best is None else min(best, found.seconds)

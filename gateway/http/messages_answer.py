@@ -12,6 +12,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from kvmesh.gateway.http.openai_request import OpenAIRequest
+from kvmesh.gateway.http.sse import sse
 from kvmesh.gateway.tools import tool_calls
 from kvmesh.protos.v1 import gateway_pb2
 
@@ -102,8 +103,7 @@ class MessageEvents:
 
     @staticmethod
     def event(kind: str, **fields: Any) -> bytes:
-        data = json.dumps({"type": kind, **fields}, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return sse({"type": kind, **fields}, kind)
 
     def block_start(self, index: int, block: dict) -> bytes:
         opened = {**block, "input": {}} if block["type"] == "tool_use" else {**block, "text": ""}

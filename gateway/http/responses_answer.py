@@ -5,12 +5,12 @@ and the typed events of a streamed one, each with its sequence number. Pure tran
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.gateway.http.openai_request import OpenAIRequest
 from kvmesh.gateway.http.responses_request import ResponsesRequest, new_id
+from kvmesh.gateway.http.sse import sse
 from kvmesh.gateway.tools import tool_calls
 from kvmesh.protos.v1 import gateway_pb2
 
@@ -132,7 +132,7 @@ class ResponseEvents:
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+        return sse(data, kind)
 
     def text_start(self, index: int, item_id: str) -> list[bytes]:
         """A message item opened, and its output_text part."""
