@@ -13,14 +13,13 @@ Trace format: ../shared/traces/README.md (one block = 512 tokens, `hash_ids` per
 from __future__ import annotations
 
 import heapq
-import json
-import math
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvmesh.gateway.router import InstanceLoad, PrefillRouter
+from kvmesh.planner import workload
 
 BLOCK_TOKENS = 512
 
@@ -35,25 +34,9 @@ class TraceRequest:
 
 
 def load_trace(path: str) -> list[TraceRequest]:
-    """Read a Mooncake-format JSONL trace; ValueError names the first bad line."""
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                arrival, tokens, ids = float(row["timestamp"]) / 1000.0, row["input_length"], row["hash_ids"]
-                if not (math.isfinite(arrival) and arrival >= 0):
-                    raise ValueError(f"timestamp must be a finite number of ms >= 0, got {row['timestamp']}")
-                if not isinstance(tokens, int) or tokens < 1:
-                    raise ValueError(f"input_length must be an integer >= 1, got {tokens!r}")
-                if not isinstance(ids, list) or not all(isinstance(h, int) and 0 <= h < 2**63 for h in ids):
-                    raise ValueError("hash_ids must be a list of integers in [0, 2**63)")
-                out.append(TraceRequest(arrival, tokens, tuple(ids)))
-            except (ValueError, KeyError, TypeError, OverflowError) as exc:
-                raise ValueError(f"{path}:{n}: not a Mooncake trace row ({exc})") from exc
-    return out
+    """Read a Mooncake-format JSONL trace (kvmesh.planner.workload.load_trace); ValueError names
+    the first bad line."""
+    return [TraceRequest(r.arrival_s, r.input_tokens, r.hash_ids) for r in workload.load_trace(path)]
 
 
 class LRUBlocks:

@@ -48,6 +48,7 @@ def build_parser(with_plugins: bool = True) -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_warm(sub)
     _add_eplb(sub)
+    _add_plan(sub)
     # the lab's commands (`kvmesh bench`, `routesim`, `fuzz`, ...), which live in bench/ and
     # register themselves as entry points: the product never imports them
     if with_plugins:
@@ -101,6 +102,15 @@ def _add_up(sub: Subparsers) -> None:
         help="what every prefill and decode computes in: auto (bfloat16 where the hardware has it natively, "
         "else float32), float32 or bfloat16 (env KVMESH_DTYPE; default auto; docs/precision.md)",
     )
+    up.add_argument("--slo-ttft-ms", type=float, default=0.0, help="the gateway's TTFT target (ms; default 0: none)")
+    up.add_argument("--slo-itl-ms", type=float, default=0.0, help="the gateway's ITL target (ms; default 0: none)")
+    up.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="add and drain instances as the gateway advises against the SLO (needs --slo-ttft-ms or --slo-itl-ms)",
+    )
+    up.add_argument("--max-prefill", type=int, default=4, help="with --autoscale: most prefill instances (default 4)")
+    up.add_argument("--max-decode", type=int, default=4, help="with --autoscale: most decode instances (default 4)")
     up.set_defaults(func=_cmd_up)
 
 
@@ -182,7 +192,15 @@ def _add_eplb(sub: Subparsers) -> None:
     eplb_stats.set_defaults(func=_cmd_eplb_stats)
 
 
-OWN_COMMANDS = ("up", "generate", "serve", "warm", "eplb")
+def _add_plan(sub: Subparsers) -> None:
+    from kvmesh.planner import command
+
+    plan = sub.add_parser("plan", help="size a mesh to a workload and an SLO (prefill, decode, chunk, batch cap)")
+    command.add_arguments(plan)
+    plan.set_defaults(func=command.run)
+
+
+OWN_COMMANDS = ("up", "generate", "serve", "warm", "eplb", "plan")
 """The commands build_parser adds itself (a test keeps this list equal to them)."""
 
 

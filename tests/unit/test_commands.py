@@ -112,7 +112,7 @@ def test_a_broken_command_is_logged_and_skipped(monkeypatch, caplog):
 def test_no_entry_points_leaves_the_product_commands(monkeypatch):
     monkeypatch.setattr(kvmesh.commands, "entry_points", lambda group: [])
     names = set(_subcommands(build_parser()))
-    assert names == {"up", "generate", "serve", "warm", "eplb"}
+    assert names == {"up", "generate", "serve", "warm", "eplb", "plan"}
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench"])
 

@@ -1,0 +1,109 @@
+"""`kvmesh plan`'s parts: the workload, the simulated mesh (each case worked out by hand from the
+profile's formulas), the search, and the gateway's scale advice that `kvmesh up --autoscale` acts on."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.planner.profile import Profile, load_profile
+from kvmesh.planner.search import Slo, plan
+from kvmesh.planner.simulate import MeshShape, simulate
+from kvmesh.planner.workload import Workload, WorkloadRequest, load_trace, parse_lengths, synthetic
+
+# forward: 10 ms + 1 ms a token; first token 50 ms after the last forward; decode step 20 ms + 5 ms a row
+PROFILE = Profile(0.01, 0.001, 0.0, 0.05, 0.02, 0.005, 0.0, chunk_tokens=256, max_context_tokens=8192)
+
+
+def workload(*requests: tuple[float, int, int], block_tokens: int = 16, ids=None) -> Workload:
+    """Requests of (arrival s, prompt tokens, answer tokens), each with blocks of its own unless `ids` says."""
+    rows = []
+    for i, (t, prompt, answer) in enumerate(requests):
+        own = tuple(range(1000 * i, 1000 * i + -(-prompt // block_tokens)))
+        rows.append(WorkloadRequest(t, prompt, answer, ids[i] if ids else own))
+    return Workload(tuple(rows), block_tokens)
+
+
+def test_one_request_is_its_chunked_forwards_then_its_steps():
+    # 600 tokens in chunks of 256: forwards of 256, 256 and 88 tokens = 0.266 + 0.266 + 0.098 s,
+    # then the first token 0.05 s later; three decode steps of one row, 0.025 s each
+    result = simulate(workload((0.0, 600, 4)), MeshShape(1, 1, 256, 8), PROFILE)
+    assert result.ttft_s == [pytest.approx(0.68)]
+    assert result.itl_s == [pytest.approx(0.025)]
+    assert result.end_s == pytest.approx(0.755)
+
+
+def test_on_shared_cores_a_decode_step_waits_for_the_forward_beside_it():
+    # A streams 20 tokens while B's 2048-token prompt prefills in 8 forwards of 0.266 s: on devices
+    # of their own A's steps stay 0.025 s; on one host's cores each step waits for a forward
+    w = workload((0.0, 64, 20), (0.2, 2048, 1))
+    dedicated = simulate(w, MeshShape(1, 1, 256, 8), PROFILE, shared_cores=False)
+    shared = simulate(w, MeshShape(1, 1, 256, 8), PROFILE, shared_cores=True)
+    assert dedicated.itl_s[0] == pytest.approx(0.025)
+    assert shared.itl_s[0] > 0.1
+    # B's prompt takes the same forwards either way, but waits for A's steps on shared cores
+    assert dedicated.ttft_s[1] == pytest.approx(8 * 0.266 + 0.05)
+    assert shared.ttft_s[1] > dedicated.ttft_s[1]
+
+
+def test_a_full_decode_holds_the_next_request_before_its_prefill():
+    # batch cap 1: B waits for A's place: A's forward 0.11 s, first token at 0.16, two steps to
+    # 0.21; then B's forward 0.11 s and its first token 0.05 s later
+    result = simulate(workload((0.0, 100, 3), (0.0, 100, 3)), MeshShape(1, 1, 256, 1), PROFILE, shared_cores=False)
+    assert result.ttft_s == [pytest.approx(0.16), pytest.approx(0.37)]
+
+
+def test_a_cached_prefix_is_not_computed_again():
+    # B shares A's first two blocks (32 tokens) and arrives after A is done: it computes 16 tokens
+    w = workload((0.0, 48, 1), (1.0, 48, 1), ids=[(1, 2, 3), (1, 2, 4)])
+    result = simulate(w, MeshShape(1, 1, 256, 8), PROFILE)
+    assert result.ttft_s == [pytest.approx(0.01 + 0.048 + 0.05), pytest.approx(0.01 + 0.016 + 0.05)]
+
+
+def test_the_plan_is_the_cheapest_mesh_that_meets_the_slo():
+    # 1,000-token prompts (about 1.05 s of forwards) at 1.5/s: one prefill falls behind for good,
+    # two keep up; one decode serves the short answers
+    w = synthetic(1.5, 40, ((1000, 1.0),), ((4, 1.0),), seed=3)
+    best, tried = plan(w, PROFILE, Slo(ttft_s=5.0, itl_s=1.0), max_prefill=3, max_decode=2, shared_cores=False)
+    assert best is not None
+    assert (best.shape.num_prefill, best.shape.num_decode) == (2, 1)
+    assert not any(c.meets for c in tried if c.shape.num_prefill == 1)
+    assert best.result.percentile("ttft", 90) <= 5.0
+    # a target no mesh up to the caps meets: no plan
+    none, _ = plan(w, PROFILE, Slo(ttft_s=0.01, itl_s=1.0), max_prefill=2, max_decode=1, shared_cores=False)
+    assert none is None
+
+
+def test_plan_refuses_a_workload_past_the_models_context():
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        plan(workload((0.0, 8000, 500)), PROFILE, Slo(1.0, 1.0))
+
+
+def test_synthetic_prompts_share_their_system_prefix_blocks():
+    w = synthetic(1.0, 50, ((256, 1.0),), ((8, 1.0),), shared_prefix_tokens=64, shared_share=1.0, seed=1)
+    heads = {r.hash_ids[:4] for r in w.requests}
+    assert len(heads) <= 4  # four shared system prompts of 4 blocks
+    assert all(len(r.hash_ids) == 16 for r in w.requests)
+    tails = [r.hash_ids[4:] for r in w.requests]
+    assert len({h for t in tails for h in t}) == 50 * 12  # every prompt's own blocks are new
+
+
+def test_lengths_and_traces_are_checked(tmp_path):
+    assert parse_lengths("64:0.5,256") == ((64, 0.5), (256, 1.0))
+    for bad in ("0:1", "64:-1", "x"):
+        with pytest.raises(ValueError, match="bad length choice"):
+            parse_lengths(bad)
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 7, "hash_ids": [1, 2]}\n')
+    assert load_trace(str(path)) == [WorkloadRequest(0.0, 600, 7, (1, 2))]
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": -1, "hash_ids": [1]}\n')
+    with pytest.raises(ValueError, match="output_length"):
+        load_trace(str(path))
+
+
+def test_a_profile_round_trips_through_its_file(tmp_path):
+    path = str(tmp_path / "p.json")
+    PROFILE.save(path)
+    assert load_profile(path) == PROFILE
+    (tmp_path / "bad.json").write_text('{"per_token_s": 1}')
+    with pytest.raises(ValueError, match="not a kvmesh plan profile"):
+        load_profile(str(tmp_path / "bad.json"))
