@@ -19,6 +19,7 @@ from kvmesh.gateway.discovery import Discovery
 from kvmesh.gateway.pool import InstancePool
 from kvmesh.gateway.request_path import RequestPath
 from kvmesh.gateway.requests import PromptBuilder
+from kvmesh.gateway.scale_advice import ScaleAdvisor
 from kvmesh.gateway.servicer import GatewayServicer
 from kvmesh.gateway.sessions import SessionTable
 from kvmesh.kvstore.redis_index import AsyncRedisKVIndexReader
@@ -47,6 +48,9 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
     )
     pool = _instance_pool(config, files)
     path = _request_path(config, builder, pool, frozenset(model_config.eos_token_ids))
+    pool.on_capacity.append(
+        ScaleAdvisor(config.slo, pool.prefills, pool.decodes, lambda: path.admission.num_queued).update
+    )
     svc = service.Service(["kvmesh.v1.Gateway"], config.host, config.port, tls=_read_tls(config))
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(path), svc.server)
     http = _http_front(config, path)

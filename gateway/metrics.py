@@ -28,6 +28,17 @@ INDEX_CACHED_TOKENS = Counter(
     registry=REGISTRY,
 )
 
+DESIRED_INSTANCES = Gauge(
+    "kvmesh_gateway_desired_instances",
+    "Instances of each role the load needs against the SLO (kvmesh.gateway.scale_advice): what "
+    "`kvmesh up --autoscale` and a Kubernetes autoscaler scale to",
+    ["role"],
+    registry=REGISTRY,
+)
+INSTANCES = Gauge(
+    "kvmesh_gateway_instances", "Routable instances of each role, as the gateway sees them", ["role"], registry=REGISTRY
+)
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TTFT = Histogram(
     "kvmesh_request_ttft_seconds",

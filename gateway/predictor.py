@@ -89,7 +89,7 @@ class LatencyPredictor:
         peers_s = sum(
             self._queue_s(p) for p in self.prefills if p is not prefill and p.routable and len(p.prefill_fit) == 3
         )
-        decode_s = sum(_step_s(d) for d in self.decodes if d.routable and len(d.decode_fit) == 3)
+        decode_s = sum(step_s(d) for d in self.decodes if d.routable and len(d.decode_fit) == 3)
         per_request, per_token, per_attention = prefill.prefill_fit
         computed = max(num_prompt_tokens - cached_tokens, 1)
         compute_s = per_request + per_token * computed + per_attention * computed * (cached_tokens + computed / 2)
@@ -107,16 +107,16 @@ class LatencyPredictor:
         published no profile."""
         if len(decode.decode_fit) != 3:
             return None
-        return _step_s(decode, 1, num_prompt_tokens)
+        return step_s(decode, 1, num_prompt_tokens)
 
     def _queue_s(self, prefill: InstanceLoad) -> float:
         """The wait before a prompt routed to `prefill` now starts computing (seconds): what this
         gateway routed there is done at its virtual finish time, and what the instance reports
         queued (other gateways' work too) by its profile; the longer of the two."""
-        reported = _queued_s(prefill, prefill.reported_queued_tokens, prefill.reported_active_requests)
+        reported = queued_s(prefill, prefill.reported_queued_tokens, prefill.reported_active_requests)
         busy = self._busy_until.get(prefill.address)
         if busy is None:  # nothing routed there yet: the gateway's own count, by the profile
-            return max(reported, _queued_s(prefill, queued_tokens(prefill), prefill.in_flight_requests))
+            return max(reported, queued_s(prefill, queued_tokens(prefill), prefill.in_flight_requests))
         return max(reported, busy - time.monotonic())
 
     def commit(self, prefill: InstanceLoad, predicted: TtftPrediction) -> tuple[float, float]:
@@ -143,7 +143,7 @@ class LatencyPredictor:
         fit.add(parts, measured_s)
 
 
-def _step_s(decode: InstanceLoad, more_rows: int = 0, more_context: int = 0) -> float:
+def step_s(decode: InstanceLoad, more_rows: int = 0, more_context: int = 0) -> float:
     """A step of `decode` by its profile with `more_rows` requests of `more_context` tokens
     added to its batch (0 when it has no requests and none are added)."""
     rows = max(decode.in_flight_requests, decode.reported_active_requests) + more_rows
@@ -153,7 +153,7 @@ def _step_s(decode: InstanceLoad, more_rows: int = 0, more_context: int = 0) -> 
     return base + per_row * rows + per_context * (decode.context_tokens + more_context)
 
 
-def _queued_s(prefill: InstanceLoad, queued: int, requests: int) -> float:
+def queued_s(prefill: InstanceLoad, queued: int, requests: int) -> float:
     """The seconds `queued` prompt tokens in `requests` requests take on `prefill` by its
     profile, each request taken as the queue's mean length."""
     per_request, per_token, per_attention = prefill.prefill_fit

@@ -95,6 +95,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.http_port,
             args.decode_ep,
             args.dtype,
+            (args.slo_ttft_ms, args.slo_itl_ms),
+            (args.max_prefill, args.max_decode) if args.autoscale else None,
         )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -72,7 +72,26 @@ class Mesh:
     redis: RedisProcess | None = None
     cpu_share: str = ""
     """The file its prefill and decode instances share their cores through (`kvmesh.runtime.cpu_share`),
-    unlinked once they all run (they keep it mapped); "" when the caller set KVMESH_CPU_SHARE."""
+    unlinked once they all run (they keep it mapped) unless more may start later (`start_instance`);
+    "" when the caller set KVMESH_CPU_SHARE."""
+    host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+    """The environment every instance started with (what `start_instance` gives the next one)."""
+    role_args: dict[str, list[str]] = field(default_factory=dict)
+    """The extra flags of each role's instances ("prefill", "decode")."""
+    log: object = None
+    started: dict[str, int] = field(default_factory=dict)
+    """Instances of each role started so far (the next one's name: prefill-N)."""
+
+    def start_instance(self, kind: str) -> tuple[str, subprocess.Popen, str]:
+        """Start one more `kind` instance on a free port; it registers in the mesh's Redis and the
+        gateway finds it there. Returns (its name, its process, its address), not waited on and
+        not in `procs` (the caller adds it once it serves)."""
+        port = free_port(self.host)
+        args = ["--host", self.host, "--port", str(port), "--redis-url", self.redis_url, *self.role_args.get(kind, [])]
+        n = self.started.get(kind, 0)
+        self.started[kind] = n + 1
+        return f"{kind}-{n}", _serve(kind, args, self.env, self.log), f"{self.host}:{port}"
 
     def stop(self) -> None:
         """Stop every child: SIGTERM in order (gateway first), SIGKILL after 15 s."""
@@ -118,10 +137,12 @@ def start_mesh(
     log=None,
     ready_timeout_s: float = 600.0,
     http_port: int = 0,
+    keep_cpu_share: bool = False,
 ) -> Mesh:
     """Start Redis (unless REDIS_URL answers), the instances and the gateway; wait until all are SERVING.
 
-    http_port: the gateway's OpenAI-compatible HTTP API (0: none).
+    http_port: the gateway's OpenAI-compatible HTTP API (0: none). keep_cpu_share: keep the
+    CPU-share file until `stop` (instances started later, `Mesh.start_instance`, open it too).
 
     Raises ValueError for an unknown model, RuntimeError when a child exits during start-up,
     TimeoutError when one is not ready within ready_timeout_s seconds.
@@ -144,16 +165,27 @@ def start_mesh(
         redis=redis_proc,
         cpu_share=cpu_share,
         http_address=f"http://{host}:{http_port}" if http_port else "",
+        host=host,
+        env=env,
+        role_args={"prefill": list(extra_prefill_args or []), "decode": list(extra_decode_args or [])},
+        log=log,
     )
     try:
-        _start_instances(mesh, "decode", num_decode, mesh.decode_addresses, extra_decode_args, host, env, log)
-        _start_instances(mesh, "prefill", num_prefill, mesh.prefill_addresses, extra_prefill_args, host, env, log)
+        for kind, count, addresses in (
+            ("decode", num_decode, mesh.decode_addresses),
+            ("prefill", num_prefill, mesh.prefill_addresses),
+        ):
+            for _ in range(count):
+                name, proc, address = mesh.start_instance(kind)
+                mesh.procs.append((name, proc))
+                addresses.append(address)
         # the gateway starts beside the instances (its imports and tokenizer overlap their model
         # loads) and reports SERVING only once they all do (--wait-for-instances)
         gw_args = _gateway_args(mesh, host, port, ready_timeout_s, http_port, extra_gateway_args)
         mesh.procs.append(("gateway", _serve("gateway", gw_args, env, log)))
         _wait_ready(mesh, [*mesh.prefill_addresses, *mesh.decode_addresses, mesh.gateway_address], ready_timeout_s)
-        mesh.remove_cpu_share()  # every instance maps it now; nothing is left behind, even after a SIGKILL
+        if not keep_cpu_share:
+            mesh.remove_cpu_share()  # every instance maps it now; nothing is left behind, even after a SIGKILL
     except BaseException:
         mesh.stop()
         raise
@@ -196,24 +228,6 @@ def _cpu_share(env: dict[str, str]) -> str:
     for name in ("KVMESH_MAX_BATCH_TOKENS", "KVMESH_CHUNKED_PREFILL_SIZE"):
         env.setdefault(name, str(SHARED_CORES_FORWARD_TOKENS))
     return cpu_share
-
-
-def _start_instances(
-    mesh: Mesh,
-    kind: str,
-    count: int,
-    addresses: list[str],
-    extra: list[str] | None,
-    host: str,
-    env: dict[str, str],
-    log,
-) -> None:
-    """Start `count` instances of `kind` on free ports of `host`, their addresses added to `addresses`."""
-    for i in range(count):
-        p = free_port(host)
-        addresses.append(f"{host}:{p}")
-        args = ["--host", host, "--port", str(p), "--redis-url", mesh.redis_url, *(extra or [])]
-        mesh.procs.append((f"{kind}-{i}", _serve(kind, args, env, log)))
 
 
 def _gateway_args(

@@ -23,6 +23,8 @@ def run_up(
     http_port: int = 8000,
     decode_ep: int = 1,
     dtype: str = "auto",
+    slo_ms: tuple[float, float] = (0.0, 0.0),
+    autoscale: tuple[int, int] | None = None,
 ) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
 
@@ -34,15 +36,27 @@ def run_up(
     (`kvmesh serve decode --speculative ... --num-draft-tokens ...`), decode_ep too (`--ep N`:
     each decode runs N expert-parallel ranks; MoE models only). http_port: the gateway's
     OpenAI-compatible HTTP API (0: none). dtype: every instance's `--dtype` (auto|float32|bfloat16;
-    ValueError for another).
+    ValueError for another). slo_ms: the gateway's (--slo-ttft-ms, --slo-itl-ms), 0: none.
+    autoscale: (most prefill, most decode) instances to scale between, from the starting counts
+    down to one each, as the gateway advises (kvmesh.autoscale); None: a fixed mesh.
     """
     check_dtype_spec(dtype)
+    if autoscale is not None and not any(slo_ms):
+        raise ValueError("--autoscale scales to a target: give --slo-ttft-ms and/or --slo-itl-ms")
+    if autoscale is not None and (autoscale[0] < num_prefill or autoscale[1] < num_decode):
+        raise ValueError(f"--max-prefill / --max-decode {autoscale} are under the starting counts")
     if decode_ep < 1:
         raise ValueError(f"decode_ep must be >= 1, got {decode_ep}")
     if prefill_threads < 0 or decode_threads < 0:
         raise ValueError(f"thread counts must be >= 0 (0: every core), got {prefill_threads} and {decode_threads}")
     _interrupt_on_signals()
     print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
+    metrics_port = launcher.free_port("127.0.0.1") if autoscale else 0
+    gateway_args = [
+        *(["--slo-ttft-ms", str(slo_ms[0])] if slo_ms[0] else []),
+        *(["--slo-itl-ms", str(slo_ms[1])] if slo_ms[1] else []),
+        *(["--metrics-port", str(metrics_port)] if metrics_port else []),
+    ]
     try:
         mesh = launcher.start_mesh(
             num_prefill,
@@ -59,7 +73,9 @@ def run_up(
                 dtype,
                 *_decode_args(decode_threads, speculative, num_draft_tokens, decode_ep),
             ],
+            extra_gateway_args=gateway_args,
             http_port=http_port,
+            keep_cpu_share=autoscale is not None,
         )
     except KeyboardInterrupt:
         print("start-up interrupted; stopped everything it started", file=sys.stderr, flush=True)
@@ -68,7 +84,14 @@ def run_up(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     _print_where(mesh)
-    return _watch(mesh, stop)
+    scaler = None
+    if autoscale is not None:
+        from kvmesh.autoscale import Autoscaler
+
+        bounds = {"prefill": (1, autoscale[0]), "decode": (1, autoscale[1])}
+        scaler = Autoscaler(mesh, f"http://127.0.0.1:{metrics_port}/metrics", bounds)
+        print(f"autoscaling: 1-{autoscale[0]} prefill, 1-{autoscale[1]} decode, as the gateway advises", flush=True)
+    return _watch(mesh, stop, scaler)
 
 
 def _interrupt_on_signals() -> None:
@@ -109,11 +132,14 @@ def _print_where(mesh: launcher.Mesh) -> None:
     print(f"scale: kvmesh serve prefill|decode --redis-url {mesh.redis_url} joins this gateway", flush=True)
 
 
-def _watch(mesh: launcher.Mesh, stop: threading.Event) -> int:
-    """Keep the mesh up until `stop` is set (0) or one of its processes dies (1); then stop it."""
+def _watch(mesh: launcher.Mesh, stop: threading.Event, scaler=None) -> int:
+    """Keep the mesh up until `stop` is set (0) or one of its processes dies (1); then stop it.
+    scaler: a kvmesh.autoscale.Autoscaler, ticked in between."""
     code = 0
     try:
         while not stop.wait(0.5):
+            if scaler is not None:
+                scaler.tick()
             dead = [n for n, p in mesh.procs if p.poll() is not None]
             if dead:
                 print(f"{', '.join(dead)} exited; stopping the mesh", file=sys.stderr, flush=True)
@@ -121,5 +147,7 @@ def _watch(mesh: launcher.Mesh, stop: threading.Event) -> int:
                 break
     finally:
         print("stopping kvmesh ...", flush=True)
+        if scaler is not None:
+            scaler.close()
         mesh.stop()
     return code

@@ -1,7 +1,9 @@
-"""Generate kvmesh's Grafana dashboard (deploy/grafana/kvmesh.json) from code, with grafanalib.
+"""Generate kvmesh's Grafana dashboard (deploy/grafana/kvmesh.json) from code, with grafanalib, and
+the Prometheus Operator's copy of the rules (deploy/k8s/components/monitoring/prometheusrule.yaml,
+a PrometheusRule around deploy/prometheus/rules.yml).
 
 Run: `python scripts/gen_dashboards.py` (writes) or `python scripts/gen_dashboards.py --check`
-(exits 1 when the committed JSON is stale, as scripts/gen_protos.py does for the stubs).
+(exits 1 when a committed file is stale, as scripts/gen_protos.py does for the stubs).
 `PANELS` is the one list of what an operator sees, each panel's PromQL over the metrics the
 services export (docs/operations.md lists them); tests/unit/test_dashboards.py checks every
 query with promtool, and the alert and recording rules in deploy/prometheus/rules.yml.
@@ -14,11 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
 from grafanalib._gen import DashboardEncoder
 from grafanalib.core import Dashboard, GridPos, RowPanel, Target, Templating, TimeSeries
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "deploy" / "grafana" / "kvmesh.json"
+RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
+RULE_OUT = ROOT / "deploy" / "k8s" / "components" / "monitoring" / "prometheusrule.yaml"
 DATASOURCE = "${datasource}"
 
 
@@ -153,6 +158,21 @@ PANELS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
             ),
         ],
     ),
+    (
+        "Planner",
+        [
+            (
+                "Instances and the advice",
+                "short",
+                "Routable instances of each role and how many the load needs against the SLO "
+                "(kvmesh.gateway.scale_advice: what kvmesh up --autoscale and KEDA scale to)",
+                [
+                    ("{{role}} routable", "max by (role) (kvmesh_gateway_instances)"),
+                    ("{{role}} advised", "max by (role) (kvmesh_gateway_desired_instances)"),
+                ],
+            ),
+        ],
+    ),
 ]
 """(row, [(panel title, unit, description, [(legend, PromQL)])]) in the order they are laid out."""
 
@@ -201,19 +221,33 @@ def render() -> str:
     return json.dumps(dashboard().to_json_data(), cls=DashboardEncoder, indent=2, sort_keys=True) + "\n"
 
 
+def prometheus_rule() -> str:
+    """deploy/prometheus/rules.yml as a PrometheusRule (its `groups` are the spec's)."""
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "kvmesh"},
+        "spec": yaml.safe_load(RULES.read_text()),
+    }
+    header = "# Generated from deploy/prometheus/rules.yml by scripts/gen_dashboards.py: edit that file, then run it.\n"
+    return header + yaml.safe_dump(rule, sort_keys=False, width=200)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if the committed dashboard is stale")
+    parser.add_argument("--check", action="store_true", help="fail if a committed file is stale")
     args = parser.parse_args()
-    text = render()
+    outputs = {OUT: render(), RULE_OUT: prometheus_rule()}
     if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale; run python scripts/gen_dashboards.py")
-            return 1
-        print("the Grafana dashboard is up to date")
-        return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+        stale = [path for path, text in outputs.items() if not path.exists() or path.read_text() != text]
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale; run python scripts/gen_dashboards.py")
+        if not stale:
+            print("the Grafana dashboard and the PrometheusRule are up to date")
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     return 0
 
 

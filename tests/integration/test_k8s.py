@@ -62,24 +62,29 @@ def _render(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     """Each kustomization, rendered: the default (deploy/k8s), base, cpu, gpu, and cpu with the
-    Jaeger component (an overlay made here, as the component's header says to add it)."""
-    with_jaeger = tmp_path_factory.mktemp("cpu-jaeger")
-    (with_jaeger / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": [os.path.relpath(K8S / "overlays" / "cpu", with_jaeger)],
-                "components": [os.path.relpath(K8S / "components" / "jaeger", with_jaeger)],
-            }
+    optional components (overlays made here, as the components' headers say to add them)."""
+
+    def overlay(name: str, components: list[str]) -> Path:
+        path = tmp_path_factory.mktemp(name)
+        (path / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": [os.path.relpath(K8S / "overlays" / "cpu", path)],
+                    "components": [os.path.relpath(K8S / "components" / c, path) for c in components],
+                }
+            )
         )
-    )
+        return path
+
     paths = {
         "default": K8S,
         "base": K8S / "base",
         "cpu": K8S / "overlays" / "cpu",
         "gpu": K8S / "overlays" / "gpu",
-        "cpu+jaeger": with_jaeger,
+        "cpu+jaeger": overlay("cpu-jaeger", ["jaeger"]),
+        "cpu+autoscale": overlay("cpu-autoscale", ["monitoring", "autoscale"]),
     }
     return {name: _render(path) for name, path in paths.items()}
 
@@ -129,12 +134,17 @@ def _config(objects: list[dict], container: dict):
         return settings.from_args(args.config_cls, args)
 
 
-@pytest.mark.parametrize("name", ["default", "base", "cpu", "gpu", "cpu+jaeger"])
+CUSTOM_KINDS = {"ScaledObject", "PodMonitor", "PrometheusRule"}
+"""Kinds of KEDA and the Prometheus Operator (CRDs, not in Kubernetes' schemas): checked by
+test_the_autoscale_and_monitoring_components_point_at_what_exists."""
+
+
+@pytest.mark.parametrize("name", ["default", "base", "cpu", "gpu", "cpu+jaeger", "cpu+autoscale"])
 @pytest.mark.parametrize("version", [OLDEST_K8S, kubernetes_validate.latest_version() + ".0"])
 def test_every_object_validates_against_the_kubernetes_schemas(rendered, name, version):
     objects = rendered[name]
     assert {o["kind"] for o in objects} >= {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap"}
-    for obj in objects:
+    for obj in [o for o in objects if o["kind"] not in CUSTOM_KINDS]:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -262,3 +272,41 @@ def test_the_gpu_overlay_puts_each_instance_on_a_gpu_and_the_cpu_overlay_does_no
                 if kind != "gateway":
                     assert config.kernel_backend == "torch" and config.device == "auto"
                     assert config.torch_threads == int(container["resources"]["requests"]["cpu"])
+
+
+def test_the_autoscale_and_monitoring_components_point_at_what_exists(rendered):
+    from kvmesh.gateway import metrics
+
+    objects = rendered["cpu+autoscale"]
+    deployments = _of(objects, "Deployment")
+    exported = {m.name for m in metrics.REGISTRY.collect()}
+    # KEDA scales each instance Deployment to the gateways' advice for its role
+    scaled = _of(objects, "ScaledObject")
+    assert set(scaled) == {"kvmesh-prefill", "kvmesh-decode"}
+    for name, obj in scaled.items():
+        assert obj["apiVersion"] == "keda.sh/v1alpha1" and obj["spec"]["scaleTargetRef"]["name"] == name
+        assert name in deployments and 1 <= obj["spec"]["minReplicaCount"] <= obj["spec"]["maxReplicaCount"]
+        (trigger,) = obj["spec"]["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        assert trigger["metadata"]["threshold"] == "1"  # replicas = the advice itself
+        query = trigger["metadata"]["query"]
+        assert "kvmesh_gateway_desired_instances" in exported
+        assert query == f'max(kvmesh_gateway_desired_instances{{role="{KINDS[name]}"}})'
+    # the gateway advises against the targets the component sets
+    gateway = _config(objects, _container(deployments["kvmesh-gateway"]))
+    assert gateway.slo_ttft_ms > 0 and gateway.slo_itl_ms > 0
+    # the PodMonitor scrapes every kvmesh pod's metrics port, and no other pod
+    (monitor,) = _of(objects, "PodMonitor").values()
+    (expression,) = monitor["spec"]["selector"]["matchExpressions"]
+    selected = {
+        n
+        for n, d in deployments.items()
+        if d["spec"]["template"]["metadata"]["labels"].get(expression["key"]) in expression["values"]
+    }
+    assert selected == set(KINDS)
+    for n in selected:
+        ports = {p["name"] for p in _container(deployments[n])["ports"]}
+        assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+    # the PrometheusRule carries deploy/prometheus/rules.yml as it is
+    (rule,) = _of(objects, "PrometheusRule").values()
+    assert rule["spec"] == yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yml").read_text())
