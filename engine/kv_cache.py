@@ -105,7 +105,7 @@ class KVCacheManager(KVPushBuffers):
         or slots are short; nothing is held then."""
         self._require_slot(error)
         num_pages = self.num_pages_for(num_tokens)
-        request.block_ids, request.num_reused_pages = self._match_and_allocate(reuse[:num_pages], num_pages, error)
+        request.block_ids, request.num_reused_pages, _ = self._match_and_allocate(reuse[:num_pages], num_pages, error)
         request.state_slot = self.slots.allocate()
         request.num_prompt_pages = self.num_pages_for(request.num_prompt_tokens)
         self.num_holders += 1
@@ -144,7 +144,8 @@ class KVCacheManager(KVPushBuffers):
     def allocate_prompt(self, request: Request) -> None:
         """Prefill: reuse the longest cached prefix of the prompt's blocks and allocate pages for
         the rest, plus a state slot (resumed from the cached prefix's end). Sets block_ids,
-        num_cached_tokens, num_computed_tokens (= cached), state_slot, block_hashes. A request
+        num_cached_tokens, num_computed_tokens (= cached), num_tier_tokens (of the cached, those
+        loaded from the second tier), state_slot, block_hashes. A request
         that asks for prompt logprobs reuses nothing (every position's logits are computed).
         Raises NoFreeBlocksError when pages or slots are short; nothing is held then."""
         self._require_slot(NoFreeBlocksError)
@@ -153,11 +154,12 @@ class KVCacheManager(KVPushBuffers):
             request.block_hashes = hash_blocks(tokens, size)
         # recompute at least the last prompt token so its logits exist
         reusable = 0 if request.sampling.prompt_logprobs is not None else (len(tokens) - 1) // size
-        request.block_ids, num_cached = self._match_and_allocate(
+        request.block_ids, num_cached, from_tier = self._match_and_allocate(
             request.block_hashes[:reusable], self.num_pages_for(len(tokens)), NoFreeBlocksError
         )
         request.num_prompt_pages = len(request.block_ids)
         request.num_cached_tokens = request.num_computed_tokens = num_cached * size
+        request.num_tier_tokens = from_tier * size
         request.state_slot = self.slots.allocate()
         self.num_holders += 1
         if request.state_slot is not None and num_cached:  # continue from the end of the cached prefix
@@ -165,9 +167,10 @@ class KVCacheManager(KVPushBuffers):
 
     def _match_and_allocate(
         self, hashes: Sequence[BlockHash], num_pages: int, error: type[Exception]
-    ) -> tuple[list[int], int]:
+    ) -> tuple[list[int], int, int]:
         """kvmesh.engine.tiered_prefix.match_and_allocate over this cache's pool and tier: pages
-        whose leading ones hold the longest cached run of `hashes`, and how many hold it."""
+        whose leading ones hold the longest cached run of `hashes`, how many hold it, and how many
+        of those were loaded from the tier."""
         # the runner's page_buffer is looked up only on a tier hit (runners without pages have none)
         return match_and_allocate(
             self.pool, self.tier, hashes, num_pages, error, lambda page_id: self.runner.page_buffer(page_id)

@@ -104,6 +104,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (prefill) or the push (decode)."""
+    num_tier_tokens: int = 0
+    """Prefill: of num_cached_tokens, those loaded from the second tier (--kv-tier-blocks)."""
     status: RequestStatus = RequestStatus.WAITING
     finish: FinishReason | None = None
     block_ids: list[int] = field(default_factory=list)

@@ -31,11 +31,11 @@ def match_and_allocate(
     num_pages: int,
     error: type[Exception],
     page_buffer: PageBuffer,
-) -> tuple[list[int], int]:
+) -> tuple[list[int], int, int]:
     """num_pages pages whose leading ones hold the longest cached run of `hashes`: pool hits
     referenced, then second-tier hits copied into new pages (which rejoin the pool's cache),
-    then fresh pages. Returns (block ids, leading pages that hold cached KV). All or
-    nothing: raises `error` when the pool lacks the pages."""
+    then fresh pages. Returns (block ids, leading pages that hold cached KV, how many of those
+    came from the tier). All or nothing: raises `error` when the pool lacks the pages."""
     match = pool.match_prefix(hashes)
     on_device = len(match.block_ids)
     in_tier = _run_in_tier(tier, hashes, on_device) if tier is not None else 0
@@ -52,7 +52,7 @@ def match_and_allocate(
         loaded = _load_from_tier(tier, hashes[on_device : on_device + in_tier], new, page_buffer)
     if loaded:
         pool.cache_blocks(new[:loaded], hashes[on_device : on_device + loaded])
-    return [*match.block_ids, *new], on_device + loaded
+    return [*match.block_ids, *new], on_device + loaded, loaded
 
 
 def _run_in_tier(tier: KVTier, hashes: Sequence[BlockHash], start: int) -> int:

@@ -21,6 +21,16 @@ CACHE_HIT_TOKENS = Counter(
     "kvmesh_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache", registry=REGISTRY
 )
 COMPUTED_TOKENS = Counter("kvmesh_prefill_computed_tokens", "Prompt tokens computed (not cached)", registry=REGISTRY)
+TIER_HIT_TOKENS = Counter(
+    "kvmesh_prefill_tier_hit_tokens",
+    "Prompt tokens found in the second KV tier and loaded back (counted in the prefix cache hits too)",
+    registry=REGISTRY,
+)
+PULLED_TOKENS = Counter(
+    "kvmesh_prefill_pulled_tokens",
+    "Prompt tokens pulled from a peer instead of computed (counted in the prefix cache hits too)",
+    registry=REGISTRY,
+)
 PREFILLS = Counter("kvmesh_prefill_requests", "Prefills computed", registry=REGISTRY)
 KV_BYTES = Counter("kvmesh_kv_transfer_bytes", "Bytes of KV state pushed to decode instances", registry=REGISTRY)
 KV_SECONDS = Histogram(
@@ -47,6 +57,7 @@ def observe_prefill(result) -> None:
     """Count one finished prefill (a PrefillResult)."""
     PREFILLS.inc()
     CACHE_HIT_TOKENS.inc(result.num_cached_tokens)
+    TIER_HIT_TOKENS.inc(result.num_tier_tokens)
     COMPUTED_TOKENS.inc(result.num_computed_tokens)
 
 

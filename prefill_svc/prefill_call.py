@@ -135,6 +135,7 @@ class PrefillCall:
             "kvmesh.pull.why_not": pulled.why_not,
         }
         tracing.record(self.span, "prefill.pull", started_ns, tracing.now_ns(), attributes)
+        metrics.PULLED_TOKENS.inc(pulled.tokens)
         return pulled
 
     async def compute(self, job: Request) -> PrefillResult:

@@ -33,6 +33,8 @@ class PrefillResult:
     """n > 1 with logprobs: every choice's first token's logprobs."""
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     """With sampling.prompt_logprobs: each prompt token's (the first one's logprob NaN)."""
+    num_tier_tokens: int = 0
+    """Of num_cached_tokens, those loaded from the second tier."""
 
 
 def resolve(
@@ -63,5 +65,6 @@ def resolve(
                 choice_first_tokens=tuple(choice_tokens) if len(choice_tokens) > 1 else (),
                 choice_first_logprobs=tuple(logprobs) if logprobs and len(choice_tokens) > 1 else (),
                 prompt_logprobs=tuple(r.prompt_logprobs or ()),
+                num_tier_tokens=r.num_tier_tokens,
             )
         )

@@ -100,13 +100,18 @@ PANELS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
             (
                 "Prefix hit ratio",
                 "percentunit",
-                "Prompt tokens prefill reused over all it served",
+                "Prompt tokens prefill reused over all it served: in all, loaded from the second tier, "
+                "pulled from a peer",
                 [
                     (
-                        "hit",
-                        "sum(rate(kvmesh_prefix_cache_hit_tokens_total[5m])) / "
-                        "(sum(rate(kvmesh_prefix_cache_hit_tokens_total[5m])) "
+                        source,
+                        f"sum(rate({metric}[5m])) / (sum(rate(kvmesh_prefix_cache_hit_tokens_total[5m])) "
                         "+ sum(rate(kvmesh_prefill_computed_tokens_total[5m])))",
+                    )
+                    for source, metric in (
+                        ("hit", "kvmesh_prefix_cache_hit_tokens_total"),
+                        ("from the tier", "kvmesh_prefill_tier_hit_tokens_total"),
+                        ("pulled", "kvmesh_prefill_pulled_tokens_total"),
                     )
                 ],
             ),

@@ -248,7 +248,7 @@ def test_evicted_blocks_spill_to_the_second_tier_and_come_back_bitwise_on_a_hit(
     # a's prompt again: its 3 blocks come back from the tier, none recomputed
     again = Request("again", first)
     cache.allocate_prompt(again)
-    assert again.num_cached_tokens == 12
+    assert again.num_cached_tokens == again.num_tier_tokens == 12
     for k in range(3):
         assert np.array_equal(runner.page_buffer(again.block_ids[k]), kv[a.block_ids[k]])
     assert set(hashes) <= cache.pool.cached_hashes()  # back in the pool's cache (device events)
@@ -263,7 +263,7 @@ def test_evicted_blocks_spill_to_the_second_tier_and_come_back_bitwise_on_a_hit(
     (tmp_path / "tier" / f"{hashes[1].hex()}.kv").unlink()
     last = Request("last", first)
     cache.allocate_prompt(last)
-    assert last.num_cached_tokens == 4 and hashes[1] not in tier
+    assert last.num_cached_tokens == last.num_tier_tokens == 4 and hashes[1] not in tier
     assert BlockRemoved((hashes[1],), "disk") in events
     assert cache.stats()["num_tier_failed_loads"] == 1
     cache.free(last.block_ids, last.state_slot)
