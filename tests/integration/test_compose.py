@@ -84,8 +84,8 @@ def _listen_ports(services: dict) -> dict[str, int]:
     return ports
 
 
-def test_services_are_redis_jaeger_gateway_two_prefill_two_decode(services):
-    assert set(services) == {"redis", "jaeger", *KVMESH_SERVICES}
+def test_services_are_redis_jaeger_prometheus_grafana_gateway_two_prefill_two_decode(services):
+    assert set(services) == {"redis", "jaeger", "prometheus", "grafana", *KVMESH_SERVICES}
     assert services["redis"]["image"].startswith("redis:7")
     assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one")
     assert "16686:16686" in services["jaeger"]["ports"]
@@ -332,3 +332,47 @@ def test_health_check_script_exits_0_only_when_serving(mesh):
     # nobody listening
     closed = _health_check(f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert closed.returncode != 0 and "UNAVAILABLE" in closed.stderr, closed.stderr
+
+
+def _mounts(service: dict) -> dict[str, Path]:
+    """Where each of the service's bind mounts lands in the container -> the file in the repo."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = volume.split(":")
+        assert source.startswith("./"), volume
+        out[target] = ROOT / source
+    return out
+
+
+def test_prometheus_scrapes_every_kvmesh_service_with_the_rules_promtool_accepts(services):
+    prometheus = services["prometheus"]
+    mounts = _mounts(prometheus)
+    config_arg = next(a for a in prometheus["command"] if a.startswith("--config.file="))
+    config_file = mounts[config_arg.split("=", 1)[1]]
+    config = yaml.safe_load(config_file.read_text())
+    (job,) = config["scrape_configs"]
+    targets = {t for group in job["static_configs"] for t in group["targets"]}
+    assert targets == {f"{name}:{_config(services[name]).metrics_port}" for name in KVMESH_SERVICES}
+    # the rules file sits beside the config in the container, as in deploy/prometheus/
+    (rules,) = config["rule_files"]
+    in_container = str(Path(config_arg.split("=", 1)[1]).parent / rules)
+    assert mounts[in_container] == ROOT / "deploy" / "prometheus" / "rules.yml"
+    checked = subprocess.run(["promtool", "check", "config", str(config_file)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_grafana_provisions_the_dashboard_over_the_compose_prometheus(services):
+    grafana = services["grafana"]
+    mounts = _mounts(grafana)
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    url = urlparse(source["url"])
+    assert source["type"] == "prometheus" and source["isDefault"]
+    assert url.hostname == "prometheus" and f"{url.port}:{url.port}" in services["prometheus"]["ports"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "kvmesh.yml").read_text())["providers"]
+    dashboards = [t for t in mounts if t.startswith(provider["options"]["path"] + "/")]
+    assert [mounts[t] for t in dashboards] == [ROOT / "deploy" / "grafana" / "kvmesh.json"]
+    # the dashboard picks its data source by type, so the provisioned one is used
+    panels = json.loads((ROOT / "deploy" / "grafana" / "kvmesh.json").read_text())
+    (variable,) = panels["templating"]["list"]
+    assert variable["type"] == "datasource" and variable["query"] == "prometheus"
