@@ -178,7 +178,11 @@ def _banner(config: GatewayConfig, model: str, address: str, http: HttpFront | N
     http_note = f", OpenAI HTTP API on {http.address}/v1" if http is not None else ""
     keys_note = f", {num_keys} API keys" if num_keys else ""
     found = ", finding instances in the Redis registry" if config.discovers else ""
-    return f"gateway serving {model} on {address}{http_note}{keys_note}{found}"
+    if not config.redis_url:
+        found = ", no Redis: routing by load and latency prediction alone (no prefix index, no registry)"
+    slo = config.slo
+    slo_note = f", SLO TTFT {slo.ttft_s * 1000:g} ms ITL {slo.itl_s * 1000:g} ms ({config.slo_miss})" if slo else ""
+    return f"gateway serving {model} on {address}{http_note}{keys_note}{found}{slo_note}"
 
 
 def main(args: argparse.Namespace) -> None:

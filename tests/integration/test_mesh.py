@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 
 import grpc
@@ -367,4 +368,43 @@ def test_tools_over_grpc_render_in_the_prompt_and_a_call_grammar_makes_the_call(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         complete(mesh, "", messages=[("user", "Hi")], max_tokens=2, tools=[{"type": "function"}])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools" in err.value.details()
+    wait_idle(mesh)
+
+
+def test_a_gateway_without_redis_routes_by_load_and_prediction_and_says_so(mesh, tmp_path):
+    """No Redis: no prefix index and no registry, but the instances' profiles come with their stats,
+    so a request with an SLO is still predicted and routed; the answer is the mesh's own."""
+    import subprocess
+    import sys
+
+    from kvmesh.launcher import PARENT_PID_ENV
+    from kvmesh.redis_server import free_port
+    from kvmesh.runtime.service import wait_for_health
+
+    port, log = free_port(), tmp_path / "gateway.log"
+    cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "gateway", "--port", str(port), "--slo-ttft-ms", "60000",
+           *[a for p in mesh.prefill_addresses for a in ("--prefill", p)],
+           *[a for d in mesh.decode_addresses for a in ("--decode", d)]]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVMESH_REDIS_URL")}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, env={**env, PARENT_PID_ENV: str(os.getpid())}, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        asyncio.run(wait_for_health(f"127.0.0.1:{port}", 120))
+        assert "no Redis: routing by load and latency prediction alone" in log.read_text()
+        want = complete(mesh, "Name three colours.", max_tokens=6, ignore_eos=True).token_ids
+        # the instances have served before (this shared mesh's earlier tests, or these): once this
+        # gateway's first stats poll brings their profiles, its requests are predicted
+        deadline = time.monotonic() + 60
+        while True:
+            got = complete(mesh, "Name three colours.", address=f"127.0.0.1:{port}", max_tokens=6, ignore_eos=True)
+            assert got.token_ids == want
+            if got.final.predicted_ttft_s > 0:
+                break
+            assert time.monotonic() < deadline, "a gateway without Redis never predicted"
+        assert got.final.predicted_itl_s > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
     wait_idle(mesh)
