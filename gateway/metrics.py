@@ -81,3 +81,5 @@ SLO_REQUESTS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+for _outcome in ("met", "missed", "shed"):  # at 0 from the start: a first shed is a rate, not a new series
+    SLO_REQUESTS.labels(_outcome)

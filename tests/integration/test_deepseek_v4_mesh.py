@@ -11,16 +11,20 @@ heads, and tests/unit/test_deepseek_v4_model.py shows the same prompts' shapes t
 
 from __future__ import annotations
 
+import asyncio
 import math
 
+import grpc
 import pytest
 import torch
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from kvmesh.bench.tiny_models import make_tiny_model
+from kvmesh.client import GatewayClient, make_request
 from kvmesh.engine.deepseek_v4.state import V4StateLayout
 from kvmesh.engine.loader import load_deepseek_v4_config as load_v4_config
 from kvmesh.engine.loader import resolve_model
+from kvmesh.redis_server import free_port
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, complete_many, running_mesh, wait_idle, wait_indexed
 
@@ -51,8 +55,20 @@ def mesh(tiny):
     # compares its output with transformers' or with plain decoding, token for token. Up to 4
     # drafts a step, as the governor picks: 3 at first, fewer as they are rejected, then one
     # every 8 steps (a fixed row cost, so the machine's load cannot change that)
+    # every service's /metrics on, and a gateway that sheds a request with an SLO no instance can
+    # meet (requests without one, as all but the last test's, are not affected): the dashboard's
+    # MoE, speculation and shed panels get their data from this mesh (the last test)
+    ports = {kind: free_port() for kind in ("gateway", "prefill", "decode")}
     decode_args = ["--speculative", "mtp", "--num-draft-tokens", "4", "--draft-row-cost", "0.35", "--ep", "2"]
-    with running_mesh(1, 1, model=str(tiny), decode_args=decode_args) as m:
+    with running_mesh(
+        1,
+        1,
+        model=str(tiny),
+        prefill_args=["--metrics-port", str(ports["prefill"])],
+        decode_args=[*decode_args, "--metrics-port", str(ports["decode"])],
+        gateway_args=["--metrics-port", str(ports["gateway"]), "--slo-miss", "shed"],
+    ) as m:
+        m.metrics_targets = [f"127.0.0.1:{p}" for p in ports.values()]
         yield m
 
 
@@ -228,3 +244,41 @@ def test_n_choices_fork_the_state_slot_and_logprobs_are_transformers_on_v4(mesh,
         assert max(abs(lp.logprob - float(ref[i, t])) for i, (t, lp) in enumerate(zip(want, c.logprobs))) < 1e-4
     assert got.final.drafted_tokens > 0  # MTP drafted for the choices too
     wait_idle(mesh)
+
+
+def test_prometheus_gets_the_moe_speculation_and_shed_panels_data_from_this_mesh(mesh, tmp_path):
+    """The dashboard queries the observed mesh cannot answer (tests/integration/prometheus.py,
+    NEEDS_A_FEATURE) answer here: expert balancedness (MoE), speculative acceptance (MTP); and the
+    shed share is above 0 (a request whose 1 ms TTFT target no instance is predicted to meet)."""
+    from tests.integration.prometheus import NEEDS_A_FEATURE, has_data, prometheus, scrapes, values
+    from tests.unit.test_dashboards import _generator
+
+    targets = mesh.metrics_targets
+    with prometheus(targets, tmp_path) as url:
+        scrapes(url, targets, 1, timeout_s=120)
+
+        async def traffic() -> None:
+            async with GatewayClient(mesh.gateway_address) as client:
+                for prompt in PROMPTS[:2]:  # routed tokens, drafts verified
+                    await client.complete(make_request(prompt, max_tokens=8, ignore_eos=True), timeout_s=120)
+                # shed once the gateway predicts (the profiles come with the stats polls)
+                for _ in range(20):
+                    request = make_request(PROMPTS[0], max_tokens=2)
+                    request.slo_ttft_ms = 1
+                    try:
+                        await client.complete(request, timeout_s=120)
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                        return
+                raise AssertionError("nothing was shed in 20 requests")
+
+        asyncio.run(traffic())
+        wait_idle(mesh)
+        scrapes(url, targets, 2)
+        queries = _generator().queries()
+        needed = [e for e in queries if any(part in e for part in NEEDS_A_FEATURE)]
+        assert len(needed) == len(NEEDS_A_FEATURE)
+        assert [e for e in needed if not has_data(url, e)] == []
+        # and the shed share (0 on a mesh that sheds nothing) is above 0
+        (shed,) = [e for e in queries if 'outcome="shed"' in e]
+        assert values(url, shed)[0] > 0

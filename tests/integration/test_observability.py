@@ -5,14 +5,10 @@ carrying the request and trace ids, gRPC health and reflection."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import math
-import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -21,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.protos.v1 import gateway_pb2_grpc
 from tests.integration.meshutil import complete, wait_idle
+from tests.integration.prometheus import NEEDS_A_FEATURE, has_data, prometheus, scrapes
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -186,79 +183,12 @@ def test_health_serving_and_reflection_lists_the_services(mesh):
             assert {name, "grpc.health.v1.Health"} <= listed
 
 
-NEEDS_A_FEATURE = {
-    "kvmesh_moe_expert_balancedness": "an MoE model (the observed mesh serves the dense default)",
-    "kvmesh_decode_accepted_draft_tokens": "speculative decoding (--speculative)",
-    'outcome="shed"': "a gateway with --slo-miss shed that shed a request",
-}
-"""Dashboard queries the observed mesh cannot give data to, by a part of the query, and why."""
-
-
-@contextlib.contextmanager
-def prometheus(targets: list[str], tmp_path) -> Iterator[str]:
-    """Debian's prometheus scraping `targets` ("host:port") every second; yields its HTTP API's URL."""
-    from kvmesh.redis_server import free_port
-
-    port = free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        json.dumps(
-            {
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "scrape_configs": [{"job_name": "kvmesh", "static_configs": [{"targets": targets}]}],
-            }
-        )
-    )
-    proc = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def _api(url: str, path: str, **params) -> dict:
-    query = urllib.parse.urlencode(params)
-    with urllib.request.urlopen(f"{url}{path}?{query}", timeout=10) as reply:
-        body = json.loads(reply.read())
-    assert body["status"] == "success", body
-    return body["data"]
-
-
-def _scrapes(url: str, targets: list[str], at_least: int, timeout_s: float = 60) -> None:
-    """Wait until Prometheus has scraped each of `targets` `at_least` more times than now, all up."""
-
-    def counts() -> dict[str, float]:
-        result = _api(url, "/api/v1/query", query="count_over_time(up[10m])")["result"]
-        return {r["metric"]["instance"]: float(r["value"][1]) for r in result}
-
-    def all_up() -> bool:
-        return all(t["health"] == "up" for t in _api(url, "/api/v1/targets")["activeTargets"])
-
-    deadline = time.monotonic() + timeout_s
-    start: dict[str, float] | None = None
-    while True:
-        try:
-            now = counts()
-            start = now if start is None else start
-            if all(now.get(t, 0) - start.get(t, 0) >= at_least for t in targets) and all_up():
-                return
-        except OSError:  # not listening yet
-            pass
-        assert time.monotonic() < deadline, f"prometheus did not scrape every target {at_least} more times"
-        time.sleep(0.2)
-
-
 def test_a_real_prometheus_scrapes_the_mesh_and_every_dashboard_query_returns_data(mesh, tmp_path):
     from tests.unit.test_dashboards import _generator
 
     targets = [u.removeprefix("http://").removesuffix("/metrics") for u in mesh.metrics.values()]
     with prometheus(targets, tmp_path) as url:
-        _scrapes(url, targets, 1, timeout_s=120)
+        scrapes(url, targets, 1, timeout_s=120)
         # traffic between scrapes: rates are over two samples at least, one before it
 
         async def send() -> None:
@@ -281,11 +211,10 @@ def test_a_real_prometheus_scrapes_the_mesh_and_every_dashboard_query_returns_da
 
         asyncio.run(send())
         wait_idle(mesh)
-        _scrapes(url, targets, 2)
+        scrapes(url, targets, 2)
         empty = []
         for expr in _generator().queries():
-            result = _api(url, "/api/v1/query", query=expr, time=f"{time.time():.3f}")["result"]
-            if not any(math.isfinite(float(r["value"][1])) for r in result):
+            if not has_data(url, expr):
                 empty.append(expr)
     expected = sorted(e for e in empty if any(part in e for part in NEEDS_A_FEATURE))
     assert sorted(empty) == expected, f"dashboard queries without data: {sorted(set(empty) - set(expected))}"

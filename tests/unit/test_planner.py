@@ -107,3 +107,31 @@ def test_a_profile_round_trips_through_its_file(tmp_path):
     (tmp_path / "bad.json").write_text('{"per_token_s": 1}')
     with pytest.raises(ValueError, match="not a kvmesh plan profile"):
         load_profile(str(tmp_path / "bad.json"))
+
+
+def test_the_command_prints_the_plan_and_how_to_start_it_and_writes_its_json(tmp_path, capsys):
+    import json
+
+    from kvmesh.cli import main
+
+    profile = tmp_path / "p.json"
+    PROFILE.save(str(profile))
+    out = tmp_path / "plan.json"
+    # 1,000-token prompts at 1.5/s on devices of their own: two prefills (as planned above)
+    argv = ["plan", "--rate", "1.5", "--requests", "40", "--input-lengths", "1000", "--output-lengths", "4",
+            "--seed", "3", "--slo-ttft-ms", "5000", "--slo-itl-ms", "1000", "--profile", str(profile),
+            "--max-prefill", "3", "--max-decode", "2", "--dedicated", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    plan = json.loads(out.read_text())["plan"]
+    assert (plan["prefill"], plan["decode"]) == (2, 1) and plan["meets"]
+    assert f"KVMESH_MAX_BATCH_SIZE={plan['max_batch_size']}" in printed
+    assert "kvmesh up --prefill 2 --decode 1" in printed
+    # a target nothing meets: exit 1 and say so; no workload: a clear error
+    assert main([*argv[:-2], "--slo-ttft-ms", "1"]) == 1
+    assert "no mesh up to the caps meets the SLO" in capsys.readouterr().out
+    assert main(["plan", "--slo-ttft-ms", "1", "--slo-itl-ms", "1", "--profile", str(profile)]) == 1
+    assert "give a workload" in capsys.readouterr().err
+    # --apply starts a mesh on this host's cores: not with --dedicated
+    assert main([*argv, "--apply"]) == 1
+    assert "leave out --dedicated" in capsys.readouterr().err
