@@ -33,6 +33,11 @@ from kvmesh.launcher import Mesh
 logger = logging.getLogger(__name__)
 
 DESIRED = "kvmesh_gateway_desired_instances"
+START_BOUND_S = 600.0
+"""Seconds an instance may take to serve (model load, warm-up) before it is given up and stopped."""
+DRAIN_BOUND_S = 60.0
+"""Seconds a draining instance may take to exit (its --drain-grace, 25 s by default, and its
+release) before it is killed: a frozen one (SIGSTOP) never blocks the scaler."""
 
 
 @dataclass
@@ -45,6 +50,8 @@ class _Change:
     address: str
     advised_at: float
     """time.monotonic() when the advice this change follows was first read."""
+    started_at: float
+    """time.monotonic() when the instance was started or sent SIGTERM."""
 
 
 def read_desired(metrics_url: str, timeout_s: float = 2.0) -> dict[str, int]:
@@ -78,11 +85,20 @@ class Autoscaler:
 
     metrics_url: the gateway's /metrics; bounds: role -> (fewest, most) instances."""
 
-    def __init__(self, mesh: Mesh, metrics_url: str, bounds: dict[str, tuple[int, int]], interval_s: float = 1.0):
+    def __init__(
+        self,
+        mesh: Mesh,
+        metrics_url: str,
+        bounds: dict[str, tuple[int, int]],
+        interval_s: float = 1.0,
+        start_bound_s: float = START_BOUND_S,
+        drain_bound_s: float = DRAIN_BOUND_S,
+    ):
         for role, (low, high) in bounds.items():
             if not 1 <= low <= high:
                 raise ValueError(f"{role} instances: need 1 <= fewest <= most, got {low} and {high}")
         self.mesh, self.metrics_url, self.bounds, self.interval_s = mesh, metrics_url, bounds, interval_s
+        self.start_bound_s, self.drain_bound_s = start_bound_s, drain_bound_s
         self._pending: _Change | None = None
         """The instance starting or draining now (nothing else happens meanwhile)."""
         self._next = 0.0
@@ -113,16 +129,15 @@ class Autoscaler:
             if want > have:
                 name, proc, address = self.mesh.start_instance(role)
                 print(f"autoscale: {role} {have} -> {have + 1}: starting {name} at {address}", flush=True)
-                self._pending = _Change("up", role, name, proc, address, advised_at)
+                self._pending = _Change("up", role, name, proc, address, advised_at, now)
             else:
                 self._drain(role, have, advised_at)
             return
 
     def close(self) -> None:
         """Stop an instance still starting (it is not in the mesh's processes yet); before Mesh.stop."""
-        if self._pending is not None and self._pending.action == "up" and self._pending.proc.poll() is None:
-            self._pending.proc.terminate()
-            self._pending.proc.wait(timeout=30)
+        if self._pending is not None and self._pending.action == "up":
+            _stop(self._pending.proc)
         self._pending = None
 
     def _drain(self, role: str, have: int, advised_at: float) -> None:
@@ -133,7 +148,7 @@ class Autoscaler:
         self.addresses(role).remove(address)
         print(f"autoscale: {role} {have} -> {have - 1}: draining {name} at {address}", flush=True)
         proc.send_signal(signal.SIGTERM)
-        self._pending = _Change("down", role, name, proc, address, advised_at)
+        self._pending = _Change("down", role, name, proc, address, advised_at, time.monotonic())
 
     def _proc_of(self, role: str, address: str) -> tuple[str, subprocess.Popen]:
         """The (name, process) of the instance at `address` ("--port N" in its command line)."""
@@ -148,11 +163,21 @@ class Autoscaler:
         """A starting instance joins the mesh once it serves (or is given up when it died); a
         draining one is done once it exited."""
         exited = change.proc.poll() is not None
+        late = now - change.started_at
         if change.action == "down":
+            if not exited and late > self.drain_bound_s:
+                print(f"autoscale: {change.name} still runs {late:.0f} s after SIGTERM; killing it", flush=True)
+                change.proc.kill()
+                change.proc.wait()
+                exited = True
             if exited:
                 self._done(change, now)
         elif exited:
             print(f"autoscale: {change.name} exited while starting (see its log)", flush=True)
+            self._pending = None
+        elif late > self.start_bound_s:
+            print(f"autoscale: {change.name} does not serve {late:.0f} s after its start; stopping it", flush=True)
+            _stop(change.proc)
             self._pending = None
         elif serving(change.address):
             self.mesh.procs.append((change.name, change.proc))
@@ -168,3 +193,14 @@ class Autoscaler:
         )
         self._advised.pop(change.role, None)
         self._pending = None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -103,3 +103,114 @@ def test_the_launcher_reads_the_advice_from_the_gateways_metrics():
         server.shutdown()
         thread.join(timeout=10)
     assert read_desired(f"http://127.0.0.1:{port}/metrics", timeout_s=1) == {}  # gone: no advice
+
+
+class _Mesh:
+    """What the autoscaler uses of kvmesh.launcher.Mesh, with processes that stand in for instances
+    (`sleep`-like Pythons with the instance's `--port`) and a real grpc.health.v1 server where a
+    started instance answers (or nothing, for one that never serves)."""
+
+    def __init__(self, serving_address: str, ignore_sigterm: bool = False) -> None:
+        self.prefill_addresses, self.decode_addresses, self.procs = [], [], []
+        self.serving_address, self.ignore_sigterm = serving_address, ignore_sigterm
+        for kind, address in (("prefill", "127.0.0.1:1"), ("decode", "127.0.0.1:2")):
+            self.addresses(kind).append(address)
+            self.procs.append((f"{kind}-0", self.process(address)))
+
+    def addresses(self, kind: str) -> list[str]:
+        return self.prefill_addresses if kind == "prefill" else self.decode_addresses
+
+    def process(self, address: str):
+        import subprocess
+        import sys
+
+        code = "import signal, time\n"
+        if self.ignore_sigterm:
+            code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        code += "print('up', flush=True)\ntime.sleep(120)"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, "--port", address.rsplit(":", 1)[1]], stdout=subprocess.PIPE, text=True
+        )
+        assert proc.stdout.readline() == "up\n"  # its SIGTERM handling is set
+        return proc
+
+    def start_instance(self, kind: str):
+        return f"{kind}-new", self.process(self.serving_address), self.serving_address
+
+
+def _ticks(scaler, until, bound_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + bound_s
+    while not until():
+        assert time.monotonic() < deadline, "the autoscaler did not get there"
+        scaler.tick()
+
+
+def test_the_launcher_adds_then_drains_one_and_bounds_a_stuck_drain_and_a_start_that_never_serves():
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from prometheus_client import start_http_server
+
+    from kvmesh.autoscale import Autoscaler
+    from kvmesh.redis_server import free_port
+
+    health_port, metrics_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{health_port}")
+    server.start()
+    http, thread = start_http_server(metrics_port, addr="127.0.0.1", registry=metrics.REGISTRY)
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    meshes = []
+    try:
+        # the advice asks for a second prefill: started, and it joins once it serves
+        mesh = _Mesh(f"127.0.0.1:{health_port}")
+        meshes.append(mesh)
+        scaler = Autoscaler(mesh, url, {"prefill": (1, 2), "decode": (1, 1)}, interval_s=0)
+        metrics.DESIRED_INSTANCES.labels("prefill").set(2)
+        metrics.DESIRED_INSTANCES.labels("decode").set(1)
+        _ticks(scaler, lambda: len(scaler.events) == 1)
+        assert mesh.prefill_addresses == ["127.0.0.1:1", f"127.0.0.1:{health_port}"]
+        assert scaler.events[0]["action"] == "up" and ("prefill-new", mesh.procs[-1][1]) in mesh.procs
+        # past the bound (2) the advice is not followed further
+        metrics.DESIRED_INSTANCES.labels("prefill").set(5)
+        scaler.tick()
+        assert len(mesh.prefill_addresses) == 2 and scaler._pending is None
+        # one fewer: the newest drains (SIGTERM) and leaves the mesh's processes at once
+        metrics.DESIRED_INSTANCES.labels("prefill").set(1)
+        newest = mesh.procs[-1][1]
+        _ticks(scaler, lambda: len(scaler.events) == 2)
+        assert scaler.events[1]["action"] == "down" and newest.returncode == -15
+        assert mesh.prefill_addresses == ["127.0.0.1:1"] and all(p is not newest for _, p in mesh.procs)
+        # a decode that ignores SIGTERM is killed once the drain bound passes
+        stuck = _Mesh(f"127.0.0.1:{health_port}", ignore_sigterm=True)
+        meshes.append(stuck)
+        stuck.decode_addresses.append("127.0.0.1:3")
+        stuck.procs.append(("decode-1", stuck.process("127.0.0.1:3")))
+        scaler = Autoscaler(stuck, url, {"prefill": (1, 1), "decode": (1, 2)}, interval_s=0, drain_bound_s=0.5)
+        _ticks(scaler, lambda: len(scaler.events) == 1)
+        assert stuck.procs[-1][0] == "decode-0" and stuck.decode_addresses == ["127.0.0.1:2"]
+        # an instance that never serves is stopped once the start bound passes, and nothing joins
+        silent = _Mesh(f"127.0.0.1:{free_port('127.0.0.1')}")
+        meshes.append(silent)
+        scaler = Autoscaler(silent, url, {"prefill": (1, 2), "decode": (1, 1)}, interval_s=0, start_bound_s=0.5)
+        metrics.DESIRED_INSTANCES.labels("prefill").set(2)
+        scaler.tick()
+        started = scaler._pending.proc
+        _ticks(scaler, lambda: scaler._pending is None)
+        assert started.returncode == -15 and silent.prefill_addresses == ["127.0.0.1:1"] and not scaler.events
+    finally:
+        for mesh in meshes:
+            for _, proc in mesh.procs:
+                proc.kill()
+                proc.wait()
+        http.shutdown()
+        thread.join(timeout=10)
+        server.stop(None)
+        metrics.DESIRED_INSTANCES.labels("prefill").set(0)
+        metrics.DESIRED_INSTANCES.labels("decode").set(0)
