@@ -137,7 +137,8 @@ class GenerateCall:
             {"kvmesh.kv.buffers": landed.num_buffers, "kvmesh.kv.bytes": landed.nbytes},
         )
         if self.engine.config.kv_digest:
-            self._digest = pages_digest(self.engine.transfer_buffers(self.tid, landing=False))
+            buffers = self.engine.transfer_buffers(self.tid, landing=False)
+            self._digest = pages_digest(buffers, self.engine.runner.page_layout.describe())
 
     async def admit(self, sampling: SamplingParams) -> None:
         """Queue every choice for the engine's batch (DecodeEngine.begin_choices), each past its

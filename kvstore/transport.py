@@ -45,10 +45,12 @@ class TransferResult:
     seconds: float
 
 
-def pages_digest(buffers: Sequence[Any]) -> str:
-    """SHA-256 (hex) over page buffers in order (numpy arrays, or tensors on any device, read
-    back to the host): proves pages arrived bitwise equal."""
-    h = hashlib.sha256()
+def pages_digest(buffers: Sequence[Any], layout: str) -> str:
+    """SHA-256 (hex) over the page layout's description (kvmesh.engine.kv_layout.PageLayout.describe:
+    its name, page shape and dtype), then page buffers in order (numpy arrays, or tensors on any
+    device, read back to the host): proves pages arrived bitwise equal, in the layout and dtype
+    both ends hold them in (the same bytes read as bf16 and as fp32 digest differently)."""
+    h = hashlib.sha256(layout.encode() + b"\0")
     for buf in buffers:
         host = buf if isinstance(buf, np.ndarray) else buf.cpu().numpy()
         h.update(memoryview(host))  # type: ignore[arg-type]  # numpy arrays are buffers

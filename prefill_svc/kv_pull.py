@@ -163,7 +163,8 @@ class KVPuller:
                     raise PullFailed(f"the peer holds {answer.num_blocks} of the {want - have} blocks now")
                 await asyncio.shield(landed)
             kv_cache.landed(transfer_id)
-            if self.digest and pages_digest(kv_cache.push_buffers(pages, with_state=False)) != answer.kv_digest:
+            ours = pages_digest(kv_cache.push_buffers(pages, with_state=False), self.page_layout) if self.digest else ""
+            if self.digest and ours != answer.kv_digest:
                 raise PullFailed("the pages' digest differs from the peer's")
         except BaseException:
             self.receiver.cancel(transfer_id)

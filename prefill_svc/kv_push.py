@@ -158,5 +158,6 @@ class KVPush:
         exposed = time.perf_counter() - compute_end
         text = ""
         if digest:  # of what the push wrote: decode's reused pages are its own
-            text = pages_digest(self.kv_cache.push_buffers(block_ids[self.skip_pages :], state_slot))
+            buffers = self.kv_cache.push_buffers(block_ids[self.skip_pages :], state_slot)
+            text = pages_digest(buffers, self.kv_cache.runner.page_layout.describe())
         return PushReport(self.nbytes, self.seconds, exposed, self.num_parts, text)

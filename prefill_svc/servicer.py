@@ -90,7 +90,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 )
             except (TimeoutError, TransferError) as exc:
                 await abort(context, FailureCause.KV_PUSH_FAILED, f"[{rid}] push of pulled blocks failed: {exc}")
-            digest = pages_digest(buffers) if self.config.kv_digest else ""
+            layout = self.engine.runner.page_layout.describe()
+            digest = pages_digest(buffers, layout) if self.config.kv_digest else ""
             return prefill_pb2.PushBlocksResponse(
                 num_blocks=len(block_ids), nbytes=sent.nbytes, seconds=sent.seconds, kv_digest=digest
             )

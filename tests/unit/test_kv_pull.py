@@ -109,7 +109,9 @@ def test_a_pull_whose_bytes_do_not_check_out_is_cancelled_and_computed_never_use
 
     class Peer:
         async def PushBlocks(self, request, timeout=None):
-            return prefill_pb2.PushBlocksResponse(num_blocks=len(request.block_hashes), kv_digest=pages_digest(good))
+            return prefill_pb2.PushBlocksResponse(
+                num_blocks=len(request.block_hashes), kv_digest=pages_digest(good, "x")
+            )
 
     receiver = Receiver()
     puller = KVPuller(RealEngine(tokens_per_s=None), receiver, "x", digest=True)  # type: ignore[arg-type]
@@ -121,3 +123,20 @@ def test_a_pull_whose_bytes_do_not_check_out_is_cancelled_and_computed_never_use
     assert puller.num_failed == 1
     cache.free(job.block_ids, job.state_slot)
     cache.check_integrity()
+
+
+def test_the_kv_digest_names_the_page_layout_and_dtype():
+    import numpy as np
+    import torch
+
+    from kvmesh.engine.kv_layout import llama_layout
+    from kvmesh.kvstore.transport import pages_digest
+
+    page = np.arange(64, dtype=np.uint8)
+    fp32 = llama_layout(1, 16, 1, 2, torch.float32).describe()
+    bf16 = llama_layout(1, 16, 1, 2, torch.bfloat16).describe()
+    assert fp32 != bf16 and "float32" in fp32
+    # the same bytes held as another dtype are not the same KV: their digests differ
+    assert pages_digest([page], fp32) != pages_digest([page], bf16)
+    assert pages_digest([page], fp32) == pages_digest([page.copy()], fp32)
+    assert pages_digest([page], fp32) != pages_digest([page[::-1].copy()], fp32)
