@@ -99,7 +99,8 @@ class _Sim:
         self.busy_until = [0.0] * (max(self.group_of) + 1)
         self.idle = [True] * len(self.busy_until)
         self.last_side = ["decode"] * len(self.busy_until)
-        self.turn = [0] * len(self.busy_until)
+        self.turn: dict[tuple[int, str], int] = {}
+        """(group, role) -> the actor from which that role's next turn is looked for."""
         self.events: list[tuple[float, int, str, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -186,9 +187,10 @@ class _Sim:
             return None
         other = [a for a in ready if (a < self.shape.num_prefill) != (self.last_side[group] == "prefill")]
         pool = other or ready
-        start = self.turn[group]
+        side = "prefill" if pool[0] < self.shape.num_prefill else "decode"
+        start = self.turn.get((group, side), 0)  # each role's instances take turns among themselves
         actor = min(pool, key=lambda a: (a - start) % len(self.group_of))
-        self.turn[group] = actor + 1
+        self.turn[(group, side)] = actor + 1
         return actor
 
     def has_work(self, actor: int) -> bool:
