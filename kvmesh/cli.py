@@ -109,8 +109,10 @@ def _add_up(sub: Subparsers) -> None:
         action="store_true",
         help="add and drain instances as the gateway advises against the SLO (needs --slo-ttft-ms or --slo-itl-ms)",
     )
-    up.add_argument("--max-prefill", type=int, default=4, help="with --autoscale: most prefill instances (default 4)")
-    up.add_argument("--max-decode", type=int, default=4, help="with --autoscale: most decode instances (default 4)")
+    up.add_argument(
+        "--max-prefill", type=int, default=None, help="with --autoscale: most prefill instances (default 4)"
+    )
+    up.add_argument("--max-decode", type=int, default=None, help="with --autoscale: most decode instances (default 4)")
     up.set_defaults(func=_cmd_up)
 
 

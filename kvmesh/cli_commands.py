@@ -96,11 +96,21 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.decode_ep,
             args.dtype,
             (args.slo_ttft_ms, args.slo_itl_ms),
-            (args.max_prefill, args.max_decode) if args.autoscale else None,
+            _autoscale_bounds(args),
         )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _autoscale_bounds(args: argparse.Namespace) -> tuple[int, int] | None:
+    """`kvmesh up`'s (most prefill, most decode) with --autoscale (4 each by default), else None.
+    Raises ValueError for a bound given without --autoscale, where it would do nothing."""
+    if not args.autoscale:
+        if args.max_prefill is not None or args.max_decode is not None:
+            raise ValueError("--max-prefill / --max-decode bound --autoscale: add --autoscale, or leave them out")
+        return None
+    return (4 if args.max_prefill is None else args.max_prefill, 4 if args.max_decode is None else args.max_decode)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -51,3 +51,26 @@ def test_thread_flags_become_each_instances_torch_threads(monkeypatch):
 def test_negative_thread_counts_are_refused():
     with pytest.raises(ValueError, match="thread counts must be >= 0"):
         up.run_up(1, 1, None, 50999, prefill_threads=-1)
+
+
+def test_autoscale_flags_reach_the_gateway_and_bounds_are_checked_before_anything_starts(monkeypatch, capsys):
+    seen = {}
+
+    def fake_start_mesh(num_prefill, num_decode, model, port, **kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "start_mesh", fake_start_mesh)
+    argv = ["up", "--port", "50999", "--autoscale", "--slo-ttft-ms", "3000", "--slo-itl-ms", "600"]
+    assert cli.main(argv) == 130
+    gateway = seen["extra_gateway_args"]
+    assert gateway[gateway.index("--slo-ttft-ms") + 1] == "3000.0" and "--metrics-port" in gateway
+    assert seen["keep_cpu_share"] is True  # instances started later open the same CPU-share file
+    for bad, message in (
+        (["up", "--autoscale"], "give --slo-ttft-ms"),
+        (["up", "--max-prefill", "2"], "add --autoscale"),
+        ([*argv, "--prefill", "3", "--max-prefill", "2"], "under the starting counts"),
+    ):
+        seen.clear()
+        assert cli.main(bad) == 1
+        assert message in capsys.readouterr().err and not seen
