@@ -43,8 +43,13 @@ def run_up(
     check_dtype_spec(dtype)
     if autoscale is not None and not any(slo_ms):
         raise ValueError("--autoscale scales to a target: give --slo-ttft-ms and/or --slo-itl-ms")
+    if min(slo_ms) < 0:
+        raise ValueError(f"SLO targets must be >= 0 ms (0: none), got {slo_ms[0]} and {slo_ms[1]}")
     if autoscale is not None and (autoscale[0] < num_prefill or autoscale[1] < num_decode):
-        raise ValueError(f"--max-prefill / --max-decode {autoscale} are under the starting counts")
+        raise ValueError(
+            f"--max-prefill {autoscale[0]} / --max-decode {autoscale[1]}: each must be at least the starting "
+            f"count (--prefill {num_prefill} / --decode {num_decode})"
+        )
     if decode_ep < 1:
         raise ValueError(f"decode_ep must be >= 1, got {decode_ep}")
     if prefill_threads < 0 or decode_threads < 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import signal
@@ -206,7 +207,10 @@ def run(main: Callable[[asyncio.Event, MainThreadExecutor], Awaitable[None]]) ->
         state["stop_requested"] = True
         loop, stop = state.get("loop"), state.get("stop")
         if loop is not None and stop is not None:
-            loop.call_soon_threadsafe(stop.set)
+            # a second signal (a terminal's Ctrl-C reaches every process of the group, the
+            # launcher then sends SIGTERM) may come after the loop closed: it is stopping already
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stop.set)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)

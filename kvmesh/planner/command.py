@@ -63,8 +63,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def workload_of(args: argparse.Namespace) -> Workload:
     """The workload the flags describe. Raises ValueError for neither or both sources."""
-    if bool(args.trace) == (args.rate > 0):
+    if args.trace and args.rate:
+        raise ValueError("give one workload: --trace PATH or --rate R, not both")
+    if not args.trace and not args.rate:
         raise ValueError("give a workload: --trace PATH, or --rate R (with --input-lengths / --output-lengths)")
+    if args.rate < 0:
+        raise ValueError(f"--rate must be > 0 requests/s, got {args.rate}")
+    if not 0 <= args.shared_share <= 1:
+        raise ValueError(f"--shared-share must be in [0, 1], got {args.shared_share}")
     if args.trace:
         return trace_workload(args.trace, args.limit, args.speedup, args.scale_tokens)
     return synthetic(
@@ -92,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload = workload_of(args)
         slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000, args.percentile)
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise ValueError(f"--json {args.json}: its folder does not exist")
         if args.apply and args.dedicated:
             raise ValueError("--apply starts a mesh on this host's cores: leave out --dedicated")
         profile = load_profile(args.profile) if args.profile else _measure(args)
@@ -114,8 +122,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     _print(workload, profile, slo, best, tried)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(_as_json(workload, slo, best, tried), f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(_as_json(workload, slo, best, tried), f, indent=2)
+        except OSError as exc:
+            print(f"error: --json {args.json}: {exc.strerror}", file=sys.stderr)
+            return 1
     if best is None:
         return 1
     if args.apply:
@@ -162,7 +174,8 @@ def _print(workload: Workload, profile: Profile, slo: Slo, best: Candidate | Non
     prompts = sorted(r.input_tokens for r in workload.requests)
     print(
         f"workload: {len(prompts)} requests over {workload.duration_s:,.0f} s ({workload.rate:.2f}/s), "
-        f"prompts p50 {prompts[len(prompts) // 2]} / max {prompts[-1]} tokens"
+        f"prompts p50 {prompts[(len(prompts) - 1) // 2]} / mean {sum(prompts) / len(prompts):,.0f} / max "
+        f"{prompts[-1]} tokens"
     )
     print(
         f"profile: forward {_ms(profile.per_forward_s)} + {profile.per_token_s * 1e6:.0f} us/token, first token "
@@ -171,10 +184,12 @@ def _print(workload: Workload, profile: Profile, slo: Slo, best: Candidate | Non
     )
     print(f"SLO: TTFT <= {_ms(slo.ttft_s)} and ITL <= {_ms(slo.itl_s)} for {slo.percentile:g}% of requests")
     shown = {}
-    for c in tried:  # the best of each instance count, to compare
+    for c in tried:  # the best of each instance count tried, to compare (the plan's own for its count)
         key = (c.shape.num_prefill, c.shape.num_decode)
         if key not in shown or _key(c, slo) < _key(shown[key], slo):
             shown[key] = c
+    if best is not None:
+        shown[(best.shape.num_prefill, best.shape.num_decode)] = best
     print(f"{'mesh':<34} {'meets':<6} {'TTFT p50':>10} {'p99':>10} {'ITL p50':>10} {'p99':>10}")
     for c in sorted(shown.values(), key=lambda c: (c.cost, c.shape.num_prefill)):
         f = c.figures()

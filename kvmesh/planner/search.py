@@ -37,6 +37,12 @@ class Slo:
     percentile: float = 90.0
     """The share of requests (0-100) that must meet each target."""
 
+    def __post_init__(self) -> None:
+        if not (self.ttft_s > 0 and self.itl_s > 0):
+            raise ValueError(f"SLO targets must be > 0, got TTFT {self.ttft_s} s and ITL {self.itl_s} s")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"the percentile must be in (0, 100], got {self.percentile}")
+
 
 @dataclass(frozen=True)
 class Candidate:

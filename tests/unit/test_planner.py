@@ -132,6 +132,17 @@ def test_the_command_prints_the_plan_and_how_to_start_it_and_writes_its_json(tmp
     assert "no mesh up to the caps meets the SLO" in capsys.readouterr().out
     assert main(["plan", "--slo-ttft-ms", "1", "--slo-itl-ms", "1", "--profile", str(profile)]) == 1
     assert "give a workload" in capsys.readouterr().err
+    # each bad input is one clear line and exit 1, before any search
+    for bad, message in (
+        (["--percentile", "150"], "percentile must be in (0, 100]"),
+        (["--slo-ttft-ms", "-5"], "SLO targets must be > 0"),
+        (["--rate", "-1"], "--rate must be > 0"),
+        (["--trace", str(profile)], "not both"),
+        (["--shared-share", "2"], "--shared-share must be in [0, 1]"),
+        (["--json", str(tmp_path / "nowhere" / "plan.json")], "its folder does not exist"),
+    ):
+        assert main([*argv, *bad]) == 1
+        assert message in capsys.readouterr().err
     # --apply starts a mesh on this host's cores: not with --dedicated
     assert main([*argv, "--apply"]) == 1
     assert "leave out --dedicated" in capsys.readouterr().err

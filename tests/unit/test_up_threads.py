@@ -69,7 +69,8 @@ def test_autoscale_flags_reach_the_gateway_and_bounds_are_checked_before_anythin
     for bad, message in (
         (["up", "--autoscale"], "give --slo-ttft-ms"),
         (["up", "--max-prefill", "2"], "add --autoscale"),
-        ([*argv, "--prefill", "3", "--max-prefill", "2"], "under the starting counts"),
+        ([*argv, "--prefill", "3", "--max-prefill", "2"], "at least the starting count"),
+        (["up", "--slo-ttft-ms", "-1"], "SLO targets must be >= 0"),
     ):
         seen.clear()
         assert cli.main(bad) == 1
