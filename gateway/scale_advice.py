@@ -36,6 +36,7 @@ PREFILL_UP, PREFILL_DOWN = 0.5, 0.1
 DECODE_UP, DECODE_DOWN = 0.8, 0.4
 """Shares of the ITL target a decode step crosses to add / remove a decode."""
 SLOTS_UP, SLOTS_DOWN = 0.9, 0.5
+"""Shares of the decode slots (each decode's max_requests) the rows fill to add / remove a decode."""
 
 
 class ScaleAdvisor:

@@ -94,12 +94,14 @@ class Mesh:
         return f"{kind}-{n}", _serve(kind, args, self.env, self.log), f"{self.host}:{port}"
 
     def stop(self) -> None:
-        """Stop every child: SIGTERM in order (gateway first), SIGKILL after 15 s."""
-        for _name, proc in reversed(self.procs):
+        """Stop every child: SIGTERM in order (gateway first, then the instances, the newest
+        first), SIGKILL after 15 s."""
+        order = sorted(reversed(self.procs), key=lambda named: named[0] != "gateway")  # stable
+        for _name, proc in order:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 15
-        for _name, proc in reversed(self.procs):
+        for _name, proc in order:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
