@@ -52,6 +52,8 @@ class _Change:
     """time.monotonic() when the advice this change follows was first read."""
     started_at: float
     """time.monotonic() when the instance was started or sent SIGTERM."""
+    killed: bool = False
+    """A drain that outlasted its bound and was killed."""
 
 
 def read_desired(metrics_url: str, timeout_s: float = 2.0) -> dict[str, int]:
@@ -136,9 +138,27 @@ class Autoscaler:
 
     def close(self) -> None:
         """Stop an instance still starting (it is not in the mesh's processes yet); before Mesh.stop."""
-        if self._pending is not None and self._pending.action == "up":
-            _stop(self._pending.proc)
-        self._pending = None
+        pending, self._pending = self._pending, None
+        if pending is None or pending.proc.poll() is not None:
+            return
+        if pending.action == "up":
+            _stop(pending.proc)
+        else:  # draining since its SIGTERM: a frozen one would never go
+            pending.proc.kill()
+            pending.proc.wait()
+
+    def lost(self, name: str, proc: subprocess.Popen) -> None:
+        """An instance of the mesh died (kill -9, a crash): it leaves the mesh, and the advice
+        decides whether another takes its place (at once, when fewer than the fewest are left)."""
+        address = next(
+            (a for role in self.bounds for a in self.addresses(role) if self._port_of(proc) == a.rsplit(":", 1)[1]),
+            None,
+        )
+        self.mesh.procs.remove((name, proc))
+        for role in self.bounds:
+            if address in self.addresses(role):
+                self.addresses(role).remove(address)
+        print(f"autoscale: {name} exited (code {proc.returncode}); the mesh goes on without it", flush=True)
 
     def _drain(self, role: str, have: int, advised_at: float) -> None:
         """SIGTERM the newest instance of `role`: it stops taking requests and finishes its own."""
@@ -154,10 +174,15 @@ class Autoscaler:
         """The (name, process) of the instance at `address` ("--port N" in its command line)."""
         port = address.rsplit(":", 1)[1]
         for name, proc in self.mesh.procs:
-            args = proc.args if isinstance(proc.args, list) else []
-            if name.startswith(role) and "--port" in args and args[args.index("--port") + 1] == port:
+            if name.startswith(role) and self._port_of(proc) == port:
                 return name, proc
         raise LookupError(f"no process of {role} at {address}")
+
+    @staticmethod
+    def _port_of(proc: subprocess.Popen) -> str:
+        """The "--port N" of an instance's command line ("" without one)."""
+        args = proc.args if isinstance(proc.args, list) else []
+        return str(args[args.index("--port") + 1]) if "--port" in args else ""
 
     def _follow(self, change: _Change, now: float) -> None:
         """A starting instance joins the mesh once it serves (or is given up when it died); a
@@ -169,7 +194,7 @@ class Autoscaler:
                 print(f"autoscale: {change.name} still runs {late:.0f} s after SIGTERM; killing it", flush=True)
                 change.proc.kill()
                 change.proc.wait()
-                exited = True
+                exited = change.killed = True
             if exited:
                 self._done(change, now)
         elif exited:
@@ -186,7 +211,7 @@ class Autoscaler:
 
     def _done(self, change: _Change, now: float) -> None:
         react = now - change.advised_at
-        verb = "serves" if change.action == "up" else "drained and exited"
+        verb = "serves" if change.action == "up" else "was killed" if change.killed else "drained and exited"
         print(f"autoscale: {change.name} {verb}, {react:.1f} s after the advice", flush=True)
         self.events.append(
             {"at": time.time(), "role": change.role, "action": change.action, "instance": change.name, "react_s": react}

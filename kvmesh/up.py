@@ -144,6 +144,8 @@ def _watch(mesh: launcher.Mesh, stop: threading.Event, scaler=None) -> int:
     try:
         while not stop.wait(0.5):
             if scaler is not None:
+                for name, proc in [(n, p) for n, p in mesh.procs if n != "gateway" and p.poll() is not None]:
+                    scaler.lost(name, proc)  # an instance the scaler can replace; the gateway it cannot
                 scaler.tick()
             dead = [n for n, p in mesh.procs if p.poll() is not None]
             if dead:

@@ -87,8 +87,14 @@ class KVPush:
         self.num_parts = 0
 
     def pages_ready(self, block_ids: tuple[int, ...], n: int) -> None:
-        """The first `n` pages of `block_ids` are final: push them soon (thread-safe, never blocks)."""
-        self._loop.call_soon_threadsafe(self._offer, block_ids, n)
+        """The first `n` pages of `block_ids` are final: push them soon (thread-safe, never blocks).
+        After the service's event loop closed (it is shutting down) there is nothing to push to."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._offer, block_ids, n)
+        except RuntimeError:  # closed between the check and the call
+            pass
 
     def _offer(self, block_ids: tuple[int, ...], n: int) -> None:
         self._block_ids, self._num_ready = block_ids, max(self._num_ready, n)

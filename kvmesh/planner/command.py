@@ -23,6 +23,11 @@ from kvmesh.planner.search import BATCH_CAPS, CHUNKS, Candidate, Slo, plan
 from kvmesh.planner.simulate import MeshShape
 from kvmesh.planner.workload import Workload, parse_lengths, synthetic, trace_workload
 
+MAX_REQUESTS = 20_000
+"""Requests a synthetic workload may have: each shape tried simulates all of them (seconds each)."""
+MAX_INSTANCES = 32
+"""Instances of a role the search may try (up to 32 x 32 counts, 25 shapes each)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload (a trace, or a rate and length distributions)")
@@ -71,6 +76,8 @@ def workload_of(args: argparse.Namespace) -> Workload:
         raise ValueError(f"--rate must be > 0 requests/s, got {args.rate}")
     if not 0 <= args.shared_share <= 1:
         raise ValueError(f"--shared-share must be in [0, 1], got {args.shared_share}")
+    if not 1 <= args.requests <= MAX_REQUESTS:
+        raise ValueError(f"--requests must be in [1, {MAX_REQUESTS}], got {args.requests}")
     if args.trace:
         return trace_workload(args.trace, args.limit, args.speedup, args.scale_tokens)
     return synthetic(
@@ -100,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         slo = Slo(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000, args.percentile)
         if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
             raise ValueError(f"--json {args.json}: its folder does not exist")
+        if not (1 <= args.max_prefill <= MAX_INSTANCES and 1 <= args.max_decode <= MAX_INSTANCES):
+            raise ValueError(f"--max-prefill / --max-decode must be in [1, {MAX_INSTANCES}]")
         if args.apply and args.dedicated:
             raise ValueError("--apply starts a mesh on this host's cores: leave out --dedicated")
         profile = load_profile(args.profile) if args.profile else _measure(args)

@@ -20,6 +20,7 @@ both roles on the same cores taking turns when `shared_cores` (a `kvmesh up` on 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -44,7 +45,7 @@ class Profile:
     def __post_init__(self) -> None:
         costs = (self.per_forward_s, self.per_token_s, self.per_attention_s, self.first_token_s)
         costs += (self.step_s, self.per_row_s, self.per_context_s)
-        if min(costs) < 0 or self.chunk_tokens < 1 or self.max_context_tokens < 2:
+        if not all(math.isfinite(c) and c >= 0 for c in costs) or self.chunk_tokens < 1 or self.max_context_tokens < 2:
             raise ValueError(f"a profile's costs must be >= 0 and its sizes >= 1: {self}")
 
     def forward_s(self, tokens: int, attention: float) -> float:

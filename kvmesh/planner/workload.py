@@ -80,12 +80,16 @@ def _row(row: dict, default_output_tokens: int) -> WorkloadRequest:
 
 
 def trace_workload(path: str, limit: int = 0, speedup: float = 1.0, scale_tokens: int = 0) -> Workload:
-    """A trace as a workload: its first `limit` requests (0: all), arrivals divided by `speedup`,
-    and with scale_tokens > 0 each block standing for that many tokens instead of 512 (lengths
-    scaled alike: a trace made for a large model, planned for a small one)."""
-    if speedup <= 0:
-        raise ValueError(f"speedup must be > 0, got {speedup}")
-    rows = load_trace(path)
+    """A trace as a workload: its first `limit` requests by arrival (0: all), arrivals divided by
+    `speedup`, and with scale_tokens > 0 each block standing for that many tokens instead of 512
+    (lengths scaled alike: a trace made for a large model, planned for a small one).
+
+    Raises ValueError for a speedup <= 0, a negative limit or scale, or an empty trace."""
+    if not (math.isfinite(speedup) and speedup > 0) or limit < 0 or scale_tokens < 0:
+        raise ValueError(f"need speedup > 0, limit >= 0, scale tokens >= 0; got {speedup}, {limit}, {scale_tokens}")
+    rows = sorted(load_trace(path), key=lambda r: r.arrival_s)  # a trace's rows may come out of order
+    if not rows:
+        raise ValueError(f"{path} has no requests")
     rows = rows[:limit] if limit else rows
     block = scale_tokens or TRACE_BLOCK_TOKENS
     scale = block / TRACE_BLOCK_TOKENS

@@ -156,3 +156,22 @@ def test_on_shared_cores_each_role_s_instances_take_turns():
     result = simulate(w, MeshShape(1, 2, 256, 8), PROFILE)
     a, b = result.itl_s[:2]
     assert 0.7 < a / b <= 1.0, (a, b)
+
+
+def test_a_trace_is_read_in_arrival_order_and_bad_limits_and_profiles_are_refused(tmp_path):
+    import json
+    import math
+
+    from kvmesh.planner.workload import trace_workload
+
+    path = tmp_path / "t.jsonl"
+    rows = [(2000, 64), (0, 32), (1000, 48)]
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "hash_ids": [t]}) + "\n" for t, n in rows))
+    w = trace_workload(str(path))
+    assert [(r.arrival_s, r.input_tokens) for r in w.requests] == [(0.0, 32), (1.0, 48), (2.0, 64)]
+    assert w.duration_s == 2.0
+    for kwargs in ({"limit": -1}, {"scale_tokens": -5}, {"speedup": 0.0}):
+        with pytest.raises(ValueError, match="need speedup > 0"):
+            trace_workload(str(path), **kwargs)
+    with pytest.raises(ValueError, match="costs must be >= 0"):
+        Profile(0.01, math.nan, 0.0, 0.05, 0.02, 0.005, 0.0, chunk_tokens=256, max_context_tokens=8192)

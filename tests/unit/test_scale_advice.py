@@ -214,3 +214,31 @@ def test_the_launcher_adds_then_drains_one_and_bounds_a_stuck_drain_and_a_start_
         server.stop(None)
         metrics.DESIRED_INSTANCES.labels("prefill").set(0)
         metrics.DESIRED_INSTANCES.labels("decode").set(0)
+
+
+def test_a_lost_instance_leaves_the_mesh_and_closing_kills_a_frozen_drain():
+    from kvmesh.autoscale import Autoscaler
+
+    mesh = _Mesh("127.0.0.1:9", ignore_sigterm=True)  # no advice is read in this test
+    try:
+        mesh.decode_addresses.append("127.0.0.1:3")
+        mesh.procs.append(("decode-1", mesh.process("127.0.0.1:3")))
+        scaler = Autoscaler(mesh, "http://127.0.0.1:9/metrics", {"prefill": (1, 2), "decode": (1, 2)})
+        # kill -9 of an instance: it leaves the mesh (and its addresses), which goes on
+        name, proc = mesh.procs[-1]
+        proc.kill()
+        proc.wait()
+        scaler.lost(name, proc)
+        assert mesh.decode_addresses == ["127.0.0.1:2"] and [n for n, _ in mesh.procs] == ["prefill-0", "decode-0"]
+        # a drain under way that ignores its SIGTERM: closing the scaler kills it (no orphan)
+        mesh.decode_addresses.append("127.0.0.1:4")
+        mesh.procs.append(("decode-2", mesh.process("127.0.0.1:4")))
+        scaler._drain("decode", 2, advised_at=0.0)
+        draining = scaler._pending.proc
+        assert draining.poll() is None  # SIGTERM ignored
+        scaler.close()
+        assert draining.returncode == -9
+    finally:
+        for _, proc in mesh.procs:
+            proc.kill()
+            proc.wait()
