@@ -85,8 +85,12 @@ class ScaleAdvisor:
         profiled = [p for p in live if len(p.prefill_fit) == 3]
         if not self.slo.ttft_s or not profiled:
             return 0, ""
+        # no prompt tokens waiting, no wait: requests that are pushing (or a count that lags)
+        # hold no compute back
         waits = [
-            queued_s(p, max(p.reported_queued_tokens, 0), max(p.reported_active_requests, p.in_flight_requests))
+            queued_s(p, p.reported_queued_tokens, max(p.reported_active_requests, p.in_flight_requests))
+            if p.reported_queued_tokens > 0
+            else 0.0
             for p in profiled
         ]
         mean = sum(waits) / len(waits)

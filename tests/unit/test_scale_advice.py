@@ -242,3 +242,15 @@ def test_a_lost_instance_leaves_the_mesh_and_closing_kills_a_frozen_drain():
         for _, proc in mesh.procs:
             proc.kill()
             proc.wait()
+
+
+def test_requests_with_no_prompt_tokens_queued_are_no_prefill_wait():
+    # 40 requests reported active (pushing, or a count that lags) but no token queued: 40 x 10 ms
+    # of per-request cost is no reason to add a prefill
+    prefills = instances("prefill", 1, reported_queued_tokens=0, reported_active_requests=40)
+    advisor = ScaleAdvisor(Slo(0.5, 0.5), prefills, instances("decode", 1), lambda: 0, up_after=1)
+    advisor.update()
+    assert advisor.desired["prefill"] == 1
+    prefills[0].reported_queued_tokens = 400  # 0.4 s of tokens + 0.4 s of requests: over 0.25 s
+    advisor.update()
+    assert advisor.desired["prefill"] == 2
