@@ -149,8 +149,14 @@ def step_s(decode: InstanceLoad, more_rows: int = 0, more_context: int = 0) -> f
     rows = max(decode.in_flight_requests, decode.reported_active_requests) + more_rows
     if not rows:
         return 0.0
-    base, per_row, per_context = decode.decode_fit
-    return base + per_row * rows + per_context * (decode.context_tokens + more_context)
+    return fitted_step_s(decode.decode_fit, rows, decode.context_tokens + more_context)
+
+
+def fitted_step_s(decode_fit: Sequence[float], rows: float, context: float) -> float:
+    """A decode step of `rows` requests holding `context` tokens by a decode profile
+    (decode_fit: seconds on [1, rows, context tokens])."""
+    base, per_row, per_context = decode_fit
+    return base + per_row * rows + per_context * context
 
 
 def queued_s(prefill: InstanceLoad, queued: int, requests: int) -> float:

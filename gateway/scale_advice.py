@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from kvmesh.gateway import metrics
 from kvmesh.gateway.instance_load import InstanceLoad
-from kvmesh.gateway.predictor import queued_s, step_s
+from kvmesh.gateway.predictor import fitted_step_s, queued_s, step_s
 from kvmesh.gateway.slo import Slo
 
 logger = logging.getLogger(__name__)
@@ -119,9 +119,8 @@ class ScaleAdvisor:
         n = len(live)
         if n < 2 or not profiled:
             return 0, ""
-        base, per_row, per_context = profiled[0].decode_fit
         context = sum(x.context_tokens for x in live)
-        fewer = base + per_row * rows / (n - 1) + per_context * context / (n - 1) if rows else 0.0
+        fewer = fitted_step_s(profiled[0].decode_fit, rows / (n - 1), context / (n - 1)) if rows else 0.0
         fits = not slots or rows < SLOTS_DOWN * slots * (n - 1) / n
         if fits and (not self.slo.itl_s or fewer < DECODE_DOWN * self.slo.itl_s):
             return -1, f"{rows} rows would step in {fewer * 1000:.0f} ms on {n - 1} decode instances"

@@ -96,15 +96,14 @@ class _Sim:
         # actors: prefill 0..P-1, then decode P..P+D-1; each in one core group
         actors = shape.num_prefill + shape.num_decode
         self.group_of = [0] * actors if shared_cores else list(range(actors))
-        self.busy_until = [0.0] * (max(self.group_of) + 1)
-        self.idle = [True] * len(self.busy_until)
-        self.last_side = ["decode"] * len(self.busy_until)
+        num_groups = max(self.group_of) + 1
+        self.idle = [True] * num_groups
+        self.last_side = ["decode"] * num_groups
         self.turn: dict[tuple[int, str], int] = {}
         """(group, role) -> the actor from which that role's next turn is looked for."""
         self.events: list[tuple[float, int, str, int]] = []
         self.seq = 0
         self.now = 0.0
-        self.finished = 0
 
     def push(self, t: float, kind: str, arg: int) -> None:
         self.seq += 1
@@ -197,7 +196,7 @@ class _Sim:
         if actor < self.shape.num_prefill:
             return bool(self.prefill_queues[actor])
         d = self.decodes[actor - self.shape.num_prefill]
-        return bool(d.running) or any(t <= self.now for t, _ in d.landing)
+        return bool(d.running) or bool(d.landing and d.landing[0][0] <= self.now)  # a heap: its first lands first
 
     def forward(self, p: int) -> float:
         """Prefill p's next forward; its finished prompts' first tokens are scheduled. Seconds."""
@@ -247,7 +246,6 @@ class _Sim:
 
     def done(self, r: _Request) -> None:
         self.decodes[r.decode].reserved -= 1
-        self.finished += 1
         self.admit()
 
 
