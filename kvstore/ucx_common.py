@@ -112,6 +112,26 @@ class _UcxRuntime:
             logger.warning("UCX context not fully released: %s", exc)
 
 
+class _HandshakeTimeouts(logging.Filter):
+    """ucxx's listener logs a connection whose handshake (its peer-info exchange) timed out as an
+    ERROR with a traceback ("Unexpected error in listener handler coroutine"): a sender that froze
+    or died while connecting, which the sender's own bounds already handle. One WARNING line
+    instead; every other error of ucxx's keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) != 2 or not str(args[0]).startswith("Unexpected error in listener handler"):
+            return True
+        raised = str(args[1]).rstrip().rsplit("\n", 1)[-1]  # the traceback's last line: the exception
+        if raised.startswith("TimeoutError"):
+            record.msg, record.args = "a KV connection's handshake timed out (its sender is slow, frozen or gone)", ()
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+logging.getLogger("ucx").addFilter(_HandshakeTimeouts())
+
+
 def _wake_notifier() -> None:
     """Wake ucxx's request notifier thread (see release()). A function of its own: reset() checks
     that nothing references the context any more, and a local of the caller's would (a running

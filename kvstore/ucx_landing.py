@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+from ucxx.exceptions import UCXCloseError
 
 import kvmesh.kvstore.shared_memory as shared_memory
 from kvmesh.kvstore.transport import TransferError
@@ -23,14 +24,25 @@ def data_tag_base(push_number: int) -> int:
     return _DATA_TAG_BIT | (push_number % (1 << 43)) << 20
 
 
+def check_open(ep) -> None:
+    """Raise UCXCloseError when `ep` was aborted: a cancel cuts a landing push off by aborting its
+    endpoint (ucx_table.TransferFuture.cancel), even when its last page has just landed, and
+    ucxx's send and recv on an aborted endpoint raise AttributeError, not a UCX error."""
+    if ep.closed:
+        raise UCXCloseError("the endpoint was aborted (its transfer was cancelled)")
+
+
 async def send_go(ep, code: int, tag_base: int = 0) -> None:
     """Answer a header: ACK_OK and the push's data tag base, or why the pages are refused
-    (then none are sent)."""
+    (then none are sent). Raises UCXCloseError when the endpoint was aborted."""
+    check_open(ep)
     await ep.send(np.array([code, tag_base], dtype="<u8"), tag=_TAG_GO)
 
 
 async def send_ack(ep, code: int) -> None:
-    """End a push: ACK_OK when every page landed, or why the header was refused."""
+    """End a push: ACK_OK when every page landed, or why the header was refused. Raises
+    UCXCloseError when the endpoint was aborted."""
+    check_open(ep)
     await ep.send(np.array([code], dtype=np.uint8), tag=_TAG_ACK)
 
 

@@ -38,7 +38,15 @@ from kvmesh.kvstore.ucx_common import (
     VERSION,
     _runtime,
 )
-from kvmesh.kvstore.ucx_landing import data_tag_base, pull_pages, receive_pages, send_ack, send_go, sender_pool
+from kvmesh.kvstore.ucx_landing import (
+    check_open,
+    data_tag_base,
+    pull_pages,
+    receive_pages,
+    send_ack,
+    send_go,
+    sender_pool,
+)
 from kvmesh.kvstore.ucx_table import ExpectedTransfer, TransferTable
 
 logger = logging.getLogger(__name__)
@@ -220,6 +228,7 @@ class KVReceiver:
         """Serve the connection's pushes one after another, until a header breaks the protocol."""
         header = np.empty(5, dtype="<u8")
         while True:
+            check_open(ep)
             await ep.recv(header, tag=_TAG_HEADER)  # idle here between pushes
             magic, version, tid, n, first = (int(x) for x in header)
             if magic != MAGIC or version != VERSION or n > MAX_BUFFERS:
