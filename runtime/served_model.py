@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from kvmesh.engine.checkpoint import ModelFiles, model_fingerprint
@@ -29,19 +30,25 @@ class ServedModel:
     files: ModelFiles | None = None
     """The checkpoint (its tokenizer compiles grammars); None: structured output is refused."""
     _grammars: list = field(default_factory=list, compare=False, repr=False)
+    _grammars_lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def grammars(self):
         """The instance's kvmesh.engine.grammar.Grammars (its tokenizer, vocabulary and EOS ids), made
-        on the first request with a grammar (it loads xgrammar and the tokenizer). Raises
-        ValueError when the instance has no checkpoint files to read a tokenizer from."""
-        if not self._grammars:
-            if self.files is None:
-                raise ValueError("this instance serves no tokenizer: structured output is not available")
-            from kvmesh.engine.checkpoint import load_tokenizer
-            from kvmesh.engine.grammar import Grammars
+        on the first request with a grammar (it loads xgrammar and the tokenizer), once: requests
+        that come together wait for the first one's (they run on the default executor's threads,
+        and two first imports of transformers at once failed one with ImportError, "cannot import
+        name 'AutoTokenizer'", under the soak). Raises ValueError when the instance has no
+        checkpoint files to read a tokenizer from."""
+        with self._grammars_lock:
+            if not self._grammars:
+                if self.files is None:
+                    raise ValueError("this instance serves no tokenizer: structured output is not available")
+                from kvmesh.engine.checkpoint import load_tokenizer
+                from kvmesh.engine.grammar import Grammars
 
-            self._grammars.append(Grammars(load_tokenizer(self.files), self.vocab_size, sorted(self.eos_token_ids)))
-        return self._grammars[0]
+                tokenizer = load_tokenizer(self.files)
+                self._grammars.append(Grammars(tokenizer, self.vocab_size, sorted(self.eos_token_ids)))
+            return self._grammars[0]
 
     @classmethod
     def of(cls, files: ModelFiles, instance_id: str) -> ServedModel:
