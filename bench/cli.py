@@ -1,5 +1,5 @@
 """The lab's `kvmesh` subcommands: `bench`, `bench-v4`, `bench-transfer`, `bench-peer`, `routesim`, `fuzz`,
-`make-tiny-model`.
+`soak`, `make-tiny-model`.
 
 pyproject.toml registers each object below under the entry-point group ``kvmesh.commands``;
 `kvmesh.cli` finds them there (kvmesh/commands.py), so the product never imports bench/. Each
@@ -135,6 +135,18 @@ def _fuzz(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _soak_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvmesh.bench.soak.run import add_arguments
+
+    add_arguments(parser)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from kvmesh.bench.soak.run import run
+
+    return run(args)
+
+
 def _make_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", required=True, choices=["deepseek_v4"], help="model architecture")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
@@ -188,6 +200,11 @@ FUZZ = Command(
     "that stops answering",
     _fuzz_arguments,
     _fuzz,
+)
+SOAK = Command(
+    "every feature under faults on a multi-host mesh for --duration seconds: nothing hung, wrong, crashed or leaked",
+    _soak_arguments,
+    _soak,
 )
 MAKE_TINY_MODEL = Command(
     "write a small random checkpoint (DeepSeek-V4 as transformers defines it) for tests and benchmarks",

@@ -1,4 +1,5 @@
-"""Separate hosts on one Linux machine, for the multi-host tests (issue 28).
+"""Separate hosts on one Linux machine, for the multi-host tests (issue 28) and the soak
+(`kvmesh soak`, bench/soak/).
 
 Each host is a network namespace with its own address on a bridge, its own hostname (UTS
 namespace), process ids (`unshare --pid --mount-proc`: a service there cannot see another
@@ -17,7 +18,7 @@ failed (processes by PID, then every process left in each namespace, then the na
 takes their links along), and `sweep_stale()` removes what a killed run left behind.
 
 Needs root, iproute2 (`ip`) and util-linux's `unshare`; `unavailable()` says why when one is
-missing.
+missing. The tests' module fixture is tests/multihost/hosts.py `running_cluster`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 PREFIX = "kvmh"
@@ -175,13 +174,22 @@ class Cluster:
         _ip("link", "set", port, "master", "br0", netns=self.switch)
         _ip("link", "set", port, "up", netns=self.switch)
 
-    def spawn(self, host: str, argv: list[str], env: dict[str, str], log) -> subprocess.Popen:
+    def spawn(
+        self, host: str, argv: list[str], env: dict[str, str], log, disk: tuple[str, int] | None = None
+    ) -> subprocess.Popen:
         """Run argv on `host`: in its network namespace, as pid 1 of a new pid namespace, with
-        the host's name and a private /dev/shm; output to `log` (a file). The returned process is
-        `unshare`, whose only child is the service; killing it kills the service (SIGKILL).
-        Stop the service gracefully with `stop`."""
+        the host's name and a private /dev/shm; output to `log` (a file). disk: (an absolute
+        path, MiB): a disk of that size mounted there, private to this process (a tmpfs: what it
+        holds goes with the process; another process reads it through /proc/PID/root). The
+        returned process is `unshare`, whose only child is the service; killing it kills the
+        service (SIGKILL). Stop the service gracefully with `stop`."""
         h = self.hosts[host]
         setup = 'hostname "$0" && mount -t tmpfs -o size=8g kvmesh-shm /dev/shm && echo "$1" > /dev/shm/.boot_id'
+        if disk is not None:
+            path, mib = disk
+            if not path.startswith("/") or "'" in path or not 0 < mib < 1 << 20:
+                raise ValueError(f"disk must be (an absolute path without quotes, MiB in [1, 2^20)), got {disk!r}")
+            setup += f" && mkdir -p '{path}' && mount -t tmpfs -o size={int(mib)}m kvmesh-disk '{path}'"
         setup += ' && mount --bind -o ro /dev/shm/.boot_id /proc/sys/kernel/random/boot_id && shift && exec "$@"'
         cmd = ["ip", "netns", "exec", h.netns, "unshare", "--pid", "--fork", "--mount-proc", "--uts", "--ipc"]
         cmd += ["--kill-child=SIGKILL", "--", "sh", "-c", setup, host, h.boot_id, *argv]
@@ -249,37 +257,3 @@ class Cluster:
             if name in _netns_names():
                 _kill_netns(name)
         _ip("link", "del", self.client_link, check=False)  # gone with the switch, unless it failed before
-
-
-@contextlib.contextmanager
-def running_cluster(names: list[str], log_prefix: str) -> Iterator[tuple[Cluster, object]]:
-    """A test module's cluster of hosts `names` and the log file its services write to:
-    (cluster, log). Fails under CI and skips elsewhere, saying why, where hosts cannot be made.
-    On exit everything is removed (and checked to be gone); the log's tail is printed when the
-    module failed, and the log is kept at $KVMESH_MULTIHOST_LOG when that is set."""
-    import pytest
-
-    why = unavailable()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"multi-host tests cannot run here: {why}")
-        pytest.skip(f"multi-host tests cannot run here: {why}")
-    log = tempfile.NamedTemporaryFile("w+", prefix=log_prefix, suffix=".log", delete=False)
-    cluster = Cluster(names)
-    ok = False
-    try:
-        cluster.start()
-        yield cluster, log
-        ok = True
-    finally:
-        cluster.close()
-        log.flush()
-        if not ok:
-            log.seek(0)
-            print(log.read()[-20000:])
-        log.close()
-        if os.environ.get("KVMESH_MULTIHOST_LOG"):  # kept for a look after the run
-            os.replace(log.name, os.environ["KVMESH_MULTIHOST_LOG"] + "." + log_prefix.strip("-"))
-        else:
-            os.unlink(log.name)
-    assert leftovers() == ([], []), "the cluster left namespaces or links behind"

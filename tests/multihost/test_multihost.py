@@ -1,5 +1,5 @@
 """The mesh across hosts (issue 28): gateway, 2 prefill, 2 decode and Redis, each on a host of
-its own (tests/multihost/hosts.py: network, pid, UTS, IPC and /dev/shm namespaces and a boot id
+its own (bench/hosts.py: network, pid, UTS, IPC and /dev/shm namespaces and a boot id
 of its own, on one machine), talking over a bridge. One cluster serves the module; each test ends
 with every page back.
 
@@ -28,13 +28,14 @@ import time
 import grpc
 import pytest
 
+from kvmesh.bench.hosts import Cluster
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.launcher import Mesh
 from kvmesh.redis_server import ping
 from kvmesh.runtime.service import wait_for_health
 from tests.conftest import instance_stats
 from tests.integration.meshutil import SHARED_CORES_ENV, compile_block_kernels, stream_flowing, wait_idle, wait_indexed
-from tests.multihost.hosts import Cluster, running_cluster
+from tests.multihost.hosts import running_cluster
 
 PORT = 50051
 KV_PORT = 7100

@@ -1,5 +1,5 @@
 """Expert parallelism across hosts (issue 28, part 5): decode's EP ranks each on a host of its
-own (tests/multihost/hosts.py), sharing no memory with rank 0: pages and state slots move over
+own (bench/hosts.py), sharing no memory with rank 0: pages and state slots move over
 torch.distributed (gloo on the hosts' link), the control over an authenticated TCP link.
 
 - A tiny DeepSeek-V4 decoded by EP 2 and EP 4 worlds whose ranks 1..3 are `kvmesh serve ep-rank`
@@ -27,6 +27,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.bench.hosts import Cluster
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.engine.ep.runner import ExpertParallelRunner
 from kvmesh.redis_server import ping
@@ -34,7 +35,7 @@ from kvmesh.runtime.service import wait_for_health
 from tests.conftest import instance_stats
 from tests.integration.meshutil import compile_block_kernels, stream_flowing
 from tests.integration.test_expert_parallel import _churn, _runner, churned, files  # noqa: F401 (fixtures)
-from tests.multihost.hosts import Cluster, running_cluster
+from tests.multihost.hosts import running_cluster
 
 HOSTS = ["front", "decode", "rank1", "rank2", "rank3"]
 SECRET = "kvmesh-multihost-ep-secret-0123"

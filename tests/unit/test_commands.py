@@ -64,6 +64,7 @@ def test_every_declared_command_loads_and_builds_its_flags():
         "fuzz",
         "make-tiny-model",
         "routesim",
+        "soak",
     ]
     for ep in declared:
         command = ep.load()

@@ -1,0 +1,131 @@
+"""The soak's verdict: one JSON object and a plot over time.
+
+Keys: `sent`, `finished` (answered, or cancelled by the client), `failed` (by status), `failed_by_fault`
+(by the fault under way when the request ended, or within FAULT_SHADOW_S after it was undone;
+"none" otherwise), `hung`, `wrong` (and `wrong_examples`), `crashed` (and `crashes`), `leaked_pages`
+(by instance), `integrity_errors`, `rss_slope_mb_per_hour` (by service, over the last half of
+the run, on its last life), `faults`, and `tier_corrupt_detected` (tier blocks that did not check
+out and were recomputed, from the services' logs).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import numpy as np
+
+from kvmesh.bench.soak.faults import Fault
+from kvmesh.bench.soak.mesh import Crash
+from kvmesh.bench.soak.workload import Outcome
+
+FAULT_SHADOW_S = 10.0
+"""A failure this long after a fault was undone is still put down to it (leases, reconnects)."""
+TIER_REJECTED = "; recomputing it"
+"""How a prefill logs a tier block that is unreadable, short or does not check out (kvstore/kv_tier.py)."""
+
+
+def blame(o: Outcome, faults: list[Fault]) -> str:
+    """The fault `o` is put down to: the one whose span (plus the shadow) holds its end."""
+    for f in faults:
+        if f.at <= o.ended <= (f.ended or f.at) + FAULT_SHADOW_S:
+            return f"{f.kind}:{f.target}"
+    return "none"
+
+
+def rss_slopes(samples: list[dict], starts: dict[str, float], start: float, end: float) -> dict[str, float]:
+    """Each service's RSS slope (MB/hour, least squares) over [start + (end - start) / 2, end],
+    from its samples since its last start (`starts`); a service with fewer than 5 such samples
+    is left out."""
+    half = start + (end - start) / 2
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for s in samples:
+        for name, mb in s["rss_mb"].items():
+            if s["t"] >= max(half, starts.get(name, 0.0)):
+                series[name].append((s["t"], mb))
+    slopes = {}
+    for name, points in sorted(series.items()):
+        if len(points) >= 5:
+            t, mb = np.array(points).T
+            if np.ptp(t) > 0:
+                slopes[name] = round(float(np.polyfit(t, mb, 1)[0]) * 3600, 1)
+    return slopes
+
+
+def summarize(
+    outcomes: list[Outcome],
+    faults: list[Fault],
+    crashes: list[Crash],
+    leaked: dict[str, int],
+    integrity: list[str],
+    slopes: dict[str, float],
+    logs: str,
+    duration_s: float,
+    seed: int,
+) -> dict:
+    failed = Counter(o.status for o in outcomes if o.status not in ("ok", "cancelled", "hung"))
+    by_fault: dict[str, Counter] = defaultdict(Counter)
+    for o in outcomes:
+        if o.status not in ("ok", "cancelled"):
+            by_fault[blame(o, faults)][o.status] += 1
+    wrong = [o for o in outcomes if o.wrong]
+    return {
+        "seed": seed,
+        "duration_s": round(duration_s, 1),
+        "sent": len(outcomes),
+        "finished": sum(o.status in ("ok", "cancelled") for o in outcomes),
+        "failed": dict(sorted(failed.items())),
+        "failed_by_fault": {k: dict(v) for k, v in sorted(by_fault.items())},
+        "hung": sum(o.status == "hung" for o in outcomes),
+        "wrong": len(wrong),
+        "wrong_examples": [f"{o.kind} at {o.ended:.1f} s: {o.wrong}" for o in wrong[:10]],
+        "checked": sum(o.status == "ok" and o.kind not in ("n2", "cancel") for o in outcomes),
+        "crashed": len(crashes),
+        "crashes": [c.json() for c in crashes],
+        "leaked_pages": leaked,
+        "integrity_errors": integrity,
+        "rss_slope_mb_per_hour": slopes,
+        "faults": [f.json() for f in faults],
+        "tier_corrupt_detected": logs.count(TIER_REJECTED),
+    }
+
+
+def plot(path: str, outcomes: list[Outcome], samples: list[dict], faults: list[Fault], bin_s: float = 10.0) -> None:
+    """Requests/s (finished, failed), p99 TTFT, pages used per instance and RSS per service over
+    time, the faults as shaded spans; a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
+    end = max([o.ended for o in outcomes] + [s["t"] for s in samples] + [1.0])
+    edges = np.arange(0.0, end + bin_s, bin_s)
+    mids = edges[:-1] + bin_s / 2
+    ok = np.histogram([o.ended for o in outcomes if o.status in ("ok", "cancelled")], edges)[0] / bin_s
+    bad = np.histogram([o.ended for o in outcomes if o.status not in ("ok", "cancelled")], edges)[0] / bin_s
+    axes[0].plot(mids, ok, label="finished")
+    axes[0].plot(mids, bad, label="failed", color="tab:red")
+    axes[0].set_ylabel("requests/s")
+    p99 = []
+    for lo in edges[:-1]:
+        ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None and lo <= o.ended < lo + bin_s]
+        p99.append(np.percentile(ttfts, 99) if ttfts else np.nan)
+    axes[1].plot(mids, p99)
+    axes[1].set_ylabel("p99 TTFT (s)")
+    for key, ax, label in (("pages_used", axes[2], "pages used"), ("rss_mb", axes[3], "RSS (MiB)")):
+        names = sorted({n for s in samples for n in s[key]})
+        for name in names:
+            pts = [(s["t"], s[key][name]) for s in samples if name in s[key]]
+            ax.plot(*zip(*pts, strict=True), label=name)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7, ncol=4)
+    axes[0].legend(fontsize=7)
+    for f in faults:
+        for ax in axes:
+            ax.axvspan(f.at, f.ended or f.at, color="tab:orange", alpha=0.2)
+        axes[0].annotate(f.kind, (f.at, 0), rotation=90, fontsize=6, va="bottom")
+    axes[-1].set_xlabel("seconds into the run")
+    fig.suptitle("kvmesh soak: requests, TTFT, pages and RSS under faults (shaded)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

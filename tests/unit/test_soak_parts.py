@@ -1,0 +1,76 @@
+"""The soak's parts that need no mesh (bench/soak/): the verdict's blame and RSS slopes, the
+answer check, the seeded workload and fault order, the command's argument checks."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+
+from kvmesh.bench.soak import report
+from kvmesh.bench.soak.faults import FAULT_KINDS, Fault, FaultSchedule
+from kvmesh.bench.soak.run import add_arguments, bad, run
+from kvmesh.bench.soak.workload import KINDS, LOGPROB_TOLERANCE, Answer, Outcome, draw
+
+
+def test_a_failure_is_blamed_on_the_fault_under_way_or_just_undone():
+    faults = [Fault("kill9", "decode0", at=10.0, ended=20.0)]
+    during = Outcome("chat", 0, 0, 9.0, 15.0, "UNAVAILABLE")
+    shadow = Outcome("chat", 0, 0, 9.0, 20.0 + report.FAULT_SHADOW_S - 0.1, "UNAVAILABLE")
+    later = Outcome("chat", 0, 0, 9.0, 20.0 + report.FAULT_SHADOW_S + 0.1, "UNAVAILABLE")
+    assert [report.blame(o, faults) for o in (during, shadow, later)] == ["kill9:decode0", "kill9:decode0", "none"]
+
+
+def test_rss_slope_is_fitted_over_the_last_half_on_the_last_life_only():
+    # decode0 grows 1 MiB a second in the last half (3600 MB/h); prefill0 restarted at t=80
+    # (its samples before are another life's) and is flat after; redis has too few samples
+    samples = [
+        {"t": float(t), "rss_mb": {"decode0": 100.0 + max(0, t - 50), "prefill0": 500.0 if t >= 80 else 900.0}}
+        for t in range(0, 101, 2)
+    ]
+    samples[-1]["rss_mb"]["redis"] = 5.0
+    slopes = report.rss_slopes(samples, {"prefill0": 80.0}, 0.0, 100.0)
+    assert slopes["decode0"] == pytest.approx(3600.0, rel=1e-6)
+    assert slopes["prefill0"] == 0.0 and "redis" not in slopes
+
+
+def test_an_answer_differs_by_its_text_tool_calls_or_a_logprob_past_the_tolerance():
+    ref = Answer(["Paris."], ["f({})"], [-0.5, -1.0])
+    assert Answer(["Paris."], ["f({})"], [-0.5, -1.0 + LOGPROB_TOLERANCE / 2]).differs(ref) == ""
+    assert "logprob" in Answer(["Paris."], ["f({})"], [-0.5, -1.0 + 2 * LOGPROB_TOLERANCE]).differs(ref)
+    assert "text" in Answer(["Lyon."], ["f({})"], [-0.5, -1.0]).differs(ref)
+    assert "tool calls" in Answer(["Paris."], [], [-0.5, -1.0]).differs(ref)
+    assert "logprobs" in Answer(["Paris."], ["f({})"], [-0.5]).differs(ref)
+
+
+def test_the_workload_and_the_fault_order_are_seeded_and_every_kind_comes_before_a_repeat():
+    a = [draw(random.Random(7), 2, 2) for _ in range(50)]
+    assert a == [draw(random.Random(7), 2, 2) for _ in range(50)]
+    rng = random.Random(7)
+    specs = [draw(rng, 2, 2) for _ in range(400)]
+    assert {s.kind for s in specs} == set(KINDS) and {s.gateway for s in specs} == {0, 1}
+    schedule = FaultSchedule(mesh=None, rng=random.Random(3), gap_s=(1, 2), stop_after=0)  # type: ignore[arg-type]
+    order = [schedule._next_kind() for _ in range(2 * len(FAULT_KINDS))]
+    assert sorted(order[: len(FAULT_KINDS)]) == sorted(FAULT_KINDS) == sorted(order[len(FAULT_KINDS) :])
+    with pytest.raises(ValueError, match="unknown fault kinds"):
+        FaultSchedule(mesh=None, rng=random.Random(3), gap_s=(1, 2), stop_after=0, kinds=["meteor"])  # type: ignore[arg-type]
+
+
+def test_a_run_is_bad_for_anything_hung_wrong_crashed_or_leaked():
+    good = {"hung": 0, "wrong": 0, "crashed": 0, "leaked_pages": {"decode0": 0}, "integrity_errors": []}
+    assert bad(good) == []
+    assert bad({**good, "hung": 1}) == ["hung: 1"]
+    assert bad({**good, "leaked_pages": {"decode0": 3}}) == ["leaked pages: {'decode0': 3}"]
+    assert bad({**good, "integrity_errors": ["decode0: x"]}) == ["integrity errors: ['decode0: x']"]
+
+
+@pytest.mark.parametrize(
+    "flags", [["--fault-gap", "5"], ["--fault-gap", "9:3"], ["--duration", "0"], ["--concurrency", "0"]]
+)
+def test_bad_flags_get_one_line_and_exit_1(flags, capsys, monkeypatch):
+    monkeypatch.setattr("kvmesh.bench.soak.run.unavailable", lambda: None)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(flags)) == 1
+    assert "kvmesh soak:" in capsys.readouterr().out
