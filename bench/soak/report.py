@@ -25,9 +25,13 @@ TIER_REJECTED = "; recomputing it"
 
 
 def blame(o: Outcome, faults: list[Fault]) -> str:
-    """The fault `o` is put down to: the one whose span (plus the shadow) holds its end."""
+    """The fault `o` is put down to: the one under way when it ended, else the last one undone
+    at most FAULT_SHADOW_S before; "none" otherwise."""
     for f in faults:
-        if f.at <= o.ended <= (f.ended or f.at) + FAULT_SHADOW_S:
+        if f.at <= o.ended <= (f.ended or f.at):
+            return f"{f.kind}:{f.target}"
+    for f in reversed(faults):
+        if (f.ended or f.at) <= o.ended <= (f.ended or f.at) + FAULT_SHADOW_S:
             return f"{f.kind}:{f.target}"
     return "none"
 

@@ -10,6 +10,7 @@ root). Where hosts cannot be made it fails under CI and skips, saying why, elsew
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -39,6 +40,10 @@ def verdict(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("soak")
     plot = str(workdir / "soak.png")
     result = asyncio.run(soak(SOAK_S, SEED, 4, (3.0, 6.0), KINDS, workdir, plot))
+    (workdir / "verdict.json").write_text(json.dumps(result, indent=1))
+    print(f"the soak's verdict, logs and outcomes: {workdir}")
+    for f in result["faults"]:
+        print(f"  {f['at_s']:7.1f}-{f['ended_s']:7.1f} s  {f['kind']}:{f['target']}  {f['note'][:120]}")
     result["plot"] = plot
     return result
 
@@ -55,10 +60,10 @@ def test_most_requests_finished_and_every_failure_has_a_clear_status(verdict):
     assert verdict["sent"] == verdict["finished"] + failed + verdict["hung"]
     assert verdict["checked"] >= 50 and verdict["finished"] >= 0.8 * verdict["sent"], verdict
     assert set(verdict["failed"]) <= CLEAR | {CONNECT}, verdict["failed"]
-    # a refused connect only while a gateway was down
+    # a refused connect only while a gateway was down or cut off
     for fault, statuses in verdict["failed_by_fault"].items():
         if CONNECT in statuses:
-            assert fault.startswith("gateway_restart") or fault.startswith("freeze:gateway"), (fault, statuses)
+            assert "gateway" in fault, (fault, statuses, verdict["faults"])
 
 
 def test_the_schedule_ran_faults_of_several_kinds_and_undid_each(verdict):

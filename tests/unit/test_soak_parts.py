@@ -20,6 +20,9 @@ def test_a_failure_is_blamed_on_the_fault_under_way_or_just_undone():
     shadow = Outcome("chat", 0, 0, 9.0, 20.0 + report.FAULT_SHADOW_S - 0.1, "UNAVAILABLE")
     later = Outcome("chat", 0, 0, 9.0, 20.0 + report.FAULT_SHADOW_S + 0.1, "UNAVAILABLE")
     assert [report.blame(o, faults) for o in (during, shadow, later)] == ["kill9:decode0", "kill9:decode0", "none"]
+    # in the shadow of one fault and during the next: the one under way
+    faults.append(Fault("cut", "gateway0", at=22.0, ended=25.0))
+    assert report.blame(Outcome("chat", 0, 0, 21.0, 23.0, "connect_error"), faults) == "cut:gateway0"
 
 
 def test_rss_slope_is_fitted_over_the_last_half_on_the_last_life_only():
