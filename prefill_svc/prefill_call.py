@@ -124,6 +124,7 @@ class PrefillCall:
         try:
             pulled = await puller.pull(job, request.pull_from, request.pull_blocks)
         except PullStuck as exc:
+            logger.warning("%s; the request fails (KV_PUSH_FAILED)", exc)
             await abort(self.context, FailureCause.KV_PUSH_FAILED, str(exc))
         except asyncio.CancelledError:
             if job.block_ids:  # allocated for the pull: given back (a stuck receive gives them itself)

@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from kvmesh.engine.outcomes import FailureCause
@@ -126,3 +127,51 @@ def test_a_body_nested_too_deeply_for_the_json_parser_is_a_400(front):
     r = client.post("/v1/chat/completions", content=b"[" * 100_000 + b"]" * 100_000)
     assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
     assert path.requests == []
+
+
+def _request(headers: dict[str, str], receive) -> Request:
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
+    return Request(scope, receive)
+
+
+def test_a_declared_length_past_the_bound_is_a_413_before_a_byte_of_the_body_is_read():
+    import asyncio
+
+    from kvmesh.gateway.http.body import read_json
+    from kvmesh.gateway.http.errors import Refused
+
+    async def receive():
+        raise AssertionError("the body was read")
+
+    with pytest.raises(Refused) as refused:
+        asyncio.run(read_json(_request({"content-length": str(2 << 20)}, receive), 1 << 20))
+    assert refused.value.response.status_code == 413
+
+
+def test_a_body_that_trickles_in_past_the_read_bound_is_a_408(monkeypatch):
+    """A slow client (a few bytes, then nothing) holds its connection only BODY_READ_S seconds."""
+    import asyncio
+
+    from kvmesh.gateway.http import body
+    from kvmesh.gateway.http.errors import Refused
+
+    monkeypatch.setattr(body, "BODY_READ_S", 0.2)
+    parts = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]
+
+    async def receive():
+        if parts:
+            return parts.pop()
+        await asyncio.sleep(3600)  # the rest never comes
+
+    async def read():
+        return await asyncio.wait_for(body.read_json(_request({}, receive), 1 << 20), 10)
+
+    with pytest.raises(Refused) as refused:
+        asyncio.run(read())
+    assert refused.value.response.status_code == 408
+    assert b"did not arrive within" in refused.value.response.body
