@@ -1,4 +1,5 @@
-"""`kvmesh fuzz`: random and hostile GenerateRequests against a gateway, over real gRPC.
+"""`kvmesh fuzz`: random and hostile GenerateRequests against a gateway, over real gRPC (with
+--http: against its HTTP front, every field of its four APIs, bench/fuzz_http.py).
 
 Sends --requests requests (default 3000), --concurrency at a time (default 32), each with a
 client deadline (--deadline-s, default 60 s). Each request is a plain valid one (1-8 tokens)
@@ -126,8 +127,11 @@ def run(args: argparse.Namespace) -> int:
         print("error: --requests and --concurrency must be >= 1 and --deadline-s > 0", file=sys.stderr)
         return 2
     indices = args.index or list(range(args.requests))
+    if args.http and args.gateway and not args.http_url:
+        print("error: with --http and --gateway, give the gateway's HTTP API as --http-url", file=sys.stderr)
+        return 2
     mesh, log = None, None
-    address = args.gateway
+    address, http_url = args.gateway, args.http_url
     if not address:
         from kvmesh.launcher import start_mesh
         from kvmesh.redis_server import free_port
@@ -135,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-fuzz-", suffix=".log", delete=False)
         say(f"starting a mesh (1 prefill, 1 decode); services log to {log.name}")
         try:
-            mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""})
+            http_port = free_port() if args.http else 0
+            mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""}, http_port=http_port)
+            http_url = mesh.http_address
         except Exception as exc:
             log.seek(0)
             print(log.read()[-4000:], file=sys.stderr)
@@ -153,7 +159,11 @@ def run(args: argparse.Namespace) -> int:
             f"{len(indices)} requests, {args.concurrency} at a time, seed {args.seed}"
         )
         start = time.perf_counter()
-        results = asyncio.run(fuzz(address, args.seed, indices, t, args.concurrency, args.deadline_s, say))
+        probes: dict[str, str] = {}
+        if args.http:
+            results, probes = asyncio.run(_fuzz_http(http_url, t.model, args, indices, say))
+        else:
+            results = asyncio.run(fuzz(address, args.seed, indices, t, args.concurrency, args.deadline_s, say))
         seconds = time.perf_counter() - start
         ok, answer = asyncio.run(answering(address, t.chat))
         dead = [name for name, p in mesh.procs if p.poll() is not None] if mesh else []
@@ -161,14 +171,34 @@ def run(args: argparse.Namespace) -> int:
         if mesh is not None:
             mesh.stop()
     unhandled, tracebacks = log_exceptions(log.name) if log else (0, [])
-    summary = summarize(results, seconds, ok, answer, dead, unhandled, tracebacks)
+    if args.http:
+        from kvmesh.bench.fuzz_http import is_http_failure
+
+        summary = summarize(results, seconds, ok, answer, dead, unhandled, tracebacks, is_http_failure)
+        summary["probes"] = probes
+        summary["num_failures"] += sum(v != "ok" for v in probes.values())
+    else:
+        summary = summarize(results, seconds, ok, answer, dead, unhandled, tracebacks)
     if args.json:
         print(json.dumps(summary))
     else:
         print_report(summary)
     if log:
         say(f"services' log kept in {log.name}")
-    return 1 if summary["num_failures"] or not ok or dead or unhandled else 0
+    bad_logs = bool(tracebacks) and args.http  # every refusal of the HTTP front is answered, never raised
+    return 1 if summary["num_failures"] or not ok or dead or unhandled or bad_logs else 0
+
+
+async def _fuzz_http(http_url: str, model: str, args: argparse.Namespace, indices: list[int], say) -> tuple:
+    """The HTTP cases (bench/fuzz_http.py) and, beside them, the bound probes."""
+    from kvmesh.bench.fuzz_http import fuzz_http, probe_bounds
+    from kvmesh.gateway.http.body import BODY_READ_S
+    from kvmesh.gateway.http.server import MAX_BODY_BYTES
+
+    base = http_url.rstrip("/")
+    probes = asyncio.ensure_future(probe_bounds(base, MAX_BODY_BYTES, BODY_READ_S))
+    results = await fuzz_http(base, model, args.seed, indices, args.concurrency, args.deadline_s, MAX_BODY_BYTES, say)
+    return results, await probes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -182,6 +212,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline-s", type=float, default=60.0, help="client deadline of each request (default 60)")
     p.add_argument("--model", default=None, help="model of the local mesh (default SmolLM2-135M-Instruct)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--http",
+        action="store_true",
+        help="fuzz the HTTP front instead: every field of chat completions, completions, Responses and Messages, "
+        "headers, bodies at and past their bounds, clients that leave (bench/fuzz_http.py)",
+    )
+    p.add_argument("--http-url", default="", help="with --http and --gateway: the gateway's HTTP API base URL")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 FAILING = ("UNKNOWN", "INTERNAL", "OK_MALFORMED")
@@ -61,8 +62,11 @@ def summarize(
     dead: list[str],
     unhandled: int,
     tracebacks: list[str],
+    failing: Callable[[Result], bool] | None = None,
 ) -> dict:
-    """The run in one JSON-able dict: counts by status and by case, examples, up to 5 failures a status."""
+    """The run in one JSON-able dict: counts by status and by case, examples, up to 5 failures a
+    status (`failing`: what fails the run; default is_failure, the gRPC fuzzer's)."""
+    failing = failing or is_failure
     by_status = Counter(r.status for r in results)
     examples: dict[str, list[str]] = defaultdict(list)
     by_case: dict[str, Counter] = defaultdict(Counter)
@@ -73,7 +77,7 @@ def summarize(
         d = r.details[:200]
         if d and d not in examples[r.status] and len(examples[r.status]) < 2:
             examples[r.status].append(d)
-        if is_failure(r):
+        if failing(r):
             per_status[r.status] += 1
             if per_status[r.status] <= 5:
                 failures.append({**asdict(r), "details": r.details[:500], "seconds": round(r.seconds, 3)})
