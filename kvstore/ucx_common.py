@@ -174,6 +174,24 @@ def _slow_down_progress_thread(loop: asyncio.AbstractEventLoop) -> None:
     ctx.worker.start_progress_thread(polling_mode=False, epoll_timeout=EPOLL_TIMEOUT_MS)
 
 
+ABORT_PERIOD_NS = 20 * 10**9
+"""How long one attempt of an endpoint's abort waits for ucxx's progress thread (ns)."""
+ABORT_ATTEMPTS = 3
+
+
+def abort_endpoint(ep: Any) -> None:
+    """Abort ucxx endpoint `ep` now: its posted requests are cancelled and its UCP endpoint is
+    closed, on the progress thread, while this thread waits (idempotent).
+
+    ucxx waits for each step with a timeout, 10 s and one attempt by default; a step that times
+    out is dropped, and a close dropped so leaves the UCP endpoint open with an error handler
+    that points at the ucxx endpoint, which is freed once Python lets go of it. A process frozen
+    (SIGSTOP) in that wait for most of 10 s meets that timeout on waking. So: 3 attempts of 20 s
+    (ucxx submits the close again only when the last one was dropped). A soak suspect: docs/operations.md
+    "Known limits"."""
+    ep.abort(period=ABORT_PERIOD_NS, max_attempts=ABORT_ATTEMPTS)
+
+
 def _as_buffer(buf: Any, index: int, writable: bool) -> Array:
     """ucxx Array over a page buffer, zero-copy; numpy arrays or any C-contiguous buffer
     (buffer protocol or __cuda_array_interface__)."""

@@ -42,7 +42,7 @@ class SenderEndpoints:
             # but whose process lives: TimeoutError after connect_timeout_s (with Python
             # futures on, ucxx does not surface the refused connect before its timeout).
             if ctrl is not None:
-                ctrl.abort()
+                common.abort_endpoint(ctrl)
             raise TransferError(f"cannot connect to KV receiver at {address}: {exc!r}") from exc
         self.pairs[address] = (ctrl, data)
         return ctrl, data
@@ -52,7 +52,7 @@ class SenderEndpoints:
         pair = self.pairs.pop(address, None)
         if pair is not None:
             for ep in pair:
-                ep.abort()  # idempotent; cancels the endpoint's outstanding requests
+                common.abort_endpoint(ep)  # idempotent; cancels the endpoint's outstanding requests
 
     def drop_all(self) -> None:
         for address in list(self.pairs):

@@ -14,7 +14,7 @@ from ucxx.exceptions import UCXCloseError
 
 import kvmesh.kvstore.shared_memory as shared_memory
 from kvmesh.kvstore.transport import TransferError
-from kvmesh.kvstore.ucx_common import _DATA_TAG_BIT, _TAG_ACK, _TAG_GO, ACK_OK, _post_all
+from kvmesh.kvstore.ucx_common import _DATA_TAG_BIT, _TAG_ACK, _TAG_GO, ACK_OK, _post_all, abort_endpoint
 from kvmesh.kvstore.ucx_table import ExpectedTransfer, TransferTable
 
 
@@ -73,7 +73,7 @@ async def receive_pages(
         for receive in receives:
             receive.cancel()
     if error is not None:
-        ep.abort()  # no receive may stay posted into pages once the future is done
+        abort_endpoint(ep)  # no receive may stay posted into pages once the future is done
         table.finish(entry, error=TransferError(f"[transfer {entry.transfer_id}] push {where} broke off: {error!r}"))
         raise error
 

@@ -37,6 +37,7 @@ from kvmesh.kvstore.ucx_common import (
     MAX_BUFFERS,
     VERSION,
     _runtime,
+    abort_endpoint,
 )
 from kvmesh.kvstore.ucx_landing import (
     check_open,
@@ -175,7 +176,7 @@ class KVReceiver:
         self._table.close()  # pushes waiting for a reservation: refused now; no push landing: cancelled
         tasks = list(self._conns)
         for ep in list(self._conns.values()):
-            ep.abort()  # cancels posted receives: the loops end with errors
+            abort_endpoint(ep)  # cancels posted receives: the loops end with errors
         if tasks:
             _, stuck = await asyncio.wait(tasks, timeout=5.0)
             for task in stuck:
@@ -197,7 +198,7 @@ class KVReceiver:
     async def _serve(self, ep) -> None:
         """Listener callback: serve one sender's endpoint until it goes away."""
         if self._closed:
-            ep.abort()
+            abort_endpoint(ep)
             return
         self._num_conns += 1
         peer = f"conn#{self._num_conns}"
@@ -222,7 +223,7 @@ class KVReceiver:
             self._conns.pop(task, None)
             # even when the peer closed it (ep.closed is then True): abort() also drops the
             # endpoint's reference to the UCX context, which must go before ucxx.reset()
-            ep.abort()
+            abort_endpoint(ep)
 
     async def _serve_loop(self, ep, peer: str) -> None:
         """Serve the connection's pushes one after another, until a header breaks the protocol."""

@@ -22,7 +22,7 @@ import numpy as np
 from ucxx._lib.arr import Array
 
 from kvmesh.kvstore.transport import TransferResult
-from kvmesh.kvstore.ucx_common import _as_buffer, _check_transfer_id
+from kvmesh.kvstore.ucx_common import _as_buffer, _check_transfer_id, abort_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TransferFuture(asyncio.Future):
             if entry.ep is not None:
                 # cut the push off: a stopped or wedged sender would hold the pages forever;
                 # aborting cancels the posted receives, and the landing then cancels this future
-                entry.ep.abort()
+                abort_endpoint(entry.ep)
             return False
         return super().cancel(msg)
 

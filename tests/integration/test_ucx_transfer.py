@@ -687,3 +687,28 @@ def test_a_handshake_timeout_in_ucxx_listener_is_one_warning_line_not_an_error_w
     assert timeout.levelname == "WARNING" and "Traceback" not in timeout.getMessage()
     assert "handshake timed out" in timeout.getMessage()
     assert other.levelname == "ERROR" and "Traceback" in other.getMessage() and "ValueError" in other.getMessage()
+
+
+def test_every_endpoint_abort_goes_through_the_helper_with_room_for_a_freeze():
+    """kvstore aborts UCX endpoints only through ucx_common.abort_endpoint (3 attempts of 20 s,
+    not ucxx's one of 10 s, which a frozen process meets on waking and then leaves the UCP
+    endpoint open); a bare `.abort()` in the transport would bring that default back."""
+    import pathlib
+    import re
+
+    calls = []
+
+    class Ep:
+        def abort(self, **kw):
+            calls.append(kw)
+
+    ucx_common.abort_endpoint(Ep())
+    assert calls == [{"period": 20 * 10**9, "max_attempts": 3}]
+    root = pathlib.Path(ucx_common.__file__).parent
+    bare = [
+        f"{path.name}:{n}"
+        for path in sorted(root.glob("ucx_*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\.abort\(\)", line)
+    ]
+    assert bare == [], bare
