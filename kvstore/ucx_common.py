@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,6 +178,7 @@ def _slow_down_progress_thread(loop: asyncio.AbstractEventLoop) -> None:
 ABORT_PERIOD_NS = 20 * 10**9
 """How long one attempt of an endpoint's abort waits for ucxx's progress thread (ns)."""
 ABORT_ATTEMPTS = 3
+ABORT_SLOW_S = 1.0
 
 
 def abort_endpoint(ep: Any) -> None:
@@ -188,8 +190,15 @@ def abort_endpoint(ep: Any) -> None:
     that points at the ucxx endpoint, which is freed once Python lets go of it. A process frozen
     (SIGSTOP) in that wait for most of 10 s meets that timeout on waking. So: 3 attempts of 20 s
     (ucxx submits the close again only when the last one was dropped). A soak suspect: docs/operations.md
-    "Known limits"."""
+    "Known limits".
+
+    It blocks the calling thread (the event loop's) until the progress thread has done it: one
+    that took over ABORT_SLOW_S is logged, with how long."""
+    started = time.monotonic()
     ep.abort(period=ABORT_PERIOD_NS, max_attempts=ABORT_ATTEMPTS)
+    took = time.monotonic() - started
+    if took > ABORT_SLOW_S:
+        logger.warning("aborting a UCX endpoint held this thread %.1f s (its peer is frozen or gone?)", took)
 
 
 def _as_buffer(buf: Any, index: int, writable: bool) -> Array:
