@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import ucxx
 from ucxx._lib.arr import Array
-from ucxx.exceptions import UCXError
+from ucxx.exceptions import UCXCloseError, UCXError
 
 # Shared memory transports (sysv, posix) serve endpoints with error handling only when this is
 # set; every kvmesh endpoint has error handling (a dead peer must fail a push, not crash).
@@ -199,6 +199,18 @@ def abort_endpoint(ep: Any) -> None:
     took = time.monotonic() - started
     if took > ABORT_SLOW_S:
         logger.warning("aborting a UCX endpoint held this thread %.1f s (its peer is frozen or gone?)", took)
+
+
+def check_open(ep: Any) -> None:
+    """Raise UCXCloseError when `ep` is closed: aborted (a cancel cuts a landing push off by
+    aborting its endpoint, ucx_table.TransferFuture.cancel, even when its last page has just
+    landed) or failed (its peer died, reset or closed it). Call it before each send or receive:
+    ucxx's on an aborted endpoint raise AttributeError, not a UCX error, and its receive on a
+    failed one probes the worker for the message from this thread (`Worker::tagProbe`), beside
+    the progress thread's own progress; kvmesh's protocol never needs a message from a closed
+    endpoint."""
+    if ep.closed:
+        raise UCXCloseError("the endpoint is closed (aborted, or its peer went away)")
 
 
 def _as_buffer(buf: Any, index: int, writable: bool) -> Array:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from ucxx.exceptions import UCXCloseError
 
 import kvmesh.kvstore.shared_memory as shared_memory
 from kvmesh.kvstore.transport import TransferError
-from kvmesh.kvstore.ucx_common import _DATA_TAG_BIT, _TAG_ACK, _TAG_GO, ACK_OK, _post_all, abort_endpoint
+from kvmesh.kvstore.ucx_common import _DATA_TAG_BIT, _TAG_ACK, _TAG_GO, ACK_OK, _post_all, abort_endpoint, check_open
 from kvmesh.kvstore.ucx_table import ExpectedTransfer, TransferTable
 
 
@@ -24,24 +23,16 @@ def data_tag_base(push_number: int) -> int:
     return _DATA_TAG_BIT | (push_number % (1 << 43)) << 20
 
 
-def check_open(ep) -> None:
-    """Raise UCXCloseError when `ep` was aborted: a cancel cuts a landing push off by aborting its
-    endpoint (ucx_table.TransferFuture.cancel), even when its last page has just landed, and
-    ucxx's send and recv on an aborted endpoint raise AttributeError, not a UCX error."""
-    if ep.closed:
-        raise UCXCloseError("the endpoint was aborted (its transfer was cancelled)")
-
-
 async def send_go(ep, code: int, tag_base: int = 0) -> None:
     """Answer a header: ACK_OK and the push's data tag base, or why the pages are refused
-    (then none are sent). Raises UCXCloseError when the endpoint was aborted."""
+    (then none are sent). Raises UCXCloseError when the endpoint is closed."""
     check_open(ep)
     await ep.send(np.array([code, tag_base], dtype="<u8"), tag=_TAG_GO)
 
 
 async def send_ack(ep, code: int) -> None:
     """End a push: ACK_OK when every page landed, or why the header was refused. Raises
-    UCXCloseError when the endpoint was aborted."""
+    UCXCloseError when the endpoint is closed."""
     check_open(ep)
     await ep.send(np.array([code], dtype=np.uint8), tag=_TAG_ACK)
 
@@ -58,6 +49,7 @@ async def receive_pages(
     included, the endpoint is aborted (no receive stays posted into the pages), the transfer
     fails with TransferError, and the error is raised again.
     """
+    check_open(ep)
     table.start_landing(entry, first, ep)
     error: BaseException | None = None
     receives: list[asyncio.Future] = []

@@ -123,6 +123,8 @@ class PushExchange:
         self.sends: asyncio.Future | None = None
 
     async def run(self) -> int:
+        common.check_open(self.ctrl)
+        common.check_open(self.data)
         self.ack_recv = ack_recv = asyncio.ensure_future(self.ctrl.recv(self.ack, tag=common._TAG_ACK))
         self.go_recv = asyncio.ensure_future(self.ctrl.recv(self.go, tag=common._TAG_GO))
         for f in (ack_recv, self.go_recv):
@@ -146,10 +148,11 @@ class PushExchange:
     async def _announce(self) -> None:
         """HEADER, then SIZES and SOURCE when there are pages."""
         m = self.message
-        await self.ctrl.send(m.header, tag=common._TAG_HEADER)
-        if m.arrays:
-            await self.ctrl.send(m.sizes, tag=common._TAG_SIZES)
-            await self.ctrl.send(m.source, tag=common._TAG_SOURCE)
+        for message, tag in [(m.header, common._TAG_HEADER)] + (
+            [(m.sizes, common._TAG_SIZES), (m.source, common._TAG_SOURCE)] if m.arrays else []
+        ):
+            common.check_open(self.ctrl)
+            await self.ctrl.send(message, tag=tag)
 
     async def _await_go(self) -> bool:
         """Wait for GO (True) or an early ACK, which refuses the header (False)."""
@@ -168,6 +171,7 @@ class PushExchange:
         """Post one send a page over the data endpoint, then await the sends and the ACK."""
         ack_recv = self.ack_recv
         assert ack_recv is not None
+        common.check_open(self.data)
         posted = [
             asyncio.ensure_future(c) for c in common._post_all(self.data, self.data.send, self.message.arrays, tag_base)
         ]

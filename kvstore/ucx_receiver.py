@@ -38,9 +38,9 @@ from kvmesh.kvstore.ucx_common import (
     VERSION,
     _runtime,
     abort_endpoint,
+    check_open,
 )
 from kvmesh.kvstore.ucx_landing import (
-    check_open,
     data_tag_base,
     pull_pages,
     receive_pages,
@@ -251,7 +251,9 @@ class KVReceiver:
         sizes = np.empty(n, dtype="<u8")
         source = np.zeros(5 + n, dtype="<u8")
         if n:
+            check_open(ep)
             await ep.recv(sizes, tag=_TAG_SIZES)
+            check_open(ep)
             await ep.recv(source, tag=_TAG_SOURCE)
         assert self._loop is not None, "connections are served after start()"
         entry = await self._table.await_reservation(tid, self._loop, self.reservation_wait_s)
