@@ -3,7 +3,8 @@
 Keys: `sent`, `finished` (answered, or cancelled by the client), `failed` (by status), `failed_by_fault`
 (by the fault under way when the request ended, or within FAULT_SHADOW_S after it was undone;
 "none" otherwise), `hung`, `wrong` (and `wrong_examples`), `crashed` (and `crashes`), `leaked_pages`
-(by instance), `integrity_errors`, `rss_slope_mb_per_hour` (by service, over the last half of
+(by instance), `integrity_errors`, `near_ties` (a greedy answer that first parts from the
+reference at a token within workload.NEAR_TIE_NATS of the reference's own: not wrong, counted), `rss_slope_mb_per_hour` (by service, over the last half of
 the run, on its last life), `faults`, and `tier_corrupt_detected` (tier blocks that did not check
 out and were recomputed, from the services' logs).
 """
@@ -72,6 +73,7 @@ def summarize(
         if o.status not in ("ok", "cancelled"):
             by_fault[blame(o, faults)][o.status] += 1
     wrong = [o for o in outcomes if o.wrong]
+    ties = [o for o in outcomes if o.near_tie]
     return {
         "seed": seed,
         "duration_s": round(duration_s, 1),
@@ -82,6 +84,8 @@ def summarize(
         "hung": sum(o.status == "hung" for o in outcomes),
         "wrong": len(wrong),
         "wrong_examples": [f"{o.kind} at {o.ended:.1f} s: {o.wrong}" for o in wrong[:10]],
+        "near_ties": len(ties),
+        "near_tie_examples": [f"{o.kind} at {o.ended:.1f} s: {o.near_tie}" for o in ties[:10]],
         "checked": sum(o.status == "ok" and o.kind not in ("n2", "cancel") for o in outcomes),
         "crashed": len(crashes),
         "crashes": [c.json() for c in crashes],

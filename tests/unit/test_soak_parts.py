@@ -77,3 +77,20 @@ def test_bad_flags_get_one_line_and_exit_1(flags, capsys, monkeypatch):
     add_arguments(parser)
     assert run(parser.parse_args(flags)) == 1
     assert "kvmesh soak:" in capsys.readouterr().out
+
+
+def test_a_greedy_answer_that_parts_at_a_near_tied_token_is_a_near_tie_not_wrong():
+    from kvmesh.bench.soak.workload import NEAR_TIE_NATS
+
+    ref = Answer(
+        ["Bees make honey."],
+        tokens=["Bees", " make", " honey"],
+        tops=[{"Bees": -0.1}, {" make": -0.50, " produce": -0.50 - NEAR_TIE_NATS / 2}, {" honey": -0.2}],
+    )
+    tie = Answer(["Bees produce honey."], tokens=["Bees", " produce", " honey"])
+    far = Answer(["Bees produce honey."], tokens=["Bees", " produce", " honey"])
+    ref_far = Answer(ref.text, tokens=ref.tokens, tops=[ref.tops[0], {" make": -0.5, " produce": -3.0}, ref.tops[2]])
+    unseen = Answer(["Bees eat honey."], tokens=["Bees", " eat", " honey"])
+    assert "token 1" in tie.near_tie(ref) and tie.differs(ref).startswith("text")
+    assert far.near_tie(ref_far) == "" and unseen.near_tie(ref) == ""
+    assert Answer(["Bees produce honey."]).near_tie(ref) == ""  # no token logprobs: cannot tell
