@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +113,8 @@ class SoakMesh:
         self.http = {g: f"http://{h[g].address}:{HTTP_PORT}/v1" for g in GATEWAYS}
         self.redis_url = f"redis://{h['redis'].address}:6379"
         self.services: dict[str, Service] = {}
+        self.starts: dict[str, list[float]] = defaultdict(list)
+        """Every life's start of each service (seconds, `now()`)."""
         self.crashes: list[Crash] = []
         self.t0 = time.monotonic()
         self.env = {**os.environ, **ENV}
@@ -159,6 +162,7 @@ class SoakMesh:
         old = self.services.get(name)
         svc = Service(name, proc, pid, self.now(), log_path, offset, lives=old.lives + 1 if old else 1)
         self.services[name] = svc
+        self.starts[name].append(svc.started)
         return svc
 
     async def wait_serving(self, names: list[str], timeout_s: float = START_BOUND_S) -> None:

@@ -37,18 +37,28 @@ def blame(o: Outcome, faults: list[Fault]) -> str:
     return "none"
 
 
-def rss_slopes(samples: list[dict], starts: dict[str, float], start: float, end: float) -> dict[str, float]:
-    """Each service's RSS slope (MB/hour, least squares) over [start + (end - start) / 2, end],
-    from its samples since its last start (`starts`); a service with fewer than 5 such samples
-    is left out."""
+WARMUP_S = 30.0
+"""A service's RSS grows as it warms up (pages touched, caches filled): its first seconds of a
+life are left out of its slope."""
+
+
+def rss_slopes(samples: list[dict], starts: dict[str, list[float]], start: float, end: float) -> dict[str, float]:
+    """Each service's RSS slope (MB/hour, least squares) over the last half of [start, end], on its
+    longest life there (`starts`: each life's start, in order) less that life's first WARMUP_S; a
+    service with fewer than 5 such samples is left out. A service restarted by the faults starts
+    low and climbs to its working set: fitted across lives, that climb would read as a leak."""
     half = start + (end - start) / 2
-    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    segments: dict[str, dict[float, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for s in samples:
+        if s["t"] < half:
+            continue
         for name, mb in s["rss_mb"].items():
-            if s["t"] >= max(half, starts.get(name, 0.0)):
-                series[name].append((s["t"], mb))
+            life = max((t for t in starts.get(name, [float("-inf")]) if t <= s["t"]), default=float("-inf"))
+            if s["t"] >= life + WARMUP_S:
+                segments[name][life].append((s["t"], mb))
     slopes = {}
-    for name, points in sorted(series.items()):
+    for name, lives in sorted(segments.items()):
+        points = max(lives.values(), key=lambda pts: pts[-1][0] - pts[0][0])
         if len(points) >= 5:
             t, mb = np.array(points).T
             if np.ptp(t) > 0:

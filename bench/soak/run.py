@@ -89,7 +89,10 @@ async def soak(
         http = [mesh.http[g] for g in GATEWAYS]
         async with Clients(http, [mesh.address[g] for g in GATEWAYS], list(API_KEYS)) as clients:
             reference = await reference_answers(clients, mesh.now)
+            shift = time.monotonic() - mesh.t0
             mesh.t0, start = time.monotonic(), 0.0  # times from here on: seconds into the soak
+            for lives in mesh.starts.values():
+                lives[:] = [t - shift for t in lives]
             until = start + duration_s
             samples: list[dict] = []
             stop = asyncio.Event()
@@ -101,8 +104,7 @@ async def soak(
             leaked, integrity = await _drain(mesh)
             stop.set()
             await watcher
-        starts = {name: svc.started for name, svc in mesh.services.items()}
-        slopes = report.rss_slopes(samples, starts, start, mesh.now())
+        slopes = report.rss_slopes(samples, dict(mesh.starts), start, mesh.now())
         verdict = report.summarize(
             outcomes,
             schedule.done,

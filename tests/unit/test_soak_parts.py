@@ -25,15 +25,20 @@ def test_a_failure_is_blamed_on_the_fault_under_way_or_just_undone():
     assert report.blame(Outcome("chat", 0, 0, 21.0, 23.0, "connect_error"), faults) == "cut:gateway0"
 
 
-def test_rss_slope_is_fitted_over_the_last_half_on_the_last_life_only():
-    # decode0 grows 1 MiB a second in the last half (3600 MB/h); prefill0 restarted at t=80
-    # (its samples before are another life's) and is flat after; redis has too few samples
+def test_rss_slope_is_fitted_over_the_last_half_on_the_longest_life_after_its_warm_up():
+    # decode0 grows 1 MiB a second in the last half (3600 MB/h); prefill0 restarted at t=52 and
+    # t=80, each life climbing 10 MiB a second for its first 20 s (warm-up), then flat: 0, not a
+    # leak; redis has too few samples
+    def prefill(t):
+        life = 80 if t >= 80 else 52
+        return 500.0 + 10 * min(t - life, 20)
+
     samples = [
-        {"t": float(t), "rss_mb": {"decode0": 100.0 + max(0, t - 50), "prefill0": 500.0 if t >= 80 else 900.0}}
-        for t in range(0, 101, 2)
+        {"t": float(t), "rss_mb": {"decode0": 100.0 + max(0, t - 50), "prefill0": prefill(t)}}
+        for t in range(52, 201, 2)
     ]
     samples[-1]["rss_mb"]["redis"] = 5.0
-    slopes = report.rss_slopes(samples, {"prefill0": 80.0}, 0.0, 100.0)
+    slopes = report.rss_slopes(samples, {"prefill0": [0.0, 52.0, 80.0]}, 0.0, 200.0)
     assert slopes["decode0"] == pytest.approx(3600.0, rel=1e-6)
     assert slopes["prefill0"] == 0.0 and "redis" not in slopes
 
