@@ -49,11 +49,11 @@ async def receive_pages(
     included, the endpoint is aborted (no receive stays posted into the pages), the transfer
     fails with TransferError, and the error is raised again.
     """
-    check_open(ep)
     table.start_landing(entry, first, ep)
     error: BaseException | None = None
     receives: list[asyncio.Future] = []
     try:
+        check_open(ep)  # a closed endpoint fails the transfer as a receive on it would
         buffers = entry.buffers[first : first + n]
         receives = [asyncio.ensure_future(c) for c in _post_all(ep, ep.recv, buffers, tag_base)]
         await asyncio.sleep(0)  # each task posts its receive at its first step
