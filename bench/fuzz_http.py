@@ -222,6 +222,7 @@ async def send_http(client: httpx.AsyncClient, c: HttpCase, deadline_s: float) -
                     async for _ in r.aiter_bytes():
                         return "left", ""
                 text = (await r.aread()).decode("utf-8", "replace")
+                streamed = r.headers.get("content-type", "").startswith("text/event-stream")
     except TimeoutError:
         return "timeout", f"no answer within {deadline_s} s"
     except httpx.LocalProtocolError as exc:  # httpx would not send it (a header value h11 refuses)
@@ -230,11 +231,13 @@ async def send_http(client: httpx.AsyncClient, c: HttpCase, deadline_s: float) -
         return "transport_error", repr(exc)[:300]
     except Exception as exc:  # the client library refused it otherwise: not the server's doing
         return "client_refused", repr(exc)[:300]
-    return ("OK_MALFORMED", text[:300]) if _malformed(c, text) else ("http_200", "")
+    return ("OK_MALFORMED", text[:300]) if _malformed(c, text, streamed) else ("http_200", "")
 
 
-def _malformed(c: HttpCase, text: str) -> bool:
-    if not c.stream:
+def _malformed(c: HttpCase, text: str, streamed: bool) -> bool:
+    """Whether a 200's body is not its API's shape: JSON, or an SSE stream (the response's
+    content type says which: a hostile `stream` field may ask for one the case did not mean)."""
+    if not streamed:
         try:
             json.loads(text)
         except ValueError:

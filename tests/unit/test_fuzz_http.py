@@ -26,8 +26,11 @@ def test_nan_markers_are_written_as_bare_literals_that_strict_json_refuses():
 def test_a_200_is_malformed_when_not_the_apis_shape():
     plain = HttpCase("field", "/v1/chat/completions", {}, b"{}", stream=False, small=True)
     streamed = HttpCase("field", "/v1/chat/completions", {}, b"{}", stream=True, small=True)
-    assert not _malformed(plain, json.dumps({"choices": []})) and _malformed(plain, "<html>")
-    assert not _malformed(streamed, 'data: {"x": 1}\n\ndata: [DONE]\n\n') and _malformed(streamed, "data: {}\n\n")
+    assert not _malformed(plain, json.dumps({"choices": []}), False) and _malformed(plain, "<html>", False)
+    ok_stream = 'data: {"x": 1}\n\ndata: [DONE]\n\n'
+    assert not _malformed(streamed, ok_stream, True) and _malformed(streamed, "data: {}\n\n", True)
+    # what the response is, not what the case meant, decides: a `stream` field set by a case
+    assert not _malformed(plain, ok_stream, True)
 
 
 def test_5xx_malformed_transport_errors_and_small_timeouts_fail_the_run():
