@@ -38,7 +38,7 @@ from collections.abc import Callable
 import grpc
 
 from kvmesh.bench.fuzz_cases import Target, build_request
-from kvmesh.bench.fuzz_report import Result, describe, log_exceptions, print_report, summarize
+from kvmesh.bench.fuzz_report import Result, describe, log_exceptions, print_report, send_all, summarize
 from kvmesh.client import GatewayClient, make_request
 
 FAILURE_CAUSE_KEY = "kvmesh-failure-cause"  # kvmesh.runtime.wire.FAILURE_CAUSE_KEY, read without importing torch
@@ -85,23 +85,15 @@ async def fuzz(
     say: Callable[..., None],
 ) -> list[Result]:
     """Send request i for each i in indices, `concurrency` at a time; one Result each, in order."""
-    results: list[Result] = []
-    todo = iter(indices)
-    every = max(1, len(indices) // 10)
-    start = time.perf_counter()
+    async with GatewayClient(address) as client:
 
-    async def worker(client: GatewayClient) -> None:
-        for i in todo:  # shared iterator: each worker takes the next index when it is free
+        async def one(i: int) -> Result:
             case, req, small = build_request(seed, i, t)
             t0 = time.perf_counter()
             status, details = await _send(client, req, deadline_s)
-            results.append(Result(i, case, status, details, small, time.perf_counter() - t0, describe(req)))
-            if len(results) % every == 0:
-                say(f"  {len(results)}/{len(indices)} done, {time.perf_counter() - start:.0f} s")
+            return Result(i, case, status, details, small, time.perf_counter() - t0, describe(req))
 
-    async with GatewayClient(address) as client:
-        await asyncio.gather(*[worker(client) for _ in range(concurrency)])
-    return sorted(results, key=lambda r: r.index)
+        return await send_all(indices, concurrency, one, say)
 
 
 async def target_of(address: str) -> Target:

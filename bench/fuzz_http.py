@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvmesh.bench.fuzz_cases import CONTROL_TEXT, PROMPTS
-from kvmesh.bench.fuzz_report import Result
+from kvmesh.bench.fuzz_report import Result, send_all
 
 ENDPOINTS = {
     "/v1/chat/completions": [
@@ -315,21 +315,13 @@ async def fuzz_http(
     say: Callable[..., None],
 ) -> list[Result]:
     """Send case i for each i in indices, `concurrency` at a time; one Result each, in order."""
-    results: list[Result] = []
-    todo = iter(indices)
-    every = max(1, len(indices) // 10)
-    start = time.perf_counter()
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=deadline_s + 5, limits=limits) as client:
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        for i in todo:
+        async def one(i: int) -> Result:
             c = build_http_case(seed, i, model, max_body_bytes)
             t0 = time.perf_counter()
             status, details = await send_http(client, c, deadline_s)
-            results.append(Result(i, c.case, status, details, c.small, time.perf_counter() - t0, c.describe()))
-            if len(results) % every == 0:
-                say(f"  {len(results)}/{len(indices)} done, {time.perf_counter() - start:.0f} s")
+            return Result(i, c.case, status, details, c.small, time.perf_counter() - t0, c.describe())
 
-    async with httpx.AsyncClient(base_url=base_url, timeout=deadline_s + 5, limits=limits) as client:
-        await asyncio.gather(*[worker(client) for _ in range(concurrency)])
-    return sorted(results, key=lambda r: r.index)
+        return await send_all(indices, concurrency, one, say)

@@ -8,9 +8,11 @@ servicer methods that raised and for tracebacks (log_exceptions).
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 FAILING = ("UNKNOWN", "INTERNAL", "OK_MALFORMED")
@@ -29,6 +31,26 @@ class Result:
     seconds: float
     request: str
     """A short description of the request (lengths, heads of long fields)."""
+
+
+async def send_all(
+    indices: list[int], concurrency: int, one: Callable[[int], Awaitable[Result]], say: Callable[..., None]
+) -> list[Result]:
+    """`one(i)` for each i in indices, `concurrency` at a time (each worker takes the next index
+    when it is free), saying how far it got every tenth; the Results in index order."""
+    results: list[Result] = []
+    todo = iter(indices)
+    every = max(1, len(indices) // 10)
+    start = time.perf_counter()
+
+    async def worker() -> None:
+        for i in todo:
+            results.append(await one(i))
+            if len(results) % every == 0:
+                say(f"  {len(results)}/{len(indices)} done, {time.perf_counter() - start:.0f} s")
+
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return sorted(results, key=lambda r: r.index)
 
 
 def describe(req) -> str:
