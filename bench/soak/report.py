@@ -5,7 +5,8 @@ Keys: `sent`, `finished` (answered, or cancelled by the client), `failed` (by st
 "none" otherwise), `hung`, `wrong` (and `wrong_examples`), `crashed` (and `crashes`), `leaked_pages`
 (by instance), `integrity_errors`, `near_ties` (a greedy answer that first parts from the
 reference at a token within workload.NEAR_TIE_NATS of the reference's own: not wrong, counted), `rss_slope_mb_per_hour` (by service, over the last half of
-the run, on its last life), `faults`, and `tier_corrupt_detected` (tier blocks that did not check
+the run, on its last life), `faults`, `by_fault_kind` (fault_table: what a client saw under each
+kind of fault, and how long it waited), and `tier_corrupt_detected` (tier blocks that did not check
 out and were recomputed, from the services' logs).
 """
 
@@ -35,6 +36,58 @@ def blame(o: Outcome, faults: list[Fault]) -> str:
         if (f.ended or f.at) <= o.ended <= (f.ended or f.at) + FAULT_SHADOW_S:
             return f"{f.kind}:{f.target}"
     return "none"
+
+
+def fault_table(outcomes: list[Outcome], faults: list[Fault]) -> dict[str, dict]:
+    """By fault kind: how many faults, the requests that ended under one (blame), how many
+    finished, the failures by status, the seconds a failed request waited for its status
+    (p50, max) and the finished ones' end-to-end seconds (p50, p99). Kinds that never ran are
+    left out."""
+    kind_of = {f"{f.kind}:{f.target}": f.kind for f in faults}
+    rows: dict[str, dict] = {}
+    for kind in sorted({f.kind for f in faults}):
+        rows[kind] = {"faults": sum(f.kind == kind for f in faults), "requests": 0, "finished": 0, "failed": Counter()}
+    waits: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for o in outcomes:
+        kind = kind_of.get(blame(o, faults))
+        if kind is None:
+            continue
+        row = rows[kind]
+        row["requests"] += 1
+        done = o.status in ("ok", "cancelled")
+        row["finished"] += done
+        if not done:
+            row["failed"][o.status] += 1
+        waits[kind][done].append(o.ended - o.sent)
+    for kind, row in rows.items():
+        failed_s, finished_s = waits[kind]
+        row["failed"] = dict(sorted(row["failed"].items()))
+        row["failed_wait_s"] = _percentiles(failed_s, (50, 100))
+        row["finished_s"] = _percentiles(finished_s, (50, 99))
+    return rows
+
+
+def _percentiles(values: list[float], qs: tuple[int, ...]) -> dict[str, float]:
+    """{"p50": ..., "max": ...} of values, rounded to 0.1 s; {} when there are none."""
+    if not values:
+        return {}
+    return {("max" if q == 100 else f"p{q}"): round(float(np.percentile(values, q)), 1) for q in qs}
+
+
+def markdown_table(verdict: dict) -> str:
+    """The verdict's `by_fault_kind` as a markdown table (docs/operations.md)."""
+    lines = [
+        "| fault | faults | requests under it | finished | failed, by status | a failure's wait (s), p50 / max | finished (s), p50 / p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for kind, row in verdict["by_fault_kind"].items():
+        failed = ", ".join(f"{n} {status}" for status, n in row["failed"].items()) or "none"
+        wait = " / ".join(str(v) for v in row["failed_wait_s"].values()) or "-"
+        took = " / ".join(str(v) for v in row["finished_s"].values()) or "-"
+        lines.append(
+            f"| `{kind}` | {row['faults']} | {row['requests']} | {row['finished']} | {failed} | {wait} | {took} |"
+        )
+    return "\n".join(lines)
 
 
 WARMUP_S = 30.0
@@ -103,6 +156,7 @@ def summarize(
         "integrity_errors": integrity,
         "rss_slope_mb_per_hour": slopes,
         "faults": [f.json() for f in faults],
+        "by_fault_kind": fault_table(outcomes, faults),
         "tier_corrupt_detected": logs.count(TIER_REJECTED),
     }
 

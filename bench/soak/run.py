@@ -145,10 +145,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", default="", help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)})")
     p.add_argument("--json", default="", help="write the verdict to this file too")
     p.add_argument("--plot", default="", help="draw the run over time into this PNG")
+    p.add_argument("--table", default="", help="print the fault table of a verdict JSON (markdown) and exit")
     p.add_argument("--workdir", default="", help="keep the services' logs and the outcomes here (default: a temp dir)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.table:
+        print(report.markdown_table(json.loads(Path(args.table).read_text())))
+        return 0
     why = unavailable()
     if why:
         print(f"kvmesh soak cannot run here: {why}", file=sys.stderr)

@@ -99,3 +99,31 @@ def test_a_greedy_answer_that_parts_at_a_near_tied_token_is_a_near_tie_not_wrong
     assert "token 1" in tie.near_tie(ref) and tie.differs(ref).startswith("text")
     assert far.near_tie(ref_far) == "" and unseen.near_tie(ref) == ""
     assert Answer(["Bees produce honey."]).near_tie(ref) == ""  # no token logprobs: cannot tell
+
+
+def test_the_fault_table_counts_what_clients_saw_under_each_kind_and_how_long_they_waited():
+    faults = [
+        Fault("kill9", "decode0", at=10.0, ended=20.0),
+        Fault("cut", "gateway0", at=40.0, ended=45.0),
+        Fault("kill9", "prefill1", at=70.0, ended=75.0),
+    ]
+    outcomes = [
+        Outcome("chat", 0, 0, 12.0, 13.0, "UNAVAILABLE"),  # kill9, waited 1 s
+        Outcome("chat", 0, 0, 11.0, 14.0, "ok"),  # kill9, 3 s
+        Outcome("chat", 0, 0, 70.0, 73.0, "UNAVAILABLE"),  # kill9, waited 3 s
+        Outcome("chat", 0, 0, 41.0, 41.5, "connect_error"),  # cut
+        Outcome("chat", 0, 0, 60.0, 61.0, "ok"),  # no fault: left out
+    ]
+    table = report.fault_table(outcomes, faults)
+    assert table["kill9"] == {
+        "faults": 2,
+        "requests": 3,
+        "finished": 1,
+        "failed": {"UNAVAILABLE": 2},
+        "failed_wait_s": {"p50": 2.0, "max": 3.0},
+        "finished_s": {"p50": 3.0, "p99": 3.0},
+    }
+    assert table["cut"]["failed"] == {"connect_error": 1} and table["cut"]["finished_s"] == {}
+    md = report.markdown_table({"by_fault_kind": table})
+    assert "| `kill9` | 2 | 3 | 1 | 2 UNAVAILABLE | 2.0 / 3.0 | 3.0 / 3.0 |" in md
+    assert "| `cut` | 1 | 1 | 0 | 1 connect_error | 0.5 / 0.5 | - |" in md
