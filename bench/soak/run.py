@@ -24,7 +24,8 @@ from kvmesh.bench.hosts import Cluster, unavailable
 from kvmesh.bench.soak import report
 from kvmesh.bench.soak.faults import FAULT_KINDS, FaultSchedule
 from kvmesh.bench.soak.mesh import API_KEYS, GATEWAYS, HOSTS, INSTANCES, PREFILLS, SoakMesh
-from kvmesh.bench.soak.workload import Clients, drive, outcome_json, reference_answers
+from kvmesh.bench.soak.send import Clients, drive, reference_answers
+from kvmesh.bench.soak.workload import outcome_json
 
 DRAIN_BOUND_S = 180.0
 """After the run: how long the mesh may take to serve again everywhere and free every page."""

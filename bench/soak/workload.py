@@ -1,6 +1,7 @@
-"""The soak's requests: a mixed, seeded workload through the real clients (the openai client over
-the gateways' HTTP API, kvmesh's GatewayClient over gRPC), and each greedy answer's check against
-the answer a quiet reference run gave to the same request.
+"""The soak's requests: a mixed, seeded workload (sent through the real clients by
+bench/soak/send.py: the openai client over the gateways' HTTP API, kvmesh's GatewayClient over
+gRPC), and each greedy answer's check against the answer a quiet reference run gave to the same
+request.
 
 Kinds (`KINDS`, with their weights): chat with logprobs, streamed chat, completions, gRPC
 Generate, long prompts sharing a document (decode-side reuse, peer pulls, the tier), two-turn
@@ -14,17 +15,11 @@ is hung.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import grpc
-import openai
-
-from kvmesh.client import GatewayClient, make_request
 
 DEADLINE_S = 60.0
 """Each request's deadline: the gRPC deadline; over HTTP the gateway's own bounds (its queue
@@ -164,7 +159,7 @@ class Answer:
         return ""
 
 
-def _token_logprobs(entries) -> tuple[list[float], list[str], list[dict[str, float]]]:
+def token_logprobs(entries) -> tuple[list[float], list[str], list[dict[str, float]]]:
     """OpenAI chat logprobs entries as (logprobs, tokens, top alternatives)."""
     entries = entries or []
     return (
@@ -191,210 +186,6 @@ class Outcome:
     near_tie: str = ""
     """Where a greedy answer that differs from the reference took a near-tied token (not wrong)."""
     detail: str = ""
-
-
-class Clients:
-    """An openai client and a GatewayClient per (gateway, key): `http_urls` the gateways' /v1 URLs,
-    `grpc_addresses` their gRPC addresses, `keys` the API keys."""
-
-    def __init__(self, http_urls: list[str], grpc_addresses: list[str], keys: list[str]) -> None:
-        self.http = [
-            [openai.AsyncOpenAI(base_url=u, api_key=k, timeout=DEADLINE_S + HANG_SLACK_S, max_retries=0) for k in keys]
-            for u in http_urls
-        ]
-        self.grpc = [[GatewayClient(a, api_key=k) for k in keys] for a in grpc_addresses]
-
-    async def __aenter__(self) -> Clients:
-        for row in self.grpc:
-            for c in row:
-                await c.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for row in self.grpc:
-            for c in row:
-                await c.__aexit__(None, None, None)
-        for row in self.http:
-            for c in row:
-                await c.close()
-
-
-def _chat_messages(spec: Spec) -> list[dict]:
-    if spec.kind == "long":
-        doc, question = divmod(spec.prompt, len(DOC_QUESTIONS))
-        return [{"role": "user", "content": f"{DOCS[doc]}\n\n{DOC_QUESTIONS[question]}"}]
-    if spec.kind == "json":
-        return [{"role": "user", "content": f"Answer as JSON with a city and its country. {QUESTIONS[spec.prompt]}"}]
-    return [{"role": "user", "content": QUESTIONS[spec.prompt]}]
-
-
-async def _stream_chat(
-    client: openai.AsyncOpenAI, clock: Callable[[], float], sent: float, **kw
-) -> tuple[Answer, float]:
-    """A streamed chat's answer (text, token logprobs) and its TTFT (s)."""
-    stream = await client.chat.completions.create(stream=True, **kw)
-    answer, ttft = Answer([""]), None
-    async for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        if choice.delta.content:
-            ttft = ttft if ttft is not None else clock() - sent
-            answer.text[0] += choice.delta.content
-        if choice.logprobs is not None:
-            lps, tokens, tops = _token_logprobs(choice.logprobs.content)
-            answer.tokens += tokens
-            answer.tops += tops
-    return answer, ttft if ttft is not None else clock() - sent
-
-
-async def send(
-    clients: Clients, spec: Spec, clock: Callable[[], float], session: str
-) -> tuple[Answer | None, float | None]:
-    """Send `spec`; (its answer, TTFT s) (answer None for the unchecked kinds: n2, cancel).
-    Raises what the client raises (openai.APIError, grpc.aio.AioRpcError)."""
-    http = clients.http[spec.gateway][spec.key]
-    sent = clock()
-    plain = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-    chat = {**plain, "logprobs": True, "top_logprobs": TOP_LOGPROBS}
-    if spec.kind == "chat":
-        r = await http.chat.completions.create(messages=_chat_messages(spec), **chat)
-        lps, tokens, tops = _token_logprobs(r.choices[0].logprobs.content if r.choices[0].logprobs else None)
-        return Answer([r.choices[0].message.content or ""], logprobs=lps, tokens=tokens, tops=tops), None
-    if spec.kind in ("chat_stream", "long"):
-        return await _stream_chat(http, clock, sent, messages=_chat_messages(spec), **chat)
-    if spec.kind == "completion":
-        r = await http.completions.create(
-            model=MODEL, prompt=f"Q: {QUESTIONS[spec.prompt]}\nA:", max_tokens=MAX_TOKENS, temperature=0.0
-        )
-        return Answer([r.choices[0].text]), None
-    if spec.kind == "grpc":
-        request = make_request(QUESTIONS[spec.prompt], chat=True, max_tokens=MAX_TOKENS)
-        ids, ttft = [], None
-        async for msg in clients.grpc[spec.gateway][spec.key].stream(request, timeout_s=DEADLINE_S):
-            if msg.HasField("delta"):
-                ttft = ttft if ttft is not None else clock() - sent
-                ids.extend(msg.delta.token_ids)
-        return Answer([" ".join(map(str, ids))]), ttft
-    if spec.kind == "session":
-        headers = {"x-session-id": session}
-        messages = [{"role": "user", "content": QUESTIONS[spec.prompt]}]
-        first = await http.chat.completions.create(messages=messages, extra_headers=headers, **chat)
-        said = first.choices[0].message.content or ""
-        messages += [{"role": "assistant", "content": said}, {"role": "user", "content": "Say it in other words."}]
-        second = await http.chat.completions.create(messages=messages, extra_headers=headers, **chat)
-        answer = Answer([said, second.choices[0].message.content or ""])
-        for r in (first, second):  # turn 2 is only compared once turn 1 agreed token for token
-            _, tokens, tops = _token_logprobs(r.choices[0].logprobs.content if r.choices[0].logprobs else None)
-            answer.tokens += tokens
-            answer.tops += tops
-        return answer, None
-    if spec.kind == "json":
-        r = await http.chat.completions.create(
-            messages=_chat_messages(spec), response_format={"type": "json_schema", "json_schema": SCHEMA}, **chat
-        )
-        _, tokens, tops = _token_logprobs(r.choices[0].logprobs.content if r.choices[0].logprobs else None)
-        return Answer([r.choices[0].message.content or ""], tokens=tokens, tops=tops), None
-    if spec.kind == "tools":
-        r = await http.chat.completions.create(messages=_chat_messages(spec), tools=TOOLS, **chat)
-        message = r.choices[0].message
-        calls = [f"{c.function.name}({c.function.arguments})" for c in message.tool_calls or []]
-        _, tokens, tops = _token_logprobs(r.choices[0].logprobs.content if r.choices[0].logprobs else None)
-        return Answer([message.content or ""], tool_calls=calls, tokens=tokens, tops=tops), None
-    if spec.kind == "n2":
-        r = await http.chat.completions.create(
-            messages=_chat_messages(spec), n=2, seed=spec.seed, **{**plain, "temperature": 0.8}
-        )
-        if len(r.choices) != 2:
-            raise ValueError(f"n = 2 answered {len(r.choices)} choices")
-        return None, None
-    if spec.kind == "cancel":
-        stream = await http.chat.completions.create(stream=True, messages=_chat_messages(spec), **chat)
-        ttft, chunks = None, 0
-        async for _chunk in stream:
-            ttft = ttft if ttft is not None else clock() - sent
-            chunks += 1
-            if chunks == 2:
-                break
-        await stream.close()
-        return None, ttft
-    raise ValueError(f"unknown kind {spec.kind!r}")
-
-
-def status_of(exc: BaseException) -> str:
-    """The status a client error names (see Outcome)."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code().name
-    if isinstance(exc, openai.APITimeoutError | TimeoutError):
-        return "hung"
-    if isinstance(exc, openai.APIStatusError):
-        return f"http_{exc.status_code}"
-    if isinstance(exc, openai.APIConnectionError):
-        return "connect_error"
-    if isinstance(exc, openai.APIError):
-        return "stream_error"
-    return type(exc).__name__
-
-
-async def run_one(
-    clients: Clients, spec: Spec, clock: Callable[[], float], session: str, reference: dict | None
-) -> tuple[Outcome, Answer | None]:
-    """Send `spec` within DEADLINE_S + HANG_SLACK_S and judge it against `reference` (None: no check)."""
-    sent = clock()
-    try:
-        answer, ttft = await asyncio.wait_for(send(clients, spec, clock, session), DEADLINE_S + HANG_SLACK_S)
-    except Exception as exc:  # every failure is an outcome; the soak goes on
-        return Outcome(spec.kind, spec.gateway, spec.key, sent, clock(), status_of(exc), detail=str(exc)[:300]), None
-    status = "cancelled" if spec.kind == "cancel" else "ok"
-    out = Outcome(spec.kind, spec.gateway, spec.key, sent, clock(), status, ttft)
-    if answer is not None and reference is not None and spec.ref_key in reference:
-        ref = reference[spec.ref_key]
-        differs = answer.differs(ref)
-        tie = answer.near_tie(ref) if differs.startswith("text") else ""
-        out.near_tie, out.wrong = (tie, "") if tie else ("", differs)
-    return out, answer
-
-
-async def reference_answers(clients: Clients, clock: Callable[[], float]) -> dict[tuple[str, int], Answer]:
-    """Every checked request's answer on the quiet mesh, one at a time through the first gateway
-    and key. Raises RuntimeError when one fails: a soak needs every reference."""
-    reference = {}
-    for kind in sorted(CHECKED):
-        for prompt in range(pool_size(kind)):
-            spec = Spec(kind, prompt)
-            out, answer = await run_one(clients, spec, clock, f"soak-reference-{kind}-{prompt}", None)
-            if out.status != "ok" or answer is None:
-                raise RuntimeError(f"the quiet reference run failed {kind} #{prompt}: {out.status} {out.detail}")
-            reference[spec.ref_key] = answer
-    return reference
-
-
-async def drive(
-    clients: Clients,
-    reference: dict,
-    seed: int,
-    concurrency: int,
-    until: float,
-    clock: Callable[[], float],
-    num_gateways: int,
-    num_keys: int,
-) -> list[Outcome]:
-    """`concurrency` workers send seeded requests until `clock()` passes `until`; every outcome."""
-    outcomes: list[Outcome] = []
-
-    async def worker(w: int) -> None:
-        rng = random.Random(seed * 1000 + w)
-        n = 0
-        while clock() < until:
-            spec = draw(rng, num_gateways, num_keys)
-            out, _ = await run_one(clients, spec, clock, f"soak-{seed}-{w}-{n}", reference)
-            outcomes.append(out)
-            n += 1
-            if out.status not in ("ok", "cancelled"):
-                await asyncio.sleep(0.2)  # a failed request is not retried at once in a tight loop
-
-    await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    return outcomes
 
 
 def wall_clock(t0: float) -> Callable[[], float]:
