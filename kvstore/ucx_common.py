@@ -186,11 +186,11 @@ def abort_endpoint(ep: Any) -> None:
     closed, on the progress thread, while this thread waits (idempotent).
 
     ucxx waits for each step with a timeout, 10 s and one attempt by default; a step that times
-    out is dropped, and a close dropped so leaves the UCP endpoint open with an error handler
-    that points at the ucxx endpoint, which is freed once Python lets go of it. A process frozen
-    (SIGSTOP) in that wait for most of 10 s meets that timeout on waking. So: 3 attempts of 20 s
-    (ucxx submits the close again only when the last one was dropped). A soak suspect: docs/operations.md
-    "Known limits".
+    out is dropped, and a close dropped so leaves the UCP endpoint open (its TCP connections
+    live on; its error handler holds only a weak reference to the ucxx endpoint, ucxx
+    cpp/src/endpoint.cpp, so that is a leak, not a dangling pointer). A process frozen (SIGSTOP)
+    in that wait for most of 10 s meets that timeout on waking. So: 3 attempts of 20 s (ucxx
+    submits the close again only when the last one was dropped).
 
     It blocks the calling thread (the event loop's) until the progress thread has done it: one
     that took over ABORT_SLOW_S is logged, with how long."""

@@ -6,11 +6,12 @@ send per page, all posted at once, received zero-copy into the reserved buffers 
 scatter-gather push in the style of NIXL / Mooncake's transfer engine). ucxx's own
 send_multi/recv_multi are not used: they make the receiver allocate the buffers.
 
-Two endpoints per sender and receiver pair. The control endpoint comes from the
-receiver's listener (host:port, TCP); the data endpoint is made from the receiver's UCX
-worker address, which the receiver sends first, so UCX may choose every transport the two
-share: shared memory and CMA (process_vm_readv, one copy) for a peer on the same host,
-TCP or RDMA for a remote one. An endpoint made through a listener can use TCP only.
+Two endpoints per sender and receiver pair on one host, one across hosts. The control
+endpoint comes from the receiver's listener (host:port, TCP). For a receiver on the same host
+the data endpoint is made from the receiver's UCX worker address, which the receiver sends
+first, so UCX may use shared memory (an endpoint made through a listener can use TCP only);
+for a remote receiver the pages go over the control endpoint too, which spares UCX's TCP
+transport a use-after-free of worker-address endpoints (kvstore/ucx_connections.py).
 
 Wire protocol (control messages on the control endpoint, pushes on it serialized):
 
@@ -28,6 +29,7 @@ Wire protocol (control messages on the control endpoint, pushes on it serialized
                                      receiver copied the pages from the sender's pool itself
                                      (same host): no page is sent, the ACK follows
     sender -> receiver  (data endpoint) raw tag base | i: page i, all posted concurrently
+                                     (the receives are posted per worker: either endpoint)
     receiver -> sender  tag ACK      1 byte: 0 ok (every page landed), 3 protocol mismatch
 
 Same host: when the pages lie in a shared KV pool (kvstore/shared_memory.py) that the

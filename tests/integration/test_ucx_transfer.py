@@ -712,3 +712,53 @@ def test_every_endpoint_abort_goes_through_the_helper_with_room_for_a_freeze():
         if re.search(r"\.abort\(\)", line)
     ]
     assert bare == [], bare
+
+
+def test_a_receiver_on_another_host_gets_its_pages_over_the_listener_s_endpoint(decode, monkeypatch):
+    # across hosts the pages go over the control endpoint (made through the receiver's listener),
+    # never over one made from its worker address, whose TCP lanes UCX destroys through a
+    # use-after-free when the peer's CONN_FIN meets a writable socket (kvstore/ucx_connections.py)
+    from kvmesh.kvstore import ucx_connections
+
+    async def elsewhere(host: str) -> bool:
+        return False
+
+    made_from_worker_address = []
+    real = ucx_connections.ucxx.create_endpoint_from_worker_address
+
+    async def spy(address):
+        made_from_worker_address.append(address)
+        return await real(address)
+
+    monkeypatch.setattr(ucx_connections, "on_this_host", elsewhere)
+    monkeypatch.setattr(ucx_connections.ucxx, "create_endpoint_from_worker_address", spy)
+    pages = page_data(seed=7, num_pages=3, page_nbytes=PAGE)
+    decode.call("expect", 131, [3, 4, 8])
+
+    async def scenario():
+        tx = KVSender()
+        try:
+            result = await tx.push(decode.hello, 131, pages)
+            ctrl, data = tx._endpoints[decode.hello]
+            assert data is ctrl
+            return result
+        finally:
+            await tx.close()
+
+    assert run(scenario()).num_buffers == 3
+    assert made_from_worker_address == []
+    assert decode.call("wait", 131, 5) == ("ok", 3 * PAGE, 3)
+    pool = decode.call("pool")
+    for page, want in zip([3, 4, 8], pages, strict=True):
+        assert np.array_equal(pool[page], want)
+
+
+def test_this_host_is_told_from_another_by_its_addresses():
+    from kvmesh.kvstore.ucx_connections import on_this_host
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: this picks the address a route would use
+        own = s.getsockname()[0]
+    assert run(on_this_host("127.0.0.1")) and run(on_this_host("localhost")) and run(on_this_host(own))
+    assert not run(on_this_host("192.0.2.1"))  # TEST-NET-1: nobody's address
+    assert not run(on_this_host("no-such-host.invalid"))
