@@ -99,11 +99,12 @@ async def on_this_host(host: str) -> bool:
     except OSError:
         return False
     for family, _, _, _, sockaddr in infos:
-        if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:  # an IPv6 scope (%eth0) is not part of it
+        ip = str(sockaddr[0])
+        if ipaddress.ip_address(ip.split("%")[0]).is_loopback:  # an IPv6 scope (%eth0) is not part of it
             return True
         try:
             with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((sockaddr[0], 0))
+                s.bind((ip, 0))
             return True
         except OSError:
             continue
