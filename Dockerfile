@@ -3,23 +3,37 @@
 #   docker build -t kvmesh .
 #   docker run --rm kvmesh serve decode --help
 # The image installs kvmesh as a user does, from its wheel (built in the first stage), not from
-# the source tree. torch comes from PyPI as `torch==2.13.0` (TORCH_SPEC, as in the Makefile).
+# the source tree, into a virtual environment (/opt/kvmesh/venv, on PATH).
+# BASE_IMAGE: any Debian-based image; the public Python image by default. One without Python
+# (a bare Debian, as `make image` builds where no registry but Debian's is reachable) gets
+# Debian's python3 (3.11 on bookworm).
+# torch comes from PyPI as `torch==2.13.0` (TORCH_SPEC, as in the Makefile), or from a wheel put
+# in deploy/image/wheels/ (`make image` puts the CPU build there when this machine has it).
 # Pick the build with TORCH_INDEX_URL: https://download.pytorch.org/whl/cpu for a CPU-only
 # (much smaller) image, or the index of your CUDA version (https://download.pytorch.org/whl/cu1XX)
 # for GPUs, then run with the GPU exposed (--gpus all); any CUDA build of torch>=2.13 works.
-FROM python:3.11-slim AS wheel
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS wheel
+COPY deploy/image/python.sh /tmp/
+COPY deploy/image/certs/ /tmp/certs/
+RUN sh /tmp/python.sh
+ENV PATH=/opt/kvmesh/venv/bin:$PATH \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 WORKDIR /src
 COPY . .
 RUN pip install --no-cache-dir build && python -m build --wheel --outdir /dist
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC=torch==2.13.0
 # empty: PyPI; a PyTorch wheel index (CPU-only or a CUDA version) picks the build
 ARG TORCH_INDEX_URL=
 
 # KVMESH_CACHE_DIR: the converted default model lives in the image, so containers start in seconds
-ENV PYTHONUNBUFFERED=1 \
+ENV PATH=/opt/kvmesh/venv/bin:$PATH \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -27,16 +41,20 @@ ENV PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/opt/kvmesh/cache/numba \
     UCX_WARN_UNUSED_ENV_VARS=n
 
-# libgomp1: the OpenMP runtime numba's threads use for the GGUF block kernels
-RUN apt-get update && apt-get install -y --no-install-recommends libgomp1 \
-    && rm -rf /var/lib/apt/lists/* \
+# Python (the base image's, or Debian's), the venv, and libgomp1: the OpenMP runtime numba's
+# threads use for the GGUF block kernels; then the user the services run as
+COPY deploy/image/python.sh /tmp/
+COPY deploy/image/certs/ /tmp/certs/
+RUN sh /tmp/python.sh libgomp1 \
     && useradd --create-home --uid 10001 kvmesh \
     && mkdir -p /opt/kvmesh/cache && chown kvmesh:kvmesh /opt/kvmesh/cache
 
 WORKDIR /app
 
 # torch first, in its own layer (the largest download), as `make install` does
-RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
+COPY deploy/image/wheels/ /tmp/wheels/
+RUN pip install --find-links /tmp/wheels ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC" \
+    && rm -rf /tmp/wheels
 
 # the dependencies next, from pyproject.toml alone, so code changes do not reinstall them
 COPY pyproject.toml ./
