@@ -132,7 +132,19 @@ def run(args: argparse.Namespace) -> int:
         say(f"starting a mesh (1 prefill, 1 decode); services log to {log.name}")
         try:
             http_port = free_port() if args.http else 0
-            mesh = start_mesh(1, 1, args.model, port=free_port(), log=log, env={"REDIS_URL": ""}, http_port=http_port)
+            if args.http and not args.max_requests_per_key:
+                args.max_requests_per_key = args.concurrency + 16  # over what the cases hold at once
+            gateway_args = ["--max-requests-per-key", str(args.max_requests_per_key)] if args.http else []
+            mesh = start_mesh(
+                1,
+                1,
+                args.model,
+                port=free_port(),
+                log=log,
+                env={"REDIS_URL": ""},
+                http_port=http_port,
+                extra_gateway_args=gateway_args,
+            )
             http_url = mesh.http_address
         except Exception as exc:
             log.seek(0)
@@ -183,14 +195,18 @@ def run(args: argparse.Namespace) -> int:
 
 async def _fuzz_http(http_url: str, model: str, args: argparse.Namespace, indices: list[int], say) -> tuple:
     """The HTTP cases (bench/fuzz_http.py) and, beside them, the bound probes."""
-    from kvmesh.bench.fuzz_http import fuzz_http, probe_bounds
+    from kvmesh.bench.fuzz_http import fuzz_http
+    from kvmesh.bench.fuzz_probes import probe_bounds, probe_open_streams
     from kvmesh.gateway.http.body import BODY_READ_S
     from kvmesh.gateway.http.server import MAX_BODY_BYTES
 
     base = http_url.rstrip("/")
     probes = asyncio.ensure_future(probe_bounds(base, MAX_BODY_BYTES, BODY_READ_S))
     results = await fuzz_http(base, model, args.seed, indices, args.concurrency, args.deadline_s, MAX_BODY_BYTES, say)
-    return results, await probes
+    probed = await probes
+    if args.max_requests_per_key:  # after the cases: their requests would share the key's bound
+        probed["open_streams_past_the_key_bound"] = await probe_open_streams(base, model, args.max_requests_per_key)
+    return results, probed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -211,6 +227,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "headers, bodies at and past their bounds, clients that leave (bench/fuzz_http.py)",
     )
     p.add_argument("--http-url", default="", help="with --http and --gateway: the gateway's HTTP API base URL")
+    p.add_argument(
+        "--max-requests-per-key",
+        type=int,
+        default=0,
+        help="with --http: the gateway's bound of requests in flight per key, for the open-streams probe "
+        "(default: a local mesh's gateway is given --concurrency + 16; with --gateway, 0 leaves the probe out)",
+    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,7 @@ requests (bench/fuzz_cases.py), so a failure's seed and index replay it.
 
 A request fails the run when it gets a 5xx, when a 200 is not the API's shape (a body that is
 not JSON, a stream without its end), or when a small request (max tokens set and small) gets
-no answer within its deadline. Two probes run beside them: a body declared past the bound
-(413 before it is read) and a body that trickles in (408 after gateway/http/body.py BODY_READ_S).
+no answer within its deadline. The bound probes run beside them (bench/fuzz_probes.py).
 """
 
 from __future__ import annotations
@@ -255,53 +254,6 @@ def is_http_failure(r: Result) -> bool:
         or r.status in ("OK_MALFORMED", "transport_error")
         or (r.status == "timeout" and r.small)
     )
-
-
-async def _raw_post(base_url: str, declared: int | None, first: bytes, trickle_s: float | None, within_s: float) -> str:
-    """POST /v1/completions over a plain socket: the headers (Content-Length `declared`, or chunked
-    when None), then `first`, then one more byte every trickle_s seconds (None: nothing more);
-    the status line's code once one comes within within_s seconds, else what happened."""
-    url = httpx.URL(base_url)
-    reader, writer = await asyncio.open_connection(url.host, url.port)
-    try:
-        length = f"content-length: {declared}" if declared is not None else "transfer-encoding: chunked"
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nhost: {url.host}\r\ncontent-type: application/json\r\n{length}\r\n\r\n"
-        )
-        chunk = (lambda b: b) if declared is not None else (lambda b: f"{len(b):x}\r\n".encode() + b + b"\r\n")
-        writer.write(head.encode() + chunk(first))
-        await writer.drain()
-
-        async def keep_trickling() -> None:
-            while trickle_s is not None:
-                await asyncio.sleep(trickle_s)
-                writer.write(chunk(b"x"))
-                await writer.drain()
-
-        trickling = asyncio.ensure_future(keep_trickling())
-        try:
-            line = await asyncio.wait_for(reader.readline(), within_s)
-        except TimeoutError:
-            return f"no answer within {within_s:.0f} s"
-        finally:
-            trickling.cancel()
-        parts = line.decode("latin-1").split()
-        return parts[1] if len(parts) > 1 else f"bad status line {line!r}"
-    except OSError as exc:
-        return f"connection: {exc!r}"
-    finally:
-        writer.close()
-
-
-async def probe_bounds(base_url: str, max_body_bytes: int, read_s: float) -> dict[str, str]:
-    """The two bound probes: a body declared past the bound (413 at once, before it is sent) and
-    one that trickles in a byte a second (408 within read_s + 10 s). Each: "ok" or what came."""
-    declared = await _raw_post(base_url, max_body_bytes + 1, b'{"prompt": "', None, 10.0)
-    slow = await _raw_post(base_url, None, b'{"prompt": "', 1.0, read_s + 10.0)
-    return {
-        "declared_past_the_bound": "ok" if declared == "413" else declared,
-        "trickled_body": "ok" if slow == "408" else slow,
-    }
 
 
 async def fuzz_http(

@@ -757,3 +757,15 @@ def test_echo_with_logprobs_gives_the_prompt_s_tokens_their_logprobs_first(mesh,
     assert streamed == lp.tokens
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     wait_idle(mesh)
+
+
+def test_the_fuzzer_s_open_streams_probe_sees_the_key_bound_and_fails_past_it(mesh, front):
+    from kvmesh.bench.fuzz_probes import probe_open_streams
+
+    base, key = front.base_url.removesuffix("/v1"), {"authorization": f"Bearer {KEY_C}"}
+    # key C's bound is 1: one stream open, the next request is a 429, and the slot comes back
+    assert asyncio.run(probe_open_streams(base, _model(), 1, headers=key, verify=front.ssl_context())) == "ok"
+    # told the bound is 2, the probe fails: its second stream is itself refused
+    past = asyncio.run(probe_open_streams(base, _model(), 2, headers=key, verify=front.ssl_context()))
+    assert past.startswith("1 of the 2 streams were refused: 429"), past
+    wait_idle(mesh)
