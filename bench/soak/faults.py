@@ -93,7 +93,9 @@ class FaultSchedule:
 
     async def run(self) -> list[Fault]:
         while True:
-            await asyncio.sleep(self.rng.uniform(*self.gap_s))
+            gap = self.rng.uniform(*self.gap_s)
+            # no longer than the run has left: a gap past it (a run without faults) ends with the run
+            await asyncio.sleep(min(gap, max(0.0, self.stop_after - self.mesh.now())))
             if self.mesh.now() >= self.stop_after:
                 return self.done
             kind = self._next_kind()

@@ -4,6 +4,7 @@ answer check, the seeded workload and fault order, the command's argument checks
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 
 import pytest
@@ -127,3 +128,19 @@ def test_the_fault_table_counts_what_clients_saw_under_each_kind_and_how_long_th
     md = report.markdown_table({"by_fault_kind": table})
     assert "| `kill9` | 2 | 3 | 1 | 2 UNAVAILABLE | 2.0 / 3.0 | 3.0 / 3.0 |" in md
     assert "| `cut` | 1 | 1 | 0 | 1 connect_error | 0.5 / 0.5 | - |" in md
+
+
+def test_a_fault_gap_past_the_run_s_end_ends_with_the_run():
+    # `--fault-gap 100000:100000`: a run without faults; the schedule must not sleep past its end
+    class Clock:
+        def __init__(self) -> None:
+            self.t0 = asyncio.get_running_loop().time()
+
+        def now(self) -> float:
+            return asyncio.get_running_loop().time() - self.t0
+
+    async def scenario():
+        schedule = FaultSchedule(mesh=Clock(), rng=random.Random(3), gap_s=(1e5, 1e5), stop_after=0.05)  # type: ignore[arg-type]
+        return await asyncio.wait_for(schedule.run(), 10)
+
+    assert asyncio.run(scenario()) == []
