@@ -74,8 +74,9 @@ def name(service: str) -> str:
 
 
 def logs(service: str) -> str:
-    r = podman("logs", name(service), check=False)
-    return r.stdout + r.stderr
+    """The service's log, as `compose logs SERVICE` shows it (a restarted container's earlier
+    lives too)."""
+    return compose("logs", service, timeout_s=60)
 
 
 def wait_healthy(services: list[str], within_s: float = HEALTHY_WITHIN_S) -> None:
