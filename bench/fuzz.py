@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     mesh, log = None, None
     address, http_url = args.gateway, args.http_url
     if not address:
+        from kvmesh.bench.fuzz_probes import STREAM_TOKENS
         from kvmesh.launcher import start_mesh
         from kvmesh.redis_server import free_port
 
@@ -135,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
             if args.http and not args.max_requests_per_key:
                 args.max_requests_per_key = args.concurrency + 16  # over what the cases hold at once
             gateway_args = ["--max-requests-per-key", str(args.max_requests_per_key)] if args.http else []
+            # room for the open-streams probe's streams at once (bench/fuzz_probes.py), with their prompts
+            pages = args.max_requests_per_key * (STREAM_TOKENS // 16 + 2) if args.http else 0
+            decode_args = ["--num-pages", str(max(1024, pages))] if args.http else []
             mesh = start_mesh(
                 1,
                 1,
@@ -144,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
                 env={"REDIS_URL": ""},
                 http_port=http_port,
                 extra_gateway_args=gateway_args,
+                extra_decode_args=decode_args,
             )
             http_url = mesh.http_address
         except Exception as exc:

@@ -16,6 +16,9 @@ import time
 
 import httpx
 
+STREAM_TOKENS = 1024
+"""Tokens each of the open-streams probe's streams asks for."""
+
 
 async def _raw_post(base_url: str, declared: int | None, first: bytes, trickle_s: float | None, within_s: float) -> str:
     """POST /v1/completions over a plain socket: the headers (Content-Length `declared`, or chunked
@@ -78,7 +81,14 @@ async def probe_open_streams(
     left a request is answered again (200) within within_s; else what came. headers: sent with
     every request (a key's authorization); verify: httpx's TLS verification. The decode's batch
     must hold `limit` streams (a stream waiting for a slot has not started)."""
-    long = {"model": model, "prompt": "Count from one to one thousand:", "max_tokens": 256, "ignore_eos": True}
+    # long enough to outlive the probe while the streams start (it cancels them); the decode's pool
+    # must hold `limit` of them (`kvmesh fuzz --http` gives its local decode the pages)
+    long = {
+        "model": model,
+        "prompt": "Count from one to one thousand:",
+        "max_tokens": STREAM_TOKENS,
+        "ignore_eos": True,
+    }
     small = {"model": model, "prompt": "Hi", "max_tokens": 1}
     limits = httpx.Limits(max_connections=limit + 2, max_keepalive_connections=2)
     async with httpx.AsyncClient(
@@ -104,6 +114,9 @@ async def probe_open_streams(
             if refused:
                 return f"{len(refused)} of the {limit} streams were refused: {refused[0]}"
             over = await client.post("/v1/completions", json=small)
+            ended = sum(t.done() for t in streams)
+            if ended:  # the bound was not full when the request came: no verdict on it
+                return f"{ended} of the {limit} streams ended before the probe's request ({over.status_code})"
         except TimeoutError:
             return f"the {limit} streams did not all start within {within_s:.0f} s"
         except httpx.HTTPError as exc:

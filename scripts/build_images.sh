@@ -63,4 +63,6 @@ build() {  # podman build "$@", its log shown only when it fails
 echo "building localhost/kvmesh:local and localhost/kvmesh-redis:local (minutes the first time; cached after) ..."
 build --build-arg BASE_IMAGE="$BASE" "${torch_index[@]}" -t localhost/kvmesh:local .
 build --build-arg BASE_IMAGE="$BASE" -t localhost/kvmesh-redis:local deploy/image/redis
+# a rebuild leaves the last image's layers untagged (4 GB a time): drop them
+podman image prune --force >/dev/null
 podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^localhost/kvmesh' || true
