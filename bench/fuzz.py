@@ -113,6 +113,42 @@ async def answering(address: str, chat: bool, timeout_s: float = 60.0) -> tuple[
     return out.final is not None and out.final.generated_tokens >= 1, out.text
 
 
+def _start_local_mesh(args: argparse.Namespace, say) -> tuple | None:
+    """A mesh of 1 prefill and 1 decode for the run, and the log its services write to; None
+    (said why on stderr) when it did not start. With --http its gateway bounds a key's requests
+    in flight at --max-requests-per-key (default --concurrency + 16: over what the cases hold at
+    once, which the open-streams probe then fills) and its decode holds that many probe streams."""
+    from kvmesh.bench.fuzz_probes import probe_pages
+    from kvmesh.launcher import start_mesh
+    from kvmesh.redis_server import free_port
+
+    log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-fuzz-", suffix=".log", delete=False)
+    say(f"starting a mesh (1 prefill, 1 decode); services log to {log.name}")
+    gateway_args, decode_args = [], []
+    if args.http:
+        args.max_requests_per_key = args.max_requests_per_key or args.concurrency + 16
+        gateway_args = ["--max-requests-per-key", str(args.max_requests_per_key)]
+        decode_args = ["--num-pages", str(max(1024, probe_pages(args.max_requests_per_key)))]
+    try:
+        mesh = start_mesh(
+            1,
+            1,
+            args.model,
+            port=free_port(),
+            log=log,
+            env={"REDIS_URL": ""},
+            http_port=free_port() if args.http else 0,
+            extra_gateway_args=gateway_args,
+            extra_decode_args=decode_args,
+        )
+    except Exception as exc:
+        log.seek(0)
+        print(log.read()[-4000:], file=sys.stderr)
+        print(f"error: the mesh did not start: {exc} (log: {log.name})", file=sys.stderr)
+        return None
+    return mesh, log
+
+
 def run(args: argparse.Namespace) -> int:
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     if args.requests < 1 or args.concurrency < 1 or not args.deadline_s > 0:
@@ -125,38 +161,11 @@ def run(args: argparse.Namespace) -> int:
     mesh, log = None, None
     address, http_url = args.gateway, args.http_url
     if not address:
-        from kvmesh.bench.fuzz_probes import STREAM_TOKENS
-        from kvmesh.launcher import start_mesh
-        from kvmesh.redis_server import free_port
-
-        log = tempfile.NamedTemporaryFile("w+", prefix="kvmesh-fuzz-", suffix=".log", delete=False)
-        say(f"starting a mesh (1 prefill, 1 decode); services log to {log.name}")
-        try:
-            http_port = free_port() if args.http else 0
-            if args.http and not args.max_requests_per_key:
-                args.max_requests_per_key = args.concurrency + 16  # over what the cases hold at once
-            gateway_args = ["--max-requests-per-key", str(args.max_requests_per_key)] if args.http else []
-            # room for the open-streams probe's streams at once (bench/fuzz_probes.py), with their prompts
-            pages = args.max_requests_per_key * (STREAM_TOKENS // 16 + 2) if args.http else 0
-            decode_args = ["--num-pages", str(max(1024, pages))] if args.http else []
-            mesh = start_mesh(
-                1,
-                1,
-                args.model,
-                port=free_port(),
-                log=log,
-                env={"REDIS_URL": ""},
-                http_port=http_port,
-                extra_gateway_args=gateway_args,
-                extra_decode_args=decode_args,
-            )
-            http_url = mesh.http_address
-        except Exception as exc:
-            log.seek(0)
-            print(log.read()[-4000:], file=sys.stderr)
-            print(f"error: the mesh did not start: {exc} (log: {log.name})", file=sys.stderr)
+        started = _start_local_mesh(args, say)
+        if started is None:
             return 1
-        address = mesh.gateway_address
+        mesh, log = started
+        address, http_url = mesh.gateway_address, mesh.http_address
     try:
         try:
             t = asyncio.run(target_of(address))

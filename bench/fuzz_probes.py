@@ -67,6 +67,12 @@ async def probe_bounds(base_url: str, max_body_bytes: int, read_s: float) -> dic
     }
 
 
+def probe_pages(limit: int, page_size: int = 16) -> int:
+    """KV pages a decode needs to hold the open-streams probe's `limit` streams at once (each its
+    STREAM_TOKENS and a short prompt), at `page_size` tokens a page."""
+    return limit * (-(-STREAM_TOKENS // page_size) + 2)
+
+
 async def probe_open_streams(
     base_url: str,
     model: str,
@@ -79,55 +85,63 @@ async def probe_open_streams(
     every caller is one key) and wait until each has started (200); then one small request more:
     "ok" when it is a 429 that names the bound and carries Retry-After, and once the streams are
     left a request is answered again (200) within within_s; else what came. headers: sent with
-    every request (a key's authorization); verify: httpx's TLS verification. The decode's batch
-    must hold `limit` streams (a stream waiting for a slot has not started)."""
-    # long enough to outlive the probe while the streams start (it cancels them); the decode's pool
-    # must hold `limit` of them (`kvmesh fuzz --http` gives its local decode the pages)
-    long = {
-        "model": model,
-        "prompt": "Count from one to one thousand:",
-        "max_tokens": STREAM_TOKENS,
-        "ignore_eos": True,
-    }
+    every request (a key's authorization); verify: httpx's TLS verification. The decode must hold
+    `limit` streams at once (`probe_pages`; a stream waiting for a slot has not started)."""
     small = {"model": model, "prompt": "Hi", "max_tokens": 1}
     limits = httpx.Limits(max_connections=limit + 2, max_keepalive_connections=2)
     async with httpx.AsyncClient(
         base_url=base_url, timeout=within_s, limits=limits, headers=headers, verify=verify
     ) as client:
         started: asyncio.Queue[str] = asyncio.Queue()
-
-        async def hold() -> None:
-            try:
-                async with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
-                    head = "" if r.status_code == 200 else f"{r.status_code} {(await r.aread())[:200]!r}"
-                    started.put_nowait(head)
-                    async for _ in r.aiter_bytes():
-                        pass
-            except httpx.HTTPError as exc:
-                started.put_nowait(repr(exc)[:200])
-
-        streams = [asyncio.ensure_future(hold()) for _ in range(limit)]
+        streams = [asyncio.ensure_future(_hold_stream(client, model, started)) for _ in range(limit)]
         try:
-            async with asyncio.timeout(within_s):
-                heads = [await started.get() for _ in streams]
-            refused = [h for h in heads if h]
-            if refused:
-                return f"{len(refused)} of the {limit} streams were refused: {refused[0]}"
-            over = await client.post("/v1/completions", json=small)
-            ended = sum(t.done() for t in streams)
-            if ended:  # the bound was not full when the request came: no verdict on it
-                return f"{ended} of the {limit} streams ended before the probe's request ({over.status_code})"
-        except TimeoutError:
-            return f"the {limit} streams did not all start within {within_s:.0f} s"
-        except httpx.HTTPError as exc:
-            return f"with {limit} streams open: {exc!r}"[:300]
+            over = await _one_past_the_bound(client, small, streams, started, within_s)
         finally:
             for t in streams:
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
+        if isinstance(over, str):
+            return over
         if over.status_code != 429 or "in flight" not in over.text or "retry-after" not in over.headers:
             return f"with {limit} streams open: {over.status_code} {over.text[:200]} {dict(over.headers)}"
         return await _answered_again(client, small, within_s)
+
+
+async def _hold_stream(client: httpx.AsyncClient, model: str, started: asyncio.Queue[str]) -> None:
+    """One stream of STREAM_TOKENS, read until it ends or is cancelled; puts on `started` "" once
+    it has started (200), else what came instead."""
+    # long enough to outlive the probe while the streams start (it cancels them)
+    body = {"model": model, "prompt": "Count from one to one thousand:", "max_tokens": STREAM_TOKENS}
+    try:
+        async with client.stream("POST", "/v1/completions", json={**body, "ignore_eos": True, "stream": True}) as r:
+            started.put_nowait("" if r.status_code == 200 else f"{r.status_code} {(await r.aread())[:200]!r}")
+            async for _ in r.aiter_bytes():
+                pass
+    except httpx.HTTPError as exc:
+        started.put_nowait(repr(exc)[:200])
+
+
+async def _one_past_the_bound(
+    client: httpx.AsyncClient, small: dict, streams: list[asyncio.Future], started: asyncio.Queue[str], within_s: float
+) -> httpx.Response | str:
+    """Once every stream has started (within within_s), the answer to one small request more,
+    sent while all of them are still open; else a str saying what came."""
+    limit = len(streams)
+    try:
+        async with asyncio.timeout(within_s):
+            heads = [await started.get() for _ in streams]
+        refused = [h for h in heads if h]
+        if refused:
+            return f"{len(refused)} of the {limit} streams were refused: {refused[0]}"
+        over = await client.post("/v1/completions", json=small)
+    except TimeoutError:
+        return f"the {limit} streams did not all start within {within_s:.0f} s"
+    except httpx.HTTPError as exc:
+        return f"with {limit} streams open: {exc!r}"[:300]
+    ended = sum(t.done() for t in streams)
+    if ended:  # the bound was not full when the request came: no verdict on it
+        return f"{ended} of the {limit} streams ended before the probe's request ({over.status_code})"
+    return over
 
 
 async def _answered_again(client: httpx.AsyncClient, body: dict, within_s: float) -> str:
