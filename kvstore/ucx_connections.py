@@ -50,7 +50,7 @@ class SenderEndpoints:
         ctrl = None
         deadline = time.monotonic() + timeout_s  # both endpoints within the bound
         try:
-            local = await on_this_host(host)
+            local = await asyncio.wait_for(on_this_host(host), timeout_s)  # a name lookup too is bounded
             ctrl = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=timeout_s), timeout_s)
             data = await asyncio.wait_for(_data_endpoint(ctrl, local), max(0.0, deadline - time.monotonic()))
         except (UCXError, TimeoutError, OSError, RuntimeError) as exc:
