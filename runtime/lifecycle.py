@@ -78,6 +78,7 @@ class Lifecycle:
         the seconds left of the grace period: work the service promised and whose RPC is still
         to come (decode's reservations, claimed by a Generate after the push) comes in meanwhile.
         """
+        self.svc.admit()  # before registering: a gateway that reads the record finds it admitting
         if registration is not None:
             registration.start()
         await self.svc.mark_serving()

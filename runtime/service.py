@@ -19,6 +19,8 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.runtime.warming_gate import WarmingGate
+
 logger = logging.getLogger(__name__)
 
 # 64 MiB: token id lists of long prompts travel in one message.
@@ -94,7 +96,8 @@ class Service:
 
     `serving_names` are the fully-qualified service names ("kvmesh.v1.Decode") whose
     health flips to SERVING once `mark_serving()` is called (after the model is warm):
-    readiness is not liveness.
+    readiness is not liveness. Until `admit()` (or `mark_serving()`), every other RPC is refused
+    UNAVAILABLE (kvmesh.runtime.warming_gate): nothing reaches a model that is still warming.
     """
 
     def __init__(
@@ -108,7 +111,9 @@ class Service:
 
         Raises OSError when the port cannot be bound."""
         # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
-        self.server = grpc.aio.server(options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)])
+        self.admitting = False
+        self._gate = WarmingGate(" ".join(serving_names), lambda: self.admitting)
+        self.server = grpc.aio.server(interceptors=[self._gate], options=[*SERVER_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # grpcurl / grpcui can list and call the services without the .proto files
@@ -124,6 +129,7 @@ class Service:
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}: is another kvmesh service using it? pick another --port")
         self.address = f"{host}:{self.port}"
+        self._gate.name = f"{self._gate.name} at {self.address}"
 
     async def start(self) -> None:
         """Start serving RPCs; health stays NOT_SERVING until mark_serving()."""
@@ -131,7 +137,13 @@ class Service:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
 
+    def admit(self) -> None:
+        """Open the gate: every RPC reaches its servicer from now on (health may still say NOT_SERVING)."""
+        self.admitting = True
+
     async def mark_serving(self) -> None:
+        """Admit (if not yet) and report SERVING."""
+        self.admit()
         for name in ["", *self.serving_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 

@@ -50,13 +50,9 @@ def verdict(tmp_path_factory):
 
 
 def test_nothing_hung_wrong_crashed_or_leaked(verdict):
-    assert [b for b in bad(verdict) if not b.startswith("wrong")] == [], verdict
-    assert verdict["hung"] == 0 and verdict["crashed"] == 0
-    # greedy answers that part from the reference's: a few, not many (docs/operations.md "Known
-    # limits": fp32 answers are not bit for bit the same on every path, and a rare few part at a
-    # token the logprobs do not show as tied); a tier or a transfer serving wrong bytes would
-    # make many
-    assert verdict["wrong"] <= 0.01 * verdict["checked"], verdict["wrong_examples"]
+    # not one wrong answer: in fp32 every path gives the reference's tokens (a decode that took a
+    # Reserve while its warm-up wrote page 0 gave a few: kvmesh.runtime.warming_gate)
+    assert bad(verdict) == [], (bad(verdict), verdict["wrong_examples"], verdict["crashes"])
     assert set(verdict["leaked_pages"]) == {"prefill0", "prefill1", "decode0", "decode1"}
     assert not any(verdict["leaked_pages"].values()) and verdict["integrity_errors"] == []
 
