@@ -146,7 +146,7 @@ def summarize(
         "failed_by_fault": {k: dict(v) for k, v in sorted(by_fault.items())},
         "hung": sum(o.status == "hung" for o in outcomes),
         "wrong": len(wrong),
-        "wrong_examples": [f"{o.kind} at {o.ended:.1f} s: {o.wrong}" for o in wrong[:10]],
+        "wrong_examples": [f"{o.kind} at {o.ended:.1f} s: {o.wrong} ({o.detail})" for o in wrong[:10]],
         "near_ties": len(ties),
         "near_tie_examples": [f"{o.kind} at {o.ended:.1f} s: {o.near_tie}" for o in ties[:10]],
         "checked": sum(o.status == "ok" and o.kind not in ("n2", "cancel") for o in outcomes),

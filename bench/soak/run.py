@@ -15,10 +15,13 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 from kvmesh.bench.hosts import Cluster, unavailable
 from kvmesh.bench.soak import report
@@ -26,6 +29,12 @@ from kvmesh.bench.soak.faults import FAULT_KINDS, FaultSchedule
 from kvmesh.bench.soak.mesh import API_KEYS, GATEWAYS, HOSTS, INSTANCES, PREFILLS, SoakMesh
 from kvmesh.bench.soak.send import Clients, drive, reference_answers
 from kvmesh.bench.soak.workload import outcome_json
+
+T = TypeVar("T")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What stops a soak early (Ctrl-C, a CI job's timeout, a closed terminal): the run is cancelled and
+its mesh closed (every service, namespace and link gone), never left running."""
 
 DRAIN_BOUND_S = 180.0
 """After the run: how long the mesh may take to serve again everywhere and free every page."""
@@ -138,6 +147,37 @@ def bad(verdict: dict) -> list[str]:
     return out
 
 
+class Interrupted(Exception):
+    """A soak stopped by one of STOP_SIGNALS (`signum`) before it ended; its mesh was closed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}; the mesh was closed")
+        self.signum = signum
+
+
+async def until_signal(run: Awaitable[T]) -> T:
+    """Await `run` (a soak) in this task; one of STOP_SIGNALS cancels it, so its `finally` closes
+    the mesh, and raises Interrupted. The handlers are set even where the signal was ignored (a
+    job started in the background of a script ignores SIGINT) and removed after."""
+    loop, task, got = asyncio.get_running_loop(), asyncio.current_task(), []
+
+    def stop(signum: int) -> None:
+        got.append(signum)
+        task.cancel()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        return await run
+    except asyncio.CancelledError:
+        if got:
+            raise Interrupted(got[0]) from None
+        raise
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=3600.0, help="seconds of load and faults (default 3600)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the fault schedule (default 0)")
@@ -171,8 +211,11 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvmesh-soak-"))
     try:
         verdict = asyncio.run(
-            soak(args.duration, args.seed, args.concurrency, (lo, hi), kinds, workdir, args.plot or None)
+            until_signal(soak(args.duration, args.seed, args.concurrency, (lo, hi), kinds, workdir, args.plot or None))
         )
+    except Interrupted as exc:
+        print(f"kvmesh soak: {exc} (logs in {workdir / 'logs'})", file=sys.stderr)
+        return 128 + exc.signum
     except (RuntimeError, ValueError, TimeoutError) as exc:
         print(f"kvmesh soak: {exc} (logs in {workdir / 'logs'})", file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -79,7 +80,7 @@ def _chat_answer(r, text: str | None = None, tool_calls: list[str] | None = None
     choice = r.choices[0]
     lps, tokens, tops = token_logprobs(choice.logprobs.content if choice.logprobs else None)
     text = choice.message.content or "" if text is None else text
-    return Answer([text], tool_calls=tool_calls or [], logprobs=lps, tokens=tokens, tops=tops)
+    return Answer([text], tool_calls=tool_calls or [], logprobs=lps, tokens=tokens, tops=tops, request_ids=[r.id])
 
 
 Sent = tuple[Answer | None, float | None]
@@ -104,6 +105,7 @@ class _Send:
         stream = await self.http.chat.completions.create(stream=True, messages=_chat_messages(self.spec), **CHAT)
         answer, ttft = Answer([""]), None
         async for chunk in stream:
+            answer.request_ids[:] = [chunk.id]
             if not chunk.choices:
                 continue
             choice = chunk.choices[0]
@@ -121,17 +123,18 @@ class _Send:
     async def completion(self) -> Sent:
         prompt = f"Q: {QUESTIONS[self.spec.prompt]}\nA:"
         r = await self.http.completions.create(prompt=prompt, **PLAIN)
-        return Answer([r.choices[0].text]), None
+        return Answer([r.choices[0].text], request_ids=[r.id]), None
 
     async def grpc(self) -> Sent:
-        request = make_request(QUESTIONS[self.spec.prompt], chat=True, max_tokens=MAX_TOKENS)
+        request_id = f"soak-grpc-{uuid.uuid4().hex}"
+        request = make_request(QUESTIONS[self.spec.prompt], chat=True, max_tokens=MAX_TOKENS, request_id=request_id)
         ids, ttft = [], None
         client = self.clients.grpc[self.spec.gateway][self.spec.key]
         async for msg in client.stream(request, timeout_s=DEADLINE_S):
             if msg.HasField("delta"):
                 ttft = ttft if ttft is not None else self.clock() - self.sent
                 ids.extend(msg.delta.token_ids)
-        return Answer([" ".join(map(str, ids))]), ttft
+        return Answer([" ".join(map(str, ids))], request_ids=[request_id]), ttft
 
     async def session(self) -> Sent:
         """Two turns in one session; turn 2 is only compared once turn 1 agreed token for token."""
@@ -142,19 +145,27 @@ class _Send:
         messages += [{"role": "assistant", "content": said}, {"role": "user", "content": "Say it in other words."}]
         second = await self.http.chat.completions.create(messages=messages, extra_headers=headers, **CHAT)
         a, b = _chat_answer(first), _chat_answer(second)
-        return Answer(a.text + b.text, tokens=a.tokens + b.tokens, tops=a.tops + b.tops), None
+        return (
+            Answer(
+                a.text + b.text,
+                tokens=a.tokens + b.tokens,
+                tops=a.tops + b.tops,
+                request_ids=a.request_ids + b.request_ids,
+            ),
+            None,
+        )
 
     async def json(self) -> Sent:
         schema = {"type": "json_schema", "json_schema": SCHEMA}
         r = await self.http.chat.completions.create(messages=_chat_messages(self.spec), response_format=schema, **CHAT)
         a = _chat_answer(r)
-        return Answer(a.text, tokens=a.tokens, tops=a.tops), None
+        return Answer(a.text, tokens=a.tokens, tops=a.tops, request_ids=a.request_ids), None
 
     async def tools(self) -> Sent:
         r = await self.http.chat.completions.create(messages=_chat_messages(self.spec), tools=TOOLS, **CHAT)
         calls = [f"{c.function.name}({c.function.arguments})" for c in r.choices[0].message.tool_calls or []]
         a = _chat_answer(r, tool_calls=calls)
-        return Answer(a.text, tool_calls=calls, tokens=a.tokens, tops=a.tops), None
+        return Answer(a.text, tool_calls=calls, tokens=a.tokens, tops=a.tops, request_ids=a.request_ids), None
 
     async def n2(self) -> Sent:
         sampled = {**PLAIN, "temperature": 0.8}
@@ -217,6 +228,8 @@ async def run_one(
         differs = answer.differs(ref)
         tie = answer.near_tie(ref) if differs.startswith("text") else ""
         out.near_tie, out.wrong = (tie, "") if tie else ("", differs)
+        if out.wrong:
+            out.detail = f"request ids {' '.join(answer.request_ids)}"
     return out, answer
 
 

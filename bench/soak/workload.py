@@ -131,6 +131,9 @@ class Answer:
     logprobs: list[float] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
     tops: list[dict[str, float]] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    """The ids the gateway answered under (each turn's; not compared): what finds a wrong answer
+    in the services' logs."""
 
     def differs(self, ref: Answer) -> str:
         """Why this answer is not the reference's ("" when it is)."""

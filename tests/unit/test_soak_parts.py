@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 
 import pytest
 
 from kvmesh.bench.soak import report
 from kvmesh.bench.soak.faults import FAULT_KINDS, Fault, FaultSchedule
-from kvmesh.bench.soak.run import add_arguments, bad, run
+from kvmesh.bench.soak.run import Interrupted, add_arguments, bad, run, until_signal
 from kvmesh.bench.soak.workload import KINDS, LOGPROB_TOLERANCE, Answer, Outcome, draw
 
 
@@ -144,3 +146,27 @@ def test_a_fault_gap_past_the_run_s_end_ends_with_the_run():
         return await asyncio.wait_for(schedule.run(), 10)
 
     assert asyncio.run(scenario()) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_cancels_the_soak_so_its_mesh_is_closed_even_where_the_signal_was_ignored(signum):
+    # before: SIGTERM killed `kvmesh soak` on the spot and left its seven services running, and a
+    # soak started in a script's background ignored SIGINT while its services drained on it
+    closed = []
+
+    async def soak() -> dict:
+        try:
+            os.kill(os.getpid(), signum)
+            await asyncio.Event().wait()  # the load: forever, but for the signal
+            return {}
+        finally:
+            closed.append(True)  # where the real soak closes its mesh
+
+    before = signal.signal(signum, signal.SIG_IGN)
+    try:
+        with pytest.raises(Interrupted) as info:
+            asyncio.run(until_signal(soak()))
+    finally:
+        signal.signal(signum, before)
+    assert info.value.signum == signum and closed == [True]
+    assert signal.Signals(signum).name in str(info.value)
