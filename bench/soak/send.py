@@ -11,6 +11,7 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable
 
+import anthropic
 import grpc
 import openai
 
@@ -50,6 +51,15 @@ class Clients:
             for u in http_urls
         ]
         self.grpc = [[GatewayClient(a, api_key=k) for k in keys] for a in grpc_addresses]
+        self.anthropic = [
+            [
+                anthropic.AsyncAnthropic(
+                    base_url=u.removesuffix("/v1"), api_key=k, timeout=DEADLINE_S + HANG_SLACK_S, max_retries=0
+                )
+                for k in keys
+            ]
+            for u in http_urls
+        ]
 
     async def __aenter__(self) -> Clients:
         for row in self.grpc:
@@ -61,7 +71,7 @@ class Clients:
         for row in self.grpc:
             for c in row:
                 await c.__aexit__(None, None, None)
-        for row in self.http:
+        for row in [*self.http, *self.anthropic]:
             for c in row:
                 await c.close()
 
@@ -167,6 +177,32 @@ class _Send:
         a = _chat_answer(r, tool_calls=calls)
         return Answer(a.text, tool_calls=calls, tokens=a.tokens, tops=a.tops, request_ids=a.request_ids), None
 
+    async def responses(self) -> Sent:
+        """Two turns of the Responses API, the second through `previous_response_id` (the first
+        is stored in Redis, which any gateway reads)."""
+        first = await self.http.responses.create(
+            model=MODEL, input=QUESTIONS[self.spec.prompt], max_output_tokens=MAX_TOKENS, temperature=0.0
+        )
+        second = await self.http.responses.create(
+            model=MODEL,
+            input="Say it in other words.",
+            previous_response_id=first.id,
+            max_output_tokens=MAX_TOKENS,
+            temperature=0.0,
+        )
+        return Answer([first.output_text, second.output_text], request_ids=[first.id, second.id]), None
+
+    async def messages(self) -> Sent:
+        """Anthropic's Messages API through the anthropic client."""
+        claude = self.clients.anthropic[self.spec.gateway][self.spec.key]
+        r = await claude.messages.create(
+            model=MODEL,
+            max_tokens=MAX_TOKENS,
+            messages=[{"role": "user", "content": QUESTIONS[self.spec.prompt]}],
+            extra_body={"temperature": 0.0},  # this client version takes sampling fields only here
+        )
+        return Answer(["".join(b.text for b in r.content if b.type == "text")], request_ids=[r.id]), None
+
     async def n2(self) -> Sent:
         sampled = {**PLAIN, "temperature": 0.8}
         r = await self.http.chat.completions.create(
@@ -208,6 +244,14 @@ def status_of(exc: BaseException) -> str:
     if isinstance(exc, openai.APIConnectionError):
         return "connect_error"
     if isinstance(exc, openai.APIError):
+        return "stream_error"
+    if isinstance(exc, anthropic.APITimeoutError):
+        return "hung"
+    if isinstance(exc, anthropic.APIStatusError):
+        return f"http_{exc.status_code}"
+    if isinstance(exc, anthropic.APIConnectionError):
+        return "connect_error"
+    if isinstance(exc, anthropic.APIError):
         return "stream_error"
     return type(exc).__name__
 

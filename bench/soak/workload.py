@@ -87,8 +87,10 @@ KINDS = {
     "json": 1,
     "tools": 1,
     "cancel": 1,
+    "responses": 2,
+    "messages": 1,
 }
-CHECKED = {"chat", "chat_stream", "completion", "grpc", "long", "session", "json", "tools"}
+CHECKED = {"chat", "chat_stream", "completion", "grpc", "long", "session", "json", "tools", "responses", "messages"}
 
 
 @dataclass(frozen=True)
