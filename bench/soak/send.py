@@ -237,22 +237,17 @@ def status_of(exc: BaseException) -> str:
     """The status a client error names (see Outcome)."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code().name
-    if isinstance(exc, openai.APITimeoutError | TimeoutError):
+    if isinstance(exc, TimeoutError):
         return "hung"
-    if isinstance(exc, openai.APIStatusError):
-        return f"http_{exc.status_code}"
-    if isinstance(exc, openai.APIConnectionError):
-        return "connect_error"
-    if isinstance(exc, openai.APIError):
-        return "stream_error"
-    if isinstance(exc, anthropic.APITimeoutError):
-        return "hung"
-    if isinstance(exc, anthropic.APIStatusError):
-        return f"http_{exc.status_code}"
-    if isinstance(exc, anthropic.APIConnectionError):
-        return "connect_error"
-    if isinstance(exc, anthropic.APIError):
-        return "stream_error"
+    for api in (openai, anthropic):  # the two HTTP clients' errors have the same shape
+        if isinstance(exc, api.APITimeoutError):
+            return "hung"
+        if isinstance(exc, api.APIStatusError):
+            return f"http_{exc.status_code}"
+        if isinstance(exc, api.APIConnectionError):
+            return "connect_error"
+        if isinstance(exc, api.APIError):
+            return "stream_error"
     return type(exc).__name__
 
 
