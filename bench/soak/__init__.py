@@ -6,8 +6,9 @@ nothing wrong.
                  killed, frozen, crashed) and their samples (pages, RSS)
     workload.py  the mixed, seeded requests, and their answers' check against a quiet
                  reference run's
-    send.py      each kind sent through the real clients (openai over HTTP, GatewayClient over
-                 gRPC) and judged; the reference run; the load's workers
+    clients.py   the real clients, one per gateway and key (openai and anthropic over HTTP,
+                 GatewayClient over gRPC), and the status a client's error names
+    send.py      each kind sent through them and judged; the reference run; the load's workers
     faults.py    the seeded fault schedule, one fault at a time, each undone before the next
     report.py    the run's JSON (sent, finished, failed, hung, wrong, crashed, leaked_pages,
                  rss_slope_mb_per_hour, faults, by_fault_kind) and its plot

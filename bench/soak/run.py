@@ -25,9 +25,10 @@ from typing import TypeVar
 
 from kvmesh.bench.hosts import Cluster, unavailable
 from kvmesh.bench.soak import report
+from kvmesh.bench.soak.clients import Clients
 from kvmesh.bench.soak.faults import FAULT_KINDS, FaultSchedule
 from kvmesh.bench.soak.mesh import API_KEYS, GATEWAYS, HOSTS, INSTANCES, PREFILLS, SoakMesh
-from kvmesh.bench.soak.send import Clients, drive, reference_answers
+from kvmesh.bench.soak.send import drive, reference_answers
 from kvmesh.bench.soak.workload import outcome_json
 
 T = TypeVar("T")

@@ -11,10 +11,7 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable
 
-import anthropic
-import grpc
-import openai
-
+from kvmesh.bench.soak.clients import Clients, status_of
 from kvmesh.bench.soak.workload import (
     CHECKED,
     DEADLINE_S,
@@ -35,45 +32,10 @@ from kvmesh.bench.soak.workload import (
     pool_size,
     token_logprobs,
 )
-from kvmesh.client import GatewayClient, make_request
+from kvmesh.client import make_request
 
 PLAIN = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
 CHAT = {**PLAIN, "logprobs": True, "top_logprobs": TOP_LOGPROBS}
-
-
-class Clients:
-    """An openai client and a GatewayClient per (gateway, key): `http_urls` the gateways' /v1 URLs,
-    `grpc_addresses` their gRPC addresses, `keys` the API keys."""
-
-    def __init__(self, http_urls: list[str], grpc_addresses: list[str], keys: list[str]) -> None:
-        self.http = [
-            [openai.AsyncOpenAI(base_url=u, api_key=k, timeout=DEADLINE_S + HANG_SLACK_S, max_retries=0) for k in keys]
-            for u in http_urls
-        ]
-        self.grpc = [[GatewayClient(a, api_key=k) for k in keys] for a in grpc_addresses]
-        self.anthropic = [
-            [
-                anthropic.AsyncAnthropic(
-                    base_url=u.removesuffix("/v1"), api_key=k, timeout=DEADLINE_S + HANG_SLACK_S, max_retries=0
-                )
-                for k in keys
-            ]
-            for u in http_urls
-        ]
-
-    async def __aenter__(self) -> Clients:
-        for row in self.grpc:
-            for c in row:
-                await c.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for row in self.grpc:
-            for c in row:
-                await c.__aexit__(None, None, None)
-        for row in [*self.http, *self.anthropic]:
-            for c in row:
-                await c.close()
 
 
 def _chat_messages(spec: Spec) -> list[dict]:
@@ -231,24 +193,6 @@ def send(clients: Clients, spec: Spec, clock: Callable[[], float], session: str)
     if spec.kind not in KINDS:
         raise ValueError(f"unknown kind {spec.kind!r}")
     return getattr(_Send(clients, spec, clock, session), spec.kind)()
-
-
-def status_of(exc: BaseException) -> str:
-    """The status a client error names (see Outcome)."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code().name
-    if isinstance(exc, TimeoutError):
-        return "hung"
-    for api in (openai, anthropic):  # the two HTTP clients' errors have the same shape
-        if isinstance(exc, api.APITimeoutError):
-            return "hung"
-        if isinstance(exc, api.APIStatusError):
-            return f"http_{exc.status_code}"
-        if isinstance(exc, api.APIConnectionError):
-            return "connect_error"
-        if isinstance(exc, api.APIError):
-            return "stream_error"
-    return type(exc).__name__
 
 
 async def run_one(
