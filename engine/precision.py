@@ -117,3 +117,29 @@ def resolve_dtype(
     if dtype == "bfloat16" and device.type == "cpu" and not native_bf16(device, flags):
         return Precision(dtype, "asked for; this hardware has no native bf16, so it runs emulated (slower than fp32)")
     return Precision(dtype, "asked for")
+
+
+QUANTIZATION_CHOICES = ("none", "int8")
+"""`--quantization` on a decode instance: none (decode steps compute in fp32 from the GGUF file's
+blocks), or int8 (the layers' matmul inputs as int8 blocks, W4A8 against the Q4_1 weights:
+`kvmesh.kernels.quant_a8`, llama.cpp's Q8 activations)."""
+
+
+def check_quantization_spec(spec: str) -> None:
+    """Raise ValueError unless `spec` is one of QUANTIZATION_CHOICES."""
+    if spec not in QUANTIZATION_CHOICES:
+        raise ValueError(f"--quantization must be one of {'|'.join(QUANTIZATION_CHOICES)}, got {spec!r}")
+
+
+def apply_quantization(runner: object, spec: str) -> str:
+    """Switch `runner`'s decode steps to `spec` (QUANTIZATION_CHOICES) and say what it computes
+    with, for the start-up log. Raises ValueError for a malformed spec, a runner without an int8
+    path (DeepSeek-V4's), or one whose steps do not run from GGUF blocks (a GPU, no GGUF file)."""
+    check_quantization_spec(spec)
+    if spec == "none":
+        return "decode steps take fp32 activations"
+    use = getattr(runner, "use_int8_activations", None)
+    if use is None:
+        raise ValueError(f"--quantization {spec}: {type(runner).__name__} has no int8 path (Llama's CPU decode only)")
+    use()
+    return "decode steps take int8 activations against the Q4_1 layers (W4A8; the lm_head in fp32)"

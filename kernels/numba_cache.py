@@ -26,7 +26,13 @@ from numba.core import caching
 from kvmesh import cache_root  # importable from here too
 
 _KVMESH_ROOT = Path(__file__).resolve().parent.parent
-NUMBA_SOURCES = ("kernels/quant.py", "kernels/quant_tiles.py", "engine/llama/step.py", "engine/llama/step_attention.py")
+NUMBA_SOURCES = (
+    "kernels/quant.py",
+    "kernels/quant_tiles.py",
+    "kernels/quant_a8.py",
+    "engine/llama/step.py",
+    "engine/llama/step_attention.py",
+)
 """kvmesh's files with `numba.njit(cache=True)` kernels (tests/unit checks the list is whole)."""
 NUMBA_INLINED = ("kernels/quant_format.py", "kernels/quant_llvm.py")
 """Files without cached kernels whose constants and intrinsics those kernels compile in: part of

@@ -102,6 +102,12 @@ def _add_up(sub: Subparsers) -> None:
         help="what every prefill and decode computes in: auto (bfloat16 where the hardware has it natively, "
         "else float32), float32 or bfloat16 (env KVMESH_DTYPE; default auto; docs/precision.md)",
     )
+    up.add_argument(
+        "--quantization",
+        default=os.environ.get("KVMESH_QUANTIZATION", "none"),
+        help="every decode's activations: none (fp32) or int8 (W4A8 against the GGUF file's Q4_1 layers; Llama on "
+        "the CPU) (env KVMESH_QUANTIZATION; default none; docs/precision.md)",
+    )
     up.add_argument("--slo-ttft-ms", type=float, default=0.0, help="the gateway's TTFT target (ms; default 0: none)")
     up.add_argument("--slo-itl-ms", type=float, default=0.0, help="the gateway's ITL target (ms; default 0: none)")
     up.add_argument(

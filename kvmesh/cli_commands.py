@@ -97,6 +97,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             args.dtype,
             (args.slo_ttft_ms, args.slo_itl_ms),
             _autoscale_bounds(args),
+            quantization=args.quantization,
         )
     except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)

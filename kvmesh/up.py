@@ -8,7 +8,7 @@ import sys
 import threading
 
 from kvmesh import launcher
-from kvmesh.engine.precision import check_dtype_spec
+from kvmesh.engine.precision import check_dtype_spec, check_quantization_spec
 
 
 def run_up(
@@ -25,6 +25,7 @@ def run_up(
     dtype: str = "auto",
     slo_ms: tuple[float, float] = (0.0, 0.0),
     autoscale: tuple[int, int] | None = None,
+    quantization: str = "none",
 ) -> int:
     """The `kvmesh up` command: start, print the gateway address, wait for Ctrl-C/SIGTERM or a child's death.
 
@@ -38,9 +39,11 @@ def run_up(
     OpenAI-compatible HTTP API (0: none). dtype: every instance's `--dtype` (auto|float32|bfloat16;
     ValueError for another). slo_ms: the gateway's (--slo-ttft-ms, --slo-itl-ms), 0: none.
     autoscale: (most prefill, most decode) instances to scale between, from the starting counts
-    down to one each, as the gateway advises (kvmesh.autoscale); None: a fixed mesh.
+    down to one each, as the gateway advises (kvmesh.autoscale); None: a fixed mesh. quantization:
+    every decode's `--quantization` (none|int8; ValueError for another).
     """
     check_dtype_spec(dtype)
+    check_quantization_spec(quantization)
     if autoscale is not None and not any(slo_ms):
         raise ValueError("--autoscale scales to a target: give --slo-ttft-ms and/or --slo-itl-ms")
     if min(slo_ms) < 0:
@@ -77,6 +80,7 @@ def run_up(
                 "--dtype",
                 dtype,
                 *_decode_args(decode_threads, speculative, num_draft_tokens, decode_ep),
+                *(["--quantization", quantization] if quantization != "none" else []),
             ],
             extra_gateway_args=gateway_args,
             http_port=http_port,

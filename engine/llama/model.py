@@ -161,7 +161,19 @@ class LlamaModel:
             gate_up=stacked["q_gate_up"],
             down=stacked["q_down"],
             head=(self.q_lm_head.q, self.q_lm_head.d),
+            int8_activations=False,
         )
+
+    def use_int8_activations(self) -> None:
+        """Let decode steps take the layers' matmul inputs as int8 blocks against the Q4_1 weights
+        (W4A8, `kvmesh.kernels.quant_a8`: `--quantization int8`). Prefill, the lm_head, batches past
+        `QUANTIZED_MAX_BATCH` and speculative verification keep their precision. Raises ValueError
+        where decode steps do not run from GGUF blocks (another device, or no GGUF file)."""
+        if self._step is None:
+            raise ValueError(
+                "--quantization int8 needs CPU decode steps from a GGUF file's Q4_1 blocks; this model has none here"
+            )
+        self._step = self._step._replace(int8_activations=True)
 
     def _decode_fused(
         self, input_ids: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, g: DecodeGroup, kv_cache: torch.Tensor

@@ -128,6 +128,11 @@ class LlamaRunner:
             raise ValueError(f"page_id must be in [0, {self.num_pages}), got {page_id}")
         return self.memory.page_buffer(page_id)
 
+    def use_int8_activations(self) -> None:
+        """Decode steps take int8 activations (`LlamaModel.use_int8_activations`; ValueError where
+        they cannot)."""
+        self.model.use_int8_activations()
+
     def enable_decode_graphs(self, max_batch: int) -> None:
         """Serve decode steps of up to max_batch sequences from CUDA graphs captured now, one a
         bucket (kvmesh.engine.cuda_graphs); on the CPU the same fixed-shape steps run eagerly (tests)."""

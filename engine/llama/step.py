@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 from kvmesh.engine.llama.step_attention import attend_pages, kv_store, plan_jobs
 from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 from kvmesh.kernels.quant import TN, block_sums, q4_1_tile, q8_0_tile
+from kvmesh.kernels.quant_a8 import q4_1_tile_a8, quantize_rows_q8
 
 STEP_PARTS = (
     "RMSNorm",
@@ -121,22 +122,59 @@ def _write_kv(kv, k_blocks, v_blocks, lens, rot, y_qkv, nq, nk):  # each token's
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
-def _q4_1_rows(x, qs, d, m, y):  # y [B, NT*TN] = x [B, in] @ one layer's Q4_1 weight, a tile a thread
+def _q4_1_rows_fp32(x, qs, d, m, y):  # y [B, NT*TN] = x [B, in] @ one layer's Q4_1 weight, a tile a thread
     xs = block_sums(x)
     for tile in numba.prange(qs.shape[0]):
         q4_1_tile(x, xs, qs, d, m, tile, y)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
-def _gate_up_silu(x, qs, d, m, inter, y_gu, act):  # act [B, I] = silu(x @ gate) * (x @ up)
+def _q4_1_rows_a8(x, qs, d, m, y):  # the same with x's rows as int8 blocks (`kvmesh.kernels.quant_a8`)
+    xq, xd, xs = quantize_rows_q8(x)
+    for tile in numba.prange(qs.shape[0]):
+        q4_1_tile_a8(xq, xd, xs, qs, d, m, tile, y)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _q4_1_rows(x, qs, d, m, y, a8):  # y = x @ the weight, with int8 activations when a8
+    if a8:
+        _q4_1_rows_a8(x, qs, d, m, y)
+    else:
+        _q4_1_rows_fp32(x, qs, d, m, y)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _silu_tile(y_gu, inter, tile, act):  # act[:, tile's columns] = silu(gate) * up, as `silu_and_mul`
+    for b in range(y_gu.shape[0]):
+        for i in range(tile * TN, (tile + 1) * TN):
+            g = y_gu[b, i]
+            act[b, i] = g / (np.float32(1) + np.exp(-g)) * y_gu[b, inter + i]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
+def _gate_up_silu_fp32(x, qs, d, m, inter, y_gu, act):  # act [B, I] = silu(x @ gate) * (x @ up)
     xs = block_sums(x)
     for tile in numba.prange(inter // TN):  # a gate tile, its up tile, then silu(gate) * up
         q4_1_tile(x, xs, qs, d, m, tile, y_gu)
         q4_1_tile(x, xs, qs, d, m, tile + inter // TN, y_gu)
-        for b in range(x.shape[0]):
-            for i in range(tile * TN, (tile + 1) * TN):  # as `silu_and_mul`
-                g = y_gu[b, i]
-                act[b, i] = g / (np.float32(1) + np.exp(-g)) * y_gu[b, inter + i]
+        _silu_tile(y_gu, inter, tile, act)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
+def _gate_up_silu_a8(x, qs, d, m, inter, y_gu, act):  # the same with x's rows as int8 blocks
+    xq, xd, xs = quantize_rows_q8(x)
+    for tile in numba.prange(inter // TN):
+        q4_1_tile_a8(xq, xd, xs, qs, d, m, tile, y_gu)
+        q4_1_tile_a8(xq, xd, xs, qs, d, m, tile + inter // TN, y_gu)
+        _silu_tile(y_gu, inter, tile, act)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _gate_up_silu(x, qs, d, m, inter, y_gu, act, a8):
+    if a8:
+        _gate_up_silu_a8(x, qs, d, m, inter, y_gu, act)
+    else:
+        _gate_up_silu_fp32(x, qs, d, m, inter, y_gu, act)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
@@ -170,6 +208,9 @@ class StepWeights(NamedTuple):
     """(qs, d, m) of the layers' down projections, stacked [L, NT, ...]."""
     head: tuple[np.ndarray, ...]
     """(q, d) of the Q8_0 lm_head [NT, ...]: its logits are NT*TN wide, V padded to tiles."""
+    int8_activations: bool
+    """The layers' matmuls take their inputs as int8 blocks (`kvmesh.kernels.quant_a8`,
+    `--quantization int8`); False: fp32. The lm_head takes fp32 either way."""
 
 
 class StepBatch(NamedTuple):
@@ -204,7 +245,7 @@ def decode_step(batch, weights):
     """
     h, lens, kv, cycles, w = batch.h, batch.lens, batch.kv, batch.cycles, weights
     L, B, H, D = w.norms.shape[0] - 1, h.shape[0], h.shape[1], kv.shape[3]
-    nq, nk, inter = w.num_heads, w.num_kv_heads, w.intermediate
+    nq, nk, inter, a8 = w.num_heads, w.num_kv_heads, w.intermediate, w.int8_activations
     x = np.empty((B, H), np.float32)
     y_qkv = np.empty((B, w.qkv[0].shape[1] * TN), np.float32)
     rot = np.empty((B, nq + nk, D), np.float32)
@@ -219,21 +260,21 @@ def decode_step(batch, weights):
     for li in range(L):
         _rms_norm_rows(h, w.norms[li, 0], w.eps, x)
         t = _lap(cycles, 0, t)
-        _q4_1_rows(x, w.qkv[0][li], w.qkv[1][li], w.qkv[2][li], y_qkv)
+        _q4_1_rows(x, w.qkv[0][li], w.qkv[1][li], w.qkv[2][li], y_qkv, a8)
         t = _lap(cycles, 1, t)
         _rope_rows(y_qkv, batch.cos, batch.sin_rot, nq, nk, rot)
         t = _lap(cycles, 2, t)
         _write_kv(kv, batch.blocks[li, 0], batch.blocks[li, 1], lens, rot, y_qkv, nq, nk)
         attend_pages(rot, kv, batch.blocks[li, 0], batch.blocks[li, 1], lens, jobs, heads_out)
         t = _lap(cycles, 3, t)
-        _q4_1_rows(attn, w.o[0][li], w.o[1][li], w.o[2][li], y_o)
+        _q4_1_rows(attn, w.o[0][li], w.o[1][li], w.o[2][li], y_o, a8)
         _add_rows(h, y_o)
         t = _lap(cycles, 4, t)
         _rms_norm_rows(h, w.norms[li, 1], w.eps, x)
         t = _lap(cycles, 0, t)
-        _gate_up_silu(x, w.gate_up[0][li], w.gate_up[1][li], w.gate_up[2][li], inter, y_gu, act)
+        _gate_up_silu(x, w.gate_up[0][li], w.gate_up[1][li], w.gate_up[2][li], inter, y_gu, act, a8)
         t = _lap(cycles, 5, t)
-        _q4_1_rows(act, w.down[0][li], w.down[1][li], w.down[2][li], y_down)
+        _q4_1_rows(act, w.down[0][li], w.down[1][li], w.down[2][li], y_down, a8)
         _add_rows(h, y_down)
         t = _lap(cycles, 6, t)
     _rms_norm_rows(h, w.norms[L, 0], w.eps, x)

@@ -5,19 +5,17 @@ and on a prefix hit; and a service in another dtype is refused, naming both (doc
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from kvmesh.engine.forward import ForwardItem
 from kvmesh.engine.llama.runner import LlamaRunner
 from kvmesh.engine.loader import resolve_model
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, running_mesh, wait_idle
+from tests.integration.one_process import NEW_TOKENS, Pages, greedy
+from tests.integration.one_process import random_prompt as _prompt
 
 PAGE = 16
-NEW_TOKENS = 24
 BF16 = ["--dtype", "bfloat16"]
 
 
@@ -35,32 +33,9 @@ def one_process():
     return runner
 
 
-class Pages:
-    """Fresh page ids of the one-process runner (page 0 is its warm-up's)."""
-
-    next = 1
-
-    @classmethod
-    def take(cls, n: int) -> list[int]:
-        cls.next += n
-        return list(range(cls.next - n, cls.next))
-
-
-def greedy(runner: LlamaRunner, new_ids: list[int], computed: int, pages: list[int]) -> list[int]:
-    """NEW_TOKENS greedy tokens after `new_ids`, whose first `computed` tokens' K/V `pages` hold already."""
-    logits = runner.forward([ForwardItem(new_ids, computed, pages)])
-    out = [int(logits[0].argmax())]
-    n = computed + len(new_ids)
-    for _ in range(NEW_TOKENS - 1):
-        logits = runner.forward([ForwardItem([out[-1]], n, pages)])
-        out.append(int(logits[0].argmax()))
-        n += 1
-    return out
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [1] + [rng.randrange(1000, 20000) for _ in range(n - 1)]
+@pytest.fixture(scope="module")
+def pages():
+    return Pages()
 
 
 def test_instances_report_bf16_and_pages_of_half_the_fp32_bytes(mesh, one_process):
@@ -72,22 +47,21 @@ def test_instances_report_bf16_and_pages_of_half_the_fp32_bytes(mesh, one_proces
 
 
 @pytest.mark.parametrize("length", [7, 33, 70])
-def test_greedy_tokens_through_the_mesh_equal_one_process_in_bf16(mesh, one_process, length):
+def test_greedy_tokens_through_the_mesh_equal_one_process_in_bf16(mesh, one_process, pages, length):
     prompt = _prompt(length, seed=length)
     answer = complete(mesh, b"", prompt_token_ids=prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
-    pages = Pages.take((length + NEW_TOKENS) // PAGE + 1)
-    assert answer.token_ids == greedy(one_process, prompt, 0, pages)
+    assert answer.token_ids == greedy(one_process, prompt, 0, pages.take((length + NEW_TOKENS) // PAGE + 1))
     wait_idle(mesh)
 
 
-def test_a_prefix_hit_decodes_as_one_process_over_the_same_cached_pages(mesh, one_process):
+def test_a_prefix_hit_decodes_as_one_process_over_the_same_cached_pages(mesh, one_process, pages):
     first = _prompt(50, seed=1)  # 3 full pages prefill keeps
     complete(mesh, b"", prompt_token_ids=first, max_tokens=NEW_TOKENS, ignore_eos=True)
-    pages = Pages.take((50 + NEW_TOKENS) // PAGE + 1)
-    greedy(one_process, first, 0, pages)
+    first_pages = pages.take((50 + NEW_TOKENS) // PAGE + 1)
+    greedy(one_process, first, 0, first_pages)
     second = first[:48] + _prompt(20, seed=2)[1:]
     answer = complete(mesh, b"", prompt_token_ids=second, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert answer.final.cached_tokens == 48  # prefill computed only what follows its 3 pages
-    tail = pages[:3] + Pages.take((len(second) - 48 + NEW_TOKENS) // PAGE + 1)
+    tail = first_pages[:3] + pages.take((len(second) - 48 + NEW_TOKENS) // PAGE + 1)
     assert answer.token_ids == greedy(one_process, second[48:], 48, tail)
     wait_idle(mesh)

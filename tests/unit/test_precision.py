@@ -138,10 +138,11 @@ PROMPTS = [
 ]
 
 
-def test_bf16_smollm2_passes_vllm_top5_rule_against_transformers_bf16_on_16_prompts_of_64_tokens():
-    """kvmesh's bf16 runner (bf16 prefill GEMMs and pages; the fused decode step from the GGUF
-    blocks) against transformers' bf16 LlamaForCausalLM on the converted checkpoint: greedy
-    tokens equal, or at the first difference each side's token is in the other's top 5."""
+def _greedy_both(dtype: torch.dtype, int8_activations: bool = False, n: int = 64):
+    """16 PROMPTS (cut to one length) x n greedy tokens through kvmesh's LlamaRunner in `dtype`
+    (the fused decode step from the GGUF blocks, with int8 activations when asked) and through
+    transformers' LlamaForCausalLM in `dtype` on the converted checkpoint: one rule verdict a
+    prompt (`compare_greedy`)."""
     from transformers import AutoModelForCausalLM
 
     from kvmesh.engine.checkpoint import load_tokenizer
@@ -149,12 +150,14 @@ def test_bf16_smollm2_passes_vllm_top5_rule_against_transformers_bf16_on_16_prom
     from kvmesh.engine.llama.runner import LlamaRunner
     from kvmesh.engine.loader import resolve_model
 
-    files, n = resolve_model(), 64
+    files = resolve_model()
     encoded = [load_tokenizer(files).encode(p) for p in PROMPTS]
     width = min(len(ids) for ids in encoded)
     prompts = [ids[:width] for ids in encoded]  # one length: transformers runs them as a batch, unpadded
-    runner = LlamaRunner(files, num_pages=1 + 16 * 6, page_size=16, dtype=torch.bfloat16)
-    assert runner.kv_cache.dtype == torch.bfloat16 and runner.model._step is not None  # the fused step serves decode
+    runner = LlamaRunner(files, num_pages=1 + 16 * 6, page_size=16, dtype=dtype)
+    assert runner.kv_cache.dtype == dtype and runner.model._step is not None  # the fused step serves decode
+    if int8_activations:
+        runner.use_int8_activations()
     pages = [list(range(1 + 6 * b, 7 + 6 * b)) for b in range(16)]
     rows, tokens = [], []
     logits = runner.forward([ForwardItem(p, 0, pages[b]) for b, p in enumerate(prompts)])  # [16, V]
@@ -165,7 +168,7 @@ def test_bf16_smollm2_passes_vllm_top5_rule_against_transformers_bf16_on_16_prom
             logits = runner.forward([ForwardItem([tokens[-1][b]], width + step, pages[b]) for b in range(16)])
     ours = [[t[b] for t in tokens] for b in range(16)]
     ours_top = [top_logprobs(torch.stack([r[b] for r in rows])) for b in range(16)]
-    hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(files.checkpoint_dir, dtype=dtype).eval()
     with torch.no_grad():
         out = hf.generate(
             torch.tensor(prompts),
@@ -178,12 +181,29 @@ def test_bf16_smollm2_passes_vllm_top5_rule_against_transformers_bf16_on_16_prom
         )
     theirs = out.sequences[:, width:].tolist()
     theirs_top = [top_logprobs(torch.stack([step[b] for step in out.logits])) for b in range(16)]
-    verdicts = [compare_greedy(ours[b], ours_top[b], theirs[b], theirs_top[b]) for b in range(16)]
+    return [compare_greedy(ours[b], ours_top[b], theirs[b], theirs_top[b]) for b in range(16)], n
+
+
+def test_bf16_smollm2_passes_vllm_top5_rule_against_transformers_bf16_on_16_prompts_of_64_tokens():
+    """kvmesh's bf16 runner (bf16 prefill GEMMs and pages; the fused decode step from the GGUF
+    blocks) against transformers' bf16 LlamaForCausalLM on the converted checkpoint: greedy
+    tokens equal, or at the first difference each side's token is in the other's top 5."""
+    verdicts, n = _greedy_both(torch.bfloat16)
     assert all(v.ok for v in verdicts), [v.detail for v in verdicts if not v.ok]
     # and it must have judged something: most sequences agree a good way in before a near-tie
     # splits them. Where depends on the CPU's bf16 GEMMs (transformers' own fp32 and bf16 agree
     # throughout on 8 of these 16; kvmesh's bf16 and transformers' on 5 on a Zen 4 EPYC, on 2 on
     # an AMX Xeon, 2026-12-05)
+    reach = sorted(n if v.position == -1 else v.position for v in verdicts)
+    print("tokens equal before the first difference:", reach)
+    assert reach[len(reach) // 2] >= 8, reach
+
+
+def test_int8_activations_pass_vllm_top5_rule_against_transformers_fp32_on_16_prompts_of_64_tokens():
+    """`--quantization int8` (W4A8 decode steps, fp32 everywhere else) against transformers'
+    fp32 LlamaForCausalLM on the converted checkpoint, by the same rule."""
+    verdicts, n = _greedy_both(torch.float32, int8_activations=True)
+    assert all(v.ok for v in verdicts), [v.detail for v in verdicts if not v.ok]
     reach = sorted(n if v.position == -1 else v.position for v in verdicts)
     print("tokens equal before the first difference:", reach)
     assert reach[len(reach) // 2] >= 8, reach

@@ -1,0 +1,113 @@
+# B=sequences, V=vocab
+"""`--quantization int8` against none for the Llama runner's decode steps (SmolLM2-135M-Instruct
+by default) on the CPU, side by side in one run.
+
+    python -P -m kvmesh.bench.quantization [--model NAME] [--steps 10] [--batches 1 4 16 32 64] [--json PATH]
+
+- decode BxN: one fused decode step of B one-token sequences, each after N = 512 cached tokens,
+  ms, fastest of --steps after three warm-up steps; the two runners alternate step by step so a
+  noisy neighbour hits both alike (`kvmesh.bench.precision.bench_decode`). Both run fp32 pages and
+  fp32 prefill; only the layers' matmuls differ (W4A8 against fp32 activations, kernels/quant_a8.py).
+- logprobs: 16 chat prompts, --new-tokens greedy tokens each from the fp32 runner, then both
+  runners fed the same prompt (one fp32 prefill) and the same answer tokens one decode step at a
+  time (teacher-forced): max, p99 and mean |logprob_int8 - logprob_fp32| of the answer tokens, the
+  argmax agreement per position and per whole answer, and how many of int8's own free-running
+  greedy answers equal fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from kvmesh.bench.precision import PAGE, PROMPTS, _greedy, _pages, bench_decode
+from kvmesh.engine.checkpoint import load_tokenizer, long_prompt_ids
+from kvmesh.engine.forward import ForwardItem
+from kvmesh.engine.llama.runner import LlamaRunner
+from kvmesh.engine.loader import resolve_model
+
+
+def _runners(model: str | None, max_batch: int) -> dict[str, LlamaRunner]:
+    files = resolve_model(model)
+    pages = 1 + max(max_batch * len(_pages(0, 512 + 32)), 16 * 16)  # bench_decode's tables; the prompts'
+    runners = {name: LlamaRunner(files, pages, PAGE, dtype=torch.float32) for name in ("none", "int8")}
+    for r in runners.values():
+        r.warmup()
+    runners["int8"].use_int8_activations()
+    return runners
+
+
+def _teacher_forced(r: LlamaRunner, prompts: list[list[int]], answers: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt, the logits [len(answer), V] of each answer token, fed one decode step at a time."""
+    tables = [_pages(1 + b * 16, len(p) + len(a)) for b, (p, a) in enumerate(zip(prompts, answers, strict=True))]
+    rows = [[r.forward([ForwardItem(p, 0, t)])[0]] for p, t in zip(prompts, tables, strict=True)]
+    for i in range(len(answers[0]) - 1):
+        items = [ForwardItem([a[i]], len(p) + i, t) for p, a, t in zip(prompts, answers, tables, strict=True)]
+        for seq, logits in zip(rows, r.forward(items), strict=True):
+            seq.append(logits)
+    return [torch.stack(seq) for seq in rows]
+
+
+def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict[str, float]:
+    """int8 against fp32 on the answers of fp32's greedy decode, teacher-forced (see module doc)."""
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in PROMPTS
+    ]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    answers = _greedy(runners["none"], prompts, new)
+    forced = {name: _teacher_forced(r, prompts, answers) for name, r in runners.items()}
+    diffs, agree, whole = [], 0, 0
+    for b, a in enumerate(answers):
+        chosen = torch.tensor(a)[:, None]
+        lp = {name: torch.log_softmax(f[b], -1).gather(1, chosen)[:, 0] for name, f in forced.items()}
+        diffs.append((lp["int8"] - lp["none"]).abs())
+        same = forced["int8"][b].argmax(-1) == forced["none"][b].argmax(-1)
+        agree, whole = agree + int(same.sum()), whole + bool(same.all())
+    d = torch.cat(diffs)
+    free = _greedy(runners["int8"], prompts, new)
+    return {
+        "max |dlogprob|": d.max().item(),
+        "p99 |dlogprob|": d.quantile(0.99).item(),
+        "mean |dlogprob|": d.mean().item(),
+        "teacher-forced argmax agree per position": agree / d.numel(),
+        "teacher-forced answers agreeing throughout": whole,
+        "free-running greedy answers identical": sum(x == y for x, y in zip(answers, free, strict=True)),
+        "sequences": len(prompts),
+        "tokens compared": d.numel(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--steps", type=int, default=10, help="timed decode steps (fastest)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="decode batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per logprob prompt")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+    if args.steps > 16 or max(args.batches) > 64:
+        ap.error("--steps is at most 16 (the pages each sequence gets); --batches at most 64 (QUANTIZED_MAX_BATCH)")
+    runners = _runners(args.model, max(args.batches))
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    print(f"--quantization none vs int8, decode steps of B sequences after 512 tokens, torch {torch.__version__}")
+    print(f"{'measure':<20}{'none':>12}{'int8':>12}{'speedup':>10}  unit")
+    ctx = long_prompt_ids(tokenizer, 512)
+    rows = []
+    for b in args.batches:
+        t = bench_decode(runners, ctx, b, args.steps)
+        rows.append({"measure": f"decode {b}x512", "none": t["none"], "int8": t["int8"], "unit": "ms/step"})
+        print(f"{rows[-1]['measure']:<20}{t['none']:>12.3f}{t['int8']:>12.3f}{t['none'] / t['int8']:>9.2f}x  ms/step")
+    lp = bench_logprobs(runners, tokenizer, args.new_tokens)
+    print("\nint8 against fp32 logprobs (answer tokens of fp32's greedy decode, teacher-forced through decode steps)")
+    for key, value in lp.items():
+        print(f"{key:<44}{value:>12.4g}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "logprobs": lp}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

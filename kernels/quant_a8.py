@@ -1,0 +1,240 @@
+# M=rows of activations (tokens), K=input features, G=K/32 blocks of a row, NT=N/TN tiles of TN
+# output features
+"""int8 activations against the GGUF file's Q4_1 blocks (W4A8): `--quantization int8`.
+
+llama.cpp's CPU path for Q4_1 weights (`ggml_vec_dot_q4_1_q8_1`): each row of activations is
+quantized per block of 32 inputs to int8 with one fp32 scale (`quantize_rows_q8`: xd = max|x| / 127,
+xq = round(x / xd), as `quantize_row_q8_1`), and a block's dot product is summed in integers:
+
+    sum_k w_k x_k ~= d * xd * sum_k q_k xq_k + m * sum_k x_k
+
+(d, m the block's Q4_1 scale and minimum, q in 0..15; sum_k x_k exact in fp32, as `block_sums`).
+The integer sums run on `vpmaddubsw` (u8 weights x s8 activations, adjacent pairs summed into
+int16: 32 multiply-adds an instruction where an fp32 FMA does 8 on AVX2), held in int16 for 8
+pairs (|sum| <= 8 * 2 * 15 * 127 = 30,480 < 2^15, so never saturated) and widened to int32 twice a
+block. Integer sums are exact in any order, and the scaling runs in a fixed order, so a row's bits
+never depend on the rows beside it (batched decode gives each sequence what it gets alone).
+
+The tile layout is `Q4_1Weight`'s ([NT, K/2, TN] bytes, each byte the pair of inputs 2j, 2j+1 of
+one output): unpacked once a block for all rows into [16, 2 TN] bytes (q_2j, q_2j+1 of output n at
+2n, 2n+1), which is `vpmaddubsw`'s pair layout. Numerics: the activations' rounding (at most
+xd / 2 an input) is the only error added to the fp32 path's; the acceptance rule in
+docs/precision.md judges it through the model.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types as nbtypes
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
+from kvmesh.kernels.quant_format import QK, TN
+from kvmesh.kernels.quant_llvm import _fma, prefetch
+
+A8_ROWS = 6
+"""Rows of one register block: 6 rows x 32 outputs of int16 sums = 12 AVX2 registers, 2 for the
+block's weights and 1 for the broadcast activations (of 16)."""
+_PASS = 32  # outputs a pass: two <16 x i16> sums a row
+_HALF = 8  # pairs summed in int16 before widening
+
+
+def has_pmaddubsw() -> bool:
+    """Whether numba's code for this host may use AVX2's `vpmaddubsw` (the host's features, or
+    NUMBA_CPU_FEATURES when the user set them)."""
+    features = vars(numba.config)["CPU_FEATURES"] or llvm.get_host_cpu_features().flatten()
+    return "+avx2" in features.split(",")
+
+
+class _A8BlockIR:
+    """The IR of one `_a8_block_rows(R)` call: for each pass of 32 outputs, two halves of 8 input
+    pairs summed in int16 registers, each half widened and added into blk (int32)."""
+
+    def __init__(self, context, builder, signature, args, native: bool) -> None:
+        self.context, self.builder = context, builder
+        self.x_ty, _, _, self.w_ty, self.blk_ty = signature.args
+        self.xa, self.wa, self.ba = (
+            context.make_array(ty)(context, builder, args[n])
+            for ty, n in ((self.x_ty, 0), (self.w_ty, 3), (self.blk_ty, 4))
+        )
+        self.r0, self.k0 = args[1], args[2]
+        self.i8, self.i16, self.i32, self.i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
+        self.bytes32 = ir.VectorType(self.i8, 32)
+        self.sum16 = ir.VectorType(self.i16, 16)
+        self.sum32 = ir.VectorType(self.i32, 16)
+        self.native = native
+        if self.native:
+            self.pmaddubsw = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(self.sum16, [self.bytes32, self.bytes32]), "llvm.x86.avx2.pmadd.ub.sw"
+            )
+
+    def at(self, ty, ary, i, j):
+        return cgutils.get_item_pointer(self.context, self.builder, ty, ary, [i, j])
+
+    def emit(self, R: int) -> None:
+        b = self.builder
+        for first in range(0, TN, _PASS):
+            for half in range(QK // 2 // _HALF):
+                sums = [
+                    [cgutils.alloca_once_value(b, ir.Constant(self.sum16, [0] * 16)) for _ in range(2)]
+                    for _ in range(R)
+                ]
+                with cgutils.for_range(b, ir.Constant(self.i64, _HALF)) as loop:
+                    self._add_pair(b.add(loop.index, ir.Constant(self.i64, half * _HALF)), first, sums)
+                self._flush(sums, first, add=half > 0)
+
+    def _add_pair(self, jj, first: int, sums: list) -> None:
+        """sums[i][v] += the pair jj's products for outputs first + 16 v .. + 16, every row i."""
+        b = self.builder
+        wv = [
+            b.load(
+                b.bitcast(
+                    self.at(self.w_ty, self.wa, jj, ir.Constant(self.i64, 2 * (first + 16 * v))),
+                    self.bytes32.as_pointer(),
+                ),
+                align=1,
+            )
+            for v in range(2)
+        ]
+        col = b.add(self.k0, b.mul(jj, ir.Constant(self.i64, 2)))
+        for i, row_sums in enumerate(sums):
+            pair_ptr = self.at(self.x_ty, self.xa, b.add(self.r0, ir.Constant(self.i64, i)), col)
+            pair = b.load(b.bitcast(pair_ptr, self.i16.as_pointer()), align=1)  # xq_2j, xq_2j+1
+            one = b.insert_element(ir.Constant(self.sum16, ir.Undefined), pair, ir.Constant(self.i32, 0))
+            xv = b.bitcast(
+                b.shuffle_vector(
+                    one, ir.Constant(self.sum16, ir.Undefined), ir.Constant(ir.VectorType(self.i32, 16), [0] * 16)
+                ),
+                self.bytes32,
+            )
+            for w, acc in zip(wv, row_sums):
+                b.store(b.add(b.load(acc), self.madd(w, xv)), acc)
+
+    def madd(self, w, xv):
+        """`vpmaddubsw(w, xv)`: lane n = w[2n] xv[2n] + w[2n+1] xv[2n+1], w unsigned, xv signed,
+        <16 x i16>. Elsewhere (no AVX2) the same in plain IR (exact: no sum here saturates)."""
+        b = self.builder
+        if self.native:
+            return b.call(self.pmaddubsw, [w, xv])
+        wide = ir.VectorType(self.i16, 32)
+        prod = b.mul(b.zext(w, wide), b.sext(xv, wide))
+        lanes = ir.VectorType(self.i32, 16)
+        even = b.shuffle_vector(prod, ir.Constant(wide, ir.Undefined), ir.Constant(lanes, list(range(0, 32, 2))))
+        odd = b.shuffle_vector(prod, ir.Constant(wide, ir.Undefined), ir.Constant(lanes, list(range(1, 32, 2))))
+        return b.add(even, odd)
+
+    def _flush(self, sums: list, first: int, add: bool) -> None:
+        """blk[i, first + 16 v ..] (+)= sums[i][v] widened to int32."""
+        b = self.builder
+        for i, row_sums in enumerate(sums):
+            for v, acc in enumerate(row_sums):
+                ptr = b.bitcast(
+                    self.at(self.blk_ty, self.ba, ir.Constant(self.i64, i), ir.Constant(self.i64, first + 16 * v)),
+                    self.sum32.as_pointer(),
+                )
+                wide = b.sext(b.load(acc), self.sum32)
+                b.store(b.add(b.load(ptr, align=4), wide) if add else wide, ptr, align=4)
+
+
+def _a8_block_rows(R: int, native: bool | None = None):
+    """An intrinsic `(xq, r0, k0, w8, blk) -> None`: for i < R and n < TN,
+    blk[i, n] = sum over j < 16 of w8[j, 2n] xq[r0+i, k0+2j] + w8[j, 2n+1] xq[r0+i, k0+2j+1], exact
+    in int32. xq [M, K] int8, w8 [16, 2 TN] uint8 (values <= 15), blk [>= R, TN] int32.
+    native: `vpmaddubsw` (None: where `has_pmaddubsw`), else plain IR (tests run both)."""
+    native = has_pmaddubsw() if native is None else native
+
+    @intrinsic
+    def a8_block_rows(typingctx, xq, r0, k0, w8, blk):
+        def codegen(context, builder, signature, args):
+            _A8BlockIR(context, builder, signature, args, native).emit(R)
+            return context.get_dummy_value()
+
+        return nbtypes.none(xq, r0, k0, w8, blk), codegen
+
+    return a8_block_rows
+
+
+_b1, _b2, _b3, _b4, _b5, _b6 = (_a8_block_rows(r) for r in range(1, A8_ROWS + 1))
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+def _a8_rows_any(R, xq, r0, k0, w8, blk):
+    if R == 6:
+        _b6(xq, r0, k0, w8, blk)
+    elif R == 5:
+        _b5(xq, r0, k0, w8, blk)
+    elif R == 4:
+        _b4(xq, r0, k0, w8, blk)
+    elif R == 3:
+        _b3(xq, r0, k0, w8, blk)
+    elif R == 2:
+        _b2(xq, r0, k0, w8, blk)
+    else:
+        _b1(xq, r0, k0, w8, blk)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def quantize_rows_q8(x):  # x [M, K] f32 -> (xq [M, K] i8, xd [M, G] f32, xsum [M, G] f32)
+    """Each block of 32 inputs of each row as int8 with one scale, as llama.cpp's
+    `quantize_row_q8_1`: xd = max|x| / 127, xq = round(x / xd) (halves away from zero; xq = 0
+    where the block is all zero), and the block's exact fp32 sum (`block_sums`' order)."""
+    rows, g = x.shape[0], x.shape[1] // QK
+    xq = np.empty((rows, x.shape[1]), np.int8)
+    xd = np.empty((rows, g), np.float32)
+    xsum = np.empty((rows, g), np.float32)
+    for r in range(rows):
+        for b in range(g):
+            amax = np.float32(0)
+            s = np.float32(0)
+            for i in range(QK):
+                v = x[r, b * QK + i]
+                s += v
+                amax = max(amax, abs(v))
+            dx = amax / np.float32(127)
+            inv = np.float32(1) / dx if dx > 0 else np.float32(0)
+            for i in range(QK):
+                v = x[r, b * QK + i] * inv
+                xq[r, b * QK + i] = np.int8(np.floor(abs(v) + np.float32(0.5)) * np.sign(v))
+            xd[r, b] = dx
+            xsum[r, b] = s
+    return xq, xd, xsum
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def q4_1_tile_a8(xq, xd, xsum, qs, d, m, t, out):  # qs [NT, K/2, TN] u8, out [M, NT*TN] f32
+    """out[:, t*TN : (t+1)*TN] = tile t of x @ w.T with x as `quantize_rows_q8(x)` gives it.
+
+    Per block b and output n: s = the exact int32 sum of q xq (`_a8_block_rows`), then
+    acc = fma(m, xsum, fma(d * xd, s, acc)), blocks in order, the same for a row alone or among
+    others. Rows in groups of up to A8_ROWS against the block unpacked once.
+    """
+    rows, g = xq.shape[0], xq.shape[1] // QK
+    acc = np.zeros((rows, TN), np.float32)
+    w8 = np.empty((QK // 2, 2 * TN), np.uint8)
+    blk = np.empty((A8_ROWS, TN), np.int32)
+    q_at, s_at = t * qs.shape[1] * TN, t * g * TN
+    for b in range(g):
+        for line in range(0, TN, 16):
+            prefetch(d, s_at + (b + 2) * TN + line)
+            prefetch(m, s_at + (b + 2) * TN + line)
+        for jj in range(QK // 2):
+            j = b * (QK // 2) + jj
+            prefetch(qs, q_at + (j + 32) * TN)
+            for n in range(TN):
+                byte = qs[t, j, n]
+                w8[jj, 2 * n] = byte & np.uint8(15)
+                w8[jj, 2 * n + 1] = byte >> np.uint8(4)
+        r = 0
+        while r < rows:
+            group = min(A8_ROWS, rows - r)
+            _a8_rows_any(group, xq, r, b * QK, w8, blk)
+            for i in range(group):
+                dx, s = xd[r + i, b], xsum[r + i, b]
+                for n in range(TN):
+                    acc[r + i, n] = _fma(m[t, b, n], s, _fma(d[t, b, n] * dx, np.float32(blk[i, n]), acc[r + i, n]))
+            r += group
+    out[:, t * TN : (t + 1) * TN] = acc
