@@ -2,6 +2,7 @@
 """Where the time of one decode step of B sequences goes: in milliseconds a step and % of it.
 
     python -m kvmesh.bench.profile_decode [--model NAME_OR_PATH] [--steps 64] [--repeats 3] [--batch 1]
+        [--quantization none|int8]
 
 Runs LlamaRunner greedy decode (forward + `kvmesh.engine.sampler.sample`) of --batch sequences (the chat
 prompt each, in pages of its own) after their prefills and times each part of the step with `time.perf_counter` around the model's
@@ -44,6 +45,7 @@ from kvmesh.engine.checkpoint import load_tokenizer
 from kvmesh.engine.forward import ForwardItem
 from kvmesh.engine.llama.runner import LlamaRunner
 from kvmesh.engine.loader import resolve_model
+from kvmesh.engine.precision import QUANTIZATION_CHOICES, apply_quantization
 from kvmesh.engine.sampler import sample
 from kvmesh.engine.sampling_params import SamplingParams
 
@@ -241,6 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=64, help="decode tokens a run")
     ap.add_argument("--repeats", type=int, default=3, help="runs; the fastest is printed")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    ap.add_argument(
+        "--quantization", choices=QUANTIZATION_CHOICES, default="none", help="decode's --quantization (default none)"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     files = resolve_model(args.model)
@@ -248,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = load_tokenizer(files).apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     runner = LlamaRunner(files, num_pages=pages_needed(prompt, args.steps, 16, args.batch))
+    apply_quantization(runner, args.quantization)
     runner.warmup()
     p = profile(runner, prompt, args.steps, args.repeats, args.batch)
     kind = "GGUF blocks" if runner.model.q_lm_head is not None else "fp32"

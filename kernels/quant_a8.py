@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 
 from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 from kvmesh.kernels.quant_format import QK, TN
-from kvmesh.kernels.quant_llvm import _fma, prefetch
+from kvmesh.kernels.quant_llvm import PREFETCH_LINES, _fma, prefetch
 
 A8_ROWS = 6
 """Rows of one register block: 6 rows x 32 outputs of int16 sums = 12 AVX2 registers, 2 for the
@@ -158,6 +158,32 @@ def _a8_block_rows(R: int, native: bool | None = None):
     return a8_block_rows
 
 
+@intrinsic
+def _unpack_block(typingctx, qs, at, w8):
+    """w8[jj, 2n] = q_lo, w8[jj, 2n+1] = q_hi of byte qs.flat[at + jj * TN + n], for jj < 16 and n < TN:
+    one block of a tile from its packed bytes (qs C-contiguous uint8, at its flat index) into
+    `vpmaddubsw`'s pair layout, as vector IR (mask, shift, interleave: LLVM's byte unpacks)."""
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        src = context.make_array(signature.args[0])(context, builder, args[0]).data
+        dst = context.make_array(signature.args[2])(context, builder, args[2]).data
+        chunk, wide = ir.VectorType(i8, 32), ir.VectorType(i8, 64)
+        pairs = ir.Constant(ir.VectorType(i32, 64), [k // 2 + (32 if k % 2 else 0) for k in range(64)])
+        for jj in range(QK // 2):
+            for c in range(0, TN, 32):
+                ptr = b.gep(src, [b.add(args[1], ir.Constant(i64, jj * TN + c))])
+                v = b.load(b.bitcast(ptr, chunk.as_pointer()), align=1)
+                lo = b.and_(v, ir.Constant(chunk, [15] * 32))
+                hi = b.lshr(v, ir.Constant(chunk, [4] * 32))
+                out = b.gep(dst, [ir.Constant(i64, jj * 2 * TN + 2 * c)])
+                b.store(b.shuffle_vector(lo, hi, pairs), b.bitcast(out, wide.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return nbtypes.none(qs, at, w8), codegen
+
+
 _b1, _b2, _b3, _b4, _b5, _b6 = (_a8_block_rows(r) for r in range(1, A8_ROWS + 1))
 
 
@@ -222,12 +248,8 @@ def q4_1_tile_a8(xq, xd, xsum, qs, d, m, t, out):  # qs [NT, K/2, TN] u8, out [M
             prefetch(d, s_at + (b + 2) * TN + line)
             prefetch(m, s_at + (b + 2) * TN + line)
         for jj in range(QK // 2):
-            j = b * (QK // 2) + jj
-            prefetch(qs, q_at + (j + 32) * TN)
-            for n in range(TN):
-                byte = qs[t, j, n]
-                w8[jj, 2 * n] = byte & np.uint8(15)
-                w8[jj, 2 * n + 1] = byte >> np.uint8(4)
+            prefetch(qs, q_at + (b * (QK // 2) + jj + PREFETCH_LINES) * TN)
+        _unpack_block(qs, q_at + b * (QK // 2) * TN, w8)
         r = 0
         while r < rows:
             group = min(A8_ROWS, rows - r)
