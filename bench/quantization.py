@@ -2,15 +2,19 @@
 """`--quantization int8` against none for the Llama runner's decode steps (SmolLM2-135M-Instruct
 by default) on the CPU, side by side in one run.
 
-    python -P -m kvmesh.bench.quantization [--model NAME] [--steps 10] [--batches 1 4 16 32 64] [--json PATH]
+    python -P -m kvmesh.bench.quantization [--model NAME] [--repeats 3] [--steps 10] [--batches 1 4 16 32 64]
+        [--json PATH]
 
+- prefill N: one prompt of N tokens (`long_prompt_ids`) through `LlamaRunner.forward`, seconds,
+  best of --repeats, the two runners alternating (`kvmesh.bench.precision.bench_prefill`).
 - decode BxN: one fused decode step of B one-token sequences, each after N = 512 cached tokens,
   ms, fastest of --steps after three warm-up steps; the two runners alternate step by step so a
-  noisy neighbour hits both alike (`kvmesh.bench.precision.bench_decode`). Both run fp32 pages and
-  fp32 prefill; only the layers' matmuls differ (W4A8 against fp32 activations, kernels/quant_a8.py).
+  noisy neighbour hits both alike (`kvmesh.bench.precision.bench_decode`). Both keep fp32 pages,
+  attention and lm_head; only the layers' matmuls differ (W4A8 against fp32 activations,
+  kernels/quant_a8.py; fp32 prefill's run through oneDNN, decode's from the same Q4_1 blocks).
 - logprobs: 16 chat prompts, --new-tokens greedy tokens each from the fp32 runner, then both
-  runners fed the same prompt (one fp32 prefill) and the same answer tokens one decode step at a
-  time (teacher-forced): max, p99 and mean |logprob_int8 - logprob_fp32| of the answer tokens, the
+  runners fed the same prompt (each its own prefill) and the same answer tokens one decode step at
+  a time (teacher-forced): max, p99 and mean |logprob_int8 - logprob_fp32| of the answer tokens, the
   argmax agreement per position and per whole answer, and how many of int8's own free-running
   greedy answers equal fp32's.
 """
@@ -22,7 +26,7 @@ import json
 
 import torch
 
-from kvmesh.bench.precision import PAGE, PROMPTS, _greedy, _pages, bench_decode
+from kvmesh.bench.precision import PAGE, PROMPTS, _greedy, _pages, bench_decode, bench_prefill
 from kvmesh.engine.checkpoint import load_tokenizer, long_prompt_ids
 from kvmesh.engine.forward import ForwardItem
 from kvmesh.engine.llama.runner import LlamaRunner
@@ -31,7 +35,7 @@ from kvmesh.engine.loader import resolve_model
 
 def _runners(model: str | None, max_batch: int) -> dict[str, LlamaRunner]:
     files = resolve_model(model)
-    pages = 1 + max(max_batch * len(_pages(0, 512 + 32)), 16 * 16)  # bench_decode's tables; the prompts'
+    pages = 1 + max(max_batch * len(_pages(0, 512 + 32)), 16 * 16, 2048 // PAGE)  # decode's, the prompts', prefill's
     runners = {name: LlamaRunner(files, pages, PAGE, dtype=torch.float32) for name in ("none", "int8")}
     for r in runners.values():
         r.warmup()
@@ -83,6 +87,7 @@ def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed prefill repeats")
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps (fastest)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="decode batch sizes")
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per logprob prompt")
@@ -92,10 +97,14 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--steps is at most 16 (the pages each sequence gets); --batches at most 64 (QUANTIZED_MAX_BATCH)")
     runners = _runners(args.model, max(args.batches))
     tokenizer = load_tokenizer(resolve_model(args.model))
-    print(f"--quantization none vs int8, decode steps of B sequences after 512 tokens, torch {torch.__version__}")
+    print(f"--quantization none vs int8 (fp32 pages), torch {torch.__version__}")
     print(f"{'measure':<20}{'none':>12}{'int8':>12}{'speedup':>10}  unit")
-    ctx = long_prompt_ids(tokenizer, 512)
     rows = []
+    for n in (135, 512, 2048):
+        t = bench_prefill(runners, long_prompt_ids(tokenizer, n), args.repeats)
+        rows.append({"measure": f"prefill {n}", "none": t["none"], "int8": t["int8"], "unit": "s"})
+        print(f"{rows[-1]['measure']:<20}{t['none']:>12.3f}{t['int8']:>12.3f}{t['none'] / t['int8']:>9.2f}x  s")
+    ctx = long_prompt_ids(tokenizer, 512)
     for b in args.batches:
         t = bench_decode(runners, ctx, b, args.steps)
         rows.append({"measure": f"decode {b}x512", "none": t["none"], "int8": t["int8"], "unit": "ms/step"})

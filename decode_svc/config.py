@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.engine.ep.link import parse_init_addr
-from kvmesh.engine.precision import check_quantization_spec
 from kvmesh.engine.speculative import SPECULATIVE_METHODS
 from kvmesh.runtime.service_config import ModelServiceConfig
 from kvmesh.runtime.settings import setting
@@ -32,13 +31,6 @@ class DecodeConfig(ModelServiceConfig):
         "--reservation-timeout",
         "seconds a reservation no Generate claims is kept, unless its Reserve set kv_deadline_s (the gateway does)",
         gt=0,
-    )
-    quantization: str = setting(
-        "none",
-        "--quantization",
-        "decode steps' activations: none (fp32 from the GGUF file's blocks), or int8 (W4A8: the layers' matmul "
-        "inputs as int8 blocks against the Q4_1 weights, llama.cpp's Q8 activations; Llama on the CPU only; judged "
-        "by the rule in docs/precision.md)",
     )
     speculative: str = setting(
         "off",
@@ -109,7 +101,6 @@ class DecodeConfig(ModelServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the bounds of every field (kvmesh.runtime.settings.check_bounds)
-        check_quantization_spec(self.quantization)
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {self.speculative!r}")
         if self.eplb_placement and self.ep == 1:

@@ -14,7 +14,6 @@ from kvmesh.decode_svc.delivery import deliver_on
 from kvmesh.decode_svc.engine import DecodeEngine
 from kvmesh.decode_svc.servicer import DecodeServicer
 from kvmesh.engine.forward import Runner
-from kvmesh.engine.precision import apply_quantization
 from kvmesh.kvstore.kv_publisher import KVEventPublisher
 from kvmesh.kvstore.transports import create_receiver, keep_until_exit
 from kvmesh.protos.v1 import decode_pb2_grpc
@@ -82,8 +81,6 @@ async def _load_runner(start: ModelStart, config: DecodeConfig) -> Runner:
     """The model's runner with decode's state slots, across the expert-parallel ranks with --ep
     (decode_svc.ep), with CUDA graphs of the decode step on a GPU unless --enforce-eager."""
     runner = await start.load_runner(config.num_state_slots)
-    how = await start.on_main(apply_quantization, runner, config.quantization)
-    logger.info("decode %s: %s (--quantization %s)", start.instance_id, how, config.quantization)
     runner = await start.on_main(ep.create_ep_runner, runner, start.files, config)
     if start.device.type == "cuda" and not config.enforce_eager and hasattr(runner, "enable_decode_graphs"):
         await start.on_main(runner.enable_decode_graphs, config.max_batch_size)

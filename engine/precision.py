@@ -120,9 +120,9 @@ def resolve_dtype(
 
 
 QUANTIZATION_CHOICES = ("none", "int8")
-"""`--quantization` on a decode instance: none (decode steps compute in fp32 from the GGUF file's
-blocks), or int8 (the layers' matmul inputs as int8 blocks, W4A8 against the Q4_1 weights:
-`kvmesh.kernels.quant_a8`, llama.cpp's Q8 activations)."""
+"""`--quantization` on a model service: none (the layers' matmuls take activations in --dtype), or
+int8 (each row's inputs as int8 blocks, W4A8 against the GGUF file's Q4_1 weights:
+`kvmesh.kernels.quant_a8`, llama.cpp's Q8 activations), in prefill and decode alike."""
 
 
 def check_quantization_spec(spec: str) -> None:
@@ -132,14 +132,14 @@ def check_quantization_spec(spec: str) -> None:
 
 
 def apply_quantization(runner: object, spec: str) -> str:
-    """Switch `runner`'s decode steps to `spec` (QUANTIZATION_CHOICES) and say what it computes
-    with, for the start-up log. Raises ValueError for a malformed spec, a runner without an int8
-    path (DeepSeek-V4's), or one whose steps do not run from GGUF blocks (a GPU, no GGUF file)."""
+    """Switch `runner`'s matmuls to `spec` (QUANTIZATION_CHOICES) and say what they compute with,
+    for the start-up log. Raises ValueError for a malformed spec, a runner without an int8 path
+    (DeepSeek-V4's), or one whose layers have no GGUF blocks here (a GPU, no GGUF file)."""
     check_quantization_spec(spec)
     if spec == "none":
-        return "decode steps take fp32 activations"
+        return "the layers' matmuls take activations in the model's dtype"
     use = getattr(runner, "use_int8_activations", None)
     if use is None:
-        raise ValueError(f"--quantization {spec}: {type(runner).__name__} has no int8 path (Llama's CPU decode only)")
+        raise ValueError(f"--quantization {spec}: {type(runner).__name__} has no int8 path (Llama on the CPU only)")
     use()
-    return "decode steps take int8 activations against the Q4_1 layers (W4A8; the lm_head in fp32)"
+    return "the layers' matmuls take int8 activations against the Q4_1 blocks (W4A8; the lm_head as --dtype)"

@@ -37,6 +37,7 @@ import numba
 import torch
 
 from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
+from kvmesh.kernels.quant_a8 import q4_1_tile_a8, quantize_rows_q8
 from kvmesh.kernels.quant_format import QK, TN, Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0
 from kvmesh.kernels.quant_llvm import BLOCK_ROWS, PASS_LANES, PREFETCH_LINES, prefetch
 from kvmesh.kernels.quant_tiles import block_sums, q4_1_tile, q8_0_tile
@@ -68,6 +69,13 @@ def _q4_1_matmul(x, qs, d, m, out):  # x [M, K] f32, qs [NT, K/2, TN] u8, out [M
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
+def _q4_1_matmul_a8(x, qs, d, m, out):  # the same with x's rows as int8 blocks (kvmesh.kernels.quant_a8)
+    xq, xd, xsum = quantize_rows_q8(x)
+    for t in numba.prange(qs.shape[0]):
+        q4_1_tile_a8(xq, xd, xsum, qs, d, m, t, out)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
 def _q8_0_matmul(x, q, d, out):  # x [M, K] f32, q [NT, K, TN] i8, out [M, NT*TN] f32
     for t in numba.prange(q.shape[0]):
         q8_0_tile(x, q, d, t, out)
@@ -84,8 +92,12 @@ def kernel_threads() -> tuple[str, int]:
     return numba.threading_layer(), numba.get_num_threads()
 
 
-def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight) -> torch.Tensor:
+def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight, int8_activations: bool = False) -> torch.Tensor:
     """x @ w.T for x [M, K] fp32 and a packed GGUF weight [N, K]; returns [M, N] fp32.
+
+    int8_activations: x's rows as int8 blocks against Q4_1 weights (W4A8, `kvmesh.kernels.quant_a8`;
+    `--quantization int8`), the same bits as the fused decode step's tiles; a Q8_0 weight takes
+    fp32 activations either way.
 
     Meant for decode batches: each tile's bytes are read and unpacked once and reused for all M
     rows; past ~128 rows an fp32 GEMM wins (`kvmesh.bench.quant`). Row r of the result does not depend
@@ -98,7 +110,9 @@ def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight) -> torch.Tenso
     xn = x.contiguous().numpy()
     tiles = w.qs.shape[0] if isinstance(w, Q4_1Weight) else w.q.shape[0]
     out = torch.empty(x.shape[0], tiles * TN)
-    if isinstance(w, Q4_1Weight):
+    if isinstance(w, Q4_1Weight) and int8_activations:
+        _q4_1_matmul_a8(xn, w.qs, w.d, w.m, out.numpy())
+    elif isinstance(w, Q4_1Weight):
         _q4_1_matmul(xn, w.qs, w.d, w.m, out.numpy())
     else:
         _q8_0_matmul(xn, w.q, w.d, out.numpy())

@@ -236,27 +236,31 @@ def q4_1_tile_a8(xq, xd, xsum, qs, d, m, t, out):  # qs [NT, K/2, TN] u8, out [M
 
     Per block b and output n: s = the exact int32 sum of q xq (`_a8_block_rows`), then
     acc = fma(m, xsum, fma(d * xd, s, acc)), blocks in order, the same for a row alone or among
-    others. Rows in groups of up to A8_ROWS against the block unpacked once.
+    others. The tile is unpacked once ([G, 16, 2 TN] bytes: 18-48 KB for SmolLM2's K), then rows
+    go through it in groups of up to A8_ROWS, each group's sums held in L1 across every block
+    (a GEMM's loop order, for prefill's hundreds of rows as for decode's few).
     """
     rows, g = xq.shape[0], xq.shape[1] // QK
-    acc = np.zeros((rows, TN), np.float32)
-    w8 = np.empty((QK // 2, 2 * TN), np.uint8)
-    blk = np.empty((A8_ROWS, TN), np.int32)
+    w8 = np.empty((g, QK // 2, 2 * TN), np.uint8)
     q_at, s_at = t * qs.shape[1] * TN, t * g * TN
     for b in range(g):
-        for line in range(0, TN, 16):
-            prefetch(d, s_at + (b + 2) * TN + line)
-            prefetch(m, s_at + (b + 2) * TN + line)
         for jj in range(QK // 2):
             prefetch(qs, q_at + (b * (QK // 2) + jj + PREFETCH_LINES) * TN)
-        _unpack_block(qs, q_at + b * (QK // 2) * TN, w8)
-        r = 0
-        while r < rows:
-            group = min(A8_ROWS, rows - r)
-            _a8_rows_any(group, xq, r, b * QK, w8, blk)
+        _unpack_block(qs, q_at + b * (QK // 2) * TN, w8[b])
+    acc = np.empty((A8_ROWS, TN), np.float32)
+    blk = np.empty((A8_ROWS, TN), np.int32)
+    r = 0
+    while r < rows:
+        group = min(A8_ROWS, rows - r)
+        acc[:] = 0
+        for b in range(g):
+            for line in range(0, TN, 16):
+                prefetch(d, s_at + (b + 2) * TN + line)
+                prefetch(m, s_at + (b + 2) * TN + line)
+            _a8_rows_any(group, xq, r, b * QK, w8[b], blk)
             for i in range(group):
                 dx, s = xd[r + i, b], xsum[r + i, b]
                 for n in range(TN):
-                    acc[r + i, n] = _fma(m[t, b, n], s, _fma(d[t, b, n] * dx, np.float32(blk[i, n]), acc[r + i, n]))
-            r += group
-    out[:, t * TN : (t + 1) * TN] = acc
+                    acc[i, n] = _fma(m[t, b, n], s, _fma(d[t, b, n] * dx, np.float32(blk[i, n]), acc[i, n]))
+        out[r : r + group, t * TN : (t + 1) * TN] = acc[:group]
+        r += group

@@ -105,8 +105,8 @@ def _add_up(sub: Subparsers) -> None:
     up.add_argument(
         "--quantization",
         default=os.environ.get("KVMESH_QUANTIZATION", "none"),
-        help="every decode's activations: none (fp32) or int8 (W4A8 against the GGUF file's Q4_1 layers; Llama on "
-        "the CPU) (env KVMESH_QUANTIZATION; default none; docs/precision.md)",
+        help="every prefill's and decode's matmul activations: none (as --dtype) or int8 (W4A8 against the GGUF "
+        "file's Q4_1 layers; Llama on the CPU) (env KVMESH_QUANTIZATION; default none; docs/precision.md)",
     )
     up.add_argument("--slo-ttft-ms", type=float, default=0.0, help="the gateway's TTFT target (ms; default 0: none)")
     up.add_argument("--slo-itl-ms", type=float, default=0.0, help="the gateway's ITL target (ms; default 0: none)")

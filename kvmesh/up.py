@@ -40,7 +40,7 @@ def run_up(
     ValueError for another). slo_ms: the gateway's (--slo-ttft-ms, --slo-itl-ms), 0: none.
     autoscale: (most prefill, most decode) instances to scale between, from the starting counts
     down to one each, as the gateway advises (kvmesh.autoscale); None: a fixed mesh. quantization:
-    every decode's `--quantization` (none|int8; ValueError for another).
+    every instance's `--quantization` (none|int8; ValueError for another).
     """
     check_dtype_spec(dtype)
     check_quantization_spec(quantization)
@@ -75,6 +75,7 @@ def run_up(
                 "--dtype",
                 dtype,
                 *(["--torch-threads", str(prefill_threads)] if prefill_threads else []),
+                *(["--quantization", quantization] if quantization != "none" else []),
             ],
             extra_decode_args=[
                 "--dtype",

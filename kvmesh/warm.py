@@ -14,8 +14,8 @@ import time
 def warm(model: str | None = None) -> float:
     """Convert `model` (None: the default SmolLM2) if it is not cached yet, build its CPU runner
     in fp32 and in what `--dtype auto` picks here (when that is another), and run one warm-up
-    step of each, which compiles every block kernel a decode step uses (numba compiles them once
-    a page dtype). Returns the seconds it took (a second or two when everything was cached
+    step of each (and of fp32 with `--quantization int8`), which compiles every block kernel a
+    decode step uses (numba compiles them once a page dtype). Returns the seconds it took (a second or two when everything was cached
     already). Raises ValueError for an unknown model."""
     import torch
 
@@ -26,5 +26,12 @@ def warm(model: str | None = None) -> float:
     files = resolve_model(model)
     auto = runner_precision(files, torch.device("cpu"), "auto").name
     for dtype in dict.fromkeys(("float32", auto)):
-        create_runner(files, num_pages=2, page_size=16, num_state_slots=1, dtype=dtype).warmup()
+        runner = create_runner(files, num_pages=2, page_size=16, num_state_slots=1, dtype=dtype)
+        runner.warmup()
+        if dtype == "float32" and hasattr(runner, "use_int8_activations"):
+            try:  # and --quantization int8's kernels, where this model has the blocks for them
+                runner.use_int8_activations()
+            except ValueError:
+                continue
+            runner.warmup()
     return time.perf_counter() - started

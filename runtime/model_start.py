@@ -30,7 +30,7 @@ from kvmesh.engine.device import resolve_device
 from kvmesh.engine.forward import Runner
 from kvmesh.engine.kv_layout import PageLayout
 from kvmesh.engine.loader import resolve_model
-from kvmesh.engine.precision import Precision
+from kvmesh.engine.precision import Precision, apply_quantization
 from kvmesh.engine.runners import create_runner, runner_precision
 from kvmesh.kvstore.kv_publisher import KVEventPublisher
 from kvmesh.kvstore.kv_tier import KVTier, create_tier
@@ -103,11 +103,12 @@ class ModelStart:
 
     async def load_runner(self, num_state_slots: int) -> Runner:
         """The model's runner (kvmesh.engine.runners.create_runner) with the configured pages, page
-        size and kernels, and `num_state_slots` state slots, on the device."""
+        size and kernels, and `num_state_slots` state slots, on the device, its matmuls' activations
+        as --quantization says (ValueError where it cannot run)."""
         config = self.config
         # on the main thread: an OpenMP team made on another thread throttles every team's spin-waits
         await self.on_main(service.set_torch_threads, config.torch_threads)
-        return await self.on_main(
+        runner = await self.on_main(
             create_runner,
             self.files,
             config.num_pages,
@@ -117,6 +118,9 @@ class ModelStart:
             self.device,
             self.precision.name,
         )
+        how = await self.on_main(apply_quantization, runner, config.quantization)
+        logger.info("%s %s: %s (--quantization %s)", self.role, self.instance_id, how, config.quantization)
+        return runner
 
     def index_writer(self) -> KVIndexWriter:
         """This instance's KV events on their way to the prefix index (its old entries cleared now)."""

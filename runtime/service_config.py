@@ -66,6 +66,13 @@ class ModelServiceConfig:
         "tokens equal transformers' fp32), or bfloat16; every prefill and decode of a mesh needs the same "
         "(docs/precision.md)",
     )
+    quantization: str = setting(
+        "none",
+        "--quantization",
+        "the layers' matmul activations: none (as --dtype), or int8 (W4A8: each row's inputs as int8 blocks against "
+        "the GGUF file's Q4_1 weights, llama.cpp's Q8 activations; Llama on the CPU only; the lm_head, attention and "
+        "the pages keep --dtype; judged by the rule in docs/precision.md)",
+    )
     kernel_backend: str = setting(
         "torch",
         "--kernel-backend",
@@ -142,12 +149,13 @@ class ModelServiceConfig:
         # imported here: the kernels package loads torch, and the gateway's command line
         # (which never builds this config) parses these flags too
         from kvmesh.engine.device import check_device_spec
-        from kvmesh.engine.precision import check_dtype_spec
+        from kvmesh.engine.precision import check_dtype_spec, check_quantization_spec
         from kvmesh.kernels.backend import check_backend
         from kvmesh.kvstore.staging import check_push_path
 
         check_device_spec(self.device)  # whether this machine has it: kvmesh.engine.device.resolve_device at start
         check_dtype_spec(self.dtype)  # what it means here: kvmesh.engine.runners.runner_precision at start
+        check_quantization_spec(self.quantization)  # where it can run: kvmesh.engine.precision.apply_quantization
         check_backend(self.kernel_backend)
         check_transport(self.kv_transport)
         check_push_path(self.kv_push_path)

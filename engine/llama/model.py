@@ -58,12 +58,14 @@ torch's fp32 GEMM (MKL) at 16 rows, 1.4x at 32, 1.0x at 64, 0.73x at 128; the Q8
 at 16, 1.1x at 64. (AMD EPYC, before the register-blocked rows: 2.8x at 16, 1.6x at 64.)"""
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None, dnn: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] @ w [in, out], from the blocks q [out, in] when given, else through oneDNN's
-    copy dnn when given (`kvmesh.kernels.dense`)."""
+def _mm(
+    x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None, dnn: torch.Tensor | None, a8: bool = False
+) -> torch.Tensor:
+    """x [T, in] @ w [in, out], from the blocks q [out, in] when given (x's rows as int8 blocks
+    when a8), else through oneDNN's copy dnn when given (`kvmesh.kernels.dense`)."""
     if q is None:
         return dense_matmul(x, w, dnn)
-    return quantized_matmul(x.float(), q).to(x.dtype)  # the block kernels compute in fp32
+    return quantized_matmul(x.float(), q, a8).to(x.dtype)  # the block kernels compute in fp32
 
 
 def _numba_view(pages: torch.Tensor) -> np.ndarray:
@@ -110,6 +112,8 @@ class LlamaModel:
         """A profiling hook: set it to zeros(len(llama_step.STEP_PARTS)) and each fused decode step adds its
         parts' cycles (`llama_step.read_cycles`) to it; empty (the default), nothing is counted."""
         self._step = self._stack_for_step()
+        self.int8_activations = False
+        """`use_int8_activations` was called: the layers' matmuls take int8 activations."""
 
     def _take_lm_head(self, take: TensorTaker, blocks: dict[str, GGUFBlocks] | None) -> None:
         """The lm_head [V, H]: the embedding itself when tied, and its GGUF blocks if any."""
@@ -165,15 +169,16 @@ class LlamaModel:
         )
 
     def use_int8_activations(self) -> None:
-        """Let decode steps take the layers' matmul inputs as int8 blocks against the Q4_1 weights
-        (W4A8, `kvmesh.kernels.quant_a8`: `--quantization int8`). Prefill, the lm_head, batches past
-        `QUANTIZED_MAX_BATCH` and speculative verification keep their precision. Raises ValueError
-        where decode steps do not run from GGUF blocks (another device, or no GGUF file)."""
+        """Let every forward (prefill, decode steps, verification, prompt logprobs) take the layers'
+        matmul inputs as int8 blocks against the Q4_1 weights (W4A8, `kvmesh.kernels.quant_a8`:
+        `--quantization int8`); the lm_head, attention and the rest keep their precision. Raises
+        ValueError where the layers have no Q4_1 blocks (another device, or no GGUF file)."""
         if self._step is None:
             raise ValueError(
-                "--quantization int8 needs CPU decode steps from a GGUF file's Q4_1 blocks; this model has none here"
+                "--quantization int8 needs the layers' Q4_1 blocks from a GGUF file on the CPU; this model has none here"
             )
         self._step = self._step._replace(int8_activations=True)
+        self.int8_activations = True
 
     def _decode_fused(
         self, input_ids: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, g: DecodeGroup, kv_cache: torch.Tensor
@@ -219,6 +224,8 @@ class LlamaModel:
         T = input_ids.shape[0]
         # a decode step: every sequence brings one token, so no logits_index picks rows
         use_blocks = logits_index is None and T <= QUANTIZED_MAX_BATCH
+        a8 = self.int8_activations  # every row through the W4A8 tiles, prefill's too
+        layer_blocks = use_blocks or a8
         g = meta.decode
         if use_blocks and self._step is not None and g is not None and g.token_index is None:
             # every sequence brings one token: the whole step in one numba call, no torch op per layer
@@ -228,16 +235,16 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)  # [T, H], the residual stream
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, eps)  # [T, H]
-            qkv = _mm(x, w.w_qkv, w.q_qkv if use_blocks else None, w.dnn[0])  # [T, (Q + 2K) * D]
+            qkv = _mm(x, w.w_qkv, w.q_qkv if layer_blocks else None, w.dnn[0], a8)  # [T, (Q + 2K) * D]
             qk = apply_rotary(qkv[:, :qk_width].view(T, nq + nk, D), cos, sin_rot)  # [T, Q+K, D]
             v = qkv[:, qk_width:].view(T, nk, D)  # [T, K, D]
             attn = paged_attention(qk[:, :nq], qk[:, nq:], v, kv_cache, i, meta)  # [T, Q*D]
             # a separate add, not addmm: with residual values near 2e4 in some rows, fusing
             # the add into the GEMM changes rounding enough to break parity with transformers
-            h = h + _mm(attn, w.w_o, w.q_o if use_blocks else None, w.dnn[1])
+            h = h + _mm(attn, w.w_o, w.q_o if layer_blocks else None, w.dnn[1], a8)
             x = rms_norm(h, w.post_norm, eps)
-            gate_up = _mm(x, w.w_gate_up, w.q_gate_up if use_blocks else None, w.dnn[2])  # [T, 2I]
-            h = h + _mm(silu_and_mul(gate_up), w.w_down, w.q_down if use_blocks else None, w.dnn[3])
+            gate_up = _mm(x, w.w_gate_up, w.q_gate_up if layer_blocks else None, w.dnn[2], a8)  # [T, 2I]
+            h = h + _mm(silu_and_mul(gate_up), w.w_down, w.q_down if layer_blocks else None, w.dnn[3], a8)
         if logits_index is not None:
             h = h.index_select(0, logits_index)  # [B, H]
         h = rms_norm(h, self.norm, eps)

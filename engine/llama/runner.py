@@ -129,8 +129,8 @@ class LlamaRunner:
         return self.memory.page_buffer(page_id)
 
     def use_int8_activations(self) -> None:
-        """Decode steps take int8 activations (`LlamaModel.use_int8_activations`; ValueError where
-        they cannot)."""
+        """The layers' matmuls take int8 activations (`LlamaModel.use_int8_activations`; ValueError
+        where they cannot)."""
         self.model.use_int8_activations()
 
     def enable_decode_graphs(self, max_batch: int) -> None:

@@ -1,8 +1,8 @@
-"""A mesh whose decode runs `--quantization int8` (W4A8 decode steps; fp32 prefill and pages):
-the P/D split adds no error. Greedy tokens through the mesh equal one process running the same
-kernels (a LlamaRunner with int8 activations in this test), token for token, on fresh prompts and
-on a prefix hit; and they are not fp32's, so the mesh did take int8 activations
-(docs/precision.md, rule 1).
+"""A mesh in `--quantization int8` (W4A8 matmuls in prefill and decode; fp32 pages): the P/D
+split adds no error. Greedy tokens through the mesh equal one process running the same kernels
+(a LlamaRunner with int8 activations in this test), token for token, on fresh prompts and on a
+prefix hit; and they are not fp32's, so the mesh did take int8 activations (docs/precision.md,
+rule 1).
 
 "The same kernels" includes prefill's thread count: oneDNN's fp32 GEMMs round differently with 1
 and 2 threads, and an activation's int8 rounding turns such an ulp into a different token where
@@ -25,8 +25,8 @@ LENGTHS = (7, 33, 70)
 
 @pytest.fixture(scope="module")
 def mesh():
-    one = ["--torch-threads", "1"]
-    with running_mesh(1, 1, prefill_args=one, decode_args=[*one, "--quantization", "int8"]) as m:
+    args = ["--torch-threads", "1", "--quantization", "int8"]
+    with running_mesh(1, 1, prefill_args=args, decode_args=args) as m:
         yield m
 
 
@@ -45,7 +45,7 @@ def _runner(int8: bool) -> LlamaRunner:
 
 @pytest.fixture(scope="module")
 def one_process():
-    """The same kernels in one process: prefill's fp32 forward, then W4A8 decode steps."""
+    """The same kernels in one process: W4A8 prefill, then W4A8 decode steps."""
     return _runner(int8=True), Pages()
 
 
