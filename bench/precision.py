@@ -205,8 +205,16 @@ def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict
         diffs.append((lp["bf16"] - lp["fp32"]).abs())
         same = top["bf16"] == top["fp32"]
         agree, whole = agree + int(same.sum()), whole + bool(same.all())
+    return logprob_summary(diffs, agree, whole, answers, _greedy(runners["bf16"], prompts, new))
+
+
+def logprob_summary(
+    diffs: list[torch.Tensor], agree: int, whole: int, answers: list[list[int]], free: list[list[int]]
+) -> dict[str, float]:
+    """The figures of a teacher-forced comparison: diffs, each answer's |logprob difference| per
+    token; agree, the positions whose argmax agreed; whole, the answers that agreed throughout;
+    answers and free, the reference's and the other side's own greedy answers."""
     d = torch.cat(diffs)
-    free = _greedy(runners["bf16"], prompts, new)
     return {
         "max |dlogprob|": d.max().item(),
         "p99 |dlogprob|": d.quantile(0.99).item(),
@@ -214,7 +222,7 @@ def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict
         "teacher-forced argmax agree per position": agree / d.numel(),
         "teacher-forced answers agreeing throughout": whole,
         "free-running greedy answers identical": sum(x == y for x, y in zip(answers, free, strict=True)),
-        "sequences": len(prompts),
+        "sequences": len(answers),
         "tokens compared": d.numel(),
     }
 

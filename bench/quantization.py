@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from kvmesh.bench.precision import PAGE, PROMPTS, _greedy, _pages, bench_decode, bench_prefill
+from kvmesh.bench.precision import PAGE, PROMPTS, _greedy, _pages, bench_decode, bench_prefill, logprob_summary
 from kvmesh.engine.checkpoint import load_tokenizer, long_prompt_ids
 from kvmesh.engine.forward import ForwardItem
 from kvmesh.engine.llama.runner import LlamaRunner
@@ -70,18 +70,7 @@ def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict
         diffs.append((lp["int8"] - lp["none"]).abs())
         same = forced["int8"][b].argmax(-1) == forced["none"][b].argmax(-1)
         agree, whole = agree + int(same.sum()), whole + bool(same.all())
-    d = torch.cat(diffs)
-    free = _greedy(runners["int8"], prompts, new)
-    return {
-        "max |dlogprob|": d.max().item(),
-        "p99 |dlogprob|": d.quantile(0.99).item(),
-        "mean |dlogprob|": d.mean().item(),
-        "teacher-forced argmax agree per position": agree / d.numel(),
-        "teacher-forced answers agreeing throughout": whole,
-        "free-running greedy answers identical": sum(x == y for x, y in zip(answers, free, strict=True)),
-        "sequences": len(prompts),
-        "tokens compared": d.numel(),
-    }
+    return logprob_summary(diffs, agree, whole, answers, _greedy(runners["int8"], prompts, new))
 
 
 def main(argv: list[str] | None = None) -> None:

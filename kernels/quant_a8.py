@@ -34,7 +34,8 @@ from numba.extending import intrinsic
 
 from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 from kvmesh.kernels.quant_format import QK, TN
-from kvmesh.kernels.quant_llvm import PREFETCH_LINES, _fma, prefetch
+from kvmesh.kernels.quant_llvm import PREFETCH_LINES, BlockIR, _fma, prefetch
+from kvmesh.kernels.quant_tiles import rows_dispatch
 
 A8_ROWS = 6
 """Rows of one register block: 6 rows x 32 outputs of int16 sums = 12 AVX2 registers, 2 for the
@@ -50,18 +51,12 @@ def has_pmaddubsw() -> bool:
     return "+avx2" in features.split(",")
 
 
-class _A8BlockIR:
+class _A8BlockIR(BlockIR):
     """The IR of one `_a8_block_rows(R)` call: for each pass of 32 outputs, two halves of 8 input
     pairs summed in int16 registers, each half widened and added into blk (int32)."""
 
     def __init__(self, context, builder, signature, args, native: bool) -> None:
-        self.context, self.builder = context, builder
-        self.x_ty, _, _, self.w_ty, self.blk_ty = signature.args
-        self.xa, self.wa, self.ba = (
-            context.make_array(ty)(context, builder, args[n])
-            for ty, n in ((self.x_ty, 0), (self.w_ty, 3), (self.blk_ty, 4))
-        )
-        self.r0, self.k0 = args[1], args[2]
+        super().__init__(context, builder, signature, args)
         self.i8, self.i16, self.i32, self.i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
         self.bytes32 = ir.VectorType(self.i8, 32)
         self.sum16 = ir.VectorType(self.i16, 16)
@@ -71,9 +66,6 @@ class _A8BlockIR:
             self.pmaddubsw = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(self.sum16, [self.bytes32, self.bytes32]), "llvm.x86.avx2.pmadd.ub.sw"
             )
-
-    def at(self, ty, ary, i, j):
-        return cgutils.get_item_pointer(self.context, self.builder, ty, ary, [i, j])
 
     def emit(self, R: int) -> None:
         b = self.builder
@@ -184,23 +176,8 @@ def _unpack_block(typingctx, qs, at, w8):
     return nbtypes.none(qs, at, w8), codegen
 
 
-_b1, _b2, _b3, _b4, _b5, _b6 = (_a8_block_rows(r) for r in range(1, A8_ROWS + 1))
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
-def _a8_rows_any(R, xq, r0, k0, w8, blk):
-    if R == 6:
-        _b6(xq, r0, k0, w8, blk)
-    elif R == 5:
-        _b5(xq, r0, k0, w8, blk)
-    elif R == 4:
-        _b4(xq, r0, k0, w8, blk)
-    elif R == 3:
-        _b3(xq, r0, k0, w8, blk)
-    elif R == 2:
-        _b2(xq, r0, k0, w8, blk)
-    else:
-        _b1(xq, r0, k0, w8, blk)
+assert A8_ROWS == 6  # rows_dispatch's six
+_a8_rows_any = rows_dispatch([_a8_block_rows(r) for r in range(1, A8_ROWS + 1)])
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)

@@ -125,9 +125,9 @@ def _block_rows(R: int, halve_odd: bool):
     return block_rows
 
 
-class _BlockRowsIR:
-    """The IR of one `_block_rows(R, halve_odd)` call, emitted into numba's builder: for each pass
-    of PASS_LANES outputs, zeroed sums, a loop over the block's inputs, and the sums stored."""
+class BlockIR:
+    """What a register-block intrinsic `(x, r0, k0, w, blk)` emits its IR with: numba's builder,
+    the three arrays' types and structs, r0 and k0, and `at` (a pointer to an element)."""
 
     def __init__(self, context, builder, signature, args) -> None:
         self.context, self.builder = context, builder
@@ -137,16 +137,24 @@ class _BlockRowsIR:
             for ty, n in ((self.x_ty, 0), (self.w_ty, 3), (self.blk_ty, 4))
         )
         self.r0, self.k0 = args[1], args[2]
+
+    def at(self, ty, ary, i, j):
+        """A pointer to ary[i, j]."""
+        return cgutils.get_item_pointer(self.context, self.builder, ty, ary, [i, j])
+
+
+class _BlockRowsIR(BlockIR):
+    """The IR of one `_block_rows(R, halve_odd)` call, emitted into numba's builder: for each pass
+    of PASS_LANES outputs, zeroed sums, a loop over the block's inputs, and the sums stored."""
+
+    def __init__(self, context, builder, signature, args) -> None:
+        super().__init__(context, builder, signature, args)
         self.f32, self.i32, self.i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
         self.vec = ir.VectorType(self.f32, _LANES)
         self.fma = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(self.vec, [self.vec] * 3), f"llvm.fma.v{_LANES}f32"
         )
         self.splat = ir.Constant(ir.VectorType(self.i32, _LANES), [0] * _LANES)
-
-    def at(self, ty, ary, i, j):
-        """A pointer to ary[i, j]."""
-        return cgutils.get_item_pointer(self.context, self.builder, ty, ary, [i, j])
 
     def vec_at(self, ty, ary, i, j: int):
         """ary[i, j : j + _LANES] as one vector."""

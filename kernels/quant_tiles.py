@@ -24,9 +24,10 @@ from kvmesh.kernels.quant_format import QK, TN
 from kvmesh.kernels.quant_llvm import BLOCK_ROWS, PREFETCH_LINES, _block_rows, _fma, prefetch
 
 
-def _block_rows_any(halve_odd: bool):
-    """A numba function `(R, x, r0, k0, w, blk)` calling `_block_rows(R, halve_odd)` for R in 1..BLOCK_ROWS."""
-    b1, b2, b3, b4, b5, b6 = (_block_rows(r, halve_odd) for r in range(1, BLOCK_ROWS + 1))
+def rows_dispatch(blocks):
+    """A numba function `(R, x, r0, k0, w, blk)` calling blocks[R - 1](x, r0, k0, w, blk), for the
+    six register-block intrinsics of 1..6 rows (`_block_rows`, `kvmesh.kernels.quant_a8`'s)."""
+    b1, b2, b3, b4, b5, b6 = blocks
 
     @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
     def block_rows_any(R, x, r0, k0, w, blk):
@@ -46,7 +47,10 @@ def _block_rows_any(halve_odd: bool):
     return block_rows_any
 
 
-_block_rows_q4_1, _block_rows_q8_0 = _block_rows_any(True), _block_rows_any(False)
+assert BLOCK_ROWS == 6  # rows_dispatch's six
+_block_rows_q4_1, _block_rows_q8_0 = (
+    rows_dispatch([_block_rows(r, halve_odd) for r in range(1, BLOCK_ROWS + 1)]) for halve_odd in (True, False)
+)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)

@@ -18,7 +18,9 @@
   multiplies straight from the GGUF file's Q4_1 / Q8_0 blocks when the checkpoint has them
   (`kvmesh.kernels.quant`), reading 5x fewer weight bytes than fp32. Prefill keeps the fp32 weights:
   a prompt's first positions carry residuals near 2e4, where the kernels' per-block sums
-  round up to 1.5e-4 away from transformers' logits, past the 1e-4 the parity tests hold;
+  round up to 1.5e-4 away from transformers' logits, past the 1e-4 the parity tests hold
+  (`--quantization int8` runs every forward's layer matmuls from the blocks, W4A8: a choice judged
+  by docs/precision.md's rule, not by parity);
 - a decode step of up to `QUANTIZED_MAX_BATCH` sequences runs as one numba call,
   `kvmesh.engine.llama.step.decode_step`: every layer and the lm_head from the blocks, with
   RMSNorm, RoPE, the K/V write, attention over each sequence's own pages and SiLU*up in the same

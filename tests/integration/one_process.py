@@ -38,3 +38,21 @@ def random_prompt(n: int, seed: int) -> list[int]:
     """n token ids: BOS, then ids drawn from `seed`."""
     rng = random.Random(seed)
     return [1] + [rng.randrange(1000, 20000) for _ in range(n - 1)]
+
+
+def prefix_hit_matches(mesh, runner: LlamaRunner, pages: Pages, page_size: int) -> None:
+    """A 50-token prompt through the mesh (3 full pages prefill keeps) and the one process, then
+    one sharing its first 48 tokens: prefill must compute only what follows, and the mesh's
+    greedy tokens equal the one process's over the same cached pages."""
+    from tests.integration.meshutil import complete, wait_idle
+
+    first = random_prompt(50, seed=1)
+    complete(mesh, b"", prompt_token_ids=first, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first_pages = pages.take((50 + NEW_TOKENS) // page_size + 1)
+    greedy(runner, first, 0, first_pages)
+    second = first[:48] + random_prompt(20, seed=2)[1:]
+    answer = complete(mesh, b"", prompt_token_ids=second, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert answer.final.cached_tokens == 48  # prefill computed only what follows its 3 pages
+    tail = first_pages[:3] + pages.take((len(second) - 48 + NEW_TOKENS) // page_size + 1)
+    assert answer.token_ids == greedy(runner, second[48:], 48, tail)
+    wait_idle(mesh)

@@ -12,7 +12,7 @@ from kvmesh.engine.llama.runner import LlamaRunner
 from kvmesh.engine.loader import resolve_model
 from tests.conftest import instance_stats
 from tests.integration.meshutil import complete, running_mesh, wait_idle
-from tests.integration.one_process import NEW_TOKENS, Pages, greedy
+from tests.integration.one_process import NEW_TOKENS, Pages, greedy, prefix_hit_matches
 from tests.integration.one_process import random_prompt as _prompt
 
 PAGE = 16
@@ -55,13 +55,4 @@ def test_greedy_tokens_through_the_mesh_equal_one_process_in_bf16(mesh, one_proc
 
 
 def test_a_prefix_hit_decodes_as_one_process_over_the_same_cached_pages(mesh, one_process, pages):
-    first = _prompt(50, seed=1)  # 3 full pages prefill keeps
-    complete(mesh, b"", prompt_token_ids=first, max_tokens=NEW_TOKENS, ignore_eos=True)
-    first_pages = pages.take((50 + NEW_TOKENS) // PAGE + 1)
-    greedy(one_process, first, 0, first_pages)
-    second = first[:48] + _prompt(20, seed=2)[1:]
-    answer = complete(mesh, b"", prompt_token_ids=second, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert answer.final.cached_tokens == 48  # prefill computed only what follows its 3 pages
-    tail = first_pages[:3] + pages.take((len(second) - 48 + NEW_TOKENS) // PAGE + 1)
-    assert answer.token_ids == greedy(one_process, second[48:], 48, tail)
-    wait_idle(mesh)
+    prefix_hit_matches(mesh, one_process, pages, PAGE)

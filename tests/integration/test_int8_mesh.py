@@ -17,7 +17,7 @@ import torch
 from kvmesh.engine.llama.runner import LlamaRunner
 from kvmesh.engine.loader import resolve_model
 from tests.integration.meshutil import complete, running_mesh, wait_idle
-from tests.integration.one_process import NEW_TOKENS, Pages, greedy, random_prompt
+from tests.integration.one_process import NEW_TOKENS, Pages, greedy, prefix_hit_matches, random_prompt
 
 PAGE = 16
 LENGTHS = (7, 33, 70)
@@ -65,13 +65,4 @@ def test_greedy_tokens_through_the_mesh_equal_one_process_with_int8_activations(
 
 def test_a_prefix_hit_decodes_as_one_process_over_the_same_cached_pages(mesh, one_process):
     runner, pages = one_process
-    first = random_prompt(50, seed=1)  # 3 full pages prefill keeps
-    complete(mesh, b"", prompt_token_ids=first, max_tokens=NEW_TOKENS, ignore_eos=True)
-    first_pages = pages.take((50 + NEW_TOKENS) // PAGE + 1)
-    greedy(runner, first, 0, first_pages)
-    second = first[:48] + random_prompt(20, seed=2)[1:]
-    answer = complete(mesh, b"", prompt_token_ids=second, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert answer.final.cached_tokens == 48  # prefill computed only what follows its 3 pages
-    tail = first_pages[:3] + pages.take((len(second) - 48 + NEW_TOKENS) // PAGE + 1)
-    assert answer.token_ids == greedy(runner, second[48:], 48, tail)
-    wait_idle(mesh)
+    prefix_hit_matches(mesh, runner, pages, PAGE)
