@@ -16,8 +16,8 @@ block. Integer sums are exact in any order, and the scaling runs in a fixed orde
 never depend on the rows beside it (batched decode gives each sequence what it gets alone).
 
 The tile layout is `Q4_1Weight`'s ([NT, K/2, TN] bytes, each byte the pair of inputs 2j, 2j+1 of
-one output): unpacked once a block for all rows into [16, 2 TN] bytes (q_2j, q_2j+1 of output n at
-2n, 2n+1), which is `vpmaddubsw`'s pair layout. Numerics: the activations' rounding (at most
+one output): unpacked once a call, for all rows, into [G, 16, 2 TN] bytes (q_2j, q_2j+1 of output n
+at 2n, 2n+1), which is `vpmaddubsw`'s pair layout. Numerics: the activations' rounding (at most
 xd / 2 an input) is the only error added to the fp32 path's; the acceptance rule in
 docs/precision.md judges it through the model.
 """

@@ -11,7 +11,8 @@ numba compiles, threads split each matmul by tiles and attention by (sequence, k
 its keys).
 
 Numbers follow transformers' `LlamaForCausalLM` (modeling_llama.py): the matmuls are the block
-kernels' tiles (`q4_1_tile`, `q8_0_tile`), bit for bit what `quantized_matmul` computes; RMSNorm,
+kernels' tiles (`q4_1_tile`, `q8_0_tile`; `q4_1_tile_a8` for the layers with
+`StepWeights.int8_activations`), bit for bit what `quantized_matmul` computes; RMSNorm,
 RoPE and SiLU*up do transformers' fp32 operations (RMSNorm's mean summed in fp64); attention
 sums in another order than SDPA (within an ulp or two). Each sequence's numbers depend on its
 own row only, so a sequence gets the same bits alone or in any batch.
