@@ -185,13 +185,18 @@ def _greedy(r: LlamaRunner, prompts: list[list[int]], new: int) -> list[list[int
     return out
 
 
-def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict[str, float]:
-    """bf16 against fp32 on the answers of fp32's greedy decode, teacher-forced (see module doc)."""
+def chat_prompt_ids(tokenizer) -> list[list[int]]:
+    """PROMPTS as one-turn chats, each with its generation prompt, as token ids."""
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
         for p in PROMPTS
     ]
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict[str, float]:
+    """bf16 against fp32 on the answers of fp32's greedy decode, teacher-forced (see module doc)."""
+    prompts = chat_prompt_ids(tokenizer)
     answers = _greedy(runners["fp32"], prompts, new)
     diffs, agree, whole = [], 0, 0
     for p, a in zip(prompts, answers, strict=True):

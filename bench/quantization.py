@@ -26,7 +26,15 @@ import json
 
 import torch
 
-from kvmesh.bench.precision import PAGE, PROMPTS, _greedy, _pages, bench_decode, bench_prefill, logprob_summary
+from kvmesh.bench.precision import (
+    PAGE,
+    _greedy,
+    _pages,
+    bench_decode,
+    bench_prefill,
+    chat_prompt_ids,
+    logprob_summary,
+)
 from kvmesh.engine.checkpoint import load_tokenizer, long_prompt_ids
 from kvmesh.engine.forward import ForwardItem
 from kvmesh.engine.llama.runner import LlamaRunner
@@ -56,11 +64,7 @@ def _teacher_forced(r: LlamaRunner, prompts: list[list[int]], answers: list[list
 
 def bench_logprobs(runners: dict[str, LlamaRunner], tokenizer, new: int) -> dict[str, float]:
     """int8 against fp32 on the answers of fp32's greedy decode, teacher-forced (see module doc)."""
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in PROMPTS
-    ]
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompts = chat_prompt_ids(tokenizer)
     answers = _greedy(runners["none"], prompts, new)
     forced = {name: _teacher_forced(r, prompts, answers) for name, r in runners.items()}
     diffs, agree, whole = [], 0, 0

@@ -60,6 +60,7 @@ def run_up(
     _interrupt_on_signals()
     print(f"starting kvmesh: {num_prefill} prefill, {num_decode} decode ...", flush=True)
     metrics_port = launcher.free_port("127.0.0.1") if autoscale else 0
+    quantization_args = ["--quantization", quantization] if quantization != "none" else []
     gateway_args = [
         *(["--slo-ttft-ms", str(slo_ms[0])] if slo_ms[0] else []),
         *(["--slo-itl-ms", str(slo_ms[1])] if slo_ms[1] else []),
@@ -75,13 +76,13 @@ def run_up(
                 "--dtype",
                 dtype,
                 *(["--torch-threads", str(prefill_threads)] if prefill_threads else []),
-                *(["--quantization", quantization] if quantization != "none" else []),
+                *quantization_args,
             ],
             extra_decode_args=[
                 "--dtype",
                 dtype,
                 *_decode_args(decode_threads, speculative, num_draft_tokens, decode_ep),
-                *(["--quantization", quantization] if quantization != "none" else []),
+                *quantization_args,
             ],
             extra_gateway_args=gateway_args,
             http_port=http_port,

@@ -114,8 +114,6 @@ class LlamaModel:
         """A profiling hook: set it to zeros(len(llama_step.STEP_PARTS)) and each fused decode step adds its
         parts' cycles (`llama_step.read_cycles`) to it; empty (the default), nothing is counted."""
         self._step = self._stack_for_step()
-        self.int8_activations = False
-        """`use_int8_activations` was called: the layers' matmuls take int8 activations."""
 
     def _take_lm_head(self, take: TensorTaker, blocks: dict[str, GGUFBlocks] | None) -> None:
         """The lm_head [V, H]: the embedding itself when tied, and its GGUF blocks if any."""
@@ -180,7 +178,11 @@ class LlamaModel:
                 "--quantization int8 needs the layers' Q4_1 blocks from a GGUF file on the CPU; this model has none here"
             )
         self._step = self._step._replace(int8_activations=True)
-        self.int8_activations = True
+
+    @property
+    def int8_activations(self) -> bool:
+        """`use_int8_activations` was called: the layers' matmuls take int8 activations."""
+        return self._step is not None and self._step.int8_activations
 
     def _decode_fused(
         self, input_ids: torch.Tensor, cos: torch.Tensor, sin_rot: torch.Tensor, g: DecodeGroup, kv_cache: torch.Tensor
