@@ -6,8 +6,7 @@
 For SmolLM2-135M's decoder shapes (qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576, over --layers distinct weights so they stream from memory as in a real step) and
 its Q8_0 lm_head (576->49152), prints milliseconds per model step of each path and the ratio,
-for each row count; and the lm_head with int8 activations (W8A8, `--quantization int8`) against
-its fp32 activations. `kvmesh.engine.llama.model.QUANTIZED_MAX_BATCH` is set from where the ratio
+for each row count. `kvmesh.engine.llama.model.QUANTIZED_MAX_BATCH` is set from where the ratio
 crosses 1. Random blocks: speed does not depend on the values.
 """
 
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     head_q, head_w = _q8_0(rng, *_LM_HEAD)
     print(
         f"{'rows':>4}  {'fp32 layers ms':>14}  {'Q4_1 layers ms':>14}  {'ratio':>6}  "
-        f"{'fp32 lm_head ms':>15}  {'Q8_0 lm_head ms':>15}  {'ratio':>6}  {'W8A8 lm_head ms':>15}  {'vs Q8_0':>7}"
+        f"{'fp32 lm_head ms':>15}  {'Q8_0 lm_head ms':>15}  {'ratio':>6}"
     )
     for rows in args.rows:
         xs = [torch.randn(rows, k) for k, _ in _LAYER_SHAPES]
@@ -68,10 +67,9 @@ def main(argv: list[str] | None = None) -> None:
         quant = _ms(lambda: [quantized_matmul(x, q) for layer in layers for x, (q, _) in zip(xs, layer)], args.repeats)
         head32 = _ms(lambda: torch.nn.functional.linear(h, head_w), args.repeats)
         head8 = _ms(lambda: quantized_matmul(h, head_q), args.repeats)
-        head_a8 = _ms(lambda: quantized_matmul(h, head_q, int8_activations=True), args.repeats)
         print(
             f"{rows:>4}  {fp32:>14.1f}  {quant:>14.1f}  {fp32 / quant:>5.2f}x  "
-            f"{head32:>15.2f}  {head8:>15.2f}  {head32 / head8:>5.2f}x  {head_a8:>15.2f}  {head8 / head_a8:>6.2f}x"
+            f"{head32:>15.2f}  {head8:>15.2f}  {head32 / head8:>5.2f}x"
         )
 
 

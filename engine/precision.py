@@ -142,4 +142,4 @@ def apply_quantization(runner: object, spec: str) -> str:
     if use is None:
         raise ValueError(f"--quantization {spec}: {type(runner).__name__} has no int8 path (Llama on the CPU only)")
     use()
-    return "every matmul takes int8 activations: the layers' against the Q4_1 blocks (W4A8), the lm_head's against Q8_0 (W8A8)"
+    return "the layers' matmuls take int8 activations against the Q4_1 blocks (W4A8; the lm_head as --dtype)"

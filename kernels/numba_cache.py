@@ -30,7 +30,6 @@ NUMBA_SOURCES = (
     "kernels/quant.py",
     "kernels/quant_tiles.py",
     "kernels/quant_a8.py",
-    "kernels/quant_a8_head.py",
     "engine/llama/step.py",
     "engine/llama/step_attention.py",
 )

@@ -34,12 +34,10 @@ with NUMBA_CACHE_DIR set, numba's own locator decides, and that cache must be cl
 from __future__ import annotations
 
 import numba
-import numpy as np
 import torch
 
 from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 from kvmesh.kernels.quant_a8 import q4_1_tile_a8, quantize_rows_q8
-from kvmesh.kernels.quant_a8_head import q8_0_tile_a8
 from kvmesh.kernels.quant_format import QK, TN, Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0
 from kvmesh.kernels.quant_llvm import BLOCK_ROWS, PASS_LANES, PREFETCH_LINES, prefetch
 from kvmesh.kernels.quant_tiles import block_sums, q4_1_tile, q8_0_tile
@@ -83,14 +81,6 @@ def _q8_0_matmul(x, q, d, out):  # x [M, K] f32, q [NT, K, TN] i8, out [M, NT*TN
         q8_0_tile(x, q, d, t, out)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
-def _q8_0_matmul_a8(x, q, d, out):  # the same with x's rows as int8 blocks (kvmesh.kernels.quant_a8_head)
-    xq, xd, _ = quantize_rows_q8(x)
-    xq16 = xq.astype(np.int16)
-    for t in numba.prange(q.shape[0]):
-        q8_0_tile_a8(xq16, xd, q, d, t, out)
-
-
 def kernel_threads() -> tuple[str, int]:
     """(numba's threading layer, threads) the kernels run on; call after one of them ran.
 
@@ -105,9 +95,9 @@ def kernel_threads() -> tuple[str, int]:
 def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight, int8_activations: bool = False) -> torch.Tensor:
     """x @ w.T for x [M, K] fp32 and a packed GGUF weight [N, K]; returns [M, N] fp32.
 
-    int8_activations: x's rows as int8 blocks (`--quantization int8`), against Q4_1 weights (W4A8,
-    `kvmesh.kernels.quant_a8`) or Q8_0 ones (W8A8, `kvmesh.kernels.quant_a8_head`): the same bits as
-    the fused decode step's tiles.
+    int8_activations: x's rows as int8 blocks against Q4_1 weights (W4A8, `kvmesh.kernels.quant_a8`;
+    `--quantization int8`), the same bits as the fused decode step's tiles; a Q8_0 weight takes
+    fp32 activations either way.
 
     Meant for decode batches: each tile's bytes are read and unpacked once and reused for all M
     rows; past ~128 rows an fp32 GEMM wins (`kvmesh.bench.quant`). Row r of the result does not depend
@@ -124,8 +114,6 @@ def quantized_matmul(x: torch.Tensor, w: Q4_1Weight | Q8_0Weight, int8_activatio
         _q4_1_matmul_a8(xn, w.qs, w.d, w.m, out.numpy())
     elif isinstance(w, Q4_1Weight):
         _q4_1_matmul(xn, w.qs, w.d, w.m, out.numpy())
-    elif int8_activations:
-        _q8_0_matmul_a8(xn, w.q, w.d, out.numpy())
     else:
         _q8_0_matmul(xn, w.q, w.d, out.numpy())
     return out if tiles * TN == w.out_features else out[:, : w.out_features]

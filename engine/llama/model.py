@@ -75,10 +75,9 @@ def _numba_view(pages: torch.Tensor) -> np.ndarray:
     return pages.view(torch.uint16).numpy() if pages.dtype == torch.bfloat16 else pages.numpy()
 
 
-def _lm_head(h: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None, a8: bool = False) -> torch.Tensor:
-    """Logits [B, V] fp32 of h [B, H]: h @ w.T for w [V, H], from the blocks q [V, H] when given
-    (h's rows as int8 blocks when a8)."""
-    return F.linear(h, w).float() if q is None else quantized_matmul(h.float(), q, a8)
+def _lm_head(h: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None) -> torch.Tensor:
+    """Logits [B, V] fp32 of h [B, H]: h @ w.T for w [V, H], from the blocks q [V, H] when given."""
+    return F.linear(h, w).float() if q is None else quantized_matmul(h, q)
 
 
 class LlamaModel:
@@ -170,11 +169,10 @@ class LlamaModel:
         )
 
     def use_int8_activations(self) -> None:
-        """Let every forward (prefill, decode steps, verification, prompt logprobs) take its matmuls'
-        inputs as int8 blocks (`--quantization int8`): the layers' against the Q4_1 weights (W4A8,
-        `kvmesh.kernels.quant_a8`), the lm_head's against its Q8_0 ones (W8A8,
-        `kvmesh.kernels.quant_a8_head`); attention, the norms and the rest keep their precision.
-        Raises ValueError where the layers have no Q4_1 blocks (another device, or no GGUF file)."""
+        """Let every forward (prefill, decode steps, verification, prompt logprobs) take the layers'
+        matmul inputs as int8 blocks against the Q4_1 weights (W4A8, `kvmesh.kernels.quant_a8`:
+        `--quantization int8`); the lm_head, attention and the rest keep their precision. Raises
+        ValueError where the layers have no Q4_1 blocks (another device, or no GGUF file)."""
         if self._step is None:
             raise ValueError(
                 "--quantization int8 needs the layers' Q4_1 blocks from a GGUF file on the CPU; this model has none here"
@@ -183,7 +181,7 @@ class LlamaModel:
 
     @property
     def int8_activations(self) -> bool:
-        """`use_int8_activations` was called: every matmul takes int8 activations."""
+        """`use_int8_activations` was called: the layers' matmuls take int8 activations."""
         return self._step is not None and self._step.int8_activations
 
     def _decode_fused(
@@ -254,4 +252,4 @@ class LlamaModel:
         if logits_index is not None:
             h = h.index_select(0, logits_index)  # [B, H]
         h = rms_norm(h, self.norm, eps)
-        return _lm_head(h, self.lm_head, self.q_lm_head if layer_blocks else None, a8)  # [B, V] fp32
+        return _lm_head(h, self.lm_head, self.q_lm_head if use_blocks else None)  # [B, V] fp32

@@ -11,7 +11,7 @@ numba compiles, threads split each matmul by tiles and attention by (sequence, k
 its keys).
 
 Numbers follow transformers' `LlamaForCausalLM` (modeling_llama.py): the matmuls are the block
-kernels' tiles (`q4_1_tile`, `q8_0_tile`; `q4_1_tile_a8` and `q8_0_tile_a8` with
+kernels' tiles (`q4_1_tile`, `q8_0_tile`; `q4_1_tile_a8` for the layers with
 `StepWeights.int8_activations`), bit for bit what `quantized_matmul` computes; RMSNorm,
 RoPE and SiLU*up do transformers' fp32 operations (RMSNorm's mean summed in fp64); attention
 sums in another order than SDPA (within an ulp or two). Each sequence's numbers depend on its
@@ -38,7 +38,6 @@ from kvmesh.engine.llama.step_attention import attend_pages, kv_store, plan_jobs
 from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=True): the machine-wide cache)
 from kvmesh.kernels.quant import TN, block_sums, q4_1_tile, q8_0_tile
 from kvmesh.kernels.quant_a8 import q4_1_tile_a8, quantize_rows_q8
-from kvmesh.kernels.quant_a8_head import q8_0_tile_a8
 
 STEP_PARTS = (
     "RMSNorm",
@@ -180,25 +179,9 @@ def _gate_up_silu(x, qs, d, m, inter, y_gu, act, a8):
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
-def _q8_0_rows_fp32(x, q, d, logits):  # logits [B, NT*TN] = x [B, H] @ the Q8_0 lm_head, a tile a thread
+def _q8_0_rows(x, q, d, logits):  # logits [B, NT*TN] = x [B, H] @ the Q8_0 lm_head, a tile a thread
     for tile in numba.prange(q.shape[0]):
         q8_0_tile(x, q, d, tile, logits)
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False, parallel=True)
-def _q8_0_rows_a8(x, q, d, logits):  # the same with x's rows as int8 blocks (W8A8)
-    xq, xd, _ = quantize_rows_q8(x)
-    xq16 = xq.astype(np.int16)
-    for tile in numba.prange(q.shape[0]):
-        q8_0_tile_a8(xq16, xd, q, d, tile, logits)
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def _q8_0_rows(x, q, d, logits, a8):
-    if a8:
-        _q8_0_rows_a8(x, q, d, logits)
-    else:
-        _q8_0_rows_fp32(x, q, d, logits)
 
 
 class StepWeights(NamedTuple):
@@ -227,9 +210,8 @@ class StepWeights(NamedTuple):
     head: tuple[np.ndarray, ...]
     """(q, d) of the Q8_0 lm_head [NT, ...]: its logits are NT*TN wide, V padded to tiles."""
     int8_activations: bool
-    """Every matmul takes its inputs as int8 blocks (`--quantization int8`): the layers' against
-    Q4_1 (`kvmesh.kernels.quant_a8`), the lm_head's against Q8_0 (`kvmesh.kernels.quant_a8_head`);
-    False: fp32."""
+    """The layers' matmuls take their inputs as int8 blocks (`kvmesh.kernels.quant_a8`,
+    `--quantization int8`); False: fp32. The lm_head takes fp32 either way."""
 
 
 class StepBatch(NamedTuple):
@@ -298,5 +280,5 @@ def decode_step(batch, weights):
         t = _lap(cycles, 6, t)
     _rms_norm_rows(h, w.norms[L, 0], w.eps, x)
     t = _lap(cycles, 0, t)
-    _q8_0_rows(x, w.head[0], w.head[1], batch.logits, a8)
+    _q8_0_rows(x, w.head[0], w.head[1], batch.logits)
     _lap(cycles, 7, t)

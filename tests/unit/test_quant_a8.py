@@ -1,8 +1,7 @@
-"""int8 activations against Q4_1 blocks (kernels/quant_a8.py) and the lm_head's Q8_0 ones
-(kernels/quant_a8_head.py), `--quantization int8`: the activations' quantization against
-llama.cpp's rule, the integer block sums exact (vpmaddubsw / vpmaddwd and the plain-IR fallback),
-each output within the bound the quantization allows, a row's bits the same alone or in a batch,
-and the setting's refusals."""
+"""int8 activations against Q4_1 blocks (kernels/quant_a8.py, `--quantization int8`): the
+activations' quantization against llama.cpp's rule, the integer block sums exact (vpmaddubsw and
+the plain-IR fallback), each output within the bound the quantization allows, a row's bits the
+same alone or in a batch, and the setting's refusals."""
 
 import numba
 import numpy as np
@@ -10,9 +9,8 @@ import pytest
 import torch
 
 from kvmesh.engine.precision import apply_quantization, check_quantization_spec
-from kvmesh.kernels.quant import TN, pack_q4_1, pack_q8_0, quantized_matmul
+from kvmesh.kernels.quant import TN, pack_q4_1, quantized_matmul
 from kvmesh.kernels.quant_a8 import A8_ROWS, _a8_block_rows, q4_1_tile_a8, quantize_rows_q8
-from kvmesh.kernels.quant_a8_head import _wd_block_rows, q8_0_tile_a8
 from kvmesh.kernels.ref import dequantize_q4_1_ref
 
 
@@ -39,8 +37,8 @@ def test_activations_quantize_as_llama_cpp_q8_1_rounds():
     assert np.allclose(xsum, blocks.sum(-1), rtol=1e-5, atol=1e-5)
 
 
-def _block_rows_caller(R, native, make=_a8_block_rows):
-    block = make(R, native)
+def _block_rows_caller(R, native):
+    block = _a8_block_rows(R, native)
 
     @numba.njit
     def call(xq, r0, k0, w8, blk):
@@ -92,51 +90,6 @@ def test_outputs_stay_within_the_activations_rounding_and_rows_keep_their_bits(r
         q1 = quantize_rows_q8(x[r : r + 1])
         for t in range(w4.qs.shape[0]):
             q4_1_tile_a8(*q1, w4.qs, w4.d, w4.m, t, alone)
-        assert np.array_equal(alone[0], out[r])
-
-
-@pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("R", [1, 5, A8_ROWS])
-def test_q8_0_block_sums_are_exact_integers_at_the_extremes(native, R):
-    rng = np.random.default_rng(10 + R)
-    xq = rng.integers(-127, 128, (A8_ROWS + 2, 96)).astype(np.int16)
-    xq[1, 32:64] = -127  # the largest products of both signs, summed over the whole block
-    xq[2, 32:64] = 127
-    w16 = rng.integers(-128, 128, (16, 2 * TN)).astype(np.int16)
-    w16[:, :8] = -128
-    blk = np.full((A8_ROWS, TN), 7, np.int32)  # overwritten, not added to
-    _block_rows_caller(R, native, _wd_block_rows)(xq, 1, 32, w16, blk)
-    pairs = xq[1 : 1 + R, 32:64].astype(np.int64)  # [R, 32]: inputs 2j, 2j+1 of block 1
-    expected = pairs[:, 0::2] @ w16[:, 0::2].astype(np.int64) + pairs[:, 1::2] @ w16[:, 1::2].astype(np.int64)
-    assert np.array_equal(blk[:R], expected)
-    assert np.array_equal(blk[R:], np.full((A8_ROWS - R, TN), 7))
-
-
-@pytest.mark.parametrize("rows", [1, 7, 13])
-def test_q8_0_outputs_stay_within_the_activations_rounding_and_rows_keep_their_bits(rows):
-    rng = np.random.default_rng(rows)
-    q = rng.integers(-128, 128, (100, 96), dtype=np.int8)  # a padded last tile too
-    d = (rng.random((100, 3)) * 0.02).astype(np.float16)
-    w8 = pack_q8_0(q, d)
-    x = (torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)) * 3).numpy()
-    xq, xd, _ = quantize_rows_q8(x)
-    out = np.empty((rows, w8.q.shape[0] * TN), np.float32)
-    for t in range(w8.q.shape[0]):
-        q8_0_tile_a8(xq.astype(np.int16), xd, w8.q, w8.d, t, out)
-    w = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)  # [N, K], the file's weights
-    exact = x.astype(np.float64) @ w.T
-    step = np.repeat(xd.astype(np.float64), 32, axis=1)  # each input is off by at most half its step
-    bound = (step / 2) @ np.abs(w).T + 1e-4 * np.abs(exact) + 1e-5
-    error = np.abs(out[:, :100] - exact)
-    assert (error <= bound).all(), float((error / bound).max())
-    assert error.max() > 1e-4  # it is int8 arithmetic, not the fp32 path
-    # prefill's torch entry point (any rows, numba's threads) gives the fused step's tiles' bits
-    assert np.array_equal(quantized_matmul(torch.from_numpy(x), w8, int8_activations=True).numpy(), out[:, :100])
-    for r in range(rows):  # a row alone: the same bits as among the others
-        alone = np.empty((1, out.shape[1]), np.float32)
-        q1, d1, _ = quantize_rows_q8(x[r : r + 1])
-        for t in range(w8.q.shape[0]):
-            q8_0_tile_a8(q1.astype(np.int16), d1, w8.q, w8.d, t, alone)
         assert np.array_equal(alone[0], out[r])
 
 
