@@ -125,12 +125,13 @@ class AttemptAccounting:
         self.decode.in_flight_requests -= 1
         if self.decode_call is not None and not self.decode_call.done():
             self.decode_call.cancel()  # decode frees the pages when it sees the cancel
-            if stage == Stage.ABORTED and self.transfer_id is not None:
-                # and in case the cancel never reaches it (Generate not yet sent): Release is idempotent
-                self._release(self.transfer_id)
-        elif self.transfer_id is not None and self.decode_call is None:
-            # no stream ever claimed the reservation: give the pages back now (a frozen
-            # decode frees them itself when the reservation's deadline passes)
+        if self.transfer_id is not None and (stage == Stage.ABORTED or self.decode_call is None):
+            # aborted: the cancel may never reach decode, even where the call is done already
+            # (grpc.aio cancels a call whose awaiting task is cancelled, and one cancelled before
+            # Generate went out never arrives: its reservation would hold the pages until its KV
+            # deadline, ~40 s). Release is idempotent. Finished with no stream (the first token
+            # was the whole answer): nothing claimed the reservation. A frozen decode frees the
+            # pages itself when the reservation's deadline passes.
             self._release(self.transfer_id)
         elif self.transfer_id is None and self._reserve_call is not None:
             # ended while Reserve was in flight (or as its answer arrived, before it was

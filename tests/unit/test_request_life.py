@@ -207,6 +207,20 @@ def test_a_finished_attempt_keeps_its_routed_tokens_and_a_cancel_mid_stream_canc
         assert p.total_routed_tokens == 40 and d.in_flight_requests == 0
         assert p.breaker.consecutive_failures == 0 and d.breaker.consecutive_failures == 0
 
+        # the client left while the gateway awaited decode's first message: grpc.aio cancelled
+        # the call with the task, so it is done when the attempt aborts, and maybe before
+        # Generate went out (decode never hears of it): the Release still goes
+        early = Attempt(pool, "r3", p, d, queued_tokens=10)
+        early.reserved(3)
+        early.prefilled()
+        gone = FakeCall()
+        gone.cancel()
+        early.decoding(gone)
+        early.abort(None)
+        await asyncio.sleep(0)
+        assert pool.released == [("d", "r2", 2), ("d", "r3", 3)]
+        assert d.in_flight_requests == 0
+
     asyncio.run(scenario())
 
 
