@@ -1,6 +1,7 @@
 # T=rows of activations (tokens), K=input features, N=output features
 """fp32 GEMMs for prefill through oneDNN (PyTorch's MKL-DNN build) instead of `x @ w`, on the
-CPUs where that is faster: those not made by Intel.
+CPUs where that is faster: those not made by Intel; and bf16 GEMMs as fp32 ones where the CPU
+only emulates bf16 (`prefill_copy`).
 
 `x @ w` in PyTorch's x86 wheels calls MKL's sgemm, which runs a generic code path on non-Intel
 processors; oneDNN JIT-compiles for the host's AVX-512 whatever its vendor. One core, `python -m
@@ -59,9 +60,25 @@ def onednn_weight(w: torch.Tensor) -> torch.Tensor | None:
     return w.t().contiguous().to_mkldnn()
 
 
+def prefill_copy(w: torch.Tensor, bf16_native: bool = True) -> torch.Tensor | None:
+    """The copy of an input-major weight w [K, N] that `dense_matmul` computes with: oneDNN's for
+    an fp32 w (`onednn_weight`); w in fp32 ([K, N], K*N*4 bytes more) for a bf16 w on a CPU that
+    only emulates bf16 (bf16_native False: no AVX-512 BF16 or AMX, `kvmesh.engine.precision.native_bf16`);
+    else None. Emulated, torch's bf16 GEMM ran 90x slower than its fp32 one (`x @ w`, [160, 576] @
+    [576, 1536], 251 against 2.8 ms; 27 ms with w [N, K]; AMD EPYC Zen 3, AVX2, 2 cores)."""
+    if w.dtype == torch.bfloat16 and w.device.type == "cpu" and not bf16_native:
+        return w.float()
+    return onednn_weight(w)
+
+
 def dense_matmul(x: torch.Tensor, w: torch.Tensor, dnn: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ w [K, N] -> [T, N] in x.dtype, through oneDNN when `dnn` (`onednn_weight(w)`)
-    is given and T >= MIN_ROWS. Raises RuntimeError (from PyTorch) when the shapes disagree."""
+    is given and T >= MIN_ROWS. For bf16 x with `dnn` (`prefill_copy`: w in fp32 where bf16 is
+    emulated), the GEMM runs in fp32 on x's values and rounds its output to bf16: what a native
+    bf16 GEMM computes (the products of bf16 values exact in fp32, summed in fp32), in another
+    order. Raises RuntimeError (from PyTorch) when the shapes disagree."""
+    if dnn is not None and x.dtype == torch.bfloat16:
+        return (x.float() @ dnn).to(torch.bfloat16)
     if dnn is None or x.shape[0] < MIN_ROWS:
         return x @ w
     return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), dnn, None).to_dense()

@@ -12,7 +12,9 @@
 - every sequence's tokens go through each matmul as one [T, H] batch;
 - prefill's fp32 matmuls run through oneDNN (`kvmesh.kernels.dense`) on CPUs not made by Intel:
   PyTorch's MKL takes a generic path there (oneDNN's AVX-512 code ran 1.6-2x faster on prefill's
-  shapes on an AMD EPYC); on Intel's they stay on MKL, the faster of the two there;
+  shapes on an AMD EPYC); on Intel's they stay on MKL, the faster of the two there; bf16 ones,
+  where the CPU only emulates bf16, run as fp32 GEMMs on the same values, rounded to bf16
+  (`kvmesh.kernels.dense.prefill_copy`: torch's emulated bf16 GEMM ran 90x slower);
 - logits only for the rows asked for (the last new token of each sequence);
 - a decode step (one new token a sequence) of up to `QUANTIZED_MAX_BATCH` sequences
   multiplies straight from the GGUF file's Q4_1 / Q8_0 blocks when the checkpoint has them
@@ -64,7 +66,7 @@ def _mm(
     x: torch.Tensor, w: torch.Tensor, q: Q4_1Weight | Q8_0Weight | None, dnn: torch.Tensor | None, a8: bool = False
 ) -> torch.Tensor:
     """x [T, in] @ w [in, out], from the blocks q [out, in] when given (x's rows as int8 blocks
-    when a8), else through oneDNN's copy dnn when given (`kvmesh.kernels.dense`)."""
+    when a8), else through the copy dnn when given (`kvmesh.kernels.dense.dense_matmul`)."""
     if q is None:
         return dense_matmul(x, w, dnn)
     return quantized_matmul(x.float(), q, a8).to(x.dtype)  # the block kernels compute in fp32

@@ -2,8 +2,9 @@
 """A Llama checkpoint's tensors as kvmesh.engine.llama.model takes them: each checked by name
 (transformers' naming) and shape, converted to the model's dtype and device, q/k/v and gate/up
 fused, every matrix input-major ([in, out], `x @ w`), with the GGUF file's Q4_1 / Q8_0 blocks of
-the same weights beside them (`kvmesh.kernels.quant`) and oneDNN's copies for prefill's GEMMs
-(`kvmesh.kernels.dense`).
+the same weights beside them (`kvmesh.kernels.quant`) and the copies prefill's GEMMs run on
+(`kvmesh.kernels.dense.prefill_copy`: oneDNN's for fp32, fp32 ones for bf16 where the CPU only
+emulates it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 from kvmesh.engine.config import ModelConfig
 from kvmesh.engine.gguf_blocks import GGUFBlocks
-from kvmesh.kernels.dense import onednn_weight
+from kvmesh.engine.precision import native_bf16
+from kvmesh.kernels.dense import prefill_copy
 from kvmesh.kernels.quant import Q4_1Weight, Q8_0Weight, pack_q4_1, pack_q8_0
 
 
@@ -34,7 +36,7 @@ class LlamaLayer:
     q_o: Q4_1Weight | Q8_0Weight | None = None
     q_gate_up: Q4_1Weight | Q8_0Weight | None = None
     q_down: Q4_1Weight | Q8_0Weight | None = None
-    # oneDNN's copies of w_qkv, w_o, w_gate_up, w_down for prefill's GEMMs (`kvmesh.kernels.dense`)
+    # the copies of w_qkv, w_o, w_gate_up, w_down prefill's GEMMs run on (`kvmesh.kernels.dense.prefill_copy`)
     dnn: tuple[torch.Tensor | None, ...] = (None, None, None, None)
 
 
@@ -102,5 +104,5 @@ def take_layer(take: TensorTaker, c: ModelConfig, p: str, blocks: dict[str, GGUF
         q_o=pack_blocks(blocks, [p + "self_attn.o_proj.weight"]) if blocks else None,
         q_gate_up=pack_blocks(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) if blocks else None,
         q_down=pack_blocks(blocks, [p + "mlp.down_proj.weight"]) if blocks else None,
-        dnn=tuple(onednn_weight(x) for x in (w_qkv, w_o, w_gate_up, w_down)),
+        dnn=tuple(prefill_copy(x, bool(native_bf16(x.device))) for x in (w_qkv, w_o, w_gate_up, w_down)),
     )

@@ -1,12 +1,13 @@
 """kvmesh.kernels.dense: prefill's fp32 GEMMs through oneDNN give x @ w's numbers (to fp32 rounding),
-and go through oneDNN only where it is the faster library (or where KVMESH_PREFILL_GEMM says)."""
+and go through oneDNN only where it is the faster library (or where KVMESH_PREFILL_GEMM says);
+bf16 GEMMs where the CPU only emulates bf16 run in fp32 and give a bf16 GEMM's numbers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvmesh.kernels.dense import MIN_ROWS, dense_matmul, onednn_is_faster, onednn_weight
+from kvmesh.kernels.dense import MIN_ROWS, dense_matmul, onednn_is_faster, onednn_weight, prefill_copy
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +47,25 @@ def test_strided_rows_and_few_rows():
 
 def test_no_onednn_copy_for_other_dtypes():
     assert onednn_weight(torch.zeros(4, 4, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.parametrize("rows", [1, 100])
+def test_emulated_bf16_gemms_run_in_fp32_and_round_as_a_bf16_gemm(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 576, generator=g).bfloat16(), torch.randn(576, 960, generator=g).bfloat16()
+    assert prefill_copy(w, bf16_native=True) is None  # native: torch's own bf16 GEMM (oneDNN)
+    copy = prefill_copy(w, bf16_native=False)
+    assert copy is not None and copy.dtype == torch.float32 and torch.equal(copy, w.float())
+    y = dense_matmul(x, w, copy)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 960)
+    # exactly the fp32 sums of the exact products, rounded once to bf16
+    exact = x.double() @ w.double()
+    assert torch.equal(y, (x.float() @ w.float()).bfloat16())
+    # so within a bf16 rounding (and fp32 summation) of the exact result, as torch's bf16 GEMM is
+    torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-3)
+    torch.testing.assert_close((x @ w).double(), exact, rtol=2**-8, atol=1e-3)
+    assert prefill_copy(w.float(), bf16_native=False) is not None  # fp32: oneDNN's copy, as before
+    assert prefill_copy(w.float(), bf16_native=False).is_mkldnn
 
 
 def test_mkl_chosen_means_no_onednn_copy(gemm_choice):
