@@ -104,5 +104,11 @@ def take_layer(take: TensorTaker, c: ModelConfig, p: str, blocks: dict[str, GGUF
         q_o=pack_blocks(blocks, [p + "self_attn.o_proj.weight"]) if blocks else None,
         q_gate_up=pack_blocks(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) if blocks else None,
         q_down=pack_blocks(blocks, [p + "mlp.down_proj.weight"]) if blocks else None,
-        dnn=tuple(prefill_copy(x, bool(native_bf16(x.device))) for x in (w_qkv, w_o, w_gate_up, w_down)),
+        dnn=tuple(prefill_copy(x, _bf16_native(w_qkv)) for x in (w_qkv, w_o, w_gate_up, w_down)),
     )
+
+
+def _bf16_native(w: torch.Tensor) -> bool:
+    """False only for a bf16 CPU tensor on a CPU that emulates bf16 (`native_bf16`: its flags);
+    other devices are not asked (a fake CUDA tensor has no device to ask)."""
+    return w.dtype != torch.bfloat16 or w.device.type != "cpu" or bool(native_bf16(w.device))
