@@ -93,6 +93,7 @@ def take_layer(take: TensorTaker, c: ModelConfig, p: str, blocks: dict[str, GGUF
     gate_up = [take(p + "mlp.gate_proj.weight", (I, H)), take(p + "mlp.up_proj.weight", (I, H))]
     w_gate_up = torch.cat(gate_up).t().contiguous()
     w_down = take(p + "mlp.down_proj.weight", (H, I)).t().contiguous()
+    native = _bf16_native(w_qkv)  # the CPU's flags, read once a layer and only for bf16
     return LlamaLayer(
         input_norm=input_norm,
         w_qkv=w_qkv,
@@ -104,7 +105,7 @@ def take_layer(take: TensorTaker, c: ModelConfig, p: str, blocks: dict[str, GGUF
         q_o=pack_blocks(blocks, [p + "self_attn.o_proj.weight"]) if blocks else None,
         q_gate_up=pack_blocks(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) if blocks else None,
         q_down=pack_blocks(blocks, [p + "mlp.down_proj.weight"]) if blocks else None,
-        dnn=tuple(prefill_copy(x, _bf16_native(w_qkv)) for x in (w_qkv, w_o, w_gate_up, w_down)),
+        dnn=tuple(prefill_copy(x, native) for x in (w_qkv, w_o, w_gate_up, w_down)),
     )
 
 
