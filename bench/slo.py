@@ -19,6 +19,9 @@ before's cache):
                a request none is predicted to meet is queued where it is predicted fastest
     slo+shed   the second gateway: such a request is refused at once (RESOURCE_EXHAUSTED)
 
+With --closed-loop C ...: no replays; --requests requests of the trace's mix at each
+concurrency C instead (requests/s, TTFT and ITL p50/p99), the mesh's own throughput.
+
 Printed per run: requests answered and shed, TTFT and ITL p50/p99 (ms), SLO attainment (TTFT
 and ITL both met) over the answered requests and over all, output tokens/s over the run's wall
 time, and the predictor: the fraction of answered requests whose predicted TTFT (Final's
@@ -126,6 +129,36 @@ async def capacity(address: str, max_tokens: int, seed: int, concurrency: int = 
         return n / (time.perf_counter() - start)
 
 
+async def closed_loop(address: str, n: int, concurrency: int, max_tokens: int, seed: int) -> dict:
+    """`n` requests of the trace's mix (its system prompts cached by the warm-up), `concurrency`
+    in flight (a closed loop): requests/s, TTFT and ITL p50/p99 (ms)."""
+    from kvmesh.client import GatewayClient, make_request
+
+    trace = make_trace(n, 1.0, seed, run=concurrency)
+    sem = asyncio.Semaphore(concurrency)
+    ttft: list[float] = []
+    itl: list[float] = []
+    async with GatewayClient(address) as client:
+
+        async def one(sent: Sent) -> None:
+            async with sem:
+                done = await client.complete(
+                    make_request(prompt_token_ids=sent.prompt, max_tokens=max_tokens, ignore_eos=True), timeout_s=600
+                )
+                ttft.append(done.final.ttft_s)
+                itl.append(done.final.itl_s)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(s) for s in trace))
+        wall = time.perf_counter() - start
+    return {
+        "run": f"closed loop {concurrency}",
+        "requests/s": f"{n / wall:.2f}",
+        "ttft p50/p99 ms": f"{_pct(ttft, 0.5) * 1000:.0f} / {_pct(ttft, 0.99) * 1000:.0f}",
+        "itl p50/p99 ms": f"{_pct(itl, 0.5) * 1000:.0f} / {_pct(itl, 0.99) * 1000:.0f}",
+    }
+
+
 def _pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -167,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--closed-loop",
+        type=int,
+        nargs="+",
+        metavar="C",
+        help="instead of the replays: --requests requests at each concurrency C (a closed loop), "
+        "requests/s, TTFT and ITL on the mesh's gateway",
+    )
     args = parser.parse_args(argv)
 
     from kvmesh.launcher import start_mesh
@@ -201,7 +242,14 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             rows = []
-            for run, (name, address) in enumerate(gateways.items()):
+            for concurrency in args.closed_loop or ():
+                rows.append(
+                    asyncio.run(
+                        closed_loop(mesh.gateway_address, args.requests, concurrency, args.max_tokens, args.seed)
+                    )
+                )
+                print(rows[-1], flush=True)
+            for run, (name, address) in enumerate(gateways.items() if not args.closed_loop else ()):
                 trace = make_trace(args.requests, rate, args.seed, run)
                 outcomes, wall = asyncio.run(
                     replay(address, trace, args.max_tokens, slo_ms if name != "today" else (0, 0))

@@ -15,33 +15,51 @@ prefill chunk beside each decode step), with the chunk's size (`--max-batch-toke
 
 Every wait is bounded: a side waits at most `max_wait_s` for its turn, so a peer that died,
 hangs (SIGSTOP) or runs one very long forward slows the other only by that bound, and a mark
-older than the bound is ignored (a peer killed with its mark set). The file holds five int64s,
-the CLOCK_MONOTONIC nanoseconds (one clock for every process of a host) at which: prefill's
-forward began, prefill began asking for one, decode's step began, decode began asking for one;
-0 for none; and when decode's last step ended.
+older than the bound is ignored (a peer killed with its mark set). The file holds int64s: when
+decode's last step ended (CLOCK_MONOTONIC nanoseconds, one clock for every process of a host),
+then one record per instance: an owner token, its pid, its role (prefill or decode), when it
+began asking for a turn and when its turn began; 0 for none. Marks are plain stores to a shared
+page, not a lock: two instances that ask at the same instant may both run; that costs speed,
+never a wrong answer.
 
 While decode has steps to run, a prefill forward is all that a decode token waits for beyond
 its step. With `--cpu-share-forward-tokens`, prefill sizes its forwards by `decode_busy()`:
 small while decode steps (a token's latency), large while it is idle (the prompt's TTFT).
 
-Several instances of one side may share a file: the last to mark and the first to clear win,
-so two of them may run beside each other, as with no sharing at all, and no wait grows past the
-bounds above. Marks are plain stores to a shared page, not a lock: two sides that ask at the
-same instant may both run; that costs speed, never a wrong answer.
+Several instances may share a file (two prefills and two decodes of one `kvmesh up`): each
+holds a record of its own in it (MAX_PARTIES of them; a dead process's record is taken over), and
+one forward or one step runs at a time across all of them, in the order they asked (decode first
+on a tie). Two forwards of two prefill instances side by side would stall at each other's
+barriers as prefill and decode do, and the order makes a prompt's wait the work queued ahead of
+it on these cores, which the gateway's TTFT prediction can count. An instance that finds no free
+record runs without turns and says so in its log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import mmap
 import os
+import secrets
 import struct
 import time
 from collections.abc import Iterator
 
-_FORMAT = "5q"  # int64s, native order: written and read on one host
-_SIZE = struct.calcsize(_FORMAT)
-_PREFILL_RUN, _PREFILL_ASK, _DECODE_RUN, _DECODE_ASK, _DECODE_DONE = range(5)
+log = logging.getLogger(__name__)
+
+MAX_PARTIES = 16
+"""Records in a file: the instances that can take turns through it."""
+_OWNER, _PID, _ROLE, _ASK, _RUN = range(5)
+_FIELDS = 5
+_PREFILL, _DECODE = 1, 2
+_TIE_RANK = {_DECODE: 0, _PREFILL: 1}
+"""Who goes first when two asked at the same nanosecond: decode (a token waits on its step)."""
+_DECODE_DONE = 0
+"""The header's one slot: when a decode step last ended."""
+_RECORDS = f"{MAX_PARTIES * _FIELDS}q"  # int64s, native order: written and read on one host
+_SIZE = 8 * (1 + MAX_PARTIES * _FIELDS)
 POLL_S = 0.0002
 """How often a waiting side looks at the file, in seconds: its turn starts at most this late."""
 BUSY_WINDOW_S = 0.05
@@ -50,9 +68,10 @@ between steps (sampling's hand-off, admissions), and a step it is about to run s
 
 
 class CpuShare:
-    """The shared file at `path` (created, and sized to 40 bytes, when missing).
+    """This instance's record in the shared file at `path` (created, and sized, when missing).
 
     max_wait_s: the most seconds a side waits for its turn (>= 0); marks older than this are stale.
+    One CpuShare takes one turn at a time (one forward loop or one step loop).
 
     Raises ValueError for a negative max_wait_s, OSError when the file cannot be opened or mapped.
     """
@@ -66,13 +85,46 @@ class CpuShare:
         self.path = path
         self.max_wait_s = max_wait_s
         self._max_wait_ns = int(max_wait_s * 1e9)
+        self._owner = secrets.randbits(62) + 1
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < _SIZE:
                 os.ftruncate(fd, _SIZE)
             self._map = mmap.mmap(fd, _SIZE)
+            self.record = self._claim(fd)
         finally:
             os.close(fd)
+        if self.record is None:
+            log.warning(
+                "cpu share %s: all %d records held by live instances; this one runs without turns", path, MAX_PARTIES
+            )
+
+    def _claim(self, fd: int) -> int | None:
+        """Take the first record that is free or whose process is gone, under the file's lock
+        (waited for max_wait_s at most, then taken without it); its index, or None if none is."""
+        deadline = time.monotonic() + self.max_wait_s
+        locked = False
+        while not locked:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(POLL_S)
+        try:
+            records = struct.unpack_from(_RECORDS, self._map, 8)
+            for record in range(MAX_PARTIES):
+                owner, pid = records[record * _FIELDS + _OWNER], records[record * _FIELDS + _PID]
+                if owner == 0 or not _alive(pid):
+                    base = 1 + record * _FIELDS
+                    for field, value in ((_OWNER, self._owner), (_PID, os.getpid()), (_ROLE, 0), (_ASK, 0), (_RUN, 0)):
+                        self._write(base + field, value)
+                    return record
+            return None
+        finally:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _read(self, slot: int) -> int:
         return struct.unpack_from("q", self._map, 8 * slot)[0]
@@ -80,63 +132,111 @@ class CpuShare:
     def _write(self, slot: int, value: int) -> None:
         struct.pack_into("q", self._map, 8 * slot, value)
 
+    def _set(self, field: int, value: int) -> None:
+        """One field of this instance's record."""
+        if self.record is not None:
+            self._write(1 + self.record * _FIELDS + field, value)
+
+    def mark(self, field: int) -> int:
+        """One field of this instance's record (0 without one): `asking()` and `running()`."""
+        return self._read(1 + self.record * _FIELDS + field) if self.record is not None else 0
+
+    def asking(self) -> bool:
+        """Whether this instance is waiting for its turn."""
+        return self.mark(_ASK) != 0
+
+    def running(self) -> bool:
+        """Whether this instance's turn is under way."""
+        return self.mark(_RUN) != 0
+
+    def _others(self) -> Iterator[tuple[int, int, int, int]]:
+        """(record, role, ask, run) of every other held record."""
+        records = struct.unpack_from(_RECORDS, self._map, 8)
+        for record in range(MAX_PARTIES):
+            base = record * _FIELDS
+            if record != self.record and records[base + _OWNER] != 0:
+                yield record, records[base + _ROLE], records[base + _ASK], records[base + _RUN]
+
     def _live(self, mark: int, now_ns: int) -> bool:
         """A mark that is set and younger than the bound."""
         return mark != 0 and now_ns - mark < self._max_wait_ns
 
-    def _take_turn(self, ask: int, run: int, other_run: int, other_ask: int, other_first_on_tie: bool) -> float:
-        """Ask, wait while the other side runs or asked first (bounded), then mark our run;
+    def _take_turn(self, role: int) -> float:
+        """Ask, wait while another instance runs or asked first (bounded), then mark our run;
         seconds waited."""
+        if self.record is None:
+            return 0.0
         asked = time.monotonic_ns()
-        self._write(ask, asked)
+        self._set(_ROLE, role)
+        self._set(_ASK, asked)
         start = time.monotonic()
+        key = (asked, _TIE_RANK[role], self.record)
 
         def held_back(now_ns: int) -> bool:
-            other_asked = self._read(other_ask)
-            ahead = other_asked < asked or (other_asked == asked and other_first_on_tie)
-            return self._live(self._read(other_run), now_ns) or (self._live(other_asked, now_ns) and ahead)
+            for record, other_role, other_ask, other_run in self._others():
+                if self._live(other_run, now_ns):
+                    return True
+                if self._live(other_ask, now_ns) and (other_ask, _TIE_RANK.get(other_role, 1), record) < key:
+                    return True
+            return False
 
         now = time.monotonic_ns()
         # never past max_wait_s in all, whatever marks come and go meanwhile
         while held_back(now) and now - asked < self._max_wait_ns:
             time.sleep(POLL_S)
             now = time.monotonic_ns()
-        self._write(run, time.monotonic_ns())
-        self._write(ask, 0)
+        self._set(_RUN, time.monotonic_ns())
+        self._set(_ASK, 0)
         return time.monotonic() - start
 
     @contextlib.contextmanager
-    def _turn(
-        self, ask: int, run: int, other_run: int, other_ask: int, other_first_on_tie: bool, done: int | None = None
-    ) -> Iterator[float]:
-        waited = self._take_turn(ask, run, other_run, other_ask, other_first_on_tie)
+    def _turn(self, role: int) -> Iterator[float]:
+        waited = self._take_turn(role)
         try:
             yield waited
         finally:
-            if done is not None:
-                self._write(done, time.monotonic_ns())
-            self._write(run, 0)
+            if role == _DECODE:
+                self._write(_DECODE_DONE, time.monotonic_ns())
+            self._set(_RUN, 0)
 
     def prefill_forward(self) -> contextlib.AbstractContextManager[float]:
-        """Around each prefill forward: waits for the decode step under way (or asked first),
-        then marks the forward while the block runs; yields the seconds waited."""
-        return self._turn(_PREFILL_ASK, _PREFILL_RUN, _DECODE_RUN, _DECODE_ASK, other_first_on_tie=True)
+        """Around each prefill forward: waits for the forward or step under way and those asked
+        first, then marks the forward while the block runs; yields the seconds waited."""
+        return self._turn(_PREFILL)
 
     def decode_step(self) -> contextlib.AbstractContextManager[float]:
-        """Around each decode step: waits for the prefill forward under way (or asked first),
-        then marks the step while the block runs, and when it ended; yields the seconds waited."""
-        return self._turn(_DECODE_ASK, _DECODE_RUN, _PREFILL_RUN, _PREFILL_ASK, False, done=_DECODE_DONE)
+        """Around each decode step: waits for the forward or step under way and those asked
+        first, then marks the step while the block runs, and when it ended; yields the seconds
+        waited."""
+        return self._turn(_DECODE)
 
     def decode_busy(self) -> bool:
-        """Whether decode is stepping: a step under way or asked for (marks younger than the
-        bound), or one that ended within BUSY_WINDOW_S."""
+        """Whether a decode instance on the file is stepping: a step under way or asked for
+        (marks younger than the bound), or one that ended within BUSY_WINDOW_S."""
         now = time.monotonic_ns()
-        if self._live(self._read(_DECODE_RUN), now) or self._live(self._read(_DECODE_ASK), now):
-            return True
+        for _, role, ask, run in self._others():
+            if role == _DECODE and (self._live(run, now) or self._live(ask, now)):
+                return True
         return now - self._read(_DECODE_DONE) < BUSY_WINDOW_S * 1e9
 
     def close(self) -> None:
+        """Gives the record back (if it is still this instance's) and unmaps the file."""
+        if self.record is not None and self.mark(_OWNER) == self._owner:
+            self._set(_OWNER, 0)
         self._map.close()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (0: a record never held)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class NoCpuShare:

@@ -1,8 +1,11 @@
 """Turns on shared cores (runtime/cpu_share.py): a decode step and a prefill forward wait for
-each other, alternate when both are busy, within their bounds; the prefill engine marks each
-forward. Two CpuShare objects on one file stand for the two processes: they map the same page,
-as prefill and decode do."""
+each other, alternate when both are busy, within their bounds; several instances of one side
+take turns with each other too, in the order they asked; the prefill engine marks each forward.
+CpuShare objects on one file stand for the processes: they map the same page, as prefill and
+decode do."""
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -44,8 +47,8 @@ def test_decode_does_not_wait_when_no_prefill_forward_runs(pair):
     _, decode = pair
     with decode.decode_step() as waited:
         assert waited < 0.5  # no poll loop: at once (bounded generously for a busy machine)
-        assert decode._read(cpu_share._DECODE_RUN) != 0
-    assert decode._read(cpu_share._DECODE_RUN) == 0
+        assert decode.running()
+    assert not decode.running()
 
 
 def test_decode_waits_for_the_running_forward_to_end(pair):
@@ -76,15 +79,15 @@ def test_with_both_busy_they_alternate_step_and_forward(pair):
     hold = threading.Event()
     with prefill.prefill_forward():
         step, _ = _in_turn(decode.decode_step, hold)
-        while not decode._read(cpu_share._DECODE_ASK):  # decode has asked
+        while not decode.asking():  # decode has asked
             time.sleep(0.001)
         order.append("forward 1 ends")
-    while not decode._read(cpu_share._DECODE_RUN):  # its step began
+    while not decode.running():  # its step began
         time.sleep(0.001)
 
     def end_step_once_the_forward_asked() -> None:
         deadline = time.monotonic() + 30
-        while not prefill._read(cpu_share._PREFILL_ASK) and time.monotonic() < deadline:
+        while not prefill.asking() and time.monotonic() < deadline:
             time.sleep(0.001)
         hold.set()
 
@@ -92,7 +95,7 @@ def test_with_both_busy_they_alternate_step_and_forward(pair):
     with prefill.prefill_forward():  # the next chunk: after the step
         order.append("forward 2 runs")
         assert not step.is_alive()
-        assert decode._read(cpu_share._DECODE_RUN) == 0
+        assert not decode.running()
     step.join(5)
     assert order == ["forward 1 ends", "forward 2 runs"]
 
@@ -102,18 +105,85 @@ def test_the_side_that_asked_first_goes_first(pair):
     hold = threading.Event()
     with decode.decode_step():  # both ask while a step runs: prefill first, then decode
         forward, _ = _in_turn(prefill.prefill_forward, hold)
-        while not prefill._read(cpu_share._PREFILL_ASK):
+        while not prefill.asking():
             time.sleep(0.001)
         step, _ = _in_turn(decode.decode_step)
-        while not decode._read(cpu_share._DECODE_ASK):
+        while not decode.asking():
             time.sleep(0.001)
-    while not prefill._read(cpu_share._PREFILL_RUN):  # the forward began
+    while not prefill.running():  # the forward began
         time.sleep(0.001)
-    assert step.is_alive() and decode._read(cpu_share._DECODE_RUN) == 0  # the step waits for it
+    assert step.is_alive() and not decode.running()  # the step waits for it
     hold.set()
     forward.join(5)
     step.join(5)
     assert not step.is_alive()
+
+
+def test_two_prefill_instances_take_turns_with_each_other(tmp_path):
+    # two prefills of one mesh on the same cores: one forward at a time, as with a decode
+    path = str(tmp_path / "cpu-share")
+    first, second = CpuShare(path), CpuShare(path, max_wait_s=5.0)
+    assert first.record != second.record
+    with first.prefill_forward():
+        thread, waited = _in_turn(second.prefill_forward)
+        thread.join(0.3)
+        assert thread.is_alive() and not second.running()  # waits while the first forward runs
+    thread.join(5)
+    assert not thread.is_alive() and waited[0] > 0
+
+
+def test_every_instance_goes_in_the_order_it_asked(tmp_path):
+    # a forward of one prefill runs; another prefill asks, then a decode: the prefill that asked
+    # first goes next, then the decode step
+    path = str(tmp_path / "cpu-share")
+    running, later_prefill, decode = CpuShare(path), CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    order: list[str] = []
+    hold = threading.Event()
+
+    def forward() -> None:
+        with later_prefill.prefill_forward():
+            order.append("prefill")
+            hold.wait(30)
+
+    def step() -> None:
+        with decode.decode_step():
+            order.append("decode")
+
+    with running.prefill_forward():
+        threads = [threading.Thread(target=forward, daemon=True)]
+        threads[0].start()
+        while not later_prefill.asking():
+            time.sleep(0.001)
+        threads.append(threading.Thread(target=step, daemon=True))
+        threads[1].start()
+        while not decode.asking():
+            time.sleep(0.001)
+    while not later_prefill.running():
+        time.sleep(0.001)
+    assert decode.asking() and not decode.running()  # the step waits for the forward asked before it
+    hold.set()
+    for thread in threads:
+        thread.join(5)
+    assert order == ["prefill", "decode"]
+
+
+def test_records_are_given_back_and_taken_over_from_dead_processes(tmp_path):
+    path = str(tmp_path / "cpu-share")
+    held = [CpuShare(path) for _ in range(cpu_share.MAX_PARTIES)]
+    assert sorted(share.record for share in held) == list(range(cpu_share.MAX_PARTIES))
+    extra = CpuShare(path, max_wait_s=5.0)
+    assert extra.record is None  # all held: it runs without turns
+    with held[0].prefill_forward(), extra.prefill_forward() as waited:
+        assert waited == 0.0
+    extra.close()
+    held[3].close()  # given back: the next instance takes it
+    again = CpuShare(path)
+    assert again.record == 3
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    held[5]._set(cpu_share._PID, gone.pid)  # its process exited without closing
+    assert CpuShare(path).record == 5
+    assert CpuShare(path).record is None
 
 
 class _CountingClock:
@@ -157,7 +227,7 @@ def test_a_forward_that_never_ends_holds_decode_back_only_max_wait_s(tmp_path, m
 def test_a_side_that_died_asking_holds_the_other_back_only_max_wait_s(tmp_path, monkeypatch):
     path = str(tmp_path / "cpu-share")
     prefill, decode = CpuShare(path, max_wait_s=0.3), CpuShare(path)
-    decode._write(cpu_share._DECODE_ASK, time.monotonic_ns() - 10**9)  # asked a second ago, then died
+    decode._set(cpu_share._ASK, time.monotonic_ns() - 10**9)  # asked a second ago, then died
     clock = _CountingClock()
     monkeypatch.setattr(cpu_share, "time", clock)
     with prefill.prefill_forward():
@@ -171,7 +241,7 @@ def test_the_prefill_engine_marks_each_forward(pair):
 
     class Runner(ArgmaxRunner):
         def forward(self, items):
-            seen.append(decode._read(cpu_share._PREFILL_RUN) != 0)
+            seen.append(prefill.running())
             return super().forward(items)
 
     engine = PrefillEngine(Runner(), 4, 16, enable_prefix_caching=False, cpu_share=prefill, chunked_prefill_size=4)
@@ -179,7 +249,7 @@ def test_the_prefill_engine_marks_each_forward(pair):
         result = engine.submit(_job("a", list(range(10, 22)))).result(timeout=10)
         assert result.first_token == 22
         assert seen == [True, True, True]  # 12 tokens in 3 chunks of 4, each marked
-        assert decode._read(cpu_share._PREFILL_RUN) == 0  # and unmarked after
+        assert not prefill.running()  # and unmarked after
         assert engine.stats()["num_forwards"] == 3 and engine.stats()["forward_seconds"] > 0
     finally:
         engine.shutdown()
@@ -194,7 +264,7 @@ def test_decode_counts_as_busy_while_it_steps_and_just_after(pair):
     window_ns = int(cpu_share.BUSY_WINDOW_S * 1e9)
     decode._write(cpu_share._DECODE_DONE, time.monotonic_ns() - 2 * window_ns)  # its last step, long ago
     assert not prefill.decode_busy()
-    decode._write(cpu_share._DECODE_ASK, time.monotonic_ns())  # asking for its next one
+    decode._set(cpu_share._ASK, time.monotonic_ns())  # asking for its next one
     assert prefill.decode_busy()
 
 
