@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import random
 import statistics
 import subprocess
@@ -61,6 +63,8 @@ class Outcome:
     tokens: int = 0
     shed: bool = False
     error: str = ""
+    prompt_tokens: int = 0
+    sent_at_s: float = 0.0
 
 
 def make_trace(n: int, rate: float, seed: int, run: int = 0) -> list[Sent]:
@@ -103,7 +107,14 @@ async def replay(
                 outcomes[i] = Outcome(shed=shed, error="" if shed else exc.code().name)
                 return
             f = done.final
-            outcomes[i] = Outcome(f.ttft_s, f.itl_s, f.predicted_ttft_s, f.generated_tokens)
+            outcomes[i] = Outcome(
+                f.ttft_s,
+                f.itl_s,
+                f.predicted_ttft_s,
+                f.generated_tokens,
+                prompt_tokens=len(sent.prompt),
+                sent_at_s=sent.at_s,
+            )
 
         await asyncio.gather(*(one(i, s) for i, s in enumerate(trace)))
     return outcomes, time.perf_counter() - start
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write each run's rows and every request's outcome here")
     parser.add_argument(
         "--closed-loop",
         type=int,
@@ -242,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             rows = []
+            outcomes_of: dict[str, list[dict]] = {}
             for concurrency in args.closed_loop or ():
                 rows.append(
                     asyncio.run(
@@ -256,11 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 rows.append(report(name, outcomes, wall, slo_s))
                 print(rows[-1], flush=True)
+                outcomes_of[name] = [dataclasses.asdict(o) for o in outcomes]
         finally:
             shed.terminate()
             shed.wait(timeout=30)
             mesh.stop()
     _print(rows)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rate": rate, "rows": rows, "outcomes": outcomes_of}, out, indent=1)
     return 0
 
 

@@ -17,7 +17,7 @@ Every wait is bounded: a side waits at most `max_wait_s` for its turn, so a peer
 hangs (SIGSTOP) or runs one very long forward slows the other only by that bound, and a mark
 older than the bound is ignored (a peer killed with its mark set). The file holds int64s: when
 decode's last step ended (CLOCK_MONOTONIC nanoseconds, one clock for every process of a host),
-then one record per instance: an owner token, its pid, its role (prefill or decode), when it
+the role of the turn that began last, then one record per instance: an owner token, its pid, its role (prefill or decode), when it
 began asking for a turn and when its turn began; 0 for none. Marks are plain stores to a shared
 page, not a lock: two instances that ask at the same instant may both run; that costs speed,
 never a wrong answer.
@@ -29,7 +29,8 @@ small while decode steps (a token's latency), large while it is idle (the prompt
 Several instances may share a file (two prefills and two decodes of one `kvmesh up`): each
 holds a record of its own in it (MAX_PARTIES of them; a dead process's record is taken over), and
 one forward or one step runs at a time across all of them, in the order they asked (decode first
-on a tie). Two forwards of two prefill instances side by side would stall at each other's
+on a tie), except that a decode step that asks goes before the next forward when a forward ran
+last: with two prefills busy, a stream still waits for one forward a token, not one of each. Two forwards of two prefill instances side by side would stall at each other's
 barriers as prefill and decode do, and the order makes a prompt's wait the work queued ahead of
 it on these cores, which the gateway's TTFT prediction can count. An instance that finds no free
 record runs without turns and says so in its log.
@@ -56,10 +57,11 @@ _FIELDS = 5
 _PREFILL, _DECODE = 1, 2
 _TIE_RANK = {_DECODE: 0, _PREFILL: 1}
 """Who goes first when two asked at the same nanosecond: decode (a token waits on its step)."""
-_DECODE_DONE = 0
-"""The header's one slot: when a decode step last ended."""
+_DECODE_DONE, _LAST_ROLE = 0, 1
+"""The header's slots: when a decode step last ended; the role of the turn that began last."""
+_HEADER = 2
 _RECORDS = f"{MAX_PARTIES * _FIELDS}q"  # int64s, native order: written and read on one host
-_SIZE = 8 * (1 + MAX_PARTIES * _FIELDS)
+_SIZE = 8 * (_HEADER + MAX_PARTIES * _FIELDS)
 POLL_S = 0.0002
 """How often a waiting side looks at the file, in seconds: its turn starts at most this late."""
 BUSY_WINDOW_S = 0.05
@@ -113,11 +115,11 @@ class CpuShare:
                     break
                 time.sleep(POLL_S)
         try:
-            records = struct.unpack_from(_RECORDS, self._map, 8)
+            records = struct.unpack_from(_RECORDS, self._map, 8 * _HEADER)
             for record in range(MAX_PARTIES):
                 owner, pid = records[record * _FIELDS + _OWNER], records[record * _FIELDS + _PID]
                 if owner == 0 or not _alive(pid):
-                    base = 1 + record * _FIELDS
+                    base = _HEADER + record * _FIELDS
                     for field, value in ((_OWNER, self._owner), (_PID, os.getpid()), (_ROLE, 0), (_ASK, 0), (_RUN, 0)):
                         self._write(base + field, value)
                     return record
@@ -135,11 +137,11 @@ class CpuShare:
     def _set(self, field: int, value: int) -> None:
         """One field of this instance's record."""
         if self.record is not None:
-            self._write(1 + self.record * _FIELDS + field, value)
+            self._write(_HEADER + self.record * _FIELDS + field, value)
 
     def mark(self, field: int) -> int:
         """One field of this instance's record (0 without one): `asking()` and `running()`."""
-        return self._read(1 + self.record * _FIELDS + field) if self.record is not None else 0
+        return self._read(_HEADER + self.record * _FIELDS + field) if self.record is not None else 0
 
     def asking(self) -> bool:
         """Whether this instance is waiting for its turn."""
@@ -151,7 +153,7 @@ class CpuShare:
 
     def _others(self) -> Iterator[tuple[int, int, int, int]]:
         """(record, role, ask, run) of every other held record."""
-        records = struct.unpack_from(_RECORDS, self._map, 8)
+        records = struct.unpack_from(_RECORDS, self._map, 8 * _HEADER)
         for record in range(MAX_PARTIES):
             base = record * _FIELDS
             if record != self.record and records[base + _OWNER] != 0:
@@ -173,10 +175,17 @@ class CpuShare:
         key = (asked, _TIE_RANK[role], self.record)
 
         def held_back(now_ns: int) -> bool:
+            after_forward = self._read(_LAST_ROLE) == _PREFILL
             for record, other_role, other_ask, other_run in self._others():
                 if self._live(other_run, now_ns):
                     return True
-                if self._live(other_ask, now_ns) and (other_ask, _TIE_RANK.get(other_role, 1), record) < key:
+                if not self._live(other_ask, now_ns):
+                    continue
+                if after_forward and other_role != role:  # a decode step between two forwards
+                    if role == _PREFILL:
+                        return True
+                    continue
+                if (other_ask, _TIE_RANK.get(other_role, 1), record) < key:
                     return True
             return False
 
@@ -186,6 +195,7 @@ class CpuShare:
             time.sleep(POLL_S)
             now = time.monotonic_ns()
         self._set(_RUN, time.monotonic_ns())
+        self._write(_LAST_ROLE, role)
         self._set(_ASK, 0)
         return time.monotonic() - start
 

@@ -132,39 +132,46 @@ def test_two_prefill_instances_take_turns_with_each_other(tmp_path):
     assert not thread.is_alive() and waited[0] > 0
 
 
-def test_every_instance_goes_in_the_order_it_asked(tmp_path):
-    # a forward of one prefill runs; another prefill asks, then a decode: the prefill that asked
-    # first goes next, then the decode step
-    path = str(tmp_path / "cpu-share")
-    running, later_prefill, decode = CpuShare(path), CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+def _order_after(running_turn, first_turn, second_turn, first: CpuShare, second: CpuShare) -> list[str]:
+    """While `running_turn` runs, `first_turn` asks, then `second_turn`: the order the two ran in."""
     order: list[str] = []
-    hold = threading.Event()
 
-    def forward() -> None:
-        with later_prefill.prefill_forward():
-            order.append("prefill")
-            hold.wait(30)
+    def take(turn, name: str) -> threading.Thread:
+        def run() -> None:
+            with turn():
+                order.append(name)
 
-    def step() -> None:
-        with decode.decode_step():
-            order.append("decode")
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
 
-    with running.prefill_forward():
-        threads = [threading.Thread(target=forward, daemon=True)]
-        threads[0].start()
-        while not later_prefill.asking():
+    with running_turn():
+        threads = [take(first_turn, "first")]
+        while not first.asking():
             time.sleep(0.001)
-        threads.append(threading.Thread(target=step, daemon=True))
-        threads[1].start()
-        while not decode.asking():
+        threads.append(take(second_turn, "second"))
+        while not second.asking():
             time.sleep(0.001)
-    while not later_prefill.running():
-        time.sleep(0.001)
-    assert decode.asking() and not decode.running()  # the step waits for the forward asked before it
-    hold.set()
     for thread in threads:
-        thread.join(5)
-    assert order == ["prefill", "decode"]
+        thread.join(10)
+    return order
+
+
+def test_every_instance_goes_in_the_order_it_asked(tmp_path):
+    # a decode step runs; a prefill asks, then another decode: the forward goes first
+    path = str(tmp_path / "cpu-share")
+    decode, prefill, other_decode = CpuShare(path), CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    order = _order_after(decode.decode_step, prefill.prefill_forward, other_decode.decode_step, prefill, other_decode)
+    assert order == ["first", "second"]
+
+
+def test_a_decode_step_goes_between_two_forwards(tmp_path):
+    # a forward of one prefill runs; another prefill asks, then a decode: the step goes before the
+    # second forward, so a stream waits for one forward a token however many prefills are busy
+    path = str(tmp_path / "cpu-share")
+    running, later, decode = CpuShare(path), CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    order = _order_after(running.prefill_forward, later.prefill_forward, decode.decode_step, later, decode)
+    assert order == ["second", "first"]
 
 
 def test_records_are_given_back_and_taken_over_from_dead_processes(tmp_path):
