@@ -13,8 +13,9 @@ TTFT at a prefill instance, from the moment the request is routed (seconds):
     push     the pages decode does not hold: push_fit . [1, pages]
 
 and their sum is `raw`. The prediction is the gateway's own fit of measured TTFT on
-[1, queue, compute, push, the other prefill instances' queues, a step of each busy decode] for
-that instance (its last 64 requests, once it has 8): how much each part really costs there (a
+[queue, compute, push, the other prefill instances' queues, a step of each busy decode] for
+that instance (its last 64 requests, once it has 8; least relative error, so a burst's long
+waits do not set the short prompts' predictions): how much each part really costs there (a
 queue that batches, cores shared with decode), the hops and the first token's trip, learned as
 they happen (llm-d predicts from a model it trains online; this is the
 smallest such model, and its error is published: kvmesh_gateway_ttft_prediction_error_seconds).
@@ -138,7 +139,9 @@ class LatencyPredictor:
         late = (time.monotonic() - predicted.push_s) - (expected + shift - shift_then)
         self._shift[prefill.address] = shift + late
         self._busy_until[prefill.address] = max(self._busy_until.get(prefill.address, 0.0) + late, time.monotonic())
-        fit = self._calibration.setdefault(prefill.address, LinearFit(5, window=CALIBRATION_WINDOW, min_samples=8))
+        fit = self._calibration.setdefault(
+            prefill.address, LinearFit(5, window=CALIBRATION_WINDOW, min_samples=8, relative=True)
+        )
         parts = (predicted.queue_s, predicted.compute_s, predicted.push_s, predicted.peers_s, predicted.decode_s)
         fit.add(parts, measured_s)
 

@@ -17,6 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+RELATIVE_FLOOR_S = 0.001
+"""A relative fit weighs samples shorter than this (seconds) as this long."""
+
 
 class LinearFit:
     """seconds ~ coefficients . features, over the last `window` samples.
@@ -25,13 +28,17 @@ class LinearFit:
         num_features: the length of every sample's features.
         window: samples kept (the oldest dropped first).
         min_samples: samples needed before `coefficients` answers.
+        relative: weigh each sample by 1 / its seconds, so the fit minimizes the relative error
+            (what a predictor "within 25%" is judged by) rather than the absolute one, and the
+            long waits of a burst do not decide the short requests' predictions.
     """
 
-    def __init__(self, num_features: int, window: int = 64, min_samples: int = 4) -> None:
+    def __init__(self, num_features: int, window: int = 64, min_samples: int = 4, relative: bool = False) -> None:
         if num_features < 1 or window < num_features or min_samples < 1:
             raise ValueError(f"bad LinearFit shape: {num_features} features, window {window}, min {min_samples}")
         self.num_features = num_features
         self.min_samples = min_samples
+        self.relative = relative
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._coefficients: list[float] | None = None
@@ -58,7 +65,11 @@ class LinearFit:
             if len(self._y) < self.min_samples:
                 return None
             if self._coefficients is None:
-                self._coefficients = nonnegative_fit(np.array(self._x), np.array(self._y))
+                x, y = np.array(self._x), np.array(self._y)
+                if self.relative:
+                    weights = 1.0 / np.maximum(y, RELATIVE_FLOOR_S)
+                    x, y = x * weights[:, None], y * weights
+                self._coefficients = nonnegative_fit(x, y)
             return self._coefficients
 
     def predict(self, features: Sequence[float]) -> float | None:

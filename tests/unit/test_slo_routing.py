@@ -52,6 +52,22 @@ def test_the_fit_recovers_known_costs_and_keeps_them_non_negative():
         slow.add((1, 2), 1.0)
 
 
+def test_a_relative_fit_weighs_each_sample_by_its_own_size():
+    # one feature, two samples: 1 s at x = 1, 30 s at x = 10. Least squares minimizes the absolute
+    # error (the 30 s sample decides); the relative fit minimizes each error over its own size
+    samples = [((1.0,), 1.0), ((10.0,), 30.0)]
+    absolute, relative = LinearFit(1, window=8, min_samples=2), LinearFit(1, window=8, min_samples=2, relative=True)
+    for features, seconds in samples:
+        absolute.add(features, seconds)
+        relative.add(features, seconds)
+    x, y = [f[0] for f, _ in samples], [s for _, s in samples]
+    assert absolute.coefficients()[0] == pytest.approx(sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x))
+    ratios = [a / b for a, b in zip(x, y)]  # minimize sum((c x / y - 1)^2): c = sum(x / y) / sum((x / y)^2)
+    assert relative.coefficients()[0] == pytest.approx(sum(ratios) / sum(r * r for r in ratios))
+    short = 1.0
+    assert abs(relative.predict((1.0,)) - short) < abs(absolute.predict((1.0,)) - short)
+
+
 def _prefill(address: str, queued: int = 0, requests: int = 0) -> InstanceLoad:
     inst = InstanceLoad(address, instance_id=address, prefill_fit=PREFILL_FIT, push_fit=PUSH_FIT)
     inst.reported_queued_tokens, inst.reported_active_requests = queued, requests
