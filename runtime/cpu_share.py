@@ -16,11 +16,11 @@ prefill chunk beside each decode step), with the chunk's size (`--max-batch-toke
 Every wait is bounded: a side waits at most `max_wait_s` for its turn, so a peer that died,
 hangs (SIGSTOP) or runs one very long forward slows the other only by that bound, and a mark
 older than the bound is ignored (a peer killed with its mark set). The file holds int64s: when
-decode's last step ended (CLOCK_MONOTONIC nanoseconds, one clock for every process of a host),
-the role of the turn that began last, then one record per instance: an owner token, its pid, its role (prefill or decode), when it
-began asking for a turn and when its turn began; 0 for none. Marks are plain stores to a shared
-page, not a lock: two instances that ask at the same instant may both run; that costs speed,
-never a wrong answer.
+decode's last step ended (CLOCK_MONOTONIC nanoseconds, one clock for every process of a host)
+and the role of the turn that began last, then one record per instance: an owner token, its
+pid, its role (prefill or decode), when it began asking for a turn and when its turn began; 0
+for none. Marks are plain stores to a shared page, not a lock: two instances that ask at the
+same instant may both run; that costs speed, never a wrong answer.
 
 While decode has steps to run, a prefill forward is all that a decode token waits for beyond
 its step. With `--cpu-share-forward-tokens`, prefill sizes its forwards by `decode_busy()`:
@@ -30,10 +30,11 @@ Several instances may share a file (two prefills and two decodes of one `kvmesh 
 holds a record of its own in it (MAX_PARTIES of them; a dead process's record is taken over), and
 one forward or one step runs at a time across all of them, in the order they asked (decode first
 on a tie), except that a decode step that asks goes before the next forward when a forward ran
-last: with two prefills busy, a stream still waits for one forward a token, not one of each. Two forwards of two prefill instances side by side would stall at each other's
-barriers as prefill and decode do, and the order makes a prompt's wait the work queued ahead of
-it on these cores, which the gateway's TTFT prediction can count. An instance that finds no free
-record runs without turns and says so in its log.
+last: with two prefills busy, a stream still waits for one forward a token, not one of each.
+Two forwards of two prefill instances side by side would stall at each other's barriers as
+prefill and decode do, and the order makes a prompt's wait the work queued ahead of it on these
+cores, which the gateway's TTFT prediction can count. An instance that finds no free record runs
+without turns and says so in its log.
 """
 
 from __future__ import annotations
@@ -139,17 +140,17 @@ class CpuShare:
         if self.record is not None:
             self._write(_HEADER + self.record * _FIELDS + field, value)
 
-    def mark(self, field: int) -> int:
+    def _mark(self, field: int) -> int:
         """One field of this instance's record (0 without one): `asking()` and `running()`."""
         return self._read(_HEADER + self.record * _FIELDS + field) if self.record is not None else 0
 
     def asking(self) -> bool:
         """Whether this instance is waiting for its turn."""
-        return self.mark(_ASK) != 0
+        return self._mark(_ASK) != 0
 
     def running(self) -> bool:
         """Whether this instance's turn is under way."""
-        return self.mark(_RUN) != 0
+        return self._mark(_RUN) != 0
 
     def _others(self) -> Iterator[tuple[int, int, int, int]]:
         """(record, role, ask, run) of every other held record."""
@@ -231,7 +232,7 @@ class CpuShare:
 
     def close(self) -> None:
         """Gives the record back (if it is still this instance's) and unmaps the file."""
-        if self.record is not None and self.mark(_OWNER) == self._owner:
+        if self.record is not None and self._mark(_OWNER) == self._owner:
             self._set(_OWNER, 0)
         self._map.close()
 
