@@ -116,10 +116,8 @@ class CpuShare:
                     break
                 time.sleep(POLL_S)
         try:
-            records = struct.unpack_from(_RECORDS, self._map, 8 * _HEADER)
-            for record in range(MAX_PARTIES):
-                owner, pid = records[record * _FIELDS + _OWNER], records[record * _FIELDS + _PID]
-                if owner == 0 or not _alive(pid):
+            for record, fields in enumerate(self._records()):
+                if fields[_OWNER] == 0 or not _alive(fields[_PID]):
                     base = _HEADER + record * _FIELDS
                     for field, value in ((_OWNER, self._owner), (_PID, os.getpid()), (_ROLE, 0), (_ASK, 0), (_RUN, 0)):
                         self._write(base + field, value)
@@ -152,13 +150,16 @@ class CpuShare:
         """Whether this instance's turn is under way."""
         return self._mark(_RUN) != 0
 
+    def _records(self) -> list[tuple[int, ...]]:
+        """Every record's fields (owner, pid, role, ask, run), read at once."""
+        flat = struct.unpack_from(_RECORDS, self._map, 8 * _HEADER)
+        return [flat[base : base + _FIELDS] for base in range(0, len(flat), _FIELDS)]
+
     def _others(self) -> Iterator[tuple[int, int, int, int]]:
         """(record, role, ask, run) of every other held record."""
-        records = struct.unpack_from(_RECORDS, self._map, 8 * _HEADER)
-        for record in range(MAX_PARTIES):
-            base = record * _FIELDS
-            if record != self.record and records[base + _OWNER] != 0:
-                yield record, records[base + _ROLE], records[base + _ASK], records[base + _RUN]
+        for record, fields in enumerate(self._records()):
+            if record != self.record and fields[_OWNER] != 0:
+                yield record, fields[_ROLE], fields[_ASK], fields[_RUN]
 
     def _live(self, mark: int, now_ns: int) -> bool:
         """A mark that is set and younger than the bound."""
