@@ -78,9 +78,13 @@ class DecodeEngine(Admission):
         self.max_batch_size_seen = 0
         self.num_steps = 0
         self.step_seconds = 0.0
-        self.step_fit = LinearFit(3)
-        """A step's wall seconds on [1, batch rows, context tokens]: the ITL predictor's input."""
         """Wall seconds spent in steps (the batch's forward and sampling) since start."""
+        self.step_fit = LinearFit(3)
+        """A step's wall seconds (its turn waited included) on [1, batch rows, context tokens]:
+        the ITL predictor's input."""
+        self.step_compute_fit = LinearFit(3)
+        """The same, the turn waited left out: what a step costs cores it shares with prefill
+        forwards (the TTFT predictor's input there)."""
         self.num_generated_tokens = 0
         """Tokens the steps sampled since start (num_generated_tokens / num_steps: the mean batch)."""
         self.cpu_share_wait_seconds = 0.0
@@ -127,6 +131,8 @@ class DecodeEngine(Admission):
                 "num_steps": self.num_steps,
                 "step_seconds": self.step_seconds,
                 "decode_fit": self.step_fit.coefficients() or [],
+                "decode_compute_fit": self.step_compute_fit.coefficients() or [],
+                "core_group": self._cpu_share.group,
                 "num_context_tokens": sum(r.num_tokens for r in self._running),
                 "num_generated_tokens": self.num_generated_tokens,
                 "cpu_share_wait_seconds": self.cpu_share_wait_seconds,
@@ -160,7 +166,9 @@ class DecodeEngine(Admission):
                     self._step(batch)
                 with self._cond:  # the step as its requests live it: the turn waited included
                     context = sum(r.num_tokens for r in batch)
-                    self.step_fit.add((1, len(batch), context), time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    self.step_fit.add((1, len(batch), context), seconds)
+                    self.step_compute_fit.add((1, len(batch), context), seconds - waited)
             except Exception as exc:  # a failed step ends these streams, never the service
                 self._fail(batch, exc)
 

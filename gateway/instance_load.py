@@ -31,6 +31,8 @@ class InstanceLoad:
     in_flight_tokens: int = 0
     reported_queued_tokens: int = 0
     reported_active_requests: int = 0
+    polled_at: float = 0.0
+    """When the stats poll whose answer set the reported_* counts was sent (time.monotonic())."""
     max_requests: int = 0
     """Requests the instance takes at once, as it reports (decode); 0 until known."""
     total_routed_tokens: int = 0
@@ -49,8 +51,14 @@ class InstanceLoad:
     decode_fit: tuple[float, ...] = ()
     """The latency profile the instance reported (InstanceStats' fields of those names; () until
     measured): what kvmesh.gateway.predictor predicts TTFT and ITL from."""
+    decode_compute_fit: tuple[float, ...] = ()
+    """Decode: decode_fit with the turns waited on shared cores left out (what a step costs them)."""
     context_tokens: int = 0
     """Decode: the tokens of context its running requests hold, as it reported."""
+    core_group: str = ""
+    """Which cores the instance shares with others of its group ('' when it has cores of its own)."""
+    max_forward_tokens: int = 0
+    """Prefill: the most tokens one forward computes, as it reported (0: unbounded)."""
 
     @property
     def routable(self) -> bool:

@@ -10,6 +10,7 @@ model) is the caller's `mismatch` rule.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -26,6 +27,7 @@ async def poll_instance(
     """GetStats on `inst` through `stub` (a prefill or decode stub) within `timeout_s` seconds,
     and what it answers (or that it did not) onto `inst`. `mismatch(inst, stats)` says why the
     instance cannot serve with this gateway ('' when it can). Never raises for a failed call."""
+    sent = time.monotonic()
     try:
         stats = await stub.GetStats(common_pb2.StatsRequest(), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
@@ -43,6 +45,7 @@ async def poll_instance(
     inst.reachable = True
     inst.instance_id = stats.instance_id
     inst.reported_queued_tokens = stats.num_queued_tokens
+    inst.polled_at = sent
     inst.reported_active_requests = stats.num_active_requests
     inst.max_requests = stats.max_requests
     inst.kv_address = stats.kv_address
@@ -51,6 +54,8 @@ async def poll_instance(
     inst.dtype = stats.dtype
     inst.prefill_fit, inst.push_fit = tuple(stats.prefill_fit), tuple(stats.push_fit)
     inst.decode_fit, inst.context_tokens = tuple(stats.decode_fit), stats.num_context_tokens
+    inst.decode_compute_fit = tuple(stats.decode_compute_fit)
+    inst.core_group, inst.max_forward_tokens = stats.core_group, stats.max_forward_tokens
     why = mismatch(inst, stats)
     if why and why != inst.mismatch:
         logger.error("%s; not routing to it", why)

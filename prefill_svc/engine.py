@@ -89,8 +89,9 @@ class PrefillEngine:
         self.num_prompt_tokens_cached = 0
         self._tokens_per_s: float | None = None
         self.compute_fit = LinearFit(3)
-        """A batch's compute seconds on [requests, tokens computed, sum of tokens x (cached +
-        tokens / 2)] (the attention's part grows with the context): the TTFT predictor's input."""
+        """A batch's compute seconds (its forwards' own: the turns waited on shared cores left out)
+        on [requests, tokens computed, sum of tokens x (cached + tokens / 2)] (the attention's
+        part grows with the context): the TTFT predictor's input."""
         self.push_fit = LinearFit(2)
         """A push's seconds after the compute (what TTFT pays) on [1, pages pushed]."""
 
@@ -211,6 +212,7 @@ class PrefillEngine:
         their prompt blocks."""
         started = time.perf_counter()
         cpu_started = time.process_time()
+        waited_before = self.turns.cpu_share_wait_seconds
         self.pending.start(ready)
         try:
             first_tokens, first_logprobs, num_chunks = prefill_batch(
@@ -225,7 +227,7 @@ class PrefillEngine:
             self._fail(ready, exc)
             return
         done = time.perf_counter()
-        self._measure_rate(ready, done - started)
+        self._measure_rate(ready, done - started, self.turns.cpu_share_wait_seconds - waited_before)
         # first tokens out first: caching the blocks (and their KV events) and the log lines
         # take ~1 ms for a 2K-token prompt that TTFT need not pay; nothing can read the cache
         # in between, since the next request runs on this thread after this one
@@ -248,14 +250,16 @@ class PrefillEngine:
         # in the queue (not from here, where a nested drain would pass them by)
         self._executor.submit(self._drain)
 
-    def _measure_rate(self, ready: list[Request], seconds: float) -> None:
+    def _measure_rate(self, ready: list[Request], seconds: float, waited_s: float) -> None:
         """Fold the batch's prompt tokens computed per second into tokens_per_s (an EWMA; batches
-        of fewer than 16 computed tokens say too little)."""
+        of fewer than 16 computed tokens say too little), and its compute seconds, the `waited_s`
+        its forwards waited for their turns on shared cores left out, into the profile (the
+        gateway shares the cores out itself: kvmesh.gateway.prefill_queues)."""
         computed = sum(r.num_prompt_tokens - r.num_cached_tokens for r in ready)
         attention = sum(
             (r.num_prompt_tokens - r.num_cached_tokens) * (r.num_prompt_tokens + r.num_cached_tokens) / 2 for r in ready
         )
-        self.compute_fit.add((len(ready), computed, attention), seconds)
+        self.compute_fit.add((len(ready), computed, attention), seconds - waited_s)
         if computed >= 16 and seconds > 0:
             rate = computed / seconds
             self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate
@@ -277,6 +281,15 @@ class PrefillEngine:
                 len(ready),
             )
 
+    @property
+    def max_forward_tokens(self) -> int:
+        """The most tokens one forward computes: the chunk size, or on shared cores the budget
+        beside decode when smaller (0: unbounded)."""
+        bounds = [self.chunked_prefill_size]
+        if self.turns.cpu_share.shared:
+            bounds.append(self.turns.forward_tokens_beside_decode)
+        return min((b for b in bounds if b > 0), default=0)
+
     def stats(self, check: bool = True) -> dict[str, int | float | str | list[int] | list[float]]:
         """Cache figures. Through call() (on the worker thread) they are exact and the cache's
         integrity is checked; with check=False, from another thread while the worker computes,
@@ -291,6 +304,8 @@ class PrefillEngine:
             "forward_seconds": self.turns.forward_seconds,
             "cpu_share_wait_seconds": self.turns.cpu_share_wait_seconds,
             "prefill_fit": self.compute_fit.coefficients() or [],
+            "core_group": self.turns.cpu_share.group,
+            "max_forward_tokens": self.max_forward_tokens,
             "push_fit": self.push_fit.coefficients() or [],
             **expert_stats(self.runner.expert_token_counts()),
         }

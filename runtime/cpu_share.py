@@ -45,6 +45,7 @@ import logging
 import mmap
 import os
 import secrets
+import socket
 import struct
 import time
 from collections.abc import Iterator
@@ -86,6 +87,9 @@ class CpuShare:
         if max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.path = path
+        self.group = f"{socket.gethostname()}:{os.path.realpath(path)}"
+        """Which cores this instance shares: every instance whose group is this one takes turns
+        with it (InstanceStats.core_group, what the gateway's TTFT prediction shares out)."""
         self.max_wait_s = max_wait_s
         self._max_wait_ns = int(max_wait_s * 1e9)
         self._owner = secrets.randbits(62) + 1
@@ -256,6 +260,7 @@ class NoCpuShare:
     beside it is ever busy. Has CpuShare's interface, so callers need no `is None` branch."""
 
     path = ""
+    group = ""
     shared = False
 
     def prefill_forward(self) -> contextlib.AbstractContextManager[float]:

@@ -84,7 +84,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class InstanceStats(_message.Message):
-    __slots__ = ("instance_id", "num_pages", "num_free_pages", "num_cached_pages", "num_referenced_pages", "num_active_requests", "num_queued_tokens", "max_batch_size", "num_steps", "integrity_error", "num_prompt_tokens_computed", "num_prompt_tokens_cached", "page_size", "model_fingerprint", "max_requests", "kv_address", "num_experts", "expert_tokens", "step_seconds", "ep_ranks", "ep_rank_tokens", "ep_slots_per_layer", "ep_phy2log", "kv_layout", "kv_tier_medium", "num_tier_blocks", "num_tier_loads", "num_tier_failed_loads", "num_kv_pushes_sent", "num_kv_pushes_pulled", "num_forwards", "forward_seconds", "num_generated_tokens", "cpu_share_wait_seconds", "dtype", "prefill_fit", "push_fit", "decode_fit", "num_context_tokens")
+    __slots__ = ("instance_id", "num_pages", "num_free_pages", "num_cached_pages", "num_referenced_pages", "num_active_requests", "num_queued_tokens", "max_batch_size", "num_steps", "integrity_error", "num_prompt_tokens_computed", "num_prompt_tokens_cached", "page_size", "model_fingerprint", "max_requests", "kv_address", "num_experts", "expert_tokens", "step_seconds", "ep_ranks", "ep_rank_tokens", "ep_slots_per_layer", "ep_phy2log", "kv_layout", "kv_tier_medium", "num_tier_blocks", "num_tier_loads", "num_tier_failed_loads", "num_kv_pushes_sent", "num_kv_pushes_pulled", "num_forwards", "forward_seconds", "num_generated_tokens", "cpu_share_wait_seconds", "dtype", "prefill_fit", "push_fit", "decode_fit", "num_context_tokens", "decode_compute_fit", "core_group", "max_forward_tokens")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,9 @@ class InstanceStats(_message.Message):
     PUSH_FIT_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIT_FIELD_NUMBER: _ClassVar[int]
     NUM_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_COMPUTE_FIT_FIELD_NUMBER: _ClassVar[int]
+    CORE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    MAX_FORWARD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     num_pages: int
     num_free_pages: int
@@ -163,7 +166,10 @@ class InstanceStats(_message.Message):
     push_fit: _containers.RepeatedScalarFieldContainer[float]
     decode_fit: _containers.RepeatedScalarFieldContainer[float]
     num_context_tokens: int
-    def __init__(self, instance_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_referenced_pages: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., integrity_error: _Optional[str] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prompt_tokens_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_requests: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_experts: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., step_seconds: _Optional[float] = ..., ep_ranks: _Optional[int] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., ep_slots_per_layer: _Optional[int] = ..., ep_phy2log: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., kv_tier_medium: _Optional[str] = ..., num_tier_blocks: _Optional[int] = ..., num_tier_loads: _Optional[int] = ..., num_tier_failed_loads: _Optional[int] = ..., num_kv_pushes_sent: _Optional[int] = ..., num_kv_pushes_pulled: _Optional[int] = ..., num_forwards: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., cpu_share_wait_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., prefill_fit: _Optional[_Iterable[float]] = ..., push_fit: _Optional[_Iterable[float]] = ..., decode_fit: _Optional[_Iterable[float]] = ..., num_context_tokens: _Optional[int] = ...) -> None: ...
+    decode_compute_fit: _containers.RepeatedScalarFieldContainer[float]
+    core_group: str
+    max_forward_tokens: int
+    def __init__(self, instance_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_cached_pages: _Optional[int] = ..., num_referenced_pages: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., num_steps: _Optional[int] = ..., integrity_error: _Optional[str] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_prompt_tokens_cached: _Optional[int] = ..., page_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_requests: _Optional[int] = ..., kv_address: _Optional[str] = ..., num_experts: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., step_seconds: _Optional[float] = ..., ep_ranks: _Optional[int] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., ep_slots_per_layer: _Optional[int] = ..., ep_phy2log: _Optional[_Iterable[int]] = ..., kv_layout: _Optional[str] = ..., kv_tier_medium: _Optional[str] = ..., num_tier_blocks: _Optional[int] = ..., num_tier_loads: _Optional[int] = ..., num_tier_failed_loads: _Optional[int] = ..., num_kv_pushes_sent: _Optional[int] = ..., num_kv_pushes_pulled: _Optional[int] = ..., num_forwards: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., num_generated_tokens: _Optional[int] = ..., cpu_share_wait_seconds: _Optional[float] = ..., dtype: _Optional[str] = ..., prefill_fit: _Optional[_Iterable[float]] = ..., push_fit: _Optional[_Iterable[float]] = ..., decode_fit: _Optional[_Iterable[float]] = ..., num_context_tokens: _Optional[int] = ..., decode_compute_fit: _Optional[_Iterable[float]] = ..., core_group: _Optional[str] = ..., max_forward_tokens: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
