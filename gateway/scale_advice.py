@@ -26,7 +26,8 @@ from collections.abc import Callable, Sequence
 
 from kvmesh.gateway import metrics
 from kvmesh.gateway.instance_load import InstanceLoad
-from kvmesh.gateway.predictor import fitted_step_s, queued_s, step_s
+from kvmesh.gateway.predictor import queued_s, step_s
+from kvmesh.gateway.prefill_queues import fitted_step_s
 from kvmesh.gateway.slo import Slo
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from typing import NoReturn
 
 from kvmesh.engine.outcomes import FailureCause
 from kvmesh.gateway import metrics
@@ -17,6 +18,7 @@ from kvmesh.gateway.failure import RequestFailed
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.pool import InstancePool
 from kvmesh.gateway.predictor import TtftPrediction
+from kvmesh.gateway.prefill_queues import Job
 from kvmesh.gateway.router import RouteAsk, RouteDecision
 from kvmesh.gateway.slo import Slo
 from kvmesh.protos.v1 import gateway_pb2
@@ -34,7 +36,7 @@ class SloWatch:
         self.itl_s: float | None = None
         self.routed_at = 0.0
         self.calibrated = False
-        self.committed = (0.0, 0.0)  # the predictor's record of this try's place in the queue
+        self.job: Job | None = None  # this try's place in the predictor's model of the queue
 
     @property
     def ttft_budget_s(self) -> float:
@@ -60,13 +62,28 @@ class SloWatch:
             if best_itl is not None and best_itl > self.slo.itl_s:
                 misses.append(f"ITL {best_itl * 1000:.1f} ms predicted, SLO {self.slo.itl_s * 1000:.1f} ms")
         if misses:
-            metrics.SLO_REQUESTS.labels("shed").inc()
-            raise RequestFailed(
-                FailureCause.OVERLOADED,
-                f"[{self.request_id}] no instance is predicted to meet this request's SLO ({'; '.join(misses)}); "
-                "retry later, or relax x-slo-ttft-ms / x-slo-tpot-ms",
-                retry_after_s=math.ceil(retry_after),
+            self._shed(misses, retry_after)
+
+    def check_route(self, decision: RouteDecision) -> None:
+        """Shed, at routing: raise RequestFailed(OVERLOADED) when the prefill the request was
+        routed to is not predicted to meet what is left of its TTFT SLO (`check` passed before
+        its decode was reserved; the queues may have grown since). The caller's abort releases
+        what the attempt took."""
+        if self.slo.ttft_s and decision.predicted_ttft_s is not None and not decision.meets_slo:
+            budget = self.ttft_budget_s
+            self._shed(
+                [f"TTFT {decision.predicted_ttft_s * 1000:.0f} ms predicted, {budget * 1000:.0f} ms left of its SLO"],
+                max(1.0, decision.predicted_ttft_s - budget),
             )
+
+    def _shed(self, misses: list[str], retry_after_s: float) -> NoReturn:
+        metrics.SLO_REQUESTS.labels("shed").inc()
+        raise RequestFailed(
+            FailureCause.OVERLOADED,
+            f"[{self.request_id}] no instance is predicted to meet this request's SLO ({'; '.join(misses)}); "
+            "retry later, or relax x-slo-ttft-ms / x-slo-tpot-ms",
+            retry_after_s=math.ceil(retry_after_s),
+        )
 
     def _best_ttft(self, cached_blocks: Mapping[str, int], exclude: frozenset[str]) -> float | None:
         """The least TTFT predicted over the routable prefill instances; None when one has no profile."""
@@ -84,12 +101,12 @@ class SloWatch:
     def routed(self, prefill: InstanceLoad, decision: RouteDecision, decode: InstanceLoad, decode_pages: int) -> dict:
         """The try went to `prefill` and `decode` (holding `decode_pages` of the prompt): its
         predictions, and the route span's attributes that show them and their inputs."""
-        self.prefill, self.routed_at, self.calibrated = prefill, time.perf_counter(), False
+        self.prefill, self.routed_at, self.calibrated, self.job = prefill, time.perf_counter(), False, None
         predictor = self.pool.predictor
         self.ttft = predictor.ttft(prefill, self.num_prompt_tokens, decision.cached_tokens, decode_pages)
         self.itl_s = predictor.itl(decode, self.num_prompt_tokens)
         if self.ttft is not None:
-            self.committed = predictor.commit(prefill, self.ttft)
+            self.job = predictor.commit(prefill, self.ttft)
         attributes: dict = {"kvmesh.slo.ttft_s": self.slo.ttft_s, "kvmesh.slo.itl_s": self.slo.itl_s}
         if self.ttft is not None:
             attributes.update(
@@ -99,8 +116,7 @@ class SloWatch:
                     "kvmesh.predicted.queue_s": self.ttft.queue_s,
                     "kvmesh.predicted.compute_s": self.ttft.compute_s,
                     "kvmesh.predicted.push_s": self.ttft.push_s,
-                    "kvmesh.predicted.peers_s": self.ttft.peers_s,
-                    "kvmesh.predicted.decode_s": self.ttft.decode_s,
+                    "kvmesh.predicted.cores_share": self.ttft.share,
                     "kvmesh.predicted.meets_slo": decision.meets_slo,
                 }
             )
@@ -110,10 +126,10 @@ class SloWatch:
 
     def first_token(self) -> None:
         """The first token is out: its TTFT since routing calibrates the predictor (once a try)."""
-        if self.calibrated or self.prefill is None or self.ttft is None:
+        if self.calibrated or self.prefill is None or self.ttft is None or self.job is None:
             return
         self.calibrated = True
-        self.pool.predictor.observe(self.prefill, self.ttft, time.perf_counter() - self.routed_at, self.committed)
+        self.pool.predictor.observe(self.prefill, self.ttft, time.perf_counter() - self.routed_at, self.job)
 
     def final(self, final: gateway_pb2.Final) -> None:
         """Put the predictions in `final` (TTFT from arrival), and count the error and the SLO's outcome."""

@@ -1,8 +1,9 @@
-"""An online least-squares fit of a latency (seconds) on a few features of the work (tokens,
-pages, batch rows): what an instance measures of itself and publishes with its stats, and what
-the gateway fits of its own predictions against what it then measured (kvmesh.gateway.predictor).
+"""Online least-squares fits of latencies (seconds): `LinearFit`, on a few features of the work
+(tokens, pages, batch rows), what an instance measures of itself and publishes with its stats;
+`RatioFit`, the gateway's correction of its own predictions by what it then measured
+(kvmesh.gateway.predictor).
 
-The fit is over the last `window` samples, so it follows a machine whose speed changes (shared
+A LinearFit is over the last `window` samples, so it follows a machine whose speed changes (shared
 cores, a warm cache), and its coefficients are kept non-negative (a negative cost per token
 would predict that more work is faster): a feature whose coefficient comes out negative is
 dropped and the rest refitted (an active-set non-negative least squares, Lawson and Hanson 1974,
@@ -17,9 +18,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-RELATIVE_FLOOR_S = 0.001
-"""A relative fit weighs samples shorter than this (seconds) as this long."""
-
 
 class LinearFit:
     """seconds ~ coefficients . features, over the last `window` samples.
@@ -28,17 +26,13 @@ class LinearFit:
         num_features: the length of every sample's features.
         window: samples kept (the oldest dropped first).
         min_samples: samples needed before `coefficients` answers.
-        relative: weigh each sample by 1 / its seconds, so the fit minimizes the relative error
-            (what a predictor "within 25%" is judged by) rather than the absolute one, and the
-            long waits of a burst do not decide the short requests' predictions.
     """
 
-    def __init__(self, num_features: int, window: int = 64, min_samples: int = 4, relative: bool = False) -> None:
+    def __init__(self, num_features: int, window: int = 64, min_samples: int = 4) -> None:
         if num_features < 1 or window < num_features or min_samples < 1:
             raise ValueError(f"bad LinearFit shape: {num_features} features, window {window}, min {min_samples}")
         self.num_features = num_features
         self.min_samples = min_samples
-        self.relative = relative
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._coefficients: list[float] | None = None
@@ -65,11 +59,7 @@ class LinearFit:
             if len(self._y) < self.min_samples:
                 return None
             if self._coefficients is None:
-                x, y = np.array(self._x), np.array(self._y)
-                if self.relative:
-                    weights = 1.0 / np.maximum(y, RELATIVE_FLOOR_S)
-                    x, y = x * weights[:, None], y * weights
-                self._coefficients = nonnegative_fit(x, y)
+                self._coefficients = nonnegative_fit(np.array(self._x), np.array(self._y))
             return self._coefficients
 
     def predict(self, features: Sequence[float]) -> float | None:
@@ -78,6 +68,58 @@ class LinearFit:
         if coefficients is None:
             return None
         return float(np.dot(coefficients, features))
+
+
+MAX_LOG_RATIO = 2.5
+"""The most a RatioFit moves a prediction: a factor of e^2.5 (12x) either way."""
+
+
+class RatioFit:
+    """measured ~ predicted x exp(coefficients . features), over the last `window` samples: a
+    multiplicative correction of a model's prediction, fitted by least squares on the log of
+    measured / predicted (the relative error, symmetric: 2x over weighs as 2x under, so a burst's
+    long waits do not decide a short prompt's prediction). What the gateway's TTFT calibration is
+    (kvmesh.gateway.predictor).
+
+    Raises ValueError for a bad shape (in __init__) or features of the wrong length (in add).
+    Not thread-safe: the gateway's event loop is its one user."""
+
+    def __init__(self, num_features: int, window: int = 64, min_samples: int = 8) -> None:
+        if num_features < 1 or window < num_features or min_samples < 1:
+            raise ValueError(f"bad RatioFit shape: {num_features} features, window {window}, min {min_samples}")
+        self.num_features = num_features
+        self.min_samples = min_samples
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._coefficients: np.ndarray | None = None
+        self._range: tuple[np.ndarray, np.ndarray] = (np.zeros(num_features), np.zeros(num_features))
+
+    def __len__(self) -> int:
+        return len(self._y)
+
+    def add(self, features: Sequence[float], predicted_s: float, measured_s: float) -> None:
+        """One prediction and what was then measured (seconds; a pair not both > 0 is skipped)."""
+        if len(features) != self.num_features:
+            raise ValueError(f"expected {self.num_features} features, got {len(features)}")
+        if not (predicted_s > 0 and measured_s > 0 and np.isfinite(predicted_s) and np.isfinite(measured_s)):
+            return
+        self._x.append(tuple(float(f) for f in features))
+        self._y.append(float(np.log(measured_s / predicted_s)))
+        self._coefficients = None
+
+    def correct(self, features: Sequence[float], predicted_s: float) -> float | None:
+        """`predicted_s` corrected by the fit, each feature held within the range its samples
+        span (a fit over 1-4 rows says nothing of 12), by e^2.5 at most either way; None before
+        min_samples samples."""
+        if len(self._y) < self.min_samples:
+            return None
+        if self._coefficients is None:
+            x = np.array(self._x)
+            self._coefficients, *_ = np.linalg.lstsq(x, np.array(self._y), rcond=None)
+            self._range = (x.min(axis=0), x.max(axis=0))
+        seen = np.clip(np.asarray(features, dtype=float), *self._range)  # no extrapolation
+        log_ratio = float(np.clip(np.dot(self._coefficients, seen), -MAX_LOG_RATIO, MAX_LOG_RATIO))
+        return predicted_s * float(np.exp(log_ratio))
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:

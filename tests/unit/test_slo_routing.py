@@ -5,6 +5,7 @@ predicted to meet it), shedding what none can meet, and the SLO a request carrie
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -20,7 +21,7 @@ from kvmesh.gateway.router import PrefillRouter
 from kvmesh.gateway.slo import Slo, slo_of
 from kvmesh.gateway.slo_watch import SloWatch
 from kvmesh.protos.v1 import gateway_pb2
-from kvmesh.runtime.latency_fit import LinearFit
+from kvmesh.runtime.latency_fit import MAX_LOG_RATIO, LinearFit, RatioFit
 
 PREFILL_FIT = (0.01, 0.001, 0.0)  # 10 ms a request + 1 ms a token, no attention term
 PUSH_FIT = (0.002, 0.0005)
@@ -52,20 +53,24 @@ def test_the_fit_recovers_known_costs_and_keeps_them_non_negative():
         slow.add((1, 2), 1.0)
 
 
-def test_a_relative_fit_weighs_each_sample_by_its_own_size():
-    # one feature, two samples: 1 s at x = 1, 30 s at x = 10. Least squares minimizes the absolute
-    # error (the 30 s sample decides); the relative fit minimizes each error over its own size
-    samples = [((1.0,), 1.0), ((10.0,), 30.0)]
-    absolute, relative = LinearFit(1, window=8, min_samples=2), LinearFit(1, window=8, min_samples=2, relative=True)
-    for features, seconds in samples:
-        absolute.add(features, seconds)
-        relative.add(features, seconds)
-    x, y = [f[0] for f, _ in samples], [s for _, s in samples]
-    assert absolute.coefficients()[0] == pytest.approx(sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x))
-    ratios = [a / b for a, b in zip(x, y)]  # minimize sum((c x / y - 1)^2): c = sum(x / y) / sum((x / y)^2)
-    assert relative.coefficients()[0] == pytest.approx(sum(ratios) / sum(r * r for r in ratios))
-    short = 1.0
-    assert abs(relative.predict((1.0,)) - short) < abs(absolute.predict((1.0,)) - short)
+def test_a_ratio_fit_corrects_a_prediction_by_the_measured_relative_error():
+    fit = RatioFit(2, window=16, min_samples=4)
+    assert fit.correct((1.0, 0.0), 2.0) is None  # nothing measured yet
+    # measured = predicted x 0.8 x 1.1^rows: the log of the ratio is linear in [1, rows]
+    for predicted, rows in ((1.0, 0), (0.2, 3), (5.0, 6), (2.0, 1), (0.5, 9)):
+        fit.add((1.0, rows), predicted, predicted * 0.8 * 1.1**rows)
+    assert fit.correct((1.0, 4), 3.0) == pytest.approx(3.0 * 0.8 * 1.1**4)
+    # symmetric: 2x over and 2x under cancel, whatever the seconds (a burst's 30 s weigh as 0.3 s)
+    even = RatioFit(1, min_samples=2)
+    even.add((1.0,), 30.0, 15.0)
+    even.add((1.0,), 0.3, 0.6)
+    assert even.correct((1.0,), 1.0) == pytest.approx(1.0)
+    # held within what was measured: rows of 0-9 say nothing of 30
+    assert fit.correct((1.0, 30), 3.0) == pytest.approx(3.0 * 0.8 * 1.1**9)
+    # bounded: a correction never moves a prediction more than MAX_LOG_RATIO either way
+    wild = RatioFit(1, min_samples=1)
+    wild.add((1.0,), 1e-6, 100.0)
+    assert wild.correct((1.0,), 1.0) == pytest.approx(math.exp(MAX_LOG_RATIO))
 
 
 def _prefill(address: str, queued: int = 0, requests: int = 0) -> InstanceLoad:
@@ -88,15 +93,33 @@ def test_ttft_is_the_queue_the_uncached_compute_and_the_push():
     assert predictor.itl(decode, 500) == pytest.approx(0.005 + 0.002 * 4 + 1e-6 * 1500)
 
 
-def test_calibration_learns_what_the_profile_misses():
+def test_a_reported_queue_counts_only_when_polled_after_the_last_first_token_from_it():
     predictor = LatencyPredictor(page_size=16)
+    busy = _prefill("b", queued=2000, requests=2)
+    busy.polled_at = time.monotonic()
+    assert predictor.ttft(busy, 320, 160).queue_s == pytest.approx(2 * 0.01 + 2.0)  # other gateways' work, say
+    p = predictor.ttft(busy, 64, 0)
+    predictor.observe(busy, p, 0.1, predictor.commit(busy, p))
+    # that report was polled before this first token: it may count work now done
+    assert predictor.ttft(busy, 320, 160).queue_s == pytest.approx(0.0, abs=1e-6)
+    busy.polled_at = predictor.queues.done_at(busy) + 1e-3  # a fresher one counts again
+    assert predictor.ttft(busy, 320, 160).queue_s == pytest.approx(2 * 0.01 + 2.0)
+
+
+def test_calibration_learns_what_the_profile_misses():
     inst = _prefill("a")
-    for n in (100, 200, 400, 800, 1600, 300, 500, 700, 900, 1100):
+    inst.core_group = "host:/dev/shm/share"
+    decode = InstanceLoad("d", core_group=inst.core_group)  # streams requests from the same cores
+    predictor = LatencyPredictor(16, [inst], [decode])
+    for n, rows in ((100, 0), (200, 4), (400, 1), (800, 8), (1600, 2), (300, 6), (500, 3), (700, 0), (900, 5)):
+        decode.in_flight_requests = rows
         p = predictor.ttft(inst, n, 0)
-        committed = predictor.commit(inst, p)
-        predictor.observe(inst, p, 0.05 + 2 * p.compute_s + p.push_s, committed)  # hops, and a slower machine
+        assert p.rows == rows
+        job = predictor.commit(inst, p)
+        predictor.observe(inst, p, p.raw_s * 1.5 * 1.1**rows, job)  # a slower machine, slower as decode streams
+    decode.in_flight_requests = 7
     p = predictor.ttft(inst, 1000, 0)
-    assert p.seconds == pytest.approx(0.05 + 2 * p.compute_s + p.push_s, rel=0.05)
+    assert p.seconds == pytest.approx(p.raw_s * 1.5 * 1.1**7)
 
 
 def test_within_the_slo_the_instance_with_the_most_reuse_wins_else_the_fastest():
@@ -134,6 +157,18 @@ def test_shed_refuses_what_no_instance_is_predicted_to_serve_in_time():
         assert "TTFT" in str(caught.value)
         # a generous SLO passes, and so does an ITL SLO while no decode has a profile
         SloWatch(pool, Slo(ttft_s=30.0, itl_s=0.001), "r2", 256, time.perf_counter()).check({}, frozenset())
+        # passed before its decode was reserved (p1: ~4.3 s of a 5 s SLO), then the queues grew:
+        # refused at routing too, never routed against its prediction
+        late = SloWatch(pool, Slo(ttft_s=5.0), "r4", 256, time.perf_counter())
+        late.check({}, frozenset())
+        for inst in pool.prefills:
+            inst.reported_queued_tokens += 2000
+        decision = pool.pick_prefill(256, {}, [], slo_ttft_s=late.ttft_budget_s)[1]
+        with pytest.raises(RequestFailed) as caught:
+            late.check_route(decision)
+        assert caught.value.cause is FailureCause.OVERLOADED and caught.value.retry_after_s >= 1
+        generous = SloWatch(pool, Slo(ttft_s=30.0), "r5", 256, time.perf_counter())
+        generous.check_route(pool.pick_prefill(256, {}, [], slo_ttft_s=generous.ttft_budget_s)[1])
         # the prediction goes into Final, from the request's arrival
         watch = SloWatch(pool, Slo(), "r3", 256, time.perf_counter())
         decision = pool.pick_prefill(256, {}, [])[1]

@@ -1,0 +1,198 @@
+"""The prefill work a gateway has routed and not yet seen answered, as a fluid model of each
+prefill instance's queue on the cores it runs on: where the TTFT predictor
+(kvmesh.gateway.predictor) reads a new request's wait from.
+
+Each instance computes its queue first come first served (kvmesh.prefill_svc.pending). A job is
+one routed request's compute seconds by its instance's profile (prefill_fit: its forwards' own
+seconds, the turns waited on shared cores left out). Time serves the head job of each instance
+that has work at a rate (seconds of its compute per second):
+
+    1                          on cores of its own (a GPU each: core_group '');
+    1/k . F / (F + S)          on cores a group of instances shares (InstanceStats.core_group:
+                               the launcher's --cpu-share on one host), k of its prefill
+                               instances having work: their forwards take turns, one at a time
+                               (kvmesh.runtime.cpu_share); F is one forward's seconds
+                               (max_forward_tokens tokens by prefill_fit) and S a step of
+                               each of the group's decode instances that has requests (each
+                               steps once between two forwards, by decode_compute_fit).
+
+That is processor sharing with a forward as its quantum (Kleinrock, "Time-shared systems", 1967):
+a request's queue drains at its share of the cores, the share growing as the other queues empty.
+A request's first token, seen at the gateway, ends its job and every job ahead of it at that
+instance (computed before it, or with it in one batch), so the model is set right by what happens;
+a job served out in the model before its first token came gives the next one back the service
+it took meanwhile. A job whose request fails is never seen: it is served out like the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.gateway.instance_load import InstanceLoad
+
+EPSILON_S = 1e-9
+"""Compute seconds below which a job is served out."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One routed request's prefill compute in the model (seconds)."""
+
+    compute_s: float
+    remaining_s: float = field(init=False)
+    served_at: float | None = None
+    """When the model served it out (PrefillQueues' clock); None while it has work left."""
+
+    def __post_init__(self) -> None:
+        self.remaining_s = self.compute_s
+
+
+class PrefillQueues:
+    """The fluid model of the work routed to `prefills` (a gateway's live lists, kept up to date:
+    kvmesh.gateway.instances.InstanceSet's), whose cores `decodes` may share; `clock`: seconds
+    (time.monotonic, or a test's)."""
+
+    def __init__(
+        self,
+        prefills: Sequence[InstanceLoad] = (),
+        decodes: Sequence[InstanceLoad] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.prefills, self.decodes = prefills, decodes
+        self._clock = clock
+        self._jobs: dict[str, deque[Job]] = {}
+        self._done_at: dict[str, float] = {}
+        self._at = clock()
+
+    def add(self, prefill: InstanceLoad, compute_s: float) -> Job:
+        """A request was routed to `prefill` with `compute_s` seconds to compute: it joins the
+        end of its queue. Returns its job, for `done`."""
+        self._advance(self._clock())
+        job = Job(max(compute_s, 0.0))
+        self._jobs.setdefault(prefill.address, deque()).append(job)
+        return job
+
+    def done(self, prefill: InstanceLoad, job: Job, push_s: float = 0.0) -> None:
+        """`job`'s first token came now (`push_s` after its compute ended, as predicted): it and
+        the jobs ahead of it leave the queue. If the model served it out earlier, the job now at
+        the head gets back the service it took since (up to its own compute)."""
+        now = self._clock()
+        self._advance(now)
+        self._done_at[prefill.address] = now
+        jobs = self._jobs.get(prefill.address)
+        if jobs is None:
+            return
+        if any(j is job for j in jobs):
+            while jobs and jobs.popleft() is not job:
+                pass
+        elif job.served_at is not None and jobs and (late_s := now - push_s - job.served_at) > 0:
+            busy = {a for a, queue in self._jobs.items() if queue}
+            head = jobs[0]
+            head.remaining_s = min(head.compute_s, head.remaining_s + late_s * self._rates(busy)[prefill.address])
+
+    def done_at(self, prefill: InstanceLoad) -> float:
+        """When the last first token from `prefill` came (the clock's seconds; -inf before one):
+        a stats report polled before it may count work that is done."""
+        return self._done_at.get(prefill.address, float("-inf"))
+
+    def streaming_rows(self, prefill: InstanceLoad) -> int:
+        """The requests the decode instances that share `prefill`'s cores stream (0 when it has
+        cores of its own)."""
+        if not prefill.core_group:
+            return 0
+        return sum(
+            max(d.in_flight_requests, d.reported_active_requests)
+            for d in self.decodes
+            if d.core_group == prefill.core_group and d.routable
+        )
+
+    def finish_s(self, prefill: InstanceLoad, compute_s: float) -> tuple[float, float]:
+        """(seconds from now until a new job of `compute_s` seconds at `prefill` would be served
+        out, the rate `prefill`'s work is served at now with it queued)."""
+        self._advance(self._clock())
+        queues = {a: deque(j.remaining_s for j in jobs if j.remaining_s > EPSILON_S) for a, jobs in self._jobs.items()}
+        queues.setdefault(prefill.address, deque()).append(max(compute_s, EPSILON_S))
+        share = self._rates([a for a, q in queues.items() if q])[prefill.address]
+        elapsed = 0.0
+        while queues[prefill.address]:
+            busy = [a for a, q in queues.items() if q]
+            rates = self._rates(busy)
+            step = min(queues[a][0] / rates[a] for a in busy)
+            for a in busy:
+                queue = queues[a]
+                queue[0] -= rates[a] * step
+                if queue[0] <= EPSILON_S:
+                    queue.popleft()
+            elapsed += step
+        return elapsed, share
+
+    def _advance(self, now: float) -> None:
+        """Serve the queues from the last time they were served until `now`."""
+        left = now - self._at
+        self._at = now
+        while left > 0:
+            heads = {a: h for a, jobs in self._jobs.items() if (h := _head(jobs)) is not None}
+            if not heads:
+                break
+            rates = self._rates(heads)
+            step = min(left, min(h.remaining_s / rates[a] for a, h in heads.items()))
+            left -= step
+            for a, head in heads.items():
+                head.remaining_s -= rates[a] * step
+                if head.remaining_s <= EPSILON_S:
+                    head.remaining_s, head.served_at = 0.0, now - left
+        for jobs in self._jobs.values():  # served out: nothing left to weigh
+            while jobs and jobs[0].served_at is not None:
+                jobs.popleft()
+
+    def _rates(self, busy: Iterable[str]) -> dict[str, float]:
+        """Seconds of compute per second each of the `busy` instances' head job gets (> 0)."""
+        by_address = {p.address: p for p in self.prefills}
+        groups: dict[str, list[str]] = {}
+        for address in set(busy):
+            inst = by_address.get(address)
+            group = inst.core_group if inst is not None and inst.core_group else f"own:{address}"
+            groups.setdefault(group, []).append(address)
+        rates = {}
+        for group, members in groups.items():
+            steps_s = self._decode_steps_s(group)
+            for address in members:
+                forward_s = _forward_s(by_address.get(address))
+                share = forward_s / (forward_s + steps_s) if forward_s > 0 else 1.0
+                rates[address] = share / len(members)
+        return rates
+
+    def _decode_steps_s(self, group: str) -> float:
+        """A step of each decode instance of core `group` that has requests (seconds, by its
+        decode_compute_fit): what runs between two prefill forwards there."""
+        total = 0.0
+        for d in self.decodes:
+            rows = max(d.in_flight_requests, d.reported_active_requests)
+            if d.core_group == group and d.routable and rows and len(d.decode_compute_fit) == 3:
+                total += fitted_step_s(d.decode_compute_fit, rows, d.context_tokens)
+        return total
+
+
+def fitted_step_s(decode_fit: Sequence[float], rows: float, context: float) -> float:
+    """A decode step of `rows` requests holding `context` tokens by a decode profile
+    (decode_fit or decode_compute_fit: seconds on [1, rows, context tokens])."""
+    base, per_row, per_context = decode_fit
+    return base + per_row * rows + per_context * context
+
+
+def _head(jobs: deque[Job]) -> Job | None:
+    """The first job with work left."""
+    return next((j for j in jobs if j.served_at is None), None)
+
+
+def _forward_s(prefill: InstanceLoad | None) -> float:
+    """One forward of `prefill`: max_forward_tokens new tokens by its profile (seconds); 0 when
+    unknown (no bound, or no profile)."""
+    if prefill is None or not prefill.max_forward_tokens or len(prefill.prefill_fit) != 3:
+        return 0.0
+    tokens = prefill.max_forward_tokens
+    per_request, per_token, per_attention = prefill.prefill_fit
+    return per_request + per_token * tokens + per_attention * tokens * tokens / 2

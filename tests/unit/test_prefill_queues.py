@@ -1,0 +1,90 @@
+"""The gateway's fluid model of the prefill work it routed (kvmesh.gateway.prefill_queues): a
+queue first come first served on cores of its own, instances of one core group taking turns
+with each other and with their decode steps, first tokens setting the model right. The
+expected finish times are worked out by hand from the processor-sharing rule in the module's
+docstring."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.gateway.instance_load import InstanceLoad
+from kvmesh.gateway.prefill_queues import PrefillQueues
+
+FIT = (0.0, 0.001, 0.0)  # 1 ms a token
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _prefill(address: str, group: str = "", forward_tokens: int = 0) -> InstanceLoad:
+    return InstanceLoad(address, prefill_fit=FIT, core_group=group, max_forward_tokens=forward_tokens)
+
+
+def test_on_cores_of_its_own_a_queue_is_first_come_first_served_and_drains_with_time():
+    clock = Clock()
+    a, b = _prefill("a"), _prefill("b")
+    queues = PrefillQueues([a, b], [], clock)
+    queues.add(a, 2.0)
+    queues.add(a, 1.0)
+    queues.add(b, 5.0)  # b's work does not slow a: each has its own cores
+    assert queues.finish_s(a, 0.5) == pytest.approx((3.5, 1.0))
+    clock.now += 2.5  # the first job is served out, half of the second
+    assert queues.finish_s(a, 0.5) == pytest.approx((1.0, 1.0))
+    clock.now += 10.0  # all served out: an idle instance
+    assert queues.finish_s(a, 0.5) == pytest.approx((0.5, 1.0))
+
+
+def test_instances_of_one_core_group_share_its_cores_while_both_have_work():
+    clock = Clock()
+    a, b = _prefill("a", "host:/share"), _prefill("b", "host:/share")
+    queues = PrefillQueues([a, b], [], clock)
+    queues.add(a, 2.0)
+    queues.add(b, 1.0)
+    # a's 3 s (2 queued + 1 new) and b's 1 s at half speed each until b is done (t = 2, a has
+    # 2 s left), then a alone: 4 s
+    assert queues.finish_s(a, 1.0) == pytest.approx((4.0, 0.5))
+    clock.now += 1.0  # both served 0.5 s
+    assert queues.finish_s(b, 0.0) == pytest.approx((1.0, 0.5))  # b's 0.5 s left at half speed
+    other = PrefillQueues([a, _prefill("b", "other:/share")], [], clock)
+    other.add(a, 2.0)
+    other.add(other.prefills[1], 1.0)
+    assert other.finish_s(a, 1.0) == pytest.approx((3.0, 1.0))  # another host's cores
+
+
+def test_decode_steps_of_the_group_take_their_share_between_forwards():
+    clock = Clock()
+    a = _prefill("a", "host:/share", forward_tokens=256)  # a forward: 0.256 s
+    busy = InstanceLoad("d1", decode_compute_fit=(0.05, 0.01, 0.0), core_group="host:/share", in_flight_requests=3)
+    idle = InstanceLoad("d2", decode_compute_fit=(0.05, 0.01, 0.0), core_group="host:/share")
+    elsewhere = InstanceLoad("d3", decode_compute_fit=(0.5, 0.0, 0.0), core_group="far:/share", in_flight_requests=2)
+    queues = PrefillQueues([a], [busy, idle, elsewhere], clock)
+    share = 0.256 / (0.256 + 0.05 + 0.03)  # d1's step (0.08 s) after each forward; d2 has no requests
+    assert queues.finish_s(a, 1.0) == pytest.approx((1.0 / share, share))
+    busy.in_flight_requests = 0  # decode idle: the forwards have the cores
+    assert queues.finish_s(a, 1.0) == pytest.approx((1.0, 1.0))
+
+
+def test_a_first_token_ends_its_job_and_those_ahead_and_a_late_one_gives_service_back():
+    clock = Clock()
+    a = _prefill("a")
+    queues = PrefillQueues([a], [], clock)
+    first, second, third = queues.add(a, 2.0), queues.add(a, 2.0), queues.add(a, 2.0)
+    clock.now += 1.0
+    queues.done(a, second)  # sooner than the model: the first and the second are done
+    assert queues.finish_s(a, 0.0) == pytest.approx((2.0, 1.0))  # the third, whole (its turn starts now)
+    clock.now += 1.5
+    fourth = queues.add(a, 2.0)
+    clock.now += 1.5  # the model served the third out at 103.0, and the fourth 1 s since
+    queues.done(a, third, push_s=0.6)  # its compute ended at 103.4: 0.4 s later than the model's
+    assert queues.finish_s(a, 0.0) == pytest.approx((1.4, 1.0))  # the fourth gets 0.4 s back
+    queues.done(a, first)  # long gone: nothing changes
+    assert queues.finish_s(a, 0.0) == pytest.approx((1.4, 1.0))
+    clock.now += 1.4
+    queues.done(a, fourth)
+    assert queues.finish_s(a, 1.0) == pytest.approx((1.0, 1.0))
