@@ -110,6 +110,8 @@ class Tries:
                 attempt = self._pick_decode(cached_blocks)
                 decode_blocks = await self._open(attempt, cached_blocks)
                 prefill, decision = self._pick_prefill(attempt, cached_blocks, tiered_blocks, decode_blocks)
+                if self.parts.slo_shed and self.hops.slo:
+                    self.watch.check_route(decision)  # the queues may have grown while decode reserved
                 self._record_route(attempt, prefill, t0, decision, decode_blocks)
                 attempt.send()
                 async with contextlib.aclosing(attempt.stream(answer)) as messages:
