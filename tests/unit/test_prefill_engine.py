@@ -1,6 +1,8 @@
 """The prefill engine's queue around a test-double runner (the model is not under test here)."""
 
 import concurrent.futures
+import contextlib
+import time
 
 import pytest
 import torch
@@ -125,5 +127,46 @@ def test_hashes_from_the_caller_are_used_instead_of_hashing_again(monkeypatch):
         b = engine.submit(_job("b", tokens)).result(timeout=10)
         assert len(calls) == 1 and b.num_cached_tokens == 8  # 2 of 3 pages: the last token is recomputed
         engine.release(b.block_ids, b.state_slot).result()
+    finally:
+        engine.shutdown()
+
+
+class WaitingShare:
+    """A CpuShare double: each forward waits WAIT_S for its turn and says so; a decode is busy."""
+
+    WAIT_S = 0.2
+    shared = True
+    group = "host:/dev/shm/kvmesh-test-share"
+
+    @contextlib.contextmanager
+    def prefill_forward(self):
+        time.sleep(self.WAIT_S)
+        yield self.WAIT_S
+
+    def decode_busy(self):
+        return True
+
+    def close(self):
+        pass
+
+
+def test_the_profile_leaves_out_the_turns_waited_and_the_stats_say_which_cores_and_forwards():
+    # 8-token prompts in forwards of 4 tokens (the budget beside a busy decode): 0.4 s of turns
+    # waited a prompt, which the profile must not count as compute (the gateway shares the cores
+    # out itself: kvmesh.gateway.prefill_queues)
+    share = WaitingShare()
+    engine = PrefillEngine(
+        ArgmaxRunner(), 4, 8, enable_prefix_caching=False, chunked_prefill_size=8, cpu_share=share,
+        forward_tokens_beside_decode=4,
+    )  # fmt: skip
+    try:
+        for i in range(5):
+            done = engine.submit(_job(f"r{i}", list(range(10 + i, 18 + i)))).result(timeout=30)
+            engine.release(done.block_ids, done.state_slot).result()
+        stats = engine.call(engine.stats).result()
+        per_request, per_token, per_attention = stats["prefill_fit"]
+        assert stats["cpu_share_wait_seconds"] == pytest.approx(5 * 2 * share.WAIT_S)
+        assert per_request + per_token * 8 + per_attention * 8 * 4 < share.WAIT_S  # turns waited: 2 x 0.2 s
+        assert stats["core_group"] == share.group and stats["max_forward_tokens"] == 4
     finally:
         engine.shutdown()
