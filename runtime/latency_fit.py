@@ -19,7 +19,31 @@ from collections.abc import Sequence
 import numpy as np
 
 
-class LinearFit:
+class _Window:
+    """The last `window` samples of `num_features` features each, and how many a fit needs.
+    Raises ValueError for a bad shape."""
+
+    def __init__(self, num_features: int, window: int, min_samples: int) -> None:
+        if num_features < 1 or window < num_features or min_samples < 1:
+            raise ValueError(
+                f"bad {type(self).__name__} shape: {num_features} features, window {window}, min {min_samples}"
+            )
+        self.num_features = num_features
+        self.min_samples = min_samples
+        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+
+    def __len__(self) -> int:
+        return len(self._y)
+
+    def _features(self, features: Sequence[float]) -> tuple[float, ...]:
+        """`features` as floats; raises ValueError when there are not num_features of them."""
+        if len(features) != self.num_features:
+            raise ValueError(f"expected {self.num_features} features, got {len(features)}")
+        return tuple(float(f) for f in features)
+
+
+class LinearFit(_Window):
     """seconds ~ coefficients . features, over the last `window` samples.
 
     Args:
@@ -29,26 +53,17 @@ class LinearFit:
     """
 
     def __init__(self, num_features: int, window: int = 64, min_samples: int = 4) -> None:
-        if num_features < 1 or window < num_features or min_samples < 1:
-            raise ValueError(f"bad LinearFit shape: {num_features} features, window {window}, min {min_samples}")
-        self.num_features = num_features
-        self.min_samples = min_samples
-        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        super().__init__(num_features, window, min_samples)
         self._coefficients: list[float] | None = None
         self._lock = threading.Lock()  # measured on one thread, read by another (stats)
 
-    def __len__(self) -> int:
-        return len(self._y)
-
     def add(self, features: Sequence[float], seconds: float) -> None:
         """One measurement. Raises ValueError for features of the wrong length."""
-        if len(features) != self.num_features:
-            raise ValueError(f"expected {self.num_features} features, got {len(features)}")
+        x = self._features(features)
         if not np.isfinite(seconds) or seconds < 0:
             return
         with self._lock:
-            self._x.append(tuple(float(f) for f in features))
+            self._x.append(x)
             self._y.append(float(seconds))
             self._coefficients = None
 
@@ -74,7 +89,7 @@ MAX_LOG_RATIO = 2.5
 """The most a RatioFit moves a prediction: a factor of e^2.5 (12x) either way."""
 
 
-class RatioFit:
+class RatioFit(_Window):
     """measured ~ predicted x exp(coefficients . features), over the last `window` samples: a
     multiplicative correction of a model's prediction, fitted by least squares on the log of
     measured / predicted (the relative error, symmetric: 2x over weighs as 2x under, so a burst's
@@ -85,25 +100,16 @@ class RatioFit:
     Not thread-safe: the gateway's event loop is its one user."""
 
     def __init__(self, num_features: int, window: int = 64, min_samples: int = 8) -> None:
-        if num_features < 1 or window < num_features or min_samples < 1:
-            raise ValueError(f"bad RatioFit shape: {num_features} features, window {window}, min {min_samples}")
-        self.num_features = num_features
-        self.min_samples = min_samples
-        self._x: deque[tuple[float, ...]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        super().__init__(num_features, window, min_samples)
         self._coefficients: np.ndarray | None = None
         self._range: tuple[np.ndarray, np.ndarray] = (np.zeros(num_features), np.zeros(num_features))
 
-    def __len__(self) -> int:
-        return len(self._y)
-
     def add(self, features: Sequence[float], predicted_s: float, measured_s: float) -> None:
         """One prediction and what was then measured (seconds; a pair not both > 0 is skipped)."""
-        if len(features) != self.num_features:
-            raise ValueError(f"expected {self.num_features} features, got {len(features)}")
+        x = self._features(features)
         if not (predicted_s > 0 and measured_s > 0 and np.isfinite(predicted_s) and np.isfinite(measured_s)):
             return
-        self._x.append(tuple(float(f) for f in features))
+        self._x.append(x)
         self._y.append(float(np.log(measured_s / predicted_s)))
         self._coefficients = None
 
