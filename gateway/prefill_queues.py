@@ -151,29 +151,38 @@ class PrefillQueues:
     def _rates(self, busy: Iterable[str]) -> dict[str, float]:
         """Seconds of compute per second each of the `busy` instances' head job gets (> 0)."""
         by_address = {p.address: p for p in self.prefills}
-        groups: dict[str, list[str]] = {}
-        for address in set(busy):
-            inst = by_address.get(address)
-            group = inst.core_group if inst is not None and inst.core_group else f"own:{address}"
-            groups.setdefault(group, []).append(address)
-        rates = {}
-        for group, members in groups.items():
-            steps_s = self._decode_steps_s(group)
-            for address in members:
-                forward_s = _forward_s(by_address.get(address))
-                share = forward_s / (forward_s + steps_s) if forward_s > 0 else 1.0
-                rates[address] = share / len(members)
+        busy = set(busy)
+        known = [p for p in self.prefills if p.address in busy]
+        rates = {a: 1.0 for a in busy if a not in by_address}  # gone from the pool: alone
+        rates.update(cores_shares(known, self.decodes))
         return rates
 
-    def _decode_steps_s(self, group: str) -> float:
-        """A step of each decode instance of core `group` that has requests (seconds, by its
-        decode_compute_fit): what runs between two prefill forwards there."""
-        total = 0.0
-        for d in self.decodes:
-            rows = max(d.in_flight_requests, d.reported_active_requests)
-            if d.core_group == group and d.routable and rows and len(d.decode_compute_fit) == 3:
-                total += fitted_step_s(d.decode_compute_fit, rows, d.context_tokens)
-        return total
+
+def cores_shares(busy: Sequence[InstanceLoad], decodes: Sequence[InstanceLoad]) -> dict[str, float]:
+    """The share of its cores each of the `busy` prefill instances' forwards get (address ->
+    0-1): 1 on cores of its own; in a core group, 1/k of F / (F + S) (the module's rule)."""
+    groups: dict[str, list[InstanceLoad]] = {}
+    for inst in busy:
+        groups.setdefault(inst.core_group or f"own:{inst.address}", []).append(inst)
+    shares = {}
+    for group, members in groups.items():
+        steps_s = _decode_steps_s(decodes, group)
+        for inst in members:
+            forward_s = _forward_s(inst)
+            share = forward_s / (forward_s + steps_s) if forward_s > 0 else 1.0
+            shares[inst.address] = share / len(members)
+    return shares
+
+
+def _decode_steps_s(decodes: Sequence[InstanceLoad], group: str) -> float:
+    """A step of each decode instance of core `group` that has requests (seconds, by its
+    decode_compute_fit): what runs between two prefill forwards there."""
+    total = 0.0
+    for d in decodes:
+        rows = max(d.in_flight_requests, d.reported_active_requests)
+        if d.core_group == group and d.routable and rows and len(d.decode_compute_fit) == 3:
+            total += fitted_step_s(d.decode_compute_fit, rows, d.context_tokens)
+    return total
 
 
 def fitted_step_s(decode_fit: Sequence[float], rows: float, context: float) -> float:
@@ -188,10 +197,10 @@ def _head(jobs: deque[Job]) -> Job | None:
     return next((j for j in jobs if j.served_at is None), None)
 
 
-def _forward_s(prefill: InstanceLoad | None) -> float:
+def _forward_s(prefill: InstanceLoad) -> float:
     """One forward of `prefill`: max_forward_tokens new tokens by its profile (seconds); 0 when
     unknown (no bound, or no profile)."""
-    if prefill is None or not prefill.max_forward_tokens or len(prefill.prefill_fit) != 3:
+    if not prefill.max_forward_tokens or len(prefill.prefill_fit) != 3:
         return 0.0
     tokens = prefill.max_forward_tokens
     per_request, per_token, per_attention = prefill.prefill_fit

@@ -5,8 +5,9 @@ or an HPA on an external metric) scales the Deployments to (`kvmesh_gateway_desi
 
 Load-based, as Dynamo's planner in its load mode, with a margin each way:
 
-    prefill  up   when the mean predicted queue wait (queued tokens by each instance's profile)
-                  is over half the TTFT target: a new request would spend its budget waiting
+    prefill  up   when the mean predicted queue wait (queued tokens by each instance's profile,
+                  over the share of its cores it gets: kvmesh.gateway.prefill_queues) is over
+                  half the TTFT target: a new request would spend its budget waiting
              down when that queue spread over one instance fewer would wait under a tenth of it
     decode   up   when a step of the busiest decode (by its profile) is over 0.8 x the ITL target,
                   its rows fill 90% of the decode slots, or requests wait for a slot
@@ -27,7 +28,7 @@ from collections.abc import Callable, Sequence
 from kvmesh.gateway import metrics
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.predictor import queued_s, step_s
-from kvmesh.gateway.prefill_queues import fitted_step_s
+from kvmesh.gateway.prefill_queues import cores_shares, fitted_step_s
 from kvmesh.gateway.slo import Slo
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,12 @@ class ScaleAdvisor:
             return 0, ""
         # no prompt tokens waiting, no wait: requests that are pushing (or a count that lags)
         # hold no compute back
+        # each queue's compute by its profile, stretched by the share of the cores its forwards
+        # get while the others with work share them too (1 on cores of its own)
+        shares = cores_shares([p for p in profiled if p.reported_queued_tokens > 0], self.decodes)
         waits = [
             queued_s(p, p.reported_queued_tokens, max(p.reported_active_requests, p.in_flight_requests))
+            / shares[p.address]
             if p.reported_queued_tokens > 0
             else 0.0
             for p in profiled

@@ -46,6 +46,20 @@ def test_a_long_prefill_queue_asks_for_one_more_prefill_after_it_held():
     assert advisor.desired["prefill"] == 1
 
 
+def test_prefills_sharing_one_host_s_cores_wait_for_their_share_of_them():
+    # 800 queued tokens each wait 0.81 s by the profile, under half the 3 s target on cores of
+    # their own; two with work on one core group get half of the cores each: 1.62 s, and one more
+    # is asked for
+    alone = instances("prefill", 2, reported_queued_tokens=800, reported_active_requests=1)
+    advisor = ScaleAdvisor(Slo(3.0, 0.5), alone, instances("decode", 1), lambda: 0, up_after=1)
+    advisor.update()
+    assert advisor.desired["prefill"] == 2
+    shared = instances("prefill", 2, reported_queued_tokens=800, reported_active_requests=1, core_group="h:/s")
+    advisor = ScaleAdvisor(Slo(3.0, 0.5), shared, instances("decode", 1), lambda: 0, up_after=1)
+    advisor.update()
+    assert advisor.desired["prefill"] == 3 and "queue wait 1.62 s" in advisor.why["prefill"]
+
+
 def test_waiting_requests_or_slow_steps_ask_for_a_decode():
     waiting = [5]
     advisor = ScaleAdvisor(Slo(3.0, 0.5), instances("prefill", 1), instances("decode", 1), lambda: waiting[0], 1)
