@@ -233,7 +233,14 @@ def _status(client: httpx.Client) -> int:
 
 def test_a_killed_decode_is_routed_around_and_serves_again_once_started(cluster):
     compose("kill", "decode-0")
-    assert podman("inspect", "--format", "{{.State.Status}}", name("decode-0")).stdout.strip() == "exited"
+    # podman shows a killed container "stopped" until its clean-up is done, then "exited"
+    deadline = time.monotonic() + 30
+    while (state := podman("inspect", "--format", "{{.State.Status}}", name("decode-0")).stdout.strip()) not in (
+        "exited",
+        "stopped",
+    ):
+        assert time.monotonic() < deadline, f"decode-0 is {state!r} 30 s after the kill"
+        time.sleep(0.2)  # a poll of podman's state
     with httpx.Client(base_url=HTTP, timeout=120) as client:
         # answered by decode-1, or refused with a clear status while the gateway learns decode-0 is gone
         seen = []
