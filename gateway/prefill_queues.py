@@ -26,6 +26,7 @@ it took meanwhile. A job whose request fails is never seen: it is served out lik
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -113,40 +114,37 @@ class PrefillQueues:
         """(seconds from now until a new job of `compute_s` seconds at `prefill` would be served
         out, the rate `prefill`'s work is served at now with it queued)."""
         self._advance(self._clock())
-        queues = {a: deque(j.remaining_s for j in jobs if j.remaining_s > EPSILON_S) for a, jobs in self._jobs.items()}
-        queues.setdefault(prefill.address, deque()).append(max(compute_s, EPSILON_S))
-        share = self._rates([a for a, q in queues.items() if q])[prefill.address]
-        elapsed = 0.0
-        while queues[prefill.address]:
-            busy = [a for a, q in queues.items() if q]
-            rates = self._rates(busy)
-            step = min(queues[a][0] / rates[a] for a in busy)
-            for a in busy:
-                queue = queues[a]
-                queue[0] -= rates[a] * step
-                if queue[0] <= EPSILON_S:
-                    queue.popleft()
-            elapsed += step
-        return elapsed, share
+        queues = {a: deque(Job(j.remaining_s) for j in jobs) for a, jobs in self._jobs.items()}  # a copy to serve
+        new = Job(max(compute_s, EPSILON_S))
+        queues.setdefault(prefill.address, deque()).append(new)
+        share = self._rates([a for a, queue in queues.items() if queue])[prefill.address]
+        return self._serve(queues, 0.0, math.inf, until=new), share
 
     def _advance(self, now: float) -> None:
         """Serve the queues from the last time they were served until `now`."""
-        left = now - self._at
+        self._serve(self._jobs, self._at, now - self._at)
         self._at = now
-        while left > 0:
-            heads = {a: h for a, jobs in self._jobs.items() if (h := _head(jobs)) is not None}
-            if not heads:
-                break
-            rates = self._rates(heads)
-            step = min(left, min(h.remaining_s / rates[a] for a, h in heads.items()))
-            left -= step
-            for a, head in heads.items():
-                head.remaining_s -= rates[a] * step
-                if head.remaining_s <= EPSILON_S:
-                    head.remaining_s, head.served_at = 0.0, now - left
         for jobs in self._jobs.values():  # served out: nothing left to weigh
             while jobs and jobs[0].served_at is not None:
                 jobs.popleft()
+
+    def _serve(self, queues: dict[str, deque[Job]], start: float, seconds: float, until: Job | None = None) -> float:
+        """Serve the head job of each of `queues` at its rate, from the clock's `start`, for
+        `seconds` or until `until` is served out (each job served out is stamped with when);
+        returns the seconds served (less when every queue ran dry first)."""
+        elapsed = 0.0
+        while elapsed < seconds and (until is None or until.served_at is None):
+            heads = {a: h for a, jobs in queues.items() if (h := _head(jobs)) is not None}
+            if not heads:
+                break
+            rates = self._rates(heads)
+            step = min(seconds - elapsed, min(h.remaining_s / rates[a] for a, h in heads.items()))
+            elapsed += step
+            for a, head in heads.items():
+                head.remaining_s -= rates[a] * step
+                if head.remaining_s <= EPSILON_S:
+                    head.remaining_s, head.served_at = 0.0, start + elapsed
+        return elapsed
 
     def _rates(self, busy: Iterable[str]) -> dict[str, float]:
         """Seconds of compute per second each of the `busy` instances' head job gets (> 0)."""
