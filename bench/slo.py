@@ -201,33 +201,12 @@ def report(name: str, outcomes: list[Outcome], wall_s: float, slo_s: tuple[float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prefill", type=int, default=2)
-    parser.add_argument("--decode", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=60)
-    parser.add_argument("--rate", type=float, default=0.0, help="requests/s (0: --load x the warm-up's capacity)")
-    parser.add_argument("--load", type=float, default=0.6, help="the rate as a fraction of the warm-up's capacity")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    parser.add_argument("--slo-itl-ms", type=float, default=600.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write each run's rows and every request's outcome here")
-    parser.add_argument(
-        "--closed-loop",
-        type=int,
-        nargs="+",
-        metavar="C",
-        help="instead of the replays: --requests requests at each concurrency C (a closed loop), "
-        "requests/s, TTFT and ITL on the mesh's gateway",
-    )
-    args = parser.parse_args(argv)
+    args = _parse(argv)
 
     from kvmesh.launcher import start_mesh
     from kvmesh.redis_server import free_port
     from kvmesh.runtime.service import wait_for_health
 
-    slo_ms = (args.slo_ttft_ms, args.slo_itl_ms)
-    slo_s = (args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-slo-", suffix=".log") as log:
         mesh = start_mesh(args.prefill, args.decode, port=free_port(), log=log, env={"REDIS_URL": ""})
         shed_port = free_port()
@@ -253,23 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(warm-up capacity {measured:.2f}/s), SLO TTFT {args.slo_ttft_ms:.0f} ms, ITL {args.slo_itl_ms:.0f} ms",
                 flush=True,
             )
-            rows = []
-            outcomes_of: dict[str, list[dict]] = {}
-            for concurrency in args.closed_loop or ():
-                rows.append(
-                    asyncio.run(
-                        closed_loop(mesh.gateway_address, args.requests, concurrency, args.max_tokens, args.seed)
-                    )
-                )
-                print(rows[-1], flush=True)
-            for run, (name, address) in enumerate(gateways.items() if not args.closed_loop else ()):
-                trace = make_trace(args.requests, rate, args.seed, run)
-                outcomes, wall = asyncio.run(
-                    replay(address, trace, args.max_tokens, slo_ms if name != "today" else (0, 0))
-                )
-                rows.append(report(name, outcomes, wall, slo_s))
-                print(rows[-1], flush=True)
-                outcomes_of[name] = [dataclasses.asdict(o) for o in outcomes]
+            rows, outcomes_of = _runs(args, gateways, rate)
         finally:
             shed.terminate()
             shed.wait(timeout=30)
@@ -279,6 +242,48 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as out:
             json.dump({"rate": rate, "rows": rows, "outcomes": outcomes_of}, out, indent=1)
     return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--rate", type=float, default=0.0, help="requests/s (0: --load x the warm-up's capacity)")
+    parser.add_argument("--load", type=float, default=0.6, help="the rate as a fraction of the warm-up's capacity")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write each run's rows and every request's outcome here")
+    parser.add_argument(
+        "--closed-loop",
+        type=int,
+        nargs="+",
+        metavar="C",
+        help="instead of the replays: --requests requests at each concurrency C (a closed loop), "
+        "requests/s, TTFT and ITL on the mesh's gateway",
+    )
+    return parser.parse_args(argv)
+
+
+def _runs(args: argparse.Namespace, gateways: dict[str, str], rate: float) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The closed loops (--closed-loop) on the mesh's gateway, else the trace's replays on
+    `gateways` at `rate`: each run's printed row, and each replay's outcomes by run name."""
+    slo_ms = (args.slo_ttft_ms, args.slo_itl_ms)
+    slo_s = (args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
+    rows = []
+    outcomes_of: dict[str, list[dict]] = {}
+    for concurrency in args.closed_loop or ():
+        rows.append(asyncio.run(closed_loop(gateways["today"], args.requests, concurrency, args.max_tokens, args.seed)))
+        print(rows[-1], flush=True)
+    for run, (name, address) in enumerate(gateways.items() if not args.closed_loop else ()):
+        trace = make_trace(args.requests, rate, args.seed, run)
+        outcomes, wall = asyncio.run(replay(address, trace, args.max_tokens, slo_ms if name != "today" else (0, 0)))
+        rows.append(report(name, outcomes, wall, slo_s))
+        print(rows[-1], flush=True)
+        outcomes_of[name] = [dataclasses.asdict(o) for o in outcomes]
+    return rows, outcomes_of
 
 
 def _print(rows: list[dict]) -> None:
