@@ -1,7 +1,7 @@
 """Latency-aware routing against today's, and the TTFT predictor's error, on one mesh in one run.
 
     python -P -m kvmesh.bench.slo [--prefill 2 --decode 2] [--requests 60] [--rate R]
-                                  [--slo-ttft-ms 3000] [--slo-itl-ms 600]
+                                  [--slo-ttft-ms 3000] [--slo-itl-ms 600] [--predictor-log PATH]
 
 A mesh of --prefill prefill and --decode decode instances of the default model (its own Redis),
 its gateway, and a second gateway on the same instances started with --slo-miss shed. A trace of
@@ -208,12 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     from kvmesh.runtime.service import wait_for_health
 
     with tempfile.NamedTemporaryFile("w+", prefix="kvmesh-bench-slo-", suffix=".log") as log:
-        mesh = start_mesh(args.prefill, args.decode, port=free_port(), log=log, env={"REDIS_URL": ""})
+        logs = (
+            [f"--predictor-log={args.predictor_log}.{name}" for name in ("gateway", "shed")]
+            if args.predictor_log
+            else []
+        )
+        mesh = start_mesh(
+            args.prefill, args.decode, port=free_port(), log=log, env={"REDIS_URL": ""}, extra_gateway_args=logs[:1]
+        )
         shed_port = free_port()
         shed = subprocess.Popen(
             [sys.executable, "-P", "-m", "kvmesh.cli", "serve", "gateway", "--port", str(shed_port),
              *(f"--prefill={a}" for a in mesh.prefill_addresses), *(f"--decode={a}" for a in mesh.decode_addresses),
-             "--redis-url", mesh.redis_url, "--slo-miss", "shed"],
+             "--redis-url", mesh.redis_url, "--slo-miss", "shed", *logs[1:]],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -256,6 +263,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slo-itl-ms", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write each run's rows and every request's outcome here")
+    parser.add_argument(
+        "--predictor-log",
+        metavar="PATH",
+        help="the gateways' --predictor-log: PATH.gateway (today, slo) and PATH.shed (slo+shed)",
+    )
     parser.add_argument(
         "--closed-loop",
         type=int,

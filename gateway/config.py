@@ -104,6 +104,12 @@ class GatewayConfig:
         "what a request no instance is predicted to serve within its SLO gets: queue (routed where its predicted "
         "TTFT is least) or shed (refused at once, RESOURCE_EXHAUSTED / HTTP 429, retry-after from the prediction)",
     )
+    predictor_log: str = setting(
+        "",
+        "--predictor-log",
+        "append each routed request's TTFT prediction, its inputs and the TTFT measured to this file, one "
+        "JSON object a line (kvmesh.gateway.prediction_log; rotates at 64 MiB); empty: no log",
+    )
     response_ttl_s: float = setting(
         30 * 24 * 3600.0,
         "--response-ttl",

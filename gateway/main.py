@@ -17,6 +17,7 @@ from kvmesh.gateway.auth import ApiKeys
 from kvmesh.gateway.config import GatewayConfig
 from kvmesh.gateway.discovery import Discovery
 from kvmesh.gateway.pool import InstancePool
+from kvmesh.gateway.prediction_log import PredictionLog
 from kvmesh.gateway.request_path import RequestPath
 from kvmesh.gateway.requests import PromptBuilder
 from kvmesh.gateway.scale_advice import ScaleAdvisor
@@ -66,9 +67,10 @@ async def serve(config: GatewayConfig, stop: asyncio.Event) -> None:
 
 
 def _instance_pool(config: GatewayConfig, files: ModelFiles) -> InstancePool:
-    """The pool of the listed instances, reading the prefix index in config.redis_url (if any)."""
+    """The pool of the listed instances, reading the prefix index in config.redis_url (if any),
+    its predictor writing to --predictor-log (ValueError when that file cannot be opened)."""
     index = AsyncRedisKVIndexReader(config.redis_url, model=files.name) if config.redis_url else None
-    return InstancePool(
+    pool = InstancePool(
         config.prefill_addresses,
         config.decode_addresses,
         config.page_size,
@@ -83,6 +85,12 @@ def _instance_pool(config: GatewayConfig, files: ModelFiles) -> InstancePool:
         config.pull_min_blocks,
         config.tier_hit_weight,
     )
+    if config.predictor_log:
+        try:
+            pool.predictor.log = PredictionLog(config.predictor_log)
+        except OSError as exc:
+            raise ValueError(f"--predictor-log {config.predictor_log}: {exc.strerror}") from None
+    return pool
 
 
 def _request_path(

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.gateway.instance_load import InstanceLoad
+from kvmesh.gateway.prediction_log import PredictionLog
 from kvmesh.gateway.prefill_queues import Job, PrefillQueues, fitted_step_s
 from kvmesh.runtime.latency_fit import RatioFit
 
@@ -70,6 +71,8 @@ class LatencyPredictor:
         self.page_size = page_size
         self.prefills, self.decodes = prefills, decodes
         self.queues = PrefillQueues(prefills, decodes)
+        self.log: PredictionLog | None = None
+        """Where each observed prediction is written (--predictor-log); None: nowhere."""
         self._calibration: dict[str, RatioFit] = {}
 
     def ttft(

@@ -99,6 +99,17 @@ class PrefillQueues:
         a stats report polled before it may count work that is done."""
         return self._done_at.get(prefill.address, float("-inf"))
 
+    def depth(self, prefill: InstanceLoad) -> tuple[int, int]:
+        """(jobs with work left at `prefill`, instances of its core group with work left) now,
+        before a new one joins."""
+        self._advance(self._clock())
+        group = prefill.core_group
+        peers = {p.address for p in self.prefills if group and p.core_group == group} | {prefill.address}
+        return (
+            sum(j.served_at is None for j in self._jobs.get(prefill.address, ())),
+            sum(_head(self._jobs.get(a, deque())) is not None for a in peers),
+        )
+
     def streaming_rows(self, prefill: InstanceLoad) -> int:
         """The requests the decode instances that share `prefill`'s cores stream (0 when it has
         cores of its own)."""

@@ -37,6 +37,7 @@ class SloWatch:
         self.routed_at = 0.0
         self.calibrated = False
         self.job: Job | None = None  # this try's place in the predictor's model of the queue
+        self._inputs: dict = {}  # what the prediction read, for --predictor-log
 
     @property
     def ttft_budget_s(self) -> float:
@@ -106,6 +107,14 @@ class SloWatch:
         self.ttft = predictor.ttft(prefill, self.num_prompt_tokens, decision.cached_tokens, decode_pages)
         self.itl_s = predictor.itl(decode, self.num_prompt_tokens)
         if self.ttft is not None:
+            if predictor.log is not None:
+                jobs_ahead, busy = predictor.queues.depth(prefill)
+                self._inputs = {
+                    "cached_tokens": decision.cached_tokens,
+                    "decode_cached_pages": decode_pages,
+                    "jobs_ahead": jobs_ahead,
+                    "prefills_busy": busy,
+                }
             self.job = predictor.commit(prefill, self.ttft)
         attributes: dict = {"kvmesh.slo.ttft_s": self.slo.ttft_s, "kvmesh.slo.itl_s": self.slo.itl_s}
         if self.ttft is not None:
@@ -129,7 +138,28 @@ class SloWatch:
         if self.calibrated or self.prefill is None or self.ttft is None or self.job is None:
             return
         self.calibrated = True
-        self.pool.predictor.observe(self.prefill, self.ttft, time.perf_counter() - self.routed_at, self.job)
+        measured_s = time.perf_counter() - self.routed_at
+        predictor = self.pool.predictor
+        predictor.observe(self.prefill, self.ttft, measured_s, self.job)
+        if predictor.log is not None:
+            t = self.ttft
+            predictor.log.write(
+                {
+                    "request_id": self.request_id,
+                    "prefill": self.prefill.address,
+                    "core_group": self.prefill.core_group,
+                    "prompt_tokens": self.num_prompt_tokens,
+                    **self._inputs,
+                    "queue_s": t.queue_s,
+                    "compute_s": t.compute_s,
+                    "push_s": t.push_s,
+                    "raw_s": t.raw_s,
+                    "predicted_s": t.seconds,
+                    "share": t.share,
+                    "rows": t.rows,
+                    "measured_s": measured_s,
+                }
+            )
 
     def final(self, final: gateway_pb2.Final) -> None:
         """Put the predictions in `final` (TTFT from arrival), and count the error and the SLO's outcome."""

@@ -5,6 +5,7 @@ predicted to meet it), shedding what none can meet, and the SLO a request carrie
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 
@@ -15,6 +16,7 @@ from kvmesh.gateway.auth import ApiKeys
 from kvmesh.gateway.failure import RequestFailed
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.pool import InstancePool
+from kvmesh.gateway.prediction_log import PredictionLog
 from kvmesh.gateway.predictor import LatencyPredictor
 from kvmesh.gateway.request_path import RequestPath
 from kvmesh.gateway.router import PrefillRouter
@@ -179,6 +181,39 @@ def test_shed_refuses_what_no_instance_is_predicted_to_serve_in_time():
         await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_the_predictor_log_holds_each_prediction_its_inputs_and_the_ttft_measured(tmp_path):
+    slow_fit = (100.0, 0.001, 0.0)  # 100 s a request: the first is still queued in the model when the second comes
+
+    async def scenario():
+        pool = InstancePool(["p1:1"], ["d1:1"], 16, None, 0.3, 0.02, rpc_timeout_s=1.0)
+        inst = pool.prefills[0]
+        inst.instance_id, inst.prefill_fit, inst.push_fit = inst.address, slow_fit, PUSH_FIT
+        pool.predictor.log = PredictionLog(str(tmp_path / "predictions.jsonl"))
+        ids = ['r1\n{"forged": true}', "r2"]  # a client's request id stays data on one line
+        watches = [SloWatch(pool, Slo(), request_id, 320, time.perf_counter()) for request_id in ids]
+        for watch, cached in zip(watches, (0, 160)):
+            watch.routed(inst, pool.pick_prefill(320, {inst.address: cached // 16}, [])[1], pool.decodes[0], 0)
+        for watch in watches:
+            watch.first_token()
+            watch.first_token()  # once a try
+        pool.predictor.log.close()
+        await pool.close()
+
+    asyncio.run(scenario())
+    lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert first["request_id"] == 'r1\n{"forged": true}' and "forged" not in second
+    assert first["prompt_tokens"] == 320 and first["cached_tokens"] == 0 and second["cached_tokens"] == 160
+    assert first["compute_s"] == pytest.approx(100.32) and second["compute_s"] == pytest.approx(100.16)
+    # the second was routed behind the first: one job ahead, its instance busy, its queue the first's compute
+    assert (first["jobs_ahead"], first["prefills_busy"], second["jobs_ahead"], second["prefills_busy"]) == (0, 0, 1, 1)
+    assert second["queue_s"] == pytest.approx(100.32, rel=1e-3)
+    for record in (first, second):
+        assert record["raw_s"] == pytest.approx(record["queue_s"] + record["compute_s"] + record["push_s"])
+        assert 0 < record["measured_s"] < 100 and record["prefill"] == "p1:1" and record["predicted_s"] > 0
 
 
 def test_a_request_s_slo_comes_from_its_fields_then_its_headers_then_the_gateway():

@@ -1,0 +1,54 @@
+"""The TTFT predictor's log (--predictor-log PATH): one JSON object a line for each routed request
+at its first token, with the prediction's inputs and parts and the TTFT then measured, so that an
+operator can see where the predictor misses and refit it offline (llm-d trains its latency
+predictor on such records; the gateway's own calibration, kvmesh.gateway.predictor, learns online
+from the same ones).
+
+A line (seconds unless named otherwise; `at` is Unix time):
+
+    {"at": 1765090000.123, "request_id": "...", "prefill": "10.0.0.5:50051", "core_group": "",
+     "prompt_tokens": 1536, "cached_tokens": 256, "decode_cached_pages": 0, "jobs_ahead": 1,
+     "prefills_busy": 2,
+     "queue_s": 0.84, "compute_s": 1.92, "push_s": 0.03, "raw_s": 2.79, "predicted_s": 2.95,
+     "share": 0.5, "rows": 6, "measured_s": 3.10}
+
+jobs_ahead counts the routed requests at that prefill not yet computed in the predictor's model
+(kvmesh.gateway.prefill_queues), prefills_busy the instances of its core group with work there;
+share and rows are the prediction's (kvmesh.gateway.predictor.TtftPrediction).
+
+predicted_s and measured_s both count from the request's routing (not its arrival: its wait in
+the admission queue is not the predictor's). The file rotates at MAX_BYTES (one old file kept,
+PATH.1), so the log never fills a disk. Strings are JSON-escaped: a request id from a client
+stays data on one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import logging.handlers
+import time
+from typing import Any
+
+MAX_BYTES = 64 * 1024 * 1024
+"""Bytes the log grows to before it rotates (PATH -> PATH.1; the older one is dropped)."""
+
+
+class PredictionLog:
+    """Appends prediction records to `path` (OSError when it cannot be opened)."""
+
+    def __init__(self, path: str) -> None:
+        self._logger = logging.getLogger(f"kvmesh.gateway.predictions.{id(self)}")
+        self._logger.propagate = False  # records go to the file only, never to the service log
+        self._logger.setLevel(logging.INFO)
+        self._handler = logging.handlers.RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=1)
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        self._logger.addHandler(self._handler)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One record (JSON-serialisable values) as a line, stamped with `at` (Unix seconds)."""
+        self._logger.info(json.dumps({"at": round(time.time(), 3), **record}, separators=(",", ":")))
+
+    def close(self) -> None:
+        self._logger.removeHandler(self._handler)
+        self._handler.close()
