@@ -12,12 +12,17 @@ xq = round(x / xd), as `quantize_row_q8_1`), and a block's dot product is summed
 The integer sums run on `vpmaddubsw` (u8 weights x s8 activations, adjacent pairs summed into
 int16: 32 multiply-adds an instruction where an fp32 FMA does 8 on AVX2), held in int16 for 8
 pairs (|sum| <= 8 * 2 * 15 * 127 = 30,480 < 2^15, so never saturated) and widened to int32 twice a
-block. Integer sums are exact in any order, and the scaling runs in a fixed order, so a row's bits
-never depend on the rows beside it (batched decode gives each sequence what it gets alone).
+block. With AVX-512 VNNI (`has_vpdpbusd`: Intel Cascade Lake on, AMD Zen 4 on) they run on
+`vpdpbusd` instead: four u8 x s8 products summed straight into int32 lanes, 64 multiply-adds a
+512-bit instruction and no int16 stage to widen, over weights unpacked as quads (the four inputs
+4j..4j+3 of an output in adjacent bytes). Integer sums are exact in any order, so both paths give
+the same bits; the scaling runs in a fixed order, so a row's bits never depend on the rows beside
+it (batched decode gives each sequence what it gets alone).
 
 The tile layout is `Q4_1Weight`'s ([NT, K/2, TN] bytes, each byte the pair of inputs 2j, 2j+1 of
 one output): unpacked once a call, for all rows, into [G, 16, 2 TN] bytes (q_2j, q_2j+1 of output n
-at 2n, 2n+1), which is `vpmaddubsw`'s pair layout. Numerics: the activations' rounding (at most
+at 2n, 2n+1), which is `vpmaddubsw`'s pair layout, or, for `vpdpbusd`, the same bytes as
+[G, 8, 4 TN] (q_4j .. q_4j+3 of output n at 4n .. 4n+3). Numerics: the activations' rounding (at most
 xd / 2 an input) is the only error added to the fp32 path's; the acceptance rule in
 docs/precision.md judges it through the model.
 """
@@ -49,6 +54,17 @@ def has_pmaddubsw() -> bool:
     NUMBA_CPU_FEATURES when the user set them)."""
     features = vars(numba.config)["CPU_FEATURES"] or llvm.get_host_cpu_features().flatten()
     return "+avx2" in features.split(",")
+
+
+def has_vpdpbusd() -> bool:
+    """Whether numba's code for this host may use AVX-512 VNNI's `vpdpbusd` on 512-bit vectors
+    (the host's features, or NUMBA_CPU_FEATURES when the user set them)."""
+    features = (vars(numba.config)["CPU_FEATURES"] or llvm.get_host_cpu_features().flatten()).split(",")
+    return "+avx512vnni" in features and "+avx512f" in features
+
+
+A8_QUADS = has_vpdpbusd()
+"""Whether this host's tiles run on `vpdpbusd` over quads (else `vpmaddubsw` over pairs)."""
 
 
 class _A8BlockIR(BlockIR):
@@ -132,17 +148,86 @@ class _A8BlockIR(BlockIR):
                 b.store(b.add(b.load(ptr, align=4), wide) if add else wide, ptr, align=4)
 
 
-def _a8_block_rows(R: int, native: bool | None = None):
+class _A8QuadIR(BlockIR):
+    """The IR of one `_a8_block_rows(R, quads=True)` call: 64 outputs a pass (four <16 x i32>
+    sums a row: 6 rows x 4 = 24 of AVX-512's 32 registers, 4 for the weights, 1 for the
+    activations), 8 quads of inputs summed into them, then stored into blk."""
+
+    def __init__(self, context, builder, signature, args, native: bool) -> None:
+        super().__init__(context, builder, signature, args)
+        self.i8, self.i32, self.i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        self.sum32 = ir.VectorType(self.i32, 16)
+        self.native = native
+        if native:
+            self.vpdpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(self.sum32, [self.sum32] * 3), "llvm.x86.avx512.vpdpbusd.512"
+            )
+
+    def emit(self, R: int) -> None:
+        b = self.builder
+        w0 = self.at(self.w_ty, self.wa, ir.Constant(self.i64, 0), ir.Constant(self.i64, 0))  # the block's flat bytes
+        for first in range(0, TN, 64):
+            sums = [
+                [cgutils.alloca_once_value(b, ir.Constant(self.sum32, [0] * 16)) for _ in range(4)] for _ in range(R)
+            ]
+            with cgutils.for_range(b, ir.Constant(self.i64, QK // 4)) as loop:
+                self._add_quad(w0, loop.index, first, sums)
+            for i, row_sums in enumerate(sums):
+                for v, acc in enumerate(row_sums):
+                    at = self.at(self.blk_ty, self.ba, ir.Constant(self.i64, i), ir.Constant(self.i64, first + 16 * v))
+                    b.store(b.load(acc), b.bitcast(at, self.sum32.as_pointer()), align=4)
+
+    def _add_quad(self, w0, j, first: int, sums: list) -> None:
+        """sums[i][v] += quad j's products for outputs first + 16 v .. + 16, every row i."""
+        b = self.builder
+        base = b.mul(j, ir.Constant(self.i64, 4 * TN))
+        wv = [
+            b.load(
+                b.bitcast(
+                    b.gep(w0, [b.add(base, ir.Constant(self.i64, 4 * (first + 16 * v)))]), self.sum32.as_pointer()
+                ),
+                align=1,
+            )
+            for v in range(4)
+        ]
+        col = b.add(self.k0, b.mul(j, ir.Constant(self.i64, 4)))
+        for i, row_sums in enumerate(sums):
+            quad_ptr = self.at(self.x_ty, self.xa, b.add(self.r0, ir.Constant(self.i64, i)), col)
+            quad = b.load(b.bitcast(quad_ptr, self.i32.as_pointer()), align=1)  # xq_4j .. xq_4j+3
+            one = b.insert_element(ir.Constant(self.sum32, ir.Undefined), quad, ir.Constant(self.i32, 0))
+            xv = b.shuffle_vector(one, ir.Constant(self.sum32, ir.Undefined), ir.Constant(self.sum32, [0] * 16))
+            for w, acc in zip(wv, row_sums):
+                b.store(self.dot(b.load(acc), w, xv), acc)
+
+    def dot(self, acc, w, xv):
+        """`vpdpbusd(acc, w, xv)`: lane n += the sum over e < 4 of byte 4n+e of w (unsigned) times
+        that of xv (signed), <16 x i32>. Elsewhere the same in plain IR (exact either way)."""
+        b = self.builder
+        if self.native:
+            return b.call(self.vpdpbusd, [acc, w, xv])
+        bytes64, wide = ir.VectorType(self.i8, 64), ir.VectorType(self.i32, 64)
+        prod = b.mul(b.zext(b.bitcast(w, bytes64), wide), b.sext(b.bitcast(xv, bytes64), wide))
+        for e in range(4):
+            lane = ir.Constant(self.sum32, list(range(e, 64, 4)))
+            acc = b.add(acc, b.shuffle_vector(prod, ir.Constant(wide, ir.Undefined), lane))
+        return acc
+
+
+def _a8_block_rows(R: int, native: bool | None = None, quads: bool = A8_QUADS):
     """An intrinsic `(xq, r0, k0, w8, blk) -> None`: for i < R and n < TN,
     blk[i, n] = sum over j < 16 of w8[j, 2n] xq[r0+i, k0+2j] + w8[j, 2n+1] xq[r0+i, k0+2j+1], exact
-    in int32. xq [M, K] int8, w8 [16, 2 TN] uint8 (values <= 15), blk [>= R, TN] int32.
-    native: `vpmaddubsw` (None: where `has_pmaddubsw`), else plain IR (tests run both)."""
-    native = has_pmaddubsw() if native is None else native
+    in int32. xq [M, K] int8, w8 [16, 2 TN] uint8 (values <= 15; C-contiguous), blk [>= R, TN] int32.
+    quads: w8's bytes are [8, 4 TN] quads (`_unpacker(quads=True)`) and the sums run on
+    `vpdpbusd`; else pairs on `vpmaddubsw`. native: the instruction (None: where the host has it),
+    else plain IR (tests run all four)."""
+    if native is None:
+        native = has_vpdpbusd() if quads else has_pmaddubsw()
+    emitter = _A8QuadIR if quads else _A8BlockIR
 
     @intrinsic
     def a8_block_rows(typingctx, xq, r0, k0, w8, blk):
         def codegen(context, builder, signature, args):
-            _A8BlockIR(context, builder, signature, args, native).emit(R)
+            emitter(context, builder, signature, args, native).emit(R)
             return context.get_dummy_value()
 
         return nbtypes.none(xq, r0, k0, w8, blk), codegen
@@ -150,34 +235,52 @@ def _a8_block_rows(R: int, native: bool | None = None):
     return a8_block_rows
 
 
-@intrinsic
-def _unpack_block(typingctx, qs, at, w8):
-    """w8[jj, 2n] = q_lo, w8[jj, 2n+1] = q_hi of byte qs.flat[at + jj * TN + n], for jj < 16 and n < TN:
-    one block of a tile from its packed bytes (qs C-contiguous uint8, at its flat index) into
-    `vpmaddubsw`'s pair layout, as vector IR (mask, shift, interleave: LLVM's byte unpacks)."""
+def _unpacker(quads: bool):
+    """An intrinsic `(qs, at, w8) -> None`: one block of a tile from its packed bytes (qs
+    C-contiguous uint8, the block at flat index `at`: byte qs.flat[at + jj * TN + n] holds inputs
+    2jj, 2jj+1 of output n) into w8 (16 x 2 TN bytes), as vector IR (mask, shift, interleave:
+    LLVM's byte unpacks). Pairs: w8[jj, 2n] = q_2jj, w8[jj, 2n+1] = q_2jj+1 (`vpmaddubsw`'s
+    layout). quads: byte 4 TN j + 4n + e = q_4j+e (`vpdpbusd`'s), the pairs of rows 2j and
+    2j+1 interleaved output by output."""
 
-    def codegen(context, builder, signature, args):
-        b = builder
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        src = context.make_array(signature.args[0])(context, builder, args[0]).data
-        dst = context.make_array(signature.args[2])(context, builder, args[2]).data
-        chunk, wide = ir.VectorType(i8, 32), ir.VectorType(i8, 64)
-        pairs = ir.Constant(ir.VectorType(i32, 64), [k // 2 + (32 if k % 2 else 0) for k in range(64)])
-        for jj in range(QK // 2):
-            for c in range(0, TN, 32):
+    @intrinsic
+    def unpack_block(typingctx, qs, at, w8):
+        def codegen(context, builder, signature, args):
+            b = builder
+            i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+            src = context.make_array(signature.args[0])(context, builder, args[0]).data
+            dst = context.make_array(signature.args[2])(context, builder, args[2]).data
+            chunk, wide = ir.VectorType(i8, 32), ir.VectorType(i8, 64)
+            pairs = ir.Constant(ir.VectorType(i32, 64), [k // 2 + (32 if k % 2 else 0) for k in range(64)])
+
+            def pairs_of(jj: int, c: int):  # row jj's pairs for outputs c .. c + 32: 64 bytes
                 ptr = b.gep(src, [b.add(args[1], ir.Constant(i64, jj * TN + c))])
                 v = b.load(b.bitcast(ptr, chunk.as_pointer()), align=1)
                 lo = b.and_(v, ir.Constant(chunk, [15] * 32))
                 hi = b.lshr(v, ir.Constant(chunk, [4] * 32))
-                out = b.gep(dst, [ir.Constant(i64, jj * 2 * TN + 2 * c)])
-                b.store(b.shuffle_vector(lo, hi, pairs), b.bitcast(out, wide.as_pointer()), align=1)
-        return context.get_dummy_value()
+                return b.shuffle_vector(lo, hi, pairs)
 
-    return nbtypes.none(qs, at, w8), codegen
+            for c in range(0, TN, 32):
+                if not quads:
+                    for jj in range(QK // 2):
+                        out = b.gep(dst, [ir.Constant(i64, jj * 2 * TN + 2 * c)])
+                        b.store(pairs_of(jj, c), b.bitcast(out, wide.as_pointer()), align=1)
+                    continue
+                half = ir.VectorType(i16, 32)
+                for j in range(QK // 4):  # outputs' pairs of rows 2j, 2j+1 interleaved: 128 bytes of quads
+                    even, odd = (b.bitcast(pairs_of(2 * j + e, c), half) for e in (0, 1))
+                    out = b.gep(dst, [ir.Constant(i64, j * 4 * TN + 4 * c)])
+                    b.store(
+                        b.shuffle_vector(even, odd, pairs), b.bitcast(out, ir.VectorType(i16, 64).as_pointer()), align=1
+                    )
+            return context.get_dummy_value()
+
+        return nbtypes.none(qs, at, w8), codegen
+
+    return unpack_block
 
 
 assert A8_ROWS == 6  # rows_dispatch's six
-_a8_rows_any = rows_dispatch([_a8_block_rows(r) for r in range(1, A8_ROWS + 1)])
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -207,37 +310,49 @@ def quantize_rows_q8(x):  # x [M, K] f32 -> (xq [M, K] i8, xd [M, G] f32, xsum [
     return xq, xd, xsum
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def q4_1_tile_a8(xq, xd, xsum, qs, d, m, t, out):  # qs [NT, K/2, TN] u8, out [M, NT*TN] f32
-    """out[:, t*TN : (t+1)*TN] = tile t of x @ w.T with x as `quantize_rows_q8(x)` gives it.
+def make_q4_1_tile_a8(quads: bool = A8_QUADS):
+    """The tile function below, its integer sums on `vpdpbusd` over quads (quads) or on
+    `vpmaddubsw` over pairs: the same bits either way. The host's choice is `q4_1_tile_a8`;
+    kvmesh.bench.quantization builds the other to compare them in one run."""
+    unpack_block = _unpacker(quads)
+    a8_rows_any = rows_dispatch([_a8_block_rows(r, quads=quads) for r in range(1, A8_ROWS + 1)])
 
-    Per block b and output n: s = the exact int32 sum of q xq (`_a8_block_rows`), then
-    acc = fma(m, xsum, fma(d * xd, s, acc)), blocks in order, the same for a row alone or among
-    others. The tile is unpacked once ([G, 16, 2 TN] bytes: 18-48 KB for SmolLM2's K), then rows
-    go through it in groups of up to A8_ROWS, each group's sums held in L1 across every block
-    (a GEMM's loop order, for prefill's hundreds of rows as for decode's few).
-    """
-    rows, g = xq.shape[0], xq.shape[1] // QK
-    w8 = np.empty((g, QK // 2, 2 * TN), np.uint8)
-    q_at, s_at = t * qs.shape[1] * TN, t * g * TN
-    for b in range(g):
-        for jj in range(QK // 2):
-            prefetch(qs, q_at + (b * (QK // 2) + jj + PREFETCH_LINES) * TN)
-        _unpack_block(qs, q_at + b * (QK // 2) * TN, w8[b])
-    acc = np.empty((A8_ROWS, TN), np.float32)
-    blk = np.empty((A8_ROWS, TN), np.int32)
-    r = 0
-    while r < rows:
-        group = min(A8_ROWS, rows - r)
-        acc[:] = 0
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def q4_1_tile_a8(xq, xd, xsum, qs, d, m, t, out):  # qs [NT, K/2, TN] u8, out [M, NT*TN] f32
+        """out[:, t*TN : (t+1)*TN] = tile t of x @ w.T with x as `quantize_rows_q8(x)` gives it.
+
+        Per block b and output n: s = the exact int32 sum of q xq (`_a8_block_rows`), then
+        acc = fma(m, xsum, fma(d * xd, s, acc)), blocks in order, the same for a row alone or among
+        others. The tile is unpacked once ([G, 16, 2 TN] bytes: 18-48 KB for SmolLM2's K), then rows
+        go through it in groups of up to A8_ROWS, each group's sums held in L1 across every block
+        (a GEMM's loop order, for prefill's hundreds of rows as for decode's few).
+        """
+        rows, g = xq.shape[0], xq.shape[1] // QK
+        w8 = np.empty((g, QK // 2, 2 * TN), np.uint8)
+        q_at, s_at = t * qs.shape[1] * TN, t * g * TN
         for b in range(g):
-            for line in range(0, TN, 16):
-                prefetch(d, s_at + (b + 2) * TN + line)
-                prefetch(m, s_at + (b + 2) * TN + line)
-            _a8_rows_any(group, xq, r, b * QK, w8[b], blk)
-            for i in range(group):
-                dx, s = xd[r + i, b], xsum[r + i, b]
-                for n in range(TN):
-                    acc[i, n] = _fma(m[t, b, n], s, _fma(d[t, b, n] * dx, np.float32(blk[i, n]), acc[i, n]))
-        out[r : r + group, t * TN : (t + 1) * TN] = acc[:group]
-        r += group
+            for jj in range(QK // 2):
+                prefetch(qs, q_at + (b * (QK // 2) + jj + PREFETCH_LINES) * TN)
+            unpack_block(qs, q_at + b * (QK // 2) * TN, w8[b])
+        acc = np.empty((A8_ROWS, TN), np.float32)
+        blk = np.empty((A8_ROWS, TN), np.int32)
+        r = 0
+        while r < rows:
+            group = min(A8_ROWS, rows - r)
+            acc[:] = 0
+            for b in range(g):
+                for line in range(0, TN, 16):
+                    prefetch(d, s_at + (b + 2) * TN + line)
+                    prefetch(m, s_at + (b + 2) * TN + line)
+                a8_rows_any(group, xq, r, b * QK, w8[b], blk)
+                for i in range(group):
+                    dx, s = xd[r + i, b], xsum[r + i, b]
+                    for n in range(TN):
+                        acc[i, n] = _fma(m[t, b, n], s, _fma(d[t, b, n] * dx, np.float32(blk[i, n]), acc[i, n]))
+            out[r : r + group, t * TN : (t + 1) * TN] = acc[:group]
+            r += group
+
+    return q4_1_tile_a8
+
+
+q4_1_tile_a8 = make_q4_1_tile_a8()

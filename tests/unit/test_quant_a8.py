@@ -1,7 +1,8 @@
 """int8 activations against Q4_1 blocks (kernels/quant_a8.py, `--quantization int8`): the
-activations' quantization against llama.cpp's rule, the integer block sums exact (vpmaddubsw and
-the plain-IR fallback), each output within the bound the quantization allows, a row's bits the
-same alone or in a batch, and the setting's refusals."""
+activations' quantization against llama.cpp's rule, the integer block sums exact (vpmaddubsw over
+pairs, vpdpbusd over quads, and the plain-IR fallback of each), each output within the bound the
+quantization allows, the same bits from either instruction, a row's bits the same alone or in a
+batch, and the setting's refusals."""
 
 import numba
 import numpy as np
@@ -10,7 +11,15 @@ import torch
 
 from kvmesh.engine.precision import apply_quantization, check_quantization_spec
 from kvmesh.kernels.quant import TN, pack_q4_1, quantized_matmul
-from kvmesh.kernels.quant_a8 import A8_ROWS, _a8_block_rows, q4_1_tile_a8, quantize_rows_q8
+from kvmesh.kernels.quant_a8 import (
+    A8_QUADS,
+    A8_ROWS,
+    _a8_block_rows,
+    has_vpdpbusd,
+    make_q4_1_tile_a8,
+    q4_1_tile_a8,
+    quantize_rows_q8,
+)
 from kvmesh.kernels.ref import dequantize_q4_1_ref
 
 
@@ -37,8 +46,8 @@ def test_activations_quantize_as_llama_cpp_q8_1_rounds():
     assert np.allclose(xsum, blocks.sum(-1), rtol=1e-5, atol=1e-5)
 
 
-def _block_rows_caller(R, native):
-    block = _a8_block_rows(R, native)
+def _block_rows_caller(R, native, quads):
+    block = _a8_block_rows(R, native, quads)
 
     @numba.njit
     def call(xq, r0, k0, w8, blk):
@@ -47,9 +56,14 @@ def _block_rows_caller(R, native):
     return call
 
 
-@pytest.mark.parametrize("native", [True, False])
+INSTRUCTIONS = [("vpmaddubsw", True, False), ("pairs in plain IR", False, False), ("quads in plain IR", False, True)]
+if has_vpdpbusd():  # AVX-512 VNNI (Zen 4, Cascade Lake on); elsewhere its plain IR stands in
+    INSTRUCTIONS.append(("vpdpbusd", True, True))
+
+
+@pytest.mark.parametrize("name, native, quads", INSTRUCTIONS)
 @pytest.mark.parametrize("R", [1, 4, A8_ROWS])
-def test_block_sums_are_exact_integers_at_the_extremes(native, R):
+def test_block_sums_are_exact_integers_at_the_extremes(name, native, quads, R):
     rng = np.random.default_rng(R)
     xq = rng.integers(-128, 128, (A8_ROWS + 2, 96), dtype=np.int8)
     xq[0, 32:64] = -128  # the largest products of both signs, summed over the whole block
@@ -57,9 +71,12 @@ def test_block_sums_are_exact_integers_at_the_extremes(native, R):
     w8 = rng.integers(0, 16, (16, 2 * TN), dtype=np.uint8)
     w8[:, :8] = 15
     blk = np.full((A8_ROWS, TN), 7, np.int32)  # overwritten, not added to
-    _block_rows_caller(R, native)(xq, 1, 32, w8, blk)
-    pairs = xq[1 : 1 + R, 32:64].astype(np.int64)  # [R, 32]: inputs 2j, 2j+1 of block 1
-    expected = pairs[:, 0::2] @ w8[:, 0::2].astype(np.int64) + pairs[:, 1::2] @ w8[:, 1::2].astype(np.int64)
+    _block_rows_caller(R, native, quads)(xq, 1, 32, w8, blk)
+    x = xq[1 : 1 + R, 32:64].astype(np.int64)  # [R, 32]: the inputs of block 1
+    if quads:  # w8's bytes as [8, TN, 4]: inputs 4j .. 4j+3 of output n
+        expected = np.einsum("rje,jne->rn", x.reshape(R, 8, 4), w8.reshape(8, TN, 4).astype(np.int64))
+    else:  # [16, TN, 2]: inputs 2j, 2j+1 of output n
+        expected = x[:, 0::2] @ w8[:, 0::2].astype(np.int64) + x[:, 1::2] @ w8[:, 1::2].astype(np.int64)
     assert np.array_equal(blk[:R], expected)
     assert np.array_equal(blk[R:], np.full((A8_ROWS - R, TN), 7))
 
@@ -83,6 +100,11 @@ def test_outputs_stay_within_the_activations_rounding_and_rows_keep_their_bits(r
     error = np.abs(out[:, :100] - exact)
     assert (error <= bound).all(), float((error / bound).max())
     assert error.max() > 1e-4  # it is int8 arithmetic, not the fp32 path
+    # the other instruction (pairs on vpmaddubsw, or quads on vpdpbusd / their plain IR): the same bits
+    other, other_tile = np.empty_like(out), make_q4_1_tile_a8(not A8_QUADS)
+    for t in range(w4.qs.shape[0]):
+        other_tile(xq, xd, xsum, w4.qs, w4.d, w4.m, t, other)
+    assert np.array_equal(other, out)
     # prefill's torch entry point (any rows, numba's threads) gives the fused step's tiles' bits
     assert np.array_equal(quantized_matmul(torch.from_numpy(x), w4, int8_activations=True).numpy(), out[:, :100])
     for r in range(rows):  # a row alone: the same bits as among the others
