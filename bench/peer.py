@@ -86,6 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    # vLLM inspects models in `python -m` subprocesses, which put their working directory (this
+    # checkout's root) first on sys.path, where kvmesh's `kernels/` folder shadows Hugging Face's
+    # `kernels` package that vLLM imports ("Model architectures ['LlamaForCausalLM'] failed to be
+    # inspected"); safe-path mode leaves the working directory out
+    "PYTHONSAFEPATH": "1",
+}
+
+
 @dataclass
 class Server:
     """How to start one side and what it is called."""
@@ -162,7 +172,7 @@ def _client(
     argv += ["--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed)]
     argv += ["--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
     argv += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env = {**os.environ, **VLLM_ENV}
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=3600, env=env)
     return json.loads(out.read_text())
 
@@ -257,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
         + ["--dtype", args.vllm_dtype],
         {
             **os.environ,
+            **VLLM_ENV,
             "VLLM_LOGGING_LEVEL": "WARNING",
-            "VLLM_TARGET_DEVICE": "cpu",
             # its default takes most of the machine's memory for KV cache (20 of 24 GiB here),
             # and a new prompt shape's compile then got its worker OOM-killed
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
