@@ -88,10 +88,10 @@ class PrefillEngine:
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
         self._tokens_per_s: float | None = None
-        self.compute_fit = LinearFit(3)
+        self.compute_fit = LinearFit(3, relative=True)
         """A batch's compute seconds (its forwards' own: the turns waited on shared cores left out)
         on [requests, tokens computed, sum of tokens x (cached + tokens / 2)] (the attention's
-        part grows with the context): the TTFT predictor's input."""
+        part grows with the context), to the least relative error: the TTFT predictor's input."""
         self.push_fit = LinearFit(2)
         """A push's seconds after the compute (what TTFT pays) on [1, pages pushed]."""
 

@@ -55,6 +55,24 @@ def test_the_fit_recovers_known_costs_and_keeps_them_non_negative():
         slow.add((1, 2), 1.0)
 
 
+def test_a_relative_fit_keeps_short_samples_close_where_the_absolute_fit_lets_long_ones_decide():
+    lengths = (64, 256, 768, 1536) * 4
+    absolute, relative = LinearFit(2), LinearFit(2, relative=True)
+    for tokens in lengths:  # a cost the features cannot follow exactly: super-linear in tokens
+        for fit in (absolute, relative):
+            fit.add((1, tokens), 1e-3 * tokens**1.3)
+
+    def worst(fit):
+        return max(abs(fit.predict((1, t)) - 1e-3 * t**1.3) / (1e-3 * t**1.3) for t in lengths)
+
+    assert worst(relative) < 0.7 * worst(absolute)
+    assert relative.predict((1, 64)) == pytest.approx(1e-3 * 64**1.3, rel=0.5)
+    exact = LinearFit(2, relative=True)  # a cost it can follow: recovered as the absolute fit does
+    for tokens in lengths:
+        exact.add((1, tokens), 0.05 + 0.001 * tokens)
+    assert exact.coefficients() == pytest.approx([0.05, 0.001], rel=1e-6)
+
+
 def test_a_ratio_fit_corrects_a_prediction_by_the_measured_relative_error():
     fit = RatioFit(2, window=16, min_samples=4)
     assert fit.correct((1.0, 0.0), 2.0) is None  # nothing measured yet
