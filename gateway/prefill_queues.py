@@ -18,10 +18,6 @@ that has work at a rate (seconds of its compute per second):
 
 That is processor sharing with a forward as its quantum (Kleinrock, "Time-shared systems", 1967):
 a request's queue drains at its share of the cores, the share growing as the other queues empty.
-Time passing is served at those rates. A new request's finish, when every busy instance of its
-group publishes its forward's size, is served turn by turn instead (`_round_robin`: a forward of
-each in turn, decode steps after each), since the rates hold a job of one forward to 1/k of the
-cores for all of it, where it waits only for the forward running when it comes.
 A request's first token, seen at the gateway, ends its job and every job ahead of it at that
 instance (computed before it, or with it in one batch), so the model is set right by what happens;
 a job served out in the model before its first token came gives the next one back the service
@@ -133,28 +129,7 @@ class PrefillQueues:
         new = Job(max(compute_s, EPSILON_S))
         queues.setdefault(prefill.address, deque()).append(new)
         share = self._rates([a for a, queue in queues.items() if queue])[prefill.address]
-        forwards = self._forwards_s(prefill, queues)
-        if forwards is not None:
-            return _round_robin(
-                queues, prefill.address, forwards, _decode_steps_s(self.decodes, prefill.core_group), new
-            ), share
         return self._serve(queues, 0.0, math.inf, until=new), share
-
-    def _forwards_s(self, prefill: InstanceLoad, queues: dict[str, deque[Job]]) -> dict[str, float] | None:
-        """One forward's seconds of each instance of `prefill`'s core group with work in `queues`
-        (`prefill` first), when every one of them is known; None on cores of its own or while
-        one is unknown (the fluid model's rates then)."""
-        if not prefill.core_group:
-            return None
-        members = [prefill] + [
-            p for p in self.prefills if p.core_group == prefill.core_group and p.address != prefill.address
-        ]
-        forwards = {
-            p.address: _forward_s(p)
-            for p in members
-            if p.address == prefill.address or _head(queues.get(p.address, deque()))
-        }
-        return forwards if all(f > 0 for f in forwards.values()) else None
 
     def _advance(self, now: float) -> None:
         """Serve the queues from the last time they were served until `now`."""
@@ -190,51 +165,6 @@ class PrefillQueues:
         rates = {a: 1.0 for a in busy if a not in by_address}  # gone from the pool: alone
         rates.update(cores_shares(known, self.decodes))
         return rates
-
-
-MIN_FORWARD_S = 0.01
-"""The least seconds `_round_robin` takes a forward to be (bounds its steps on a tiny profile)."""
-
-
-def _round_robin(
-    queues: dict[str, deque[Job]], target: str, forwards_s: dict[str, float], steps_s: float, new: Job
-) -> float:
-    """Seconds until `new` (the last job of `target`'s queue) is served out when the instances of
-    `forwards_s` (target's first) take turns a forward each on their cores, as
-    kvmesh.runtime.cpu_share runs them: each forward computes up to its instance's forward seconds
-    of its queue's head jobs (a forward packs requests), and the group's decode steps (`steps_s`)
-    go after each forward. The others' forward running now is taken as half done. Serves the
-    copy `queues` it is given.
-
-    Where the fluid rates hold a job to 1/k of the cores for its whole compute, this gives a job
-    of one forward the wait for the forward that runs now and no more (a 256-token prompt beside
-    another prefill's long one, 2026-12-07: 0.63 s by the rates against 0.35-0.53 s measured).
-    """
-    others = [a for a in forwards_s if a != target]
-    t = sum(_serve_forward(queues[a], forwards_s[a] / 2) for a in others)
-    while new.served_at is None:
-        for a in (target, *others):
-            spent = _serve_forward(queues[a], forwards_s[a])
-            if spent:
-                t += spent
-                if new.served_at is not None:
-                    return t
-                t += steps_s
-    return t
-
-
-def _serve_forward(jobs: deque[Job], forward_s: float) -> float:
-    """Serve `jobs`' head jobs for up to one forward (at least MIN_FORWARD_S seconds), stamping
-    each one served out; returns the seconds served."""
-    budget = max(forward_s, MIN_FORWARD_S)
-    spent = 0.0
-    while budget - spent > EPSILON_S and (head := _head(jobs)) is not None:
-        step = min(head.remaining_s, budget - spent)
-        head.remaining_s -= step
-        spent += step
-        if head.remaining_s <= EPSILON_S:
-            head.remaining_s, head.served_at = 0.0, spent
-    return spent
 
 
 def cores_shares(busy: Sequence[InstanceLoad], decodes: Sequence[InstanceLoad]) -> dict[str, float]:

@@ -65,24 +65,9 @@ def test_decode_steps_of_the_group_take_their_share_between_forwards():
     elsewhere = InstanceLoad("d3", decode_compute_fit=(0.5, 0.0, 0.0), core_group="far:/share", in_flight_requests=2)
     queues = PrefillQueues([a], [busy, idle, elsewhere], clock)
     share = 0.256 / (0.256 + 0.05 + 0.03)  # d1's step (0.08 s) after each forward; d2 has no requests
-    # forwards of 0.256, 0.256, 0.256 and 0.232 s, d1's step after each of the first three
-    assert queues.finish_s(a, 1.0) == pytest.approx((1.0 + 3 * 0.08, share))
+    assert queues.finish_s(a, 1.0) == pytest.approx((1.0 / share, share))
     busy.in_flight_requests = 0  # decode idle: the forwards have the cores
     assert queues.finish_s(a, 1.0) == pytest.approx((1.0, 1.0))
-
-
-def test_a_forward_is_the_turn_a_short_job_waits_one_forward_of_the_other_not_half_the_cores():
-    clock = Clock()
-    a, b = _prefill("a", "host:/share", 256), _prefill("b", "host:/share", 256)  # forwards of 0.256 s
-    queues = PrefillQueues([a, b], [], clock)
-    queues.add(b, 1.0)
-    # b's forward running now (half done, on average), then a's one forward: not 0.2 s at half the cores
-    assert queues.finish_s(a, 0.2)[0] == pytest.approx(0.128 + 0.2)
-    # a long job still shares: b's half forward, then a, b, a, b, a, b forwards of 0.256 s, a's last 0.232
-    assert queues.finish_s(a, 1.0)[0] == pytest.approx(0.128 + 6 * 0.256 + 0.232)
-    unknown = PrefillQueues([a, _prefill("c", "host:/share")], [], clock)  # c publishes no forward bound
-    unknown.add(unknown.prefills[1], 1.0)
-    assert unknown.finish_s(a, 0.2)[0] == pytest.approx(0.4)  # the fluid rates: half the cores
 
 
 def test_a_first_token_ends_its_job_and_those_ahead_and_a_late_one_gives_service_back():
