@@ -34,7 +34,7 @@ NUMBA_SOURCES = (
     "engine/llama/step_attention.py",
 )
 """kvmesh's files with `numba.njit(cache=True)` kernels (tests/unit checks the list is whole)."""
-NUMBA_INLINED = ("kernels/quant_format.py", "kernels/quant_llvm.py")
+NUMBA_INLINED = ("kernels/quant_format.py", "kernels/quant_llvm.py", "kernels/quant_a8_ir.py")
 """Files without cached kernels whose constants and intrinsics those kernels compile in: part of
 the digest too, as numba's index would not see an edit to them."""
 

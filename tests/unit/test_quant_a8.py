@@ -11,15 +11,8 @@ import torch
 
 from kvmesh.engine.precision import apply_quantization, check_quantization_spec
 from kvmesh.kernels.quant import TN, pack_q4_1, quantized_matmul
-from kvmesh.kernels.quant_a8 import (
-    A8_QUADS,
-    A8_ROWS,
-    _a8_block_rows,
-    has_vpdpbusd,
-    make_q4_1_tile_a8,
-    q4_1_tile_a8,
-    quantize_rows_q8,
-)
+from kvmesh.kernels.quant_a8 import A8_QUADS, A8_ROWS, has_vpdpbusd, make_q4_1_tile_a8, q4_1_tile_a8, quantize_rows_q8
+from kvmesh.kernels.quant_a8_ir import _a8_block_rows
 from kvmesh.kernels.ref import dequantize_q4_1_ref
 
 
