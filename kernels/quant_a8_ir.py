@@ -20,6 +20,7 @@ from kvmesh.kernels.quant_llvm import BlockIR
 
 _PASS = 32  # outputs a pass: two <16 x i16> sums a row
 _HALF = 8  # pairs summed in int16 before widening
+assert TN % 64 == 0  # a tile's outputs in whole passes: 32 a pass of pairs, 64 of quads
 
 
 def has_pmaddubsw() -> bool:
