@@ -8,15 +8,13 @@ this file is part of their cache key (`kvmesh.kernels.numba_cache.NUMBA_INLINED`
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm
-import numba
 from llvmlite import ir
 from numba import types as nbtypes
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvmesh.kernels.quant_format import QK, TN
-from kvmesh.kernels.quant_llvm import BlockIR
+from kvmesh.kernels.quant_llvm import BlockIR, codegen_features
 
 _PASS = 32  # outputs a pass: two <16 x i16> sums a row
 _HALF = 8  # pairs summed in int16 before widening
@@ -24,17 +22,14 @@ assert TN % 64 == 0  # a tile's outputs in whole passes: 32 a pass of pairs, 64 
 
 
 def has_pmaddubsw() -> bool:
-    """Whether numba's code for this host may use AVX2's `vpmaddubsw` (the host's features, or
-    NUMBA_CPU_FEATURES when the user set them)."""
-    features = vars(numba.config)["CPU_FEATURES"] or llvm.get_host_cpu_features().flatten()
-    return "+avx2" in features.split(",")
+    """Whether numba's code for this host may use AVX2's `vpmaddubsw` (`codegen_features`)."""
+    return "+avx2" in codegen_features()
 
 
 def has_vpdpbusd() -> bool:
     """Whether numba's code for this host may use AVX-512 VNNI's `vpdpbusd` on 512-bit vectors
-    (the host's features, or NUMBA_CPU_FEATURES when the user set them)."""
-    features = (vars(numba.config)["CPU_FEATURES"] or llvm.get_host_cpu_features().flatten()).split(",")
-    return "+avx512vnni" in features and "+avx512f" in features
+    (`codegen_features`)."""
+    return {"+avx512vnni", "+avx512f"} <= codegen_features()
 
 
 A8_QUADS = has_vpdpbusd()

@@ -25,11 +25,16 @@ from kvmesh.kernels import numba_cache  # noqa: F401  (before any njit(cache=Tru
 from kvmesh.kernels.quant_format import QK, TN
 
 
-def _host_has_avx512() -> bool:
-    """Whether the code numba generates here may use AVX-512 (the host's features, or
-    NUMBA_CPU_FEATURES when the user set them)."""
+def codegen_features() -> frozenset[str]:
+    """LLVM's features numba generates code for here ('+avx512f', '-amx-bf16', ...): the host's,
+    or NUMBA_CPU_FEATURES when the user set them."""
     features = vars(numba.config)["CPU_FEATURES"] or llvm.get_host_cpu_features().flatten()
-    return "+avx512f" in features.split(",")
+    return frozenset(features.split(","))
+
+
+def _host_has_avx512() -> bool:
+    """Whether the code numba generates here may use AVX-512 (`codegen_features`)."""
+    return "+avx512f" in codegen_features()
 
 
 def _prefer_512_bit_vectors() -> None:
