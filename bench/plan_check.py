@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvmesh.launcher import SHARED_CORES_FORWARD_TOKENS, start_mesh
     from kvmesh.planner.command import up_command
-    from kvmesh.planner.measure import measure_profile
+    from kvmesh.planner.measure import measure
     from kvmesh.planner.profile import load_profile
     from kvmesh.redis_server import free_port
 
@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             profile = load_profile(args.profile)
         else:
-            mesh = start_mesh(1, 1, port=free_port(), log=log, env={"REDIS_URL": ""})
-            try:
-                profile = asyncio.run(measure_profile(mesh.gateway_address, SHARED_CORES_FORWARD_TOKENS, args.seed))
-            finally:
-                mesh.stop()
+            profile = measure(
+                lambda env: start_mesh(1, 1, port=free_port(), log=log, env={"REDIS_URL": "", **env}),
+                SHARED_CORES_FORWARD_TOKENS,
+                args.seed,
+            )
         print(f"profile: {profile}", flush=True)
         best, _ = plan(workload, profile, slo, args.max_prefill, args.max_decode)
         if best is None:

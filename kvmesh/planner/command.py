@@ -13,7 +13,6 @@ one decode of --model that it starts on free ports and stops.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -149,30 +148,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> Profile:
-    """Start a mesh of one prefill and one decode on free ports, measure its profile, stop it."""
+    """Measure the profile on meshes of one prefill and one decode on free ports, at two chunk
+    sizes, one after the other (kvmesh.planner.measure.measure)."""
     from kvmesh import launcher
-    from kvmesh.planner.measure import measure_profile
+    from kvmesh.planner.measure import measure
     from kvmesh.redis_server import free_port
 
     chunk = int(os.environ.get("KVMESH_CHUNKED_PREFILL_SIZE", launcher.SHARED_CORES_FORWARD_TOKENS))
     print(f"measuring a profile: 1 prefill, 1 decode of {args.model or 'the default model'} ...", flush=True)
-    mesh = launcher.start_mesh(
-        1,
-        1,
-        args.model,
-        port=free_port("127.0.0.1"),
-        extra_prefill_args=["--dtype", args.dtype],
-        extra_decode_args=["--dtype", args.dtype],
-        log=open(os.devnull, "w"),  # noqa: SIM115 (the children hold it; closed with them)
-    )
-    try:
-        return asyncio.run(
-            measure_profile(
-                mesh.gateway_address, chunk, args.seed, {"model": args.model or "default", "dtype": args.dtype}
-            )
+
+    def start(env: dict[str, str]) -> launcher.Mesh:
+        return launcher.start_mesh(
+            1,
+            1,
+            args.model,
+            port=free_port("127.0.0.1"),
+            extra_prefill_args=["--dtype", args.dtype],
+            extra_decode_args=["--dtype", args.dtype],
+            env=env,
+            log=open(os.devnull, "w"),  # noqa: SIM115 (the children hold it; closed with them)
         )
-    finally:
-        mesh.stop()
+
+    return measure(start, chunk, args.seed, {"model": args.model or "default", "dtype": args.dtype})
 
 
 def _ms(seconds: float) -> str:

@@ -175,3 +175,49 @@ def test_a_trace_is_read_in_arrival_order_and_bad_limits_and_profiles_are_refuse
             trace_workload(str(path), **kwargs)
     with pytest.raises(ValueError, match="costs must be >= 0"):
         Profile(0.01, math.nan, 0.0, 0.05, 0.02, 0.005, 0.0, chunk_tokens=256, max_context_tokens=8192)
+
+
+def _sweep(profile: Profile, chunk: int, rng) -> list:
+    """The measuring sweep's prompts at `chunk`, each TTFT the profile's times 5% lognormal noise."""
+    import math
+
+    from kvmesh.planner.measure import PROMPT_LENGTHS, PrefillSample
+
+    samples = []
+    for n in PROMPT_LENGTHS:
+        for tokens, cached in ((n, 0), (n, 0), (n + 32, n), (n + 32, n)):
+            computed = tokens - cached
+            ttft = profile.first_token_s + profile.forward_s(computed, computed * (cached + computed / 2))
+            ttft += profile.per_forward_s * (math.ceil(computed / chunk) - 1)
+            samples.append(PrefillSample(tokens, cached, chunk, ttft * math.exp(rng.gauss(0, 0.05))))
+    return samples
+
+
+def test_the_second_chunk_size_tells_a_forwards_cost_from_a_requests():
+    # forward 50 ms + 0.8 ms a token, first token 30 ms after it: from one chunk size's sweep the
+    # two fixed costs are near-collinear (most prompts take one forward) and noise moves the cost
+    # between them; with the sweep at a quarter of the chunk too, 20 noisy sweeps recover both
+    # within 25%, and the fit is of the relative error (a 32-token prompt within 10%)
+    import random
+
+    from kvmesh.planner.measure import SMALL_CHUNK_DIVISOR, fit_prefill
+
+    truth = Profile(0.05, 0.0008, 2e-7, 0.03, 0.02, 0.005, 0.0, chunk_tokens=256, max_context_tokens=8192)
+    one_chunk_off = 0
+    for seed in range(20):
+        rng = random.Random(seed)
+        big = _sweep(truth, 256, rng)
+        first, per_forward, per_token, _ = fit_prefill(big + _sweep(truth, 256 // SMALL_CHUNK_DIVISOR, rng))
+        assert first == pytest.approx(truth.first_token_s, rel=0.25)
+        assert per_forward == pytest.approx(truth.per_forward_s, rel=0.25)
+        assert first + per_forward + 32 * per_token == pytest.approx(0.03 + 0.05 + 32 * 0.0008, rel=0.1)
+        first, per_forward, *_ = fit_prefill(big)
+        one_chunk_off += abs(per_forward / truth.per_forward_s - 1) > 0.25
+    assert one_chunk_off >= 3  # the collinearity this guards against, in this same noise
+
+
+def test_fit_prefill_refuses_no_samples():
+    from kvmesh.planner.measure import fit_prefill
+
+    with pytest.raises(ValueError, match="no prefill samples"):
+        fit_prefill([])
