@@ -5,7 +5,9 @@ load the gateway sees, calibrated online against what the gateway then measures.
 TTFT at a prefill instance, from the moment the request is routed (seconds):
 
     compute  this prompt's uncached tokens T after its C cached ones by the instance's profile
-             (its forwards' own seconds): prefill_fit . [1, T, T (C + T / 2)]
+             (its forwards' own seconds): prefill_fit . [F, 1, T, T (C + T / 2)], F its forwards
+             (T over the instance's max_forward_tokens; 0 when it shares the forward of a batch
+             still waiting there: kvmesh.gateway.prefill_queues)
     queue    the wait for the work ahead of it and the cores' turns while it computes: when the
              fluid model of the routed work (kvmesh.gateway.prefill_queues: each instance's queue
              first come first served, instances that share cores taking turns with each other and
@@ -34,7 +36,14 @@ from dataclasses import dataclass
 
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.prediction_log import PredictionLog
-from kvmesh.gateway.prefill_queues import Job, PrefillQueues, fitted_step_s
+from kvmesh.gateway.prefill_queues import (
+    Job,
+    PrefillQueues,
+    fitted_compute_s,
+    fitted_step_s,
+    forwards_of,
+    has_prefill_fit,
+)
 from kvmesh.runtime.latency_fit import RatioFit
 
 CALIBRATION_WINDOW = 64
@@ -56,6 +65,10 @@ class TtftPrediction:
     of its own; less where instances take turns: kvmesh.gateway.prefill_queues)."""
     rows: int = 0
     """The requests the decode instances of its core group stream (0 on cores of its own)."""
+    tokens: int = 0
+    """The prompt tokens it computes (its uncached ones)."""
+    joins_batch: bool = False
+    """It shares the forward of a batch waiting at the instance (kvmesh.gateway.prefill_queues)."""
 
 
 class LatencyPredictor:
@@ -85,11 +98,12 @@ class LatencyPredictor:
         """The TTFT of a prompt of `num_prompt_tokens` tokens, `cached_tokens` of them held at
         `prefill` and `decode_cached_pages` pages of them at the decode (not pushed); None while
         the instance has published no profile."""
-        if len(prefill.prefill_fit) != 3:
+        if not has_prefill_fit(prefill):
             return None
-        per_request, per_token, per_attention = prefill.prefill_fit
         computed = max(num_prompt_tokens - cached_tokens, 1)
-        compute_s = per_request + per_token * computed + per_attention * computed * (cached_tokens + computed / 2)
+        joins = self.queues.joins_batch(prefill, computed)
+        forwards = 0 if joins else forwards_of(prefill, computed)
+        compute_s = fitted_compute_s(prefill.prefill_fit, computed, cached_tokens, forwards)
         finish_s, share = self.queues.finish_s(prefill, compute_s)
         queue_s = finish_s - compute_s
         if self._others_queued(prefill):
@@ -101,7 +115,7 @@ class LatencyPredictor:
         fit = self._calibration.get(_calibration_key(prefill))
         calibrated = fit.correct((1.0, rows), raw) if fit is not None else None
         return TtftPrediction(
-            calibrated if calibrated is not None else raw, raw, queue_s, compute_s, push_s, share, rows
+            calibrated if calibrated is not None else raw, raw, queue_s, compute_s, push_s, share, rows, computed, joins
         )
 
     def _others_queued(self, prefill: InstanceLoad) -> bool:
@@ -124,7 +138,7 @@ class LatencyPredictor:
     def commit(self, prefill: InstanceLoad, predicted: TtftPrediction) -> Job:
         """A request was routed to `prefill` with this prediction: its compute joins the model of
         the queue there. Returns its job, what `observe` takes back."""
-        return self.queues.add(prefill, predicted.compute_s)
+        return self.queues.add(prefill, predicted.compute_s, predicted.tokens, predicted.joins_batch)
 
     def observe(self, prefill: InstanceLoad, predicted: TtftPrediction, measured_s: float, job: Job) -> None:
         """A routed request's prediction (its parts), the TTFT then measured from its routing
@@ -154,7 +168,8 @@ def step_s(decode: InstanceLoad, more_rows: int = 0, more_context: int = 0) -> f
 
 def queued_s(prefill: InstanceLoad, queued: int, requests: int) -> float:
     """The seconds `queued` prompt tokens in `requests` requests take on `prefill` by its
-    profile, each request taken as the queue's mean length."""
-    per_request, per_token, per_attention = prefill.prefill_fit
+    profile, each request taken as the queue's mean length, in forwards of max_forward_tokens
+    (one a request when unbounded)."""
     waiting = max(requests, 1 if queued else 0)
-    return per_request * waiting + per_token * queued + per_attention * queued * queued / (2 * max(waiting, 1))
+    forwards = forwards_of(prefill, queued) if prefill.max_forward_tokens > 0 and queued else waiting
+    return fitted_compute_s(prefill.prefill_fit, queued, 0, forwards, waiting)

@@ -4,7 +4,11 @@ prefill instance's queue on the cores it runs on: where the TTFT predictor
 
 Each instance computes its queue first come first served (kvmesh.prefill_svc.pending). A job is
 one routed request's compute seconds by its instance's profile (prefill_fit: its forwards' own
-seconds, the turns waited on shared cores left out). Time serves the head job of each instance
+seconds, the turns waited on shared cores left out: `fitted_compute_s`). When its worker frees,
+an instance takes every queued request up to its batch's tokens into one batch, whose requests
+share each forward: a job that joins the queue behind one still waiting, and fits with the
+waiting jobs of that batch into max_forward_tokens tokens, shares their forward (`joins_batch`)
+and costs no forward of its own. Time serves the head job of each instance
 that has work at a rate (seconds of its compute per second):
 
     1                          on cores of its own (a GPU each: core_group '');
@@ -38,11 +42,43 @@ EPSILON_S = 1e-9
 """Compute seconds below which a job is served out."""
 
 
+PREFILL_FIT_FEATURES = 4
+"""prefill_fit's length: seconds on [forwards, requests, tokens computed, attention]."""
+
+
+def has_prefill_fit(prefill: InstanceLoad) -> bool:
+    """Whether `prefill` has published its profile (prefill_fit)."""
+    return len(prefill.prefill_fit) == PREFILL_FIT_FEATURES
+
+
+def fitted_compute_s(
+    prefill_fit: Sequence[float], tokens: float, cached: float, forwards: float, requests: int = 1
+) -> float:
+    """Seconds of compute by a prefill profile (prefill_fit: seconds on [forwards, requests,
+    tokens computed, tokens x (cached + tokens / 2)]) of `requests` requests computing `tokens`
+    tokens after `cached` ones in `forwards` forwards."""
+    per_forward, per_request, per_token, per_attention = prefill_fit
+    attention = per_attention * tokens * (cached + tokens / (2 * max(requests, 1)))
+    return per_forward * forwards + per_request * requests + per_token * tokens + attention
+
+
+def forwards_of(prefill: InstanceLoad, tokens: int) -> int:
+    """The forwards `prefill` computes `tokens` prompt tokens in, alone (max_forward_tokens each;
+    1 when unbounded)."""
+    bound = prefill.max_forward_tokens
+    return max(math.ceil(tokens / bound), 1) if bound > 0 else 1
+
+
 @dataclass(eq=False)
 class Job:
-    """One routed request's prefill compute in the model (seconds)."""
+    """One routed request's prefill compute in the model (seconds), its tokens, and the tokens of
+    the batch it closes (its own, or with those of the waiting jobs it joined: `joins_batch`)."""
 
     compute_s: float
+    tokens: int = 0
+    batch_tokens: int = 0
+    joined: bool = False
+    """It shares the forward of the job ahead of it (the instance computes them in one batch)."""
     remaining_s: float = field(init=False)
     served_at: float | None = None
     """When the model served it out (PrefillQueues' clock); None while it has work left."""
@@ -68,13 +104,32 @@ class PrefillQueues:
         self._done_at: dict[str, float] = {}
         self._at = clock()
 
-    def add(self, prefill: InstanceLoad, compute_s: float) -> Job:
-        """A request was routed to `prefill` with `compute_s` seconds to compute: it joins the
-        end of its queue. Returns its job, for `done`."""
+    def add(self, prefill: InstanceLoad, compute_s: float, tokens: int = 0, joined: bool = False) -> Job:
+        """A request of `tokens` tokens to compute was routed to `prefill` with `compute_s` seconds
+        to compute, in the batch of the job ahead of it when `joined` (what `joins_batch` said):
+        it joins the end of its queue. Returns its job, for `done`."""
         self._advance(self._clock())
-        job = Job(max(compute_s, 0.0))
-        self._jobs.setdefault(prefill.address, deque()).append(job)
+        jobs = self._jobs.setdefault(prefill.address, deque())
+        batch_tokens = tokens + (jobs[-1].batch_tokens if joined and jobs else 0)
+        job = Job(max(compute_s, 0.0), tokens, batch_tokens, joined and bool(jobs))
+        jobs.append(job)
         return job
+
+    def joins_batch(self, prefill: InstanceLoad, tokens: int) -> bool:
+        """Whether a new job of `tokens` tokens at `prefill` would be computed in one batch with
+        the job at the end of its queue: that job still waits (its batch is not the one computing
+        now, which holds the head job and those that joined it) and the two fit in one forward
+        (max_forward_tokens; never where that is unbounded, whose batch bound the gateway does
+        not know)."""
+        self._advance(self._clock())
+        bound = prefill.max_forward_tokens
+        jobs = [j for j in self._jobs.get(prefill.address, ()) if j.served_at is None]
+        if bound <= 0 or len(jobs) < 2 or jobs[-1].batch_tokens + tokens > bound:
+            return False
+        computing = 1  # the head and the jobs that joined its batch
+        while computing < len(jobs) and jobs[computing].joined:
+            computing += 1
+        return computing < len(jobs)
 
     def done(self, prefill: InstanceLoad, job: Job, push_s: float = 0.0) -> None:
         """`job`'s first token came now (`push_s` after its compute ended, as predicted): it and
@@ -209,8 +264,6 @@ def _head(jobs: deque[Job]) -> Job | None:
 def _forward_s(prefill: InstanceLoad) -> float:
     """One forward of `prefill`: max_forward_tokens new tokens by its profile (seconds); 0 when
     unknown (no bound, or no profile)."""
-    if not prefill.max_forward_tokens or len(prefill.prefill_fit) != 3:
+    if not prefill.max_forward_tokens or not has_prefill_fit(prefill):
         return 0.0
-    tokens = prefill.max_forward_tokens
-    per_request, per_token, per_attention = prefill.prefill_fit
-    return per_request + per_token * tokens + per_attention * tokens * tokens / 2
+    return fitted_compute_s(prefill.prefill_fit, prefill.max_forward_tokens, 0, 1)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from kvmesh.gateway import metrics
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.predictor import queued_s, step_s
-from kvmesh.gateway.prefill_queues import cores_shares, fitted_step_s
+from kvmesh.gateway.prefill_queues import cores_shares, fitted_step_s, has_prefill_fit
 from kvmesh.gateway.slo import Slo
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class ScaleAdvisor:
 
     def _prefill_want(self, live: list[InstanceLoad]) -> tuple[int, str]:
         """(+1, -1 or 0, why) for the prefill instances `live`."""
-        profiled = [p for p in live if len(p.prefill_fit) == 3]
+        profiled = [p for p in live if has_prefill_fit(p)]
         if not self.slo.ttft_s or not profiled:
             return 0, ""
         # no prompt tokens waiting, no wait: requests that are pushing (or a count that lags)

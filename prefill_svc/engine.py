@@ -88,10 +88,12 @@ class PrefillEngine:
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
         self._tokens_per_s: float | None = None
-        self.compute_fit = LinearFit(3, relative=True)
+        self.compute_fit = LinearFit(4, relative=True)
         """A batch's compute seconds (its forwards' own: the turns waited on shared cores left out)
-        on [requests, tokens computed, sum of tokens x (cached + tokens / 2)] (the attention's
-        part grows with the context), to the least relative error: the TTFT predictor's input."""
+        on [forwards, requests, tokens computed, sum of tokens x (cached + tokens / 2)] (a
+        forward's fixed cost, which the requests of a batch share; the attention's part grows
+        with the context), to the least relative error: the TTFT predictor's input
+        (kvmesh.gateway.prefill_queues.fitted_compute_s)."""
         self.push_fit = LinearFit(2)
         """A push's seconds after the compute (what TTFT pays) on [1, pages pushed]."""
 
@@ -227,7 +229,8 @@ class PrefillEngine:
             self._fail(ready, exc)
             return
         done = time.perf_counter()
-        self._measure_rate(ready, done - started, self.turns.cpu_share_wait_seconds - waited_before)
+        waited_s = self.turns.cpu_share_wait_seconds - waited_before
+        self._measure_rate(ready, max(num_chunks, default=0), done - started, waited_s)
         # first tokens out first: caching the blocks (and their KV events) and the log lines
         # take ~1 ms for a 2K-token prompt that TTFT need not pay; nothing can read the cache
         # in between, since the next request runs on this thread after this one
@@ -250,16 +253,16 @@ class PrefillEngine:
         # in the queue (not from here, where a nested drain would pass them by)
         self._executor.submit(self._drain)
 
-    def _measure_rate(self, ready: list[Request], seconds: float, waited_s: float) -> None:
+    def _measure_rate(self, ready: list[Request], forwards: int, seconds: float, waited_s: float) -> None:
         """Fold the batch's prompt tokens computed per second into tokens_per_s (an EWMA; batches
-        of fewer than 16 computed tokens say too little), and its compute seconds, the `waited_s`
-        its forwards waited for their turns on shared cores left out, into the profile (the
-        gateway shares the cores out itself: kvmesh.gateway.prefill_queues)."""
+        of fewer than 16 computed tokens say too little), and its compute seconds over its
+        `forwards`, the `waited_s` its forwards waited for their turns on shared cores left out,
+        into the profile (the gateway shares the cores out itself: kvmesh.gateway.prefill_queues)."""
         computed = sum(r.num_prompt_tokens - r.num_cached_tokens for r in ready)
         attention = sum(
             (r.num_prompt_tokens - r.num_cached_tokens) * (r.num_prompt_tokens + r.num_cached_tokens) / 2 for r in ready
         )
-        self.compute_fit.add((len(ready), computed, attention), seconds - waited_s)
+        self.compute_fit.add((forwards, len(ready), computed, attention), seconds - waited_s)
         if computed >= 16 and seconds > 0:
             rate = computed / seconds
             self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate

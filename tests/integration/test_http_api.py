@@ -700,7 +700,7 @@ def test_instances_publish_latency_profiles_and_an_slo_none_can_meet_is_shed_wit
             break
         # EOS ignored: a raw prompt may end at its first token, and decode must step to measure
         complete(mesh, f"{QUESTION} Answer number {i}, in a long sentence please.", max_tokens=4, ignore_eos=True)
-    assert len(prefill.prefill_fit) == 3 and len(prefill.push_fit) == 2 and len(decode.decode_fit) == 3
+    assert len(prefill.prefill_fit) == 4 and len(prefill.push_fit) == 2 and len(decode.decode_fit) == 3
     # a step's own cost apart from its turn on shared cores, and which cores each shares (one
     # host's for both, or none)
     assert len(decode.decode_compute_fit) == 3 and prefill.core_group == decode.core_group

@@ -11,7 +11,7 @@ import pytest
 from kvmesh.gateway.instance_load import InstanceLoad
 from kvmesh.gateway.prefill_queues import PrefillQueues
 
-FIT = (0.0, 0.001, 0.0)  # 1 ms a token
+FIT = (0.0, 0.0, 0.001, 0.0)  # 1 ms a token
 
 
 class Clock:
@@ -88,3 +88,47 @@ def test_a_first_token_ends_its_job_and_those_ahead_and_a_late_one_gives_service
     clock.now += 1.4
     queues.done(a, fourth)
     assert queues.finish_s(a, 1.0) == pytest.approx((1.0, 1.0))
+
+
+def test_a_short_job_behind_a_waiting_one_shares_its_forward_while_the_forward_has_room():
+    # forwards of 256 tokens: a computes j1 (the head); j2 (100 tokens) waits, so j3 (100) would
+    # be taken with it into one batch (kvmesh.prefill_svc.pending.take) and pay no forward, j4
+    # (100 more) would not fit that forward; behind the head alone nothing waits to join
+    clock = Clock()
+    a = _prefill("a", forward_tokens=256)
+    queues = PrefillQueues([a], [], clock)
+    queues.add(a, 1.0, 100)
+    assert not queues.joins_batch(a, 100)  # the head's batch computes already
+    queues.add(a, 1.0, 100)
+    assert queues.joins_batch(a, 100)
+    assert not queues.joins_batch(a, 200)  # 300 tokens: past the forward
+    queues.add(a, 0.1, 100, joined=True)
+    assert not queues.joins_batch(a, 100)  # 100 + 100 + 100 in the waiting batch: full
+    clock.now += 1.5  # j1 served out, j2 and j3's batch computes now
+    assert not queues.joins_batch(a, 10)
+    unbounded = _prefill("b")
+    queues = PrefillQueues([unbounded], [], clock)
+    queues.add(unbounded, 1.0, 10)
+    queues.add(unbounded, 1.0, 10)
+    assert not queues.joins_batch(unbounded, 10)  # the batch bound is not known: never
+
+
+def test_a_prompt_s_compute_counts_its_forwards_and_none_when_it_joins_a_waiting_batch():
+    from kvmesh.gateway.predictor import LatencyPredictor
+
+    fit = (0.05, 0.01, 0.001, 0.0)  # 50 ms a forward, 10 ms a request, 1 ms a token
+    clock = Clock()
+    a = InstanceLoad("a", prefill_fit=fit, max_forward_tokens=256)
+    predictor = LatencyPredictor(16, [a], [])
+    predictor.queues = PrefillQueues([a], [], clock)
+    long = predictor.ttft(a, 600, 0)  # 3 forwards of at most 256 tokens
+    assert long is not None and long.compute_s == pytest.approx(3 * 0.05 + 0.01 + 0.6)
+    predictor.commit(a, long)
+    waiting = predictor.ttft(a, 64, 0)
+    assert waiting is not None and not waiting.joins_batch
+    assert waiting.compute_s == pytest.approx(0.05 + 0.01 + 0.064)
+    predictor.commit(a, waiting)
+    joining = predictor.ttft(a, 64, 0)
+    assert joining is not None and joining.joins_batch
+    assert joining.compute_s == pytest.approx(0.01 + 0.064)  # the waiting batch's forward
+    assert joining.queue_s == pytest.approx(long.compute_s + waiting.compute_s)

@@ -9,7 +9,7 @@ from kvmesh.gateway.scale_advice import ScaleAdvisor
 from kvmesh.gateway.slo import Slo
 
 # 10 ms a request + 1 ms a queued token; a decode step 20 ms + 10 ms a row
-PREFILL_FIT = (0.01, 0.001, 0.0)
+PREFILL_FIT = (0.0, 0.01, 0.001, 0.0)
 DECODE_FIT = (0.02, 0.01, 0.0)
 
 

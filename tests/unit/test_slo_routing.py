@@ -25,7 +25,7 @@ from kvmesh.gateway.slo_watch import SloWatch
 from kvmesh.protos.v1 import gateway_pb2
 from kvmesh.runtime.latency_fit import MAX_LOG_RATIO, LinearFit, RatioFit
 
-PREFILL_FIT = (0.01, 0.001, 0.0)  # 10 ms a request + 1 ms a token, no attention term
+PREFILL_FIT = (0.0, 0.01, 0.001, 0.0)  # 10 ms a request + 1 ms a token, no attention term
 PUSH_FIT = (0.002, 0.0005)
 
 
@@ -202,7 +202,7 @@ def test_shed_refuses_what_no_instance_is_predicted_to_serve_in_time():
 
 
 def test_the_predictor_log_holds_each_prediction_its_inputs_and_the_ttft_measured(tmp_path):
-    slow_fit = (100.0, 0.001, 0.0)  # 100 s a request: the first is still queued in the model when the second comes
+    slow_fit = (0.0, 100.0, 0.001, 0.0)  # 100 s a request: the first is still queued in the model when the second comes
 
     async def scenario():
         pool = InstancePool(["p1:1"], ["d1:1"], 16, None, 0.3, 0.02, rpc_timeout_s=1.0)
