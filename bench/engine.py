@@ -26,7 +26,6 @@ from transformers import AutoModelForCausalLM
 
 from kvmesh.engine.checkpoint import load_tokenizer
 from kvmesh.engine.forward import ForwardItem
-from kvmesh.engine.llama.model import QUANTIZED_MAX_BATCH
 from kvmesh.engine.llama.runner import LlamaRunner
 from kvmesh.engine.loader import default_gguf_path, resolve_model
 from kvmesh.engine.sampler import sample
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     pages = max(args.batch + [1]) * ((max(map(len, prompts)) + args.new_tokens) // 16 + 2)
     runner = LlamaRunner(files, num_pages=pages)
     runner.warmup()
-    # decode steps of up to QUANTIZED_MAX_BATCH sequences read the GGUF file's Q4_1 / Q8_0 blocks
+    # decode steps of up to max_block_rows sequences read the GGUF file's Q4_1 / Q8_0 blocks
     # (when the model came from a GGUF file); transformers reads the fp32 conversion
     ours = "GGUF blocks" if runner.model.q_lm_head is not None else "fp32"
     llama_cpp = None
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         if llama_cpp is not None:
             runs[cpp_key] = llama_cpp.tokens_per_s(args.new_tokens)
         for b in [1] + args.batch:
-            fmt = ours if b <= QUANTIZED_MAX_BATCH else "fp32"
+            fmt = ours if b <= runner.model.max_block_rows else "fp32"
             runs[f"LlamaRunner, B={b} [{fmt}]"] = bench_runner(runner, prompts[:b], args.new_tokens)
         best = {k: max(v, best.get(k, 0.0)) for k, v in runs.items()}
     if llama_cpp is not None:

@@ -16,9 +16,10 @@
   where the CPU only emulates bf16, run as fp32 GEMMs on the same values, rounded to bf16
   (`kvmesh.kernels.dense.prefill_copy`: torch's emulated bf16 GEMM ran 90x slower);
 - logits only for the rows asked for (the last new token of each sequence);
-- a decode step (one new token a sequence) of up to `QUANTIZED_MAX_BATCH` sequences
-  multiplies straight from the GGUF file's Q4_1 / Q8_0 blocks when the checkpoint has them
-  (`kvmesh.kernels.quant`), reading 5x fewer weight bytes than fp32. Prefill keeps the fp32 weights:
+- a decode step (one new token a sequence) of up to `QUANTIZED_MAX_BATCH` sequences (in bf16
+  with AMX tiles, `AMX_BF16_MAX_BATCH`) multiplies straight from the GGUF file's Q4_1 / Q8_0
+  blocks when the checkpoint has them (`kvmesh.kernels.quant`), reading 5x fewer weight bytes
+  than fp32. Prefill keeps the fp32 weights:
   a prompt's first positions carry residuals near 2e4, where the kernels' per-block sums
   round up to 1.5e-4 away from transformers' logits, past the 1e-4 the parity tests hold
   (`--quantization int8` runs every forward's layer matmuls from the blocks, W4A8: a choice judged
@@ -60,6 +61,27 @@ QUANTIZED_MAX_BATCH = 64
 Xeon (`python -m kvmesh.bench.quant --rows 16 32 64 128 256`): Q4_1 layers 2.3x the speed of
 torch's fp32 GEMM (MKL) at 16 rows, 1.4x at 32, 1.0x at 64, 0.73x at 128; the Q8_0 lm_head 1.7-2.1x
 at 16, 1.1x at 64. (AMD EPYC, before the register-blocked rows: 2.8x at 16, 1.6x at 64.)"""
+AMX_BF16_MAX_BATCH = 24
+"""In bf16 on a CPU whose bf16 GEMMs torch runs on AMX tiles (Intel Xeon from Sapphire Rapids on:
+`amx_bf16`), decode steps of more than this many sequences run the dense bf16 GEMMs instead.
+Measured on 2 cores of such a Xeon (`python -P -m kvmesh.bench.decode_paths`, 2026-12-07): the
+dense steps 0.73x the block kernels' speed at 16 sequences, 0.94x at 24, 1.09x at 32, 1.33x at
+48, 1.53x at 64 (0.16x at 1). With `--quantization int8` the layers run from the blocks
+whatever the rows, so there the bound stays QUANTIZED_MAX_BATCH."""
+
+
+def block_rows_bound(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
+    """The most sequences a decode step in `dtype` on `device` computes from the GGUF blocks:
+    AMX_BF16_MAX_BATCH in bf16 on a CPU with AMX tiles, else QUANTIZED_MAX_BATCH."""
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and _amx_tiles():
+        return AMX_BF16_MAX_BATCH
+    return QUANTIZED_MAX_BATCH
+
+
+def _amx_tiles() -> bool:
+    """Whether torch runs matmuls on AMX tiles on this CPU (its own check: CPU flags and the OS's leave)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def _mm(
@@ -106,6 +128,8 @@ class LlamaModel:
         blocks = blocks if device.type == "cpu" else None
         self.config = c = config
         self.dtype = dtype
+        self.max_block_rows = block_rows_bound(dtype, device)
+        """Decode steps of up to this many sequences compute from the blocks (`block_rows_bound`)."""
         take = TensorTaker(c.name, weights, dtype, device)
         self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))  # [V, H]
         self.layers = [take_layer(take, c, f"model.layers.{i}.", blocks) for i in range(c.num_layers)]
@@ -229,8 +253,8 @@ class LlamaModel:
         c = self.config
         T = input_ids.shape[0]
         # a decode step: every sequence brings one token, so no logits_index picks rows
-        use_blocks = logits_index is None and T <= QUANTIZED_MAX_BATCH
         a8 = self.int8_activations  # every row through the W4A8 tiles, prefill's too
+        use_blocks = logits_index is None and T <= (QUANTIZED_MAX_BATCH if a8 else self.max_block_rows)
         layer_blocks = use_blocks or a8
         g = meta.decode
         if use_blocks and self._step is not None and g is not None and g.token_index is None:

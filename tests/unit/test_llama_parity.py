@@ -275,3 +275,29 @@ def test_fused_decode_keeps_decoding_like_the_torch_path(runner, monkeypatch):
         torch.testing.assert_close(fused, ref, atol=ATOL, rtol=0)
         assert fused.argmax(-1).tolist() == ref.argmax(-1).tolist()
         tokens = fused.argmax(-1).tolist()
+
+
+def test_past_its_block_rows_bound_a_decode_step_is_the_dense_path_bit_for_bit(files):
+    # in bf16 where torch runs on AMX tiles, decode steps of more than AMX_BF16_MAX_BATCH sequences
+    # take the dense GEMMs; here the bound is set to 2 so that 3 rows are past it on any CPU
+    blocks = LlamaRunner(files, num_pages=16, page_size=PAGE, dtype=torch.bfloat16)
+    dense = LlamaRunner(files, num_pages=16, page_size=PAGE, dtype=torch.bfloat16, gguf_blocks=False)
+    blocks.model.max_block_rows = 2
+    ids = _prompt(30, seed=12)
+    for r in (blocks, dense):
+        r.forward([ForwardItem(ids, 0, [1, 2, 3])])
+    past = [ForwardItem([ids[5]], 30, [1, 2, 3])] * 3
+    assert torch.equal(blocks.forward(past), dense.forward(past))
+    within = past[:2]  # the blocks: 4-bit weights, not the same bits
+    assert not torch.equal(blocks.forward(within), dense.forward(within))
+
+
+def test_the_block_rows_bound_is_lower_only_in_bf16_with_amx_tiles(monkeypatch):
+    import kvmesh.engine.llama.model as llama
+
+    monkeypatch.setattr(llama, "_amx_tiles", lambda: True)
+    assert llama.block_rows_bound(torch.bfloat16) == llama.AMX_BF16_MAX_BATCH < llama.QUANTIZED_MAX_BATCH
+    assert llama.block_rows_bound(torch.float32) == llama.QUANTIZED_MAX_BATCH
+    assert llama.block_rows_bound(torch.bfloat16, "meta") == llama.QUANTIZED_MAX_BATCH
+    monkeypatch.setattr(llama, "_amx_tiles", lambda: False)
+    assert llama.block_rows_bound(torch.bfloat16) == llama.QUANTIZED_MAX_BATCH
