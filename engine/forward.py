@@ -135,25 +135,35 @@ class DraftingRunner(Runner, Protocol):
         ...
 
 
-def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int) -> list[int]:
+def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int, short_last: bool = True) -> list[int]:
     """Where each chunk of a prompt's computed range [start, end) ends (token positions).
 
-    Chunks are `chunk_tokens` long (rounded down to whole pages, at least one page) except
-    the last, which is at most a quarter of a chunk (whole pages, at least one): a chunk's
-    pages are pushed while the next one computes, so only the last chunk's push is left in
-    TTFT. `start` must be page-aligned (a cached prefix is whole pages); every end but the
-    last is too. chunk_tokens <= 0, or a range no longer than one chunk: [end].
+    Chunks are `chunk_tokens` long (rounded down to whole pages, at least one page). With
+    `short_last`, the last is at most a quarter of a chunk (whole pages, at least one): a
+    chunk's pages are pushed while the next one computes, so only the last chunk's push is left
+    in TTFT, for one forward more (`last_chunk_tokens`); without, the last is what is left.
+    `start` must be page-aligned (a cached prefix is whole pages); every end but the last is
+    too. chunk_tokens <= 0, or a range no longer than one chunk: [end].
 
     >>> chunk_ends(0, 2048, 512, 16)
     [512, 1024, 1536, 1920, 2048]
+    >>> chunk_ends(0, 2048, 512, 16, short_last=False)
+    [512, 1024, 1536, 2048]
     """
     if chunk_tokens <= 0 or end - start <= chunk_tokens:
         return [end]
     chunk = max(page_size, chunk_tokens // page_size * page_size)
-    tail = max(page_size, chunk // 4 // page_size * page_size)
+    if not short_last:
+        return [*range(start + chunk, end, chunk), end]
+    tail = last_chunk_tokens(chunk, page_size)
     tail_start = (end - tail) // page_size * page_size
     ends = list(range(start + chunk, tail_start, chunk))
     if tail_start > start:
         ends.append(tail_start)
     ends.append(end)
     return ends
+
+
+def last_chunk_tokens(chunk_tokens: int, page_size: int) -> int:
+    """The short last chunk of `chunk_ends` (tokens): a quarter of a chunk, whole pages, at least one."""
+    return max(page_size, chunk_tokens // 4 // page_size * page_size)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvmesh.engine.forward import ForwardItem, Runner, chunk_ends
+from kvmesh.engine.forward import ForwardItem, Runner, chunk_ends, last_chunk_tokens
 from kvmesh.engine.kv_cache import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import sample, token_logprobs
@@ -33,14 +33,15 @@ def prefill_batch(
     chunk_size: int,
     forward_mark: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     forward_budget: Callable[[], int] | None = None,
+    short_last: bool = True,
 ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], list[int]]:
     """Compute the uncached prompt of every request in `batch` (pages allocated, num_computed_tokens
     at its cached prefix) and sample each one's first token (its sampling params; a seeded
     generator unless greedy). chunk_size: tokens a chunk (0 = the whole prompt at once);
     forward_mark: entered around each forward (kvmesh.runtime.cpu_share); forward_budget: asked before
     each forward, the most tokens it may compute in all (0: no bound but chunk_size), split evenly
-    over the requests still computing, whole pages each (a page at least). Advances
-    num_computed_tokens.
+    over the requests still computing, whole pages each (a page at least); short_last: each
+    prompt's last chunk short (chunk_ends). Advances num_computed_tokens.
 
     Returns (the first token of each request's choices (sampling.n of them, choice i drawn with
     sampling.for_choice(i)), their logprobs when its sampling asks for them
@@ -48,7 +49,7 @@ def prefill_batch(
     the sampler raises; the caller frees the batch then.
     """
     size = kv_cache.page_size
-    plan = _ChunkPlan(batch, chunk_size, size)
+    plan = _ChunkPlan(batch, chunk_size, size, short_last)
     num_chunks = [0] * len(batch)
     last_logits: list[torch.Tensor | None] = [None] * len(batch)
     for r in batch:
@@ -70,15 +71,30 @@ def prefill_batch(
     return first_tokens, first_logprobs, num_chunks
 
 
+def short_last_chunk_pays(
+    push_fit: Sequence[float] | None, compute_fit: Sequence[float] | None, chunk_size: int, page_size: int
+) -> bool:
+    """Whether a chunked prompt should end with a short chunk (kvmesh.engine.forward.chunk_ends):
+    the push left after the compute shrinks from a whole chunk's pages to a quarter's, for one
+    forward more. By the instance's own profiles (kvmesh.prefill_svc.engine): the seconds the
+    push saves (push_fit: seconds on [1, pages]) against a forward's fixed seconds (compute_fit:
+    on [forwards, requests, tokens, attention]); True while either is unmeasured. On one host's
+    cores a forward's fixed cost is tens of ms and a page's push tens of us, so the short chunk
+    costs a forward for nothing; over a slow link it pays."""
+    if not push_fit or not compute_fit or chunk_size <= 0:
+        return True
+    chunk = max(page_size, chunk_size // page_size * page_size)
+    pages_saved = (chunk - last_chunk_tokens(chunk, page_size)) // page_size
+    return push_fit[1] * pages_saved > compute_fit[0]
+
+
 class _ChunkPlan:
     """Where each request's chunks still to compute end (kvmesh.engine.forward.chunk_ends: token
     counts, whole pages but the last), and which plans a forward budget cut smaller."""
 
-    def __init__(self, batch: list[Request], chunk_size: int, page_size: int) -> None:
-        self.batch, self.chunk_size, self.page_size = batch, chunk_size, page_size
-        self.ends = [
-            chunk_ends(r.num_cached_tokens, r.num_prompt_tokens, _chunk_tokens(r, chunk_size), page_size) for r in batch
-        ]
+    def __init__(self, batch: list[Request], chunk_size: int, page_size: int, short_last: bool = True) -> None:
+        self.batch, self.chunk_size, self.page_size, self.short_last = batch, chunk_size, page_size, short_last
+        self.ends = [self._ends(r, r.num_cached_tokens, _chunk_tokens(r, chunk_size)) for r in batch]
         self.shrunk: set[int] = set()  # requests whose plan a forward budget cut smaller than their own chunks
 
     def computing(self) -> list[int]:
@@ -94,11 +110,14 @@ class _ChunkPlan:
         for k in rows:
             r, own = self.batch[k], _chunk_tokens(self.batch[k], self.chunk_size)
             if share and (not own or share < own):
-                self.ends[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, share, size)
+                self.ends[k] = self._ends(r, r.num_computed_tokens, share)
                 self.shrunk.add(k)
             elif k in self.shrunk:  # back to its own chunks
-                self.ends[k] = chunk_ends(r.num_computed_tokens, r.num_prompt_tokens, own, size)
+                self.ends[k] = self._ends(r, r.num_computed_tokens, own)
                 self.shrunk.discard(k)
+
+    def _ends(self, r: Request, start: int, chunk_tokens: int) -> list[int]:
+        return chunk_ends(start, r.num_prompt_tokens, chunk_tokens, self.page_size, self.short_last)
 
 
 def _forward(

@@ -31,7 +31,7 @@ from kvmesh.kvstore.block_pool import NoFreeBlocksError
 from kvmesh.kvstore.kv_events import KVEvent
 from kvmesh.kvstore.kv_tier import KVTier
 from kvmesh.prefill_svc import metrics
-from kvmesh.prefill_svc.chunked import prefill_batch
+from kvmesh.prefill_svc.chunked import prefill_batch, short_last_chunk_pays
 from kvmesh.prefill_svc.forward_turns import ForwardTurns
 from kvmesh.prefill_svc.pending import PendingRequests
 from kvmesh.prefill_svc.result import Cancelled, resolve
@@ -224,6 +224,12 @@ class PrefillEngine:
                 self.chunked_prefill_size,
                 self.turns.turn,
                 self.turns.budget_of_forwards(),
+                short_last_chunk_pays(
+                    self.push_fit.coefficients(),
+                    self.compute_fit.coefficients(),
+                    self.chunked_prefill_size,
+                    self.page_size,
+                ),
             )
         except Exception as exc:
             self._fail(ready, exc)

@@ -51,6 +51,39 @@ def test_chunk_ends_properties():
             assert sizes[-1] < max(page, whole // 4 // page * page) + page
 
 
+def test_without_the_short_last_chunk_a_prompt_takes_one_forward_fewer():
+    assert chunk_ends(0, 2048, 512, 16, short_last=False) == [512, 1024, 1536, 2048]
+    assert chunk_ends(0, 270, 256, 16, short_last=False) == [256, 270]  # the short one: [192, 270]
+    assert chunk_ends(32, 600, 256, 16, short_last=False) == [288, 544, 600]
+    assert chunk_ends(0, 512, 512, 16, short_last=False) == [512]
+    rng = random.Random(1)
+    for _ in range(2000):
+        page = rng.choice([1, 4, 16, 64])
+        start = rng.randrange(0, 50) * page
+        end = start + rng.randrange(1, 5000)
+        chunk = rng.randrange(1, 1500)
+        whole = max(page, chunk // page * page)
+        ends = chunk_ends(start, end, chunk, page, short_last=False)
+        bounds = [start, *ends]
+        assert ends[-1] == end and all(e % page == 0 for e in ends[:-1])
+        assert all(0 < b - a <= max(whole, chunk) for a, b in zip(bounds, bounds[1:]))
+        assert len(ends) == (1 if end - start <= chunk else -(-(end - start) // whole))
+        if whole >= 4 * page:  # (under 4 pages the short chunk is a page, and may end past it)
+            assert len(ends) <= len(chunk_ends(start, end, chunk, page))
+
+
+def test_the_short_last_chunk_is_kept_only_where_the_push_it_hides_costs_more_than_a_forward():
+    from kvmesh.prefill_svc.chunked import short_last_chunk_pays
+
+    forward = (0.05, 0.001, 0.0002, 0.0)  # 50 ms a forward: the Intel Xeon's 2 cores, bf16
+    # 256-token chunks of 16-token pages: the short chunk leaves 4 pages to push after the
+    # compute instead of 16, 12 pages' push saved
+    assert not short_last_chunk_pays((0.001, 50e-6), forward, 256, 16)  # one host: 0.6 ms saved
+    assert short_last_chunk_pays((0.001, 0.01), forward, 256, 16)  # a slow link: 120 ms saved
+    assert short_last_chunk_pays(None, forward, 256, 16) and short_last_chunk_pays((0.001, 50e-6), None, 256, 16)
+    assert short_last_chunk_pays((0.001, 50e-6), forward, 0, 16)  # no chunks
+
+
 def _llama(tmp_path) -> ModelFiles:
     return tiny_llama(tmp_path, max_positions=256)[0]
 
@@ -150,3 +183,31 @@ def test_a_forward_budget_splits_a_batch_and_keeps_its_kv_and_first_tokens(check
     finally:
         engine.shutdown()
         share.close()
+
+
+def test_an_engine_whose_profiles_say_so_computes_a_prompt_without_the_short_last_chunk(checkpoints):
+    # the push_fit and compute_fit an engine measures on one host's cores (a page's push in
+    # ~50 us, a forward's fixed cost ~50 ms): a 160-token prompt in chunks of 16 tokens takes
+    # 160 / 16 = 10 forwards, not the 11 of chunk_ends' short last chunk (..., 144, 156, 160)
+    files, page_size, _, vocab = checkpoints["llama"]
+    length = 160
+    tokens = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner = create_runner(files, num_pages=64, page_size=page_size, num_state_slots=2)
+    engine = PrefillEngine(runner, page_size, 64, enable_prefix_caching=False, chunked_prefill_size=16)
+    for pages in range(1, 9):
+        engine.push_fit.add((1, pages), 0.001 + 50e-6 * pages)
+        for forwards in (1, 2, 3):
+            engine.compute_fit.add((forwards, 1, 40 * pages, 0), 0.05 * forwards + 0.0002 * 40 * pages)
+    reports: list[int] = []
+    try:
+        job = Request("r", tokens, SamplingParams(seed=0), on_pages_ready=lambda ids, n: reports.append(n))
+        result = engine.submit(job).result(timeout=120)
+        pages = [runner.page_buffer(b).copy() for b in result.block_ids]
+    finally:
+        engine.shutdown()
+    first, one_forward_pages, _, _ = _prefill(files, page_size, tokens, chunk=0)
+    assert result.first_token == first
+    for a, b in zip(one_forward_pages, pages):
+        np.testing.assert_allclose(a.view(np.float32), b.view(np.float32), rtol=1e-4, atol=1e-5)
+    assert len(chunk_ends(0, length, 16, page_size)) == 11
+    assert len(reports) + 1 == len(chunk_ends(0, length, 16, page_size, short_last=False)) == 10
