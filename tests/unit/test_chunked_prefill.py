@@ -33,13 +33,17 @@ def test_chunk_ends_by_hand():
     assert chunk_ends(0, 100, 40, 16) == [32, 64, 80, 100]  # a chunk rounds down to whole pages; the last >= a page
 
 
-def test_chunk_ends_properties():
-    rng = random.Random(0)
-    for _ in range(2000):
+def _random_ranges(seed: int, n: int = 2000):
+    """n seeded (page size, page-aligned start, end, chunk tokens) cases."""
+    rng = random.Random(seed)
+    for _ in range(n):
         page = rng.choice([1, 4, 16, 64])
         start = rng.randrange(0, 50) * page
-        end = start + rng.randrange(1, 5000)
-        chunk = rng.randrange(1, 1500)
+        yield page, start, start + rng.randrange(1, 5000), rng.randrange(1, 1500)
+
+
+def test_chunk_ends_properties():
+    for page, start, end, chunk in _random_ranges(0):
         ends = chunk_ends(start, end, chunk, page)
         assert ends[-1] == end and ends == sorted(set(ends)) and ends[0] > start
         assert all(e % page == 0 for e in ends[:-1]), (start, end, chunk, page, ends)
@@ -56,12 +60,7 @@ def test_without_the_short_last_chunk_a_prompt_takes_one_forward_fewer():
     assert chunk_ends(0, 270, 256, 16, short_last=False) == [256, 270]  # the short one: [192, 270]
     assert chunk_ends(32, 600, 256, 16, short_last=False) == [288, 544, 600]
     assert chunk_ends(0, 512, 512, 16, short_last=False) == [512]
-    rng = random.Random(1)
-    for _ in range(2000):
-        page = rng.choice([1, 4, 16, 64])
-        start = rng.randrange(0, 50) * page
-        end = start + rng.randrange(1, 5000)
-        chunk = rng.randrange(1, 1500)
+    for page, start, end, chunk in _random_ranges(1):
         whole = max(page, chunk // page * page)
         ends = chunk_ends(start, end, chunk, page, short_last=False)
         bounds = [start, *ends]
