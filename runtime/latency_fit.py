@@ -85,11 +85,7 @@ class LinearFit(_Window):
             if len(self._y) < self.min_samples:
                 return None
             if self._coefficients is None:
-                x, y = np.array(self._x), np.array(self._y)
-                if self.relative:  # minimise sum ((fit - y) / y)^2: rows scaled by 1 / y, against 1
-                    scale = 1.0 / np.maximum(y, MIN_RELATIVE_S)
-                    x, y = x * scale[:, None], y * scale
-                self._coefficients = nonnegative_fit(x, y)
+                self._coefficients = nonnegative_fit(np.array(self._x), np.array(self._y), self.relative)
             return self._coefficients
 
     def predict(self, features: Sequence[float]) -> float | None:
@@ -143,9 +139,13 @@ class RatioFit(_Window):
         return predicted_s * float(np.exp(log_ratio))
 
 
-def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
+def nonnegative_fit(x: np.ndarray, y: np.ndarray, relative: bool = False) -> list[float]:
     """Least squares of y [N] on x [N, F] with every coefficient >= 0: fit, drop the features
-    whose coefficients are negative, refit the rest (the dropped ones are 0)."""
+    whose coefficients are negative, refit the rest (the dropped ones are 0). relative: of the
+    relative error, sum ((fit - y) / y)^2 (each row scaled by 1 / y, at least MIN_RELATIVE_S)."""
+    if relative:
+        scale = 1.0 / np.maximum(y, MIN_RELATIVE_S)
+        x, y = x * scale[:, None], y * scale
     active = list(range(x.shape[1]))
     coefficients = np.zeros(x.shape[1])
     while active:

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvmesh.client import GatewayClient, make_request
 from kvmesh.planner.profile import Profile
-from kvmesh.runtime.latency_fit import MIN_RELATIVE_S, nonnegative_fit
+from kvmesh.runtime.latency_fit import nonnegative_fit
 
 if TYPE_CHECKING:
     from kvmesh.launcher import Mesh
@@ -141,8 +141,7 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> list[float]:
     for s in samples:
         computed = s.tokens - s.cached
         rows.append((1, math.ceil(computed / s.chunk_tokens), computed, computed * (s.cached + computed / 2)))
-    y = np.maximum(np.array([s.ttft_s for s in samples], float), MIN_RELATIVE_S)  # rows / y against 1
-    return nonnegative_fit(np.array(rows, float) / y[:, None], y / y)
+    return nonnegative_fit(np.array(rows, float), np.array([s.ttft_s for s in samples], float), relative=True)
 
 
 async def _context_tokens(client: GatewayClient) -> int:
