@@ -71,11 +71,10 @@ def forwards_of(prefill: InstanceLoad, tokens: int) -> int:
 
 @dataclass(eq=False)
 class Job:
-    """One routed request's prefill compute in the model (seconds), its tokens, and the tokens of
-    the batch it closes (its own, or with those of the waiting jobs it joined: `joins_batch`)."""
+    """One routed request's prefill compute in the model (seconds), and the tokens of the batch it
+    closes (its own, or with those of the waiting jobs it joined: `joins_batch`)."""
 
     compute_s: float
-    tokens: int = 0
     batch_tokens: int = 0
     joined: bool = False
     """It shares the forward of the job ahead of it (the instance computes them in one batch)."""
@@ -111,7 +110,7 @@ class PrefillQueues:
         self._advance(self._clock())
         jobs = self._jobs.setdefault(prefill.address, deque())
         batch_tokens = tokens + (jobs[-1].batch_tokens if joined and jobs else 0)
-        job = Job(max(compute_s, 0.0), tokens, batch_tokens, joined and bool(jobs))
+        job = Job(max(compute_s, 0.0), batch_tokens, joined and bool(jobs))
         jobs.append(job)
         return job
 
