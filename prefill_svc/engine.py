@@ -13,15 +13,17 @@ stored / removed / cleared) are published to the Redis index as the pool emits t
 
 Beside it: the queue of requests and its counts (kvmesh.prefill_svc.pending), what a prefill
 produces (kvmesh.prefill_svc.result), each forward's turn on cores shared with a decode instance
-(kvmesh.prefill_svc.forward_turns).
+(kvmesh.prefill_svc.forward_turns), the short calls other threads make on the worker, run between
+two forwards (kvmesh.prefill_svc.worker_calls).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from kvmesh.engine.ep.eplb import expert_stats
 from kvmesh.engine.forward import Runner
@@ -35,6 +37,7 @@ from kvmesh.prefill_svc.chunked import prefill_batch, short_last_chunk_pays
 from kvmesh.prefill_svc.forward_turns import ForwardTurns
 from kvmesh.prefill_svc.pending import PendingRequests
 from kvmesh.prefill_svc.result import Cancelled, resolve
+from kvmesh.prefill_svc.worker_calls import WorkerCalls
 from kvmesh.runtime.cpu_share import CpuShare, NoCpuShare
 from kvmesh.runtime.latency_fit import LinearFit
 
@@ -85,6 +88,8 @@ class PrefillEngine:
         self.turns = ForwardTurns(cpu_share, forward_tokens_beside_decode)
         """Each forward's turn on cores shared with decode, its budget there, and their counts."""
         self.pending = PendingRequests()
+        self.calls = WorkerCalls()
+        """What `call` and `release` queue: run before each forward and each batch, not behind them."""
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
         self._tokens_per_s: float | None = None
@@ -127,13 +132,14 @@ class PrefillEngine:
         self.pending.cancel(request)
 
     def release(self, block_ids: Sequence[int], state_slot: int | None = None) -> concurrent.futures.Future:
-        """Drop the request's references and its state slot (on the worker thread); full blocks stay cached."""
-        return self._executor.submit(self._release, list(block_ids), state_slot)
+        """Drop the request's references and its state slot (on the worker thread, between two
+        forwards: `call`); full blocks stay cached."""
+        return self.call(self._release, list(block_ids), state_slot)
 
     def _release(self, block_ids: list[int], state_slot: int | None) -> None:
         self.kv_cache.free(block_ids, state_slot)
-        if self.pending:  # requests may be waiting for these pages
-            self._drain()
+        if self.pending:  # requests may be waiting for these pages: a batch of its own, not inside this one
+            self._executor.submit(self._drain)
 
     def allocate_now(self, request: Request) -> bool:
         """On the worker thread (through call): give the request its pages now, prefix-cache and
@@ -152,8 +158,12 @@ class PrefillEngine:
         return self._tokens_per_s
 
     def call(self, fn, *args) -> concurrent.futures.Future:
-        """Run fn(*args) on the worker thread (for stats and integrity checks)."""
-        return self._executor.submit(fn, *args)
+        """Run fn(*args) on the worker thread, before the next forward (or at once when it is
+        idle), not after the batches queued: an allocation, a hold on blocks, the stats
+        (kvmesh.prefill_svc.worker_calls). fn must not compute a batch."""
+        future = self.calls.put(fn, *args)
+        self._executor.submit(self.calls.run)
+        return future
 
     def shutdown(self) -> None:
         if self._owns_executor:
@@ -166,6 +176,7 @@ class PrefillEngine:
         waits at the head of the queue until a release frees them, as vLLM's scheduler keeps
         a request waiting; one that could not fit even in an empty pool fails at once.
         """
+        self.calls.run()  # a release may free the pages this batch needs
         batch = self.pending.take(self.max_batch_tokens)
         waiting: list[Request] = []
         try:
@@ -222,7 +233,7 @@ class PrefillEngine:
                 self.kv_cache,
                 ready,
                 self.chunked_prefill_size,
-                self.turns.turn,
+                self._forward_turn,
                 self.turns.budget_of_forwards(),
                 short_last_chunk_pays(
                     self.push_fit.coefficients(),
@@ -247,6 +258,13 @@ class PrefillEngine:
         time.sleep(0)
         metrics.STEP_CPU.observe(time.process_time() - cpu_started)
         self._cache_prompts(ready, num_chunks, done - started)
+
+    @contextlib.contextmanager
+    def _forward_turn(self) -> Iterator[None]:
+        """Around each forward of a batch: the calls queued meanwhile, then the forward in its turn."""
+        self.calls.run()
+        with self.turns.turn():
+            yield
 
     def _fail(self, ready: list[Request], exc: Exception) -> None:
         """The batch's forward or sampling raised: free its requests' pages and fail them with `exc`."""

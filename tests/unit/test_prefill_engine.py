@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import contextlib
+import threading
 import time
 
 import pytest
@@ -55,6 +56,40 @@ def test_a_job_short_of_pages_waits_for_a_release_instead_of_failing():
         engine.release(b.result().block_ids, None).result()
         stats = engine.call(engine.stats).result()
         assert stats["integrity_error"] == "" and stats["num_free_pages"] == 4 and stats["num_active_requests"] == 0
+    finally:
+        engine.shutdown()
+
+
+class GatedRunner(ArgmaxRunner):
+    """ArgmaxRunner that logs each forward's first token and holds its first forward until
+    `gate` is set (`inside` is set once it is held)."""
+
+    def __init__(self):
+        self.log, self.inside, self.gate = [], threading.Event(), threading.Event()
+
+    def forward(self, items):
+        self.log.append(("forward", items[0].token_ids[0]))
+        if len(self.log) == 1:
+            self.inside.set()
+            assert self.gate.wait(10), "the test never opened the gate"
+        return super().forward(items)
+
+
+def test_a_call_runs_before_the_next_forward_not_behind_the_queued_batches():
+    # A's 12 tokens take 3 forwards of a 4-token chunk; while its first forward computes, B
+    # queues a batch of its own and a call (a pull's allocation, a peer's hold on blocks)
+    # comes: it runs before A's second forward, not after A's batch and B's
+    runner = GatedRunner()
+    engine = PrefillEngine(runner, 4, 16, enable_prefix_caching=False, chunked_prefill_size=4)
+    try:
+        a = engine.submit(_job("a", list(range(10, 22))))
+        assert runner.inside.wait(10)
+        b = engine.submit(_job("b", list(range(30, 34))))
+        called = engine.call(lambda: runner.log.append(("call", len(runner.log))))
+        runner.gate.set()
+        assert a.result(timeout=10).first_token == 22 and b.result(timeout=10).first_token == 34
+        called.result(timeout=10)
+        assert runner.log == [("forward", 10), ("call", 1), ("forward", 14), ("forward", 18), ("forward", 30)]
     finally:
         engine.shutdown()
 
