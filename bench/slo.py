@@ -27,7 +27,8 @@ and ITL both met) over the answered requests and over all, output tokens/s over 
 time, and the predictor: the fraction of answered requests whose predicted TTFT (Final's
 predicted_ttft_s, made when the request was routed) is within 25% of the measured one, and
 the median |error|; for slo+shed, the answered requests whose prediction said they would miss
-(0 by construction: shed happens before routing, on the same prediction).
+(0 by construction: shed happens before routing, on the same prediction). With --predictor-log,
+where each gateway's predictor missed, by part (kvmesh.bench.predictor_log).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from kvmesh.bench import predictor_log
 
 LENGTHS = ((64, 0.35), (256, 0.3), (768, 0.2), (1536, 0.15))
 """Prompt lengths (tokens) and their shares of the trace."""
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             shed.wait(timeout=30)
             mesh.stop()
     _print(rows)
+    for path in [f"{args.predictor_log}.{name}" for name in ("gateway", "shed")] if args.predictor_log else []:
+        print()
+        predictor_log.print_summary(path, "(the warm-up's requests included)")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rate": rate, "rows": rows, "outcomes": outcomes_of}, out, indent=1)

@@ -3,7 +3,7 @@ runs it): before routing, whether any instance is predicted to meet the request'
 --slo-miss shed, a request none is gets RESOURCE_EXHAUSTED at once, never a page or a queue
 slot); at routing, the TTFT and ITL predicted where it goes (on the route's span and in Final);
 at its first token, the measured TTFT that calibrates the predictor; at its end, the prediction's
-error and whether the SLO was met (Prometheus)."""
+error and whether the SLO was met (Prometheus), and the prediction's line in --predictor-log."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class SloWatch:
         self.calibrated = False
         self.job: Job | None = None  # this try's place in the predictor's model of the queue
         self._inputs: dict = {}  # what the prediction read, for --predictor-log
+        self._record: dict = {}  # the prediction and the TTFT measured, written with the request's end
 
     @property
     def ttft_budget_s(self) -> float:
@@ -143,26 +144,29 @@ class SloWatch:
         predictor.observe(self.prefill, self.ttft, measured_s, self.job)
         if predictor.log is not None:
             t = self.ttft
-            predictor.log.write(
-                {
-                    "request_id": self.request_id,
-                    "prefill": self.prefill.address,
-                    "core_group": self.prefill.core_group,
-                    "prompt_tokens": self.num_prompt_tokens,
-                    **self._inputs,
-                    "queue_s": t.queue_s,
-                    "compute_s": t.compute_s,
-                    "push_s": t.push_s,
-                    "raw_s": t.raw_s,
-                    "predicted_s": t.seconds,
-                    "share": t.share,
-                    "rows": t.rows,
-                    "measured_s": measured_s,
-                }
-            )
+            self._record = {
+                "request_id": self.request_id,
+                "routed_at": round(time.time() - measured_s, 3),
+                "prefill": self.prefill.address,
+                "core_group": self.prefill.core_group,
+                "prompt_tokens": self.num_prompt_tokens,
+                **self._inputs,
+                "queue_s": t.queue_s,
+                "compute_s": t.compute_s,
+                "push_s": t.push_s,
+                "raw_s": t.raw_s,
+                "predicted_s": t.seconds,
+                "share": t.share,
+                "rows": t.rows,
+                "measured_s": measured_s,
+            }
 
     def final(self, final: gateway_pb2.Final) -> None:
-        """Put the predictions in `final` (TTFT from arrival), and count the error and the SLO's outcome."""
+        """Put the predictions in `final` (TTFT from arrival), count the error and the SLO's
+        outcome, and write the prediction's line (--predictor-log) with the parts prefill measured."""
+        if self._record and self.pool.predictor.log is not None:
+            self.pool.predictor.log.write({**self._record, **measured_parts(final)})
+            self._record = {}
         if self.ttft is not None:
             final.predicted_ttft_s = self.routed_at - self.arrived + self.ttft.seconds
             if final.ttft_s > 0:
@@ -175,3 +179,17 @@ class SloWatch:
                 not self.slo.itl_s or final.itl_s <= self.slo.itl_s
             )
             metrics.SLO_REQUESTS.labels("met" if met else "missed").inc()
+
+
+def measured_parts(final: gateway_pb2.Final) -> dict[str, float | int]:
+    """What prefill measured of a request's TTFT (kvmesh.gateway.prediction_log's measured_*
+    fields, seconds): its wait from its arrival there to its compute (a pull's included), the
+    compute's wall time (turns waited on shared cores included), the push after it, and the
+    prompt tokens it found cached (pulled ones included)."""
+    return {
+        "measured_queue_s": final.queue_s,
+        "measured_compute_s": final.prefill_s,
+        "measured_push_s": final.kv_transfer.exposed_seconds,
+        "pull_s": final.pull_s,
+        "measured_cached_tokens": final.cached_tokens,
+    }

@@ -216,6 +216,14 @@ def test_the_predictor_log_holds_each_prediction_its_inputs_and_the_ttft_measure
         for watch in watches:
             watch.first_token()
             watch.first_token()  # once a try
+        # the line is written at the request's end, with what prefill measured (Final)
+        transfer = gateway_pb2.KVTransfer(exposed_seconds=0.02)
+        for watch, cached in zip(watches, (0, 160)):
+            final = gateway_pb2.Final(
+                queue_s=0.5, prefill_s=1.5, pull_s=0.25, cached_tokens=cached, kv_transfer=transfer
+            )
+            watch.final(final)
+            watch.final(final)  # once a request
         pool.predictor.log.close()
         await pool.close()
 
@@ -232,6 +240,10 @@ def test_the_predictor_log_holds_each_prediction_its_inputs_and_the_ttft_measure
     for record in (first, second):
         assert record["raw_s"] == pytest.approx(record["queue_s"] + record["compute_s"] + record["push_s"])
         assert 0 < record["measured_s"] < 100 and record["prefill"] == "p1:1" and record["predicted_s"] > 0
+        assert record["routed_at"] <= record["at"]
+        assert (record["measured_queue_s"], record["measured_compute_s"], record["pull_s"]) == (0.5, 1.5, 0.25)
+        assert record["measured_push_s"] == pytest.approx(0.02)
+    assert (first["measured_cached_tokens"], second["measured_cached_tokens"]) == (0, 160)
 
 
 def test_a_request_s_slo_comes_from_its_fields_then_its_headers_then_the_gateway():
