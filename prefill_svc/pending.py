@@ -29,13 +29,19 @@ class PendingRequests:
         return bool(self._queue)
 
     def add(self, request: Request) -> concurrent.futures.Future:
-        """Queue `request` as WAITING, with a new future (request.future, returned)."""
+        """Queue `request` as WAITING, with a new future (request.future, returned), in its
+        place by arrival_time: behind those that reached the engine before it, ahead of those
+        queued meanwhile that came after it (a request back from a pull, kvmesh.prefill_svc.kv_pull,
+        keeps its place, as vLLM's waiting queue keeps one whose KV is loading)."""
         request.future = concurrent.futures.Future()
         request.status = RequestStatus.WAITING
         with self._lock:
             self.num_queued_tokens += request.num_prompt_tokens
             self.num_active += 1
-            self._queue.append(request)
+            place = len(self._queue)
+            while place > 0 and self._queue[place - 1].arrival_time > request.arrival_time:
+                place -= 1
+            self._queue.insert(place, request)
         return request.future
 
     def cancel(self, request: Request) -> None:

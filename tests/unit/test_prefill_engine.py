@@ -94,6 +94,24 @@ def test_a_call_runs_before_the_next_forward_not_behind_the_queued_batches():
         engine.shutdown()
 
 
+def test_a_request_back_from_a_pull_keeps_its_place_ahead_of_those_that_came_after_it():
+    # A reached the engine first but pulled its prefix from a peer meanwhile; B came after it
+    # and queued while X computed: A is computed before B (one request a batch here)
+    runner = GatedRunner()
+    engine = PrefillEngine(runner, 4, 16, enable_prefix_caching=False, max_batch_tokens=4)
+    try:
+        x = engine.submit(_job("x", list(range(10, 14))))
+        assert runner.inside.wait(10)
+        a = _job("a", list(range(20, 24)))  # arrived now
+        b = engine.submit(_job("b", list(range(30, 34))))
+        a_done = engine.submit(a)  # back from its pull
+        runner.gate.set()
+        assert [f.result(timeout=10).first_token for f in (x, a_done, b)] == [14, 24, 34]
+        assert runner.log == [("forward", 10), ("forward", 20), ("forward", 30)]
+    finally:
+        engine.shutdown()
+
+
 class FailingRunner(ArgmaxRunner):
     """ArgmaxRunner whose forward raises for a batch holding token 99, and first calls
     `on_forward` (once); `batches` records each forward's first tokens."""
