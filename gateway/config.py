@@ -107,8 +107,9 @@ class GatewayConfig:
     predictor_log: str = setting(
         "",
         "--predictor-log",
-        "append each routed request's TTFT prediction, its inputs and the TTFT measured to this file, one "
-        "JSON object a line (kvmesh.gateway.prediction_log; rotates at 64 MiB); empty: no log",
+        "append each routed request's TTFT prediction, its inputs, the TTFT measured and the parts of it "
+        "prefill measured to this file at the request's end, one JSON object a line "
+        "(kvmesh.gateway.prediction_log; rotates at 64 MiB); empty: no log",
     )
     response_ttl_s: float = setting(
         30 * 24 * 3600.0,
