@@ -75,41 +75,45 @@ class GatedRunner(ArgmaxRunner):
         return super().forward(items)
 
 
+@contextlib.contextmanager
+def _held(first_tokens, **engine_args):
+    """An engine on a GatedRunner (16 pages of 4 tokens) whose first forward, of a request of
+    `first_tokens`, is held until the test opens the gate: yields (runner, engine, that
+    request's future)."""
+    runner = GatedRunner()
+    engine = PrefillEngine(runner, 4, 16, enable_prefix_caching=False, **engine_args)
+    try:
+        first = engine.submit(_job("first", first_tokens))
+        assert runner.inside.wait(10)
+        yield runner, engine, first
+    finally:
+        runner.gate.set()
+        engine.shutdown()
+
+
 def test_a_call_runs_before_the_next_forward_not_behind_the_queued_batches():
     # A's 12 tokens take 3 forwards of a 4-token chunk; while its first forward computes, B
     # queues a batch of its own and a call (a pull's allocation, a peer's hold on blocks)
     # comes: it runs before A's second forward, not after A's batch and B's
-    runner = GatedRunner()
-    engine = PrefillEngine(runner, 4, 16, enable_prefix_caching=False, chunked_prefill_size=4)
-    try:
-        a = engine.submit(_job("a", list(range(10, 22))))
-        assert runner.inside.wait(10)
+    with _held(list(range(10, 22)), chunked_prefill_size=4) as (runner, engine, a):
         b = engine.submit(_job("b", list(range(30, 34))))
         called = engine.call(lambda: runner.log.append(("call", len(runner.log))))
         runner.gate.set()
         assert a.result(timeout=10).first_token == 22 and b.result(timeout=10).first_token == 34
         called.result(timeout=10)
-        assert runner.log == [("forward", 10), ("call", 1), ("forward", 14), ("forward", 18), ("forward", 30)]
-    finally:
-        engine.shutdown()
+    assert runner.log == [("forward", 10), ("call", 1), ("forward", 14), ("forward", 18), ("forward", 30)]
 
 
 def test_a_request_back_from_a_pull_keeps_its_place_ahead_of_those_that_came_after_it():
     # A reached the engine first but pulled its prefix from a peer meanwhile; B came after it
     # and queued while X computed: A is computed before B (one request a batch here)
-    runner = GatedRunner()
-    engine = PrefillEngine(runner, 4, 16, enable_prefix_caching=False, max_batch_tokens=4)
-    try:
-        x = engine.submit(_job("x", list(range(10, 14))))
-        assert runner.inside.wait(10)
+    with _held(list(range(10, 14)), max_batch_tokens=4) as (runner, engine, x):
         a = _job("a", list(range(20, 24)))  # arrived now
         b = engine.submit(_job("b", list(range(30, 34))))
         a_done = engine.submit(a)  # back from its pull
         runner.gate.set()
         assert [f.result(timeout=10).first_token for f in (x, a_done, b)] == [14, 24, 34]
-        assert runner.log == [("forward", 10), ("forward", 20), ("forward", 30)]
-    finally:
-        engine.shutdown()
+    assert runner.log == [("forward", 10), ("forward", 20), ("forward", 30)]
 
 
 class FailingRunner(ArgmaxRunner):
