@@ -152,7 +152,7 @@ def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int, short_la
     """
     if chunk_tokens <= 0 or end - start <= chunk_tokens:
         return [end]
-    chunk = max(page_size, chunk_tokens // page_size * page_size)
+    chunk = whole_pages(chunk_tokens, page_size)
     if not short_last:
         return [*range(start + chunk, end, chunk), end]
     tail = last_chunk_tokens(chunk, page_size)
@@ -166,4 +166,9 @@ def chunk_ends(start: int, end: int, chunk_tokens: int, page_size: int, short_la
 
 def last_chunk_tokens(chunk_tokens: int, page_size: int) -> int:
     """The short last chunk of `chunk_ends` (tokens): a quarter of a chunk, whole pages, at least one."""
-    return max(page_size, chunk_tokens // 4 // page_size * page_size)
+    return whole_pages(chunk_tokens // 4, page_size)
+
+
+def whole_pages(tokens: int, page_size: int) -> int:
+    """`tokens` rounded down to whole pages of `page_size` tokens, at least one page."""
+    return max(page_size, tokens // page_size * page_size)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvmesh.engine.forward import ForwardItem, Runner, chunk_ends, last_chunk_tokens
+from kvmesh.engine.forward import ForwardItem, Runner, chunk_ends, last_chunk_tokens, whole_pages
 from kvmesh.engine.kv_cache import KVCacheManager
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import sample, token_logprobs
@@ -83,7 +83,7 @@ def short_last_chunk_pays(
     costs a forward for nothing; over a slow link it pays."""
     if not push_fit or not compute_fit or chunk_size <= 0:
         return True
-    chunk = max(page_size, chunk_size // page_size * page_size)
+    chunk = whole_pages(chunk_size, page_size)
     pages_saved = (chunk - last_chunk_tokens(chunk, page_size)) // page_size
     return push_fit[1] * pages_saved > compute_fit[0]
 
@@ -105,8 +105,7 @@ class _ChunkPlan:
         """Replan the rest of each request of `rows` for a forward of at most `budget` tokens in
         all (0: no bound but its own chunks), split evenly, whole pages each (a page at least);
         a plan the budget cut goes back to the request's own chunks once the budget no longer binds."""
-        size = self.page_size
-        share = max(size, budget // len(rows) // size * size) if budget > 0 else 0
+        share = whole_pages(budget // len(rows), self.page_size) if budget > 0 else 0
         for k in rows:
             r, own = self.batch[k], _chunk_tokens(self.batch[k], self.chunk_size)
             if share and (not own or share < own):
