@@ -11,8 +11,7 @@ median of measured over predicted for each part of TTFT (kvmesh.gateway.predicti
                predicted queue, so the two compare as a sum)
     push       measured_push_s against push_s
     hops       what the TTFT measured holds beyond prefill's parts (the gateway's calls, the
-               first token's way back), against what the prediction left for them (raw_s less
-               its parts: none)
+               first token's way back), against none (raw_s is the sum of the predicted parts)
 
 and how many of the misses each part explains most (the part whose error, in seconds, is the
 largest). Lines without the measured parts (an older gateway's) count only in the first figures.
@@ -62,7 +61,7 @@ def _part(r: dict, name: str) -> tuple[float, float]:
     if name == "push":
         return r["push_s"], r["measured_push_s"]
     measured_parts = r["measured_queue_s"] + r["measured_compute_s"] + r["measured_push_s"]
-    return r["raw_s"] - r["queue_s"] - r["compute_s"] - r["push_s"], max(r["measured_s"] - measured_parts, 0.0)
+    return 0.0, max(r["measured_s"] - measured_parts, 0.0)  # raw_s is the sum of the parts: none left for hops
 
 
 def _median_ratio(pairs: list[tuple[float, float]]) -> str:
