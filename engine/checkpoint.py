@@ -28,6 +28,11 @@ class ModelFiles:
     """Holds config.json, model.safetensors (or shards) and the tokenizer files."""
 
 
+BLOCKS_FILE = Path("gguf") / "blocks.safetensors"
+"""Where a GGUF file's weight blocks live (kvmesh.engine.gguf_blocks), relative to the converted
+checkpoint folder."""
+
+
 def architecture(files: ModelFiles) -> str:
     """The checkpoint's architecture, config.json's `architectures[0]` (e.g. "LlamaForCausalLM").
 
@@ -76,8 +81,26 @@ def load_checkpoint_tensors(checkpoint_dir: Path, keep: Callable[[str], bool] | 
     return tensors
 
 
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""tokenizer_config.json's `tokenizer_class` values that name transformers' generic tokenizer over
+a tokenizer.json (`TokenizersBackend`; `PreTrainedTokenizerFast` is its older name)."""
+
+
 def load_tokenizer(files: ModelFiles):
-    """The transformers AutoTokenizer saved in `files.checkpoint_dir`."""
+    """The tokenizer saved in `files.checkpoint_dir`: the class AutoTokenizer would pick.
+
+    Where tokenizer_config.json names the generic tokenizer over a tokenizer.json (every model
+    kvmesh converts from GGUF), that class is loaded directly. AutoTokenizer would first read
+    the model's config through AutoConfig, whose import pulls in torch: ~3 s of a gateway's
+    start on a 2-core machine, and a gateway never loads weights. Any other tokenizer_class
+    goes through AutoTokenizer. Raises what transformers raises for a folder it cannot read."""
+    config_file = files.checkpoint_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    generic = config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+    if generic and (files.checkpoint_dir / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(files.checkpoint_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(files.checkpoint_dir)

@@ -28,14 +28,12 @@ import safetensors.numpy
 import torch
 from tqdm import tqdm
 
-from kvmesh.engine.checkpoint import load_checkpoint_tensors
+from kvmesh.engine.checkpoint import BLOCKS_FILE, load_checkpoint_tensors
 from kvmesh.kernels.quant import QK
 from kvmesh.kernels.ref import dequantize_q4_1_ref, dequantize_q8_0_ref
 
 logger = logging.getLogger(__name__)
 
-BLOCKS_FILE = Path("gguf") / "blocks.safetensors"
-"""Where the blocks live, relative to the converted checkpoint folder."""
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",

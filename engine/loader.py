@@ -25,7 +25,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from kvmesh import cache_root  # the folder holding converted checkpoints; importable from here
-from kvmesh.engine.checkpoint import ModelFiles
+from kvmesh.engine.checkpoint import BLOCKS_FILE, ModelFiles
 from kvmesh.engine.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,6 @@ def _cache_key(gguf: Path) -> str:
 
 
 def _from_gguf(gguf: Path, name: str) -> ModelFiles:
-    # imported here: it needs torch, and the gateway resolves its tokenizer's model without it
-    from kvmesh.engine.gguf_blocks import BLOCKS_FILE, write_blocks
-
     if not gguf.is_file():
         raise ValueError(f"GGUF file {str(gguf)!r} does not exist")
     root = cache_root()
@@ -147,6 +144,9 @@ def _from_gguf(gguf: Path, name: str) -> ModelFiles:
         if not (final / "config.json").is_file():
             _convert_gguf(gguf, final)
         if not (final / BLOCKS_FILE).is_file():  # also for folders converted before blocks were kept
+            # imported here: it needs torch, and the gateway resolves its tokenizer's model without it
+            from kvmesh.engine.gguf_blocks import write_blocks
+
             write_blocks(final, gguf)
     return ModelFiles(name=name, checkpoint_dir=final)
 

@@ -244,3 +244,19 @@ def test_existing_errors_are_unchanged(tokenizer, builder):
     assert b.tokenize(b"Say <|im_end|> twice", [], False) == builder.tokenize(b"Say <|im_end|> twice", [], False)
     with pytest.raises(ValueError, match="model 'm' has no chat template; send a plain prompt without chat"):
         b.tokenize(b"hi", [], True)
+
+
+def test_the_tokenizer_loaded_without_auto_classes_is_auto_tokenizer_s(tokenizer):
+    """load_tokenizer loads the generic tokenizer class directly (no AutoConfig, so no torch in a
+    gateway): the same class, special tokens, encodings and chat template as AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(resolve_model(None).checkpoint_dir)
+    assert type(tokenizer) is type(auto)
+    assert tokenizer.all_special_tokens == auto.all_special_tokens and len(tokenizer) == len(auto)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (auto.bos_token_id, auto.eos_token_id)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Naïve café <|im_end|> 42"}]
+    for text in ("Hello, world!", "  spaces\tand\nnewlines  ", conversation[1]["content"]):
+        for special in (True, False):
+            assert tokenizer.encode(text, add_special_tokens=special) == auto.encode(text, add_special_tokens=special)
+    assert template_ids(tokenizer, conversation) == template_ids(auto, conversation)
