@@ -136,7 +136,7 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _soak_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvmesh.bench.soak.run import add_arguments
+    from kvmesh.bench.soak.options import add_arguments
 
     add_arguments(parser)
 

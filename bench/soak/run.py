@@ -26,7 +26,7 @@ from typing import TypeVar
 from kvmesh.bench.hosts import Cluster, unavailable
 from kvmesh.bench.soak import report
 from kvmesh.bench.soak.clients import Clients
-from kvmesh.bench.soak.faults import FAULT_KINDS, FaultSchedule
+from kvmesh.bench.soak.faults import FaultSchedule
 from kvmesh.bench.soak.mesh import API_KEYS, GATEWAYS, HOSTS, INSTANCES, PREFILLS, SoakMesh
 from kvmesh.bench.soak.send import drive, reference_answers
 from kvmesh.bench.soak.workload import outcome_json
@@ -177,18 +177,6 @@ async def until_signal(run: Awaitable[T]) -> T:
     finally:
         for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", type=float, default=3600.0, help="seconds of load and faults (default 3600)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the fault schedule (default 0)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
-    p.add_argument("--fault-gap", default="5:15", help="seconds between faults, LO:HI (default 5:15)")
-    p.add_argument("--faults", default="", help=f"fault kinds, comma-separated (default all: {','.join(FAULT_KINDS)})")
-    p.add_argument("--json", default="", help="write the verdict to this file too")
-    p.add_argument("--plot", default="", help="draw the run over time into this PNG")
-    p.add_argument("--table", default="", help="print the fault table of a verdict JSON (markdown) and exit")
-    p.add_argument("--workdir", default="", help="keep the services' logs and the outcomes here (default: a temp dir)")
 
 
 def run(args: argparse.Namespace) -> int:

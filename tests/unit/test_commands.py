@@ -80,6 +80,21 @@ def test_every_declared_command_loads_and_builds_its_flags():
     assert parser.parse_args(["fuzz", "--requests", "5", "--json"]).requests == 5
 
 
+def test_the_command_line_builds_without_the_soak_s_http_clients():
+    """Every plugin command's flags are built for any `kvmesh` command but the product's own
+    (`kvmesh make-tiny-model`, `kvmesh bench`, `kvmesh --help`): building them imported the
+    soak's openai and anthropic clients, ~3 CPU-s of each such command (AMD EPYC Zen 3)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from kvmesh.cli import build_parser; build_parser(with_plugins=True); "
+        "print(sorted(m for m in ('openai', 'anthropic') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_a_found_command_parses_and_runs(monkeypatch):
     monkeypatch.setattr(kvmesh.commands, "entry_points", lambda group: [FakeEntryPoint("hello", HELLO)])
     args = build_parser().parse_args(["hello", "--times", "2"])

@@ -13,7 +13,8 @@ import pytest
 
 from kvmesh.bench.soak import report
 from kvmesh.bench.soak.faults import FAULT_KINDS, Fault, FaultSchedule
-from kvmesh.bench.soak.run import Interrupted, add_arguments, bad, run, until_signal
+from kvmesh.bench.soak.options import add_arguments
+from kvmesh.bench.soak.run import Interrupted, bad, run, until_signal
 from kvmesh.bench.soak.workload import KINDS, LOGPROB_TOLERANCE, Answer, Outcome, draw
 
 
