@@ -151,7 +151,8 @@ def _greedy_both(dtype: torch.dtype, int8_activations: bool = False, n: int = 64
     from kvmesh.engine.loader import resolve_model
 
     files = resolve_model()
-    encoded = [load_tokenizer(files).encode(p) for p in PROMPTS]
+    tokenizer = load_tokenizer(files)  # once: a load is 0.2-1 s, 16 of them were 3-16 s of this check
+    encoded = [tokenizer.encode(p) for p in PROMPTS]
     width = min(len(ids) for ids in encoded)
     prompts = [ids[:width] for ids in encoded]  # one length: transformers runs them as a batch, unpadded
     runner = LlamaRunner(files, num_pages=1 + 16 * 6, page_size=16, dtype=dtype)
