@@ -151,7 +151,7 @@ def _greedy_both(dtype: torch.dtype, int8_activations: bool = False, n: int = 64
     from kvmesh.engine.loader import resolve_model
 
     files = resolve_model()
-    tokenizer = load_tokenizer(files)  # once: a load is 0.2-1 s, 16 of them were 3-16 s of this check
+    tokenizer = load_tokenizer(files)  # once, not once a prompt: a load takes 0.2-1 s
     encoded = [tokenizer.encode(p) for p in PROMPTS]
     width = min(len(ids) for ids in encoded)
     prompts = [ids[:width] for ids in encoded]  # one length: transformers runs them as a batch, unpadded
