@@ -8,32 +8,35 @@ seconds, the turns waited on shared cores left out: `fitted_compute_s`). When it
 an instance takes every queued request up to its batch's tokens into one batch, whose requests
 share each forward: a job that joins the queue behind one still waiting, and fits with the
 waiting jobs of that batch into max_forward_tokens tokens, shares their forward (`joins_batch`)
-and costs no forward of its own. Time serves the head job of each instance
-that has work at a rate (seconds of its compute per second):
+and costs no forward of its own. Time serves the head job of each instance that has work at a
+rate (seconds of its compute per second):
 
-    1                          on cores of its own (a GPU each: core_group '');
-    1/k . F / (F + S)          on cores a group of instances shares (InstanceStats.core_group:
-                               the launcher's --cpu-share on one host), k of its prefill
-                               instances having work: their forwards take turns, one at a time
-                               (kvmesh.runtime.cpu_share); F is one forward's seconds
-                               (max_forward_tokens tokens by prefill_fit) and S a step of
-                               each of the group's decode instances that has requests (each
-                               steps once between two forwards, by decode_compute_fit).
+    1                on cores of its own (a GPU each: core_group '');
+    F / (F + S)      on cores a group of instances shares (InstanceStats.core_group: the
+                     launcher's --cpu-share on one host), to the head job routed first among
+                     the group's instances, and 0 to the others: their forwards take turns one
+                     at a time, first come first served by the oldest request of each forward's
+                     batch (kvmesh.runtime.cpu_share), so the group's prompts are computed in
+                     the order they were routed, as one engine's queue; F is one forward's
+                     seconds (max_forward_tokens tokens by prefill_fit) and S a step of each of
+                     the group's decode instances that has requests (each steps once between
+                     two forwards, by decode_compute_fit).
 
-That is processor sharing with a forward as its quantum (Kleinrock, "Time-shared systems", 1967):
-a request's queue drains at its share of the cores, the share growing as the other queues empty.
-A request's first token, seen at the gateway, ends its job and every job ahead of it at that
-instance (computed before it, or with it in one batch), so the model is set right by what happens;
-a job served out in the model before its first token came gives the next one back the service
-it took meanwhile. A job whose request fails is never seen: it is served out like the others.
+So a request's wait is the work routed to its cores before it, at the share the decode steps
+leave (a queue that serves in order: what is routed later never delays it). A request's first
+token, seen at the gateway, ends its job and every job ahead of it at that instance (computed
+before it, or with it in one batch), so the model is set right by what happens; a job served
+out in the model before its first token came gives the next one back the service it took
+meanwhile. A job whose request fails is never seen: it is served out like the others.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.gateway.instance_load import InstanceLoad
@@ -77,6 +80,9 @@ class Job:
     compute_s: float
     batch_tokens: int = 0
     joined: bool = False
+    order: tuple[float, int] = (0.0, 0)
+    """When it was routed (PrefillQueues' clock) and how many jobs were added before it: its
+    place among its core group's jobs."""
     """It shares the forward of the job ahead of it (the instance computes them in one batch)."""
     remaining_s: float = field(init=False)
     served_at: float | None = None
@@ -102,15 +108,17 @@ class PrefillQueues:
         self._jobs: dict[str, deque[Job]] = {}
         self._done_at: dict[str, float] = {}
         self._at = clock()
+        self._added = itertools.count()
 
     def add(self, prefill: InstanceLoad, compute_s: float, tokens: int = 0, joined: bool = False) -> Job:
         """A request of `tokens` tokens to compute was routed to `prefill` with `compute_s` seconds
         to compute, in the batch of the job ahead of it when `joined` (what `joins_batch` said):
         it joins the end of its queue. Returns its job, for `done`."""
-        self._advance(self._clock())
+        now = self._clock()
+        self._advance(now)
         jobs = self._jobs.setdefault(prefill.address, deque())
         batch_tokens = tokens + (jobs[-1].batch_tokens if joined and jobs else 0)
-        job = Job(max(compute_s, 0.0), batch_tokens, joined and bool(jobs))
+        job = Job(max(compute_s, 0.0), batch_tokens, joined and bool(jobs), (now, next(self._added)))
         jobs.append(job)
         return job
 
@@ -144,9 +152,8 @@ class PrefillQueues:
             while jobs and jobs.popleft() is not job:
                 pass
         elif job.served_at is not None and jobs and (late_s := now - push_s - job.served_at) > 0:
-            busy = {a for a, queue in self._jobs.items() if queue}
             head = jobs[0]
-            head.remaining_s = min(head.compute_s, head.remaining_s + late_s * self._rates(busy)[prefill.address])
+            head.remaining_s = min(head.compute_s, head.remaining_s + late_s * self._turn_share(prefill.address))
 
     def done_at(self, prefill: InstanceLoad) -> float:
         """When the last first token from `prefill` came (the clock's seconds; -inf before one):
@@ -177,13 +184,15 @@ class PrefillQueues:
 
     def finish_s(self, prefill: InstanceLoad, compute_s: float) -> tuple[float, float]:
         """(seconds from now until a new job of `compute_s` seconds at `prefill` would be served
-        out, the rate `prefill`'s work is served at now with it queued)."""
-        self._advance(self._clock())
-        queues = {a: deque(Job(j.remaining_s) for j in jobs) for a, jobs in self._jobs.items()}  # a copy to serve
-        new = Job(max(compute_s, EPSILON_S))
+        out, the rate `prefill`'s work is served at while it is its turn)."""
+        now = self._clock()
+        self._advance(now)
+        queues = {  # a copy to serve
+            a: deque(Job(j.remaining_s, order=j.order) for j in jobs) for a, jobs in self._jobs.items()
+        }
+        new = Job(max(compute_s, EPSILON_S), order=(now, next(self._added)))
         queues.setdefault(prefill.address, deque()).append(new)
-        share = self._rates([a for a, queue in queues.items() if queue])[prefill.address]
-        return self._serve(queues, 0.0, math.inf, until=new), share
+        return self._serve(queues, 0.0, math.inf, until=new), self._turn_share(prefill.address)
 
     def _advance(self, now: float) -> None:
         """Serve the queues from the last time they were served until `now`."""
@@ -202,28 +211,48 @@ class PrefillQueues:
             heads = {a: h for a, jobs in queues.items() if (h := _head(jobs)) is not None}
             if not heads:
                 break
-            rates = self._rates(heads)
-            step = min(seconds - elapsed, min(h.remaining_s / rates[a] for a, h in heads.items()))
+            rates = {a: rate for a, rate in self._rates(heads).items() if rate > 0}
+            step = min(seconds - elapsed, min(heads[a].remaining_s / rate for a, rate in rates.items()))
             elapsed += step
-            for a, head in heads.items():
-                head.remaining_s -= rates[a] * step
+            for a, rate in rates.items():
+                head = heads[a]
+                head.remaining_s -= rate * step
                 if head.remaining_s <= EPSILON_S:
                     head.remaining_s, head.served_at = 0.0, start + elapsed
         return elapsed
 
-    def _rates(self, busy: Iterable[str]) -> dict[str, float]:
-        """Seconds of compute per second each of the `busy` instances' head job gets (> 0)."""
-        by_address = {p.address: p for p in self.prefills}
-        busy = set(busy)
-        known = [p for p in self.prefills if p.address in busy]
-        rates = {a: 1.0 for a in busy if a not in by_address}  # gone from the pool: alone
-        rates.update(cores_shares(known, self.decodes))
+    def _rates(self, heads: dict[str, Job]) -> dict[str, float]:
+        """Seconds of compute per second each instance's head job (`heads`: address -> job) gets:
+        its turn's share for the one routed first in its core group (1 on cores of its own, or
+        gone from the pool), 0 for the others there."""
+        group_of = {p.address: p.core_group for p in self.prefills}
+        first: dict[str, str] = {}  # core group -> the address whose head was routed first
+        rates = {}
+        for address, job in heads.items():
+            group = group_of.get(address, "")
+            if not group:
+                rates[address] = 1.0
+            elif group not in first or job.order < heads[first[group]].order:
+                first[group] = address
+        for group, address in first.items():
+            rates.update({a: 0.0 for a in heads if group_of.get(a) == group})
+            rates[address] = self._turn_share(address)
         return rates
+
+    def _turn_share(self, address: str) -> float:
+        """The share of its cores the instance at `address` computes at in its turns: F / (F + S)
+        in a core group, 1 on cores of its own (or gone from the pool)."""
+        inst = next((p for p in self.prefills if p.address == address), None)
+        if inst is None or not inst.core_group:
+            return 1.0
+        forward_s = _forward_s(inst)
+        return forward_s / (forward_s + _decode_steps_s(self.decodes, inst.core_group)) if forward_s > 0 else 1.0
 
 
 def cores_shares(busy: Sequence[InstanceLoad], decodes: Sequence[InstanceLoad]) -> dict[str, float]:
-    """The share of its cores each of the `busy` prefill instances' forwards get (address ->
-    0-1): 1 on cores of its own; in a core group, 1/k of F / (F + S) (the module's rule)."""
+    """The share of its cores each of the `busy` prefill instances' forwards get on average while
+    all of them have work (address -> 0-1): 1 on cores of its own; in a core group of k of them,
+    1/k of F / (F + S) (the module's turns, over the time the group's queues take to drain)."""
     groups: dict[str, list[InstanceLoad]] = {}
     for inst in busy:
         groups.setdefault(inst.core_group or f"own:{inst.address}", []).append(inst)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -233,7 +234,7 @@ class PrefillEngine:
                 self.kv_cache,
                 ready,
                 self.chunked_prefill_size,
-                self._forward_turn,
+                functools.partial(self._forward_turn, min(r.arrival_time for r in ready)),
                 self.turns.budget_of_forwards(),
                 short_last_chunk_pays(
                     self.push_fit.coefficients(),
@@ -260,10 +261,14 @@ class PrefillEngine:
         self._cache_prompts(ready, num_chunks, done - started)
 
     @contextlib.contextmanager
-    def _forward_turn(self) -> Iterator[None]:
-        """Around each forward of a batch: the calls queued meanwhile, then the forward in its turn."""
+    def _forward_turn(self, since: float) -> Iterator[None]:
+        """Around each forward of a batch whose oldest request arrived at `since`
+        (time.perf_counter() seconds): the calls queued meanwhile, then the forward in its turn,
+        first come first served across the prefill instances on these cores. The calls that come
+        while it waits for its turn (behind other instances' prompts, for seconds under load) run
+        as they come: a pull's allocation, a hold, the stats wait for no forward."""
         self.calls.run()
-        with self.turns.turn():
+        with self.turns.turn(since, self.calls.run):
             yield
 
     def _fail(self, ready: list[Request], exc: Exception) -> None:

@@ -5,22 +5,24 @@ CPU cores (`kvmesh up` on one machine), each process's OpenMP team spins on ever
 teams on the same cores stall at each other's barriers: 15 prompts of 14 tokens prefilled in
 195 ms alone took 757 ms while decode ran one stream beside them (2 cores, Intel Xeon), and a
 decode step of a 10-row batch took 90 ms instead of ~20 beside prefill's forwards (2 cores, AMD
-EPYC). Here the two take turns instead, one prefill forward (a chunk of the prompts) and one
-decode step at a time, in the order they asked: a prefill that has a forward to run waits for
-the decode step under way, then runs; a decode step waits for the forward under way and for a
-forward that asked before it. With both busy they alternate, step, chunk, step, chunk: what an
-aggregated engine with chunked prefill does on one device (vLLM's and SGLang's schedulers put a
-prefill chunk beside each decode step), with the chunk's size (`--max-batch-tokens`, set by
-`kvmesh up`) bounding what it adds to a token's latency.
+EPYC). Here they take turns instead, one prefill forward (a chunk of the prompts) or one decode
+step at a time: a prefill that has a forward to run waits for the decode step under way, then
+runs; a decode step waits for the forward under way. With both busy they alternate, step, chunk,
+step, chunk: what an aggregated engine with chunked prefill does on one device (vLLM's and
+SGLang's schedulers put a prefill chunk beside each decode step), with the chunk's size
+(`--max-batch-tokens`, set by `kvmesh up`) bounding what it adds to a token's latency.
 
-Every wait is bounded: a side waits at most `max_wait_s` for its turn, so a peer that died,
-hangs (SIGSTOP) or runs one very long forward slows the other only by that bound, and a mark
-older than the bound is ignored (a peer killed with its mark set). The file holds int64s: when
-decode's last step ended (CLOCK_MONOTONIC nanoseconds, one clock for every process of a host)
-and the role of the turn that began last, then one record per instance: an owner token, its
-pid, its role (prefill or decode), when it began asking for a turn and when its turn began; 0
-for none. Marks are plain stores to a shared page, not a lock: two instances that ask at the
-same instant may both run; that costs speed, never a wrong answer.
+Every wait is bounded: a side waits only while a live peer runs or asks before it, and a mark
+older than `max_wait_s` is not live: a peer that died or hangs (SIGSTOP) with its mark set, or
+runs one very long forward, holds the others back by that bound at most. A side that waits
+re-stamps its ask mark every poll (a heartbeat: a waiting process is alive), so a prompt that
+waits long behind others keeps its place; no wait lasts past MAX_TURN_WAIT_S in all. The file
+holds int64s: when decode's last step ended and when a prefill forward last began
+(CLOCK_MONOTONIC nanoseconds, one clock for every process of a host), then one record per
+instance: an owner token, its pid, its role (prefill or decode), when it was last seen asking
+for a turn (the heartbeat), when its turn under way began, its place (below) and when its last
+turn began; 0 for none. Marks are plain stores to a shared page, not a lock: two instances that
+ask at the same instant may both run; that costs speed, never a wrong answer.
 
 While decode has steps to run, a prefill forward is all that a decode token waits for beyond
 its step. With `--cpu-share-forward-tokens`, prefill sizes its forwards by `decode_busy()`:
@@ -28,13 +30,19 @@ small while decode steps (a token's latency), large while it is idle (the prompt
 
 Several instances may share a file (two prefills and two decodes of one `kvmesh up`): each
 holds a record of its own in it (MAX_PARTIES of them; a dead process's record is taken over), and
-one forward or one step runs at a time across all of them, in the order they asked (decode first
-on a tie), except that a decode step that asks goes before the next forward when a forward ran
-last: with two prefills busy, a stream still waits for one forward a token, not one of each.
-Two forwards of two prefill instances side by side would stall at each other's barriers as
-prefill and decode do, and the order makes a prompt's wait the work queued ahead of it on these
-cores, which the gateway's TTFT prediction can count. An instance that finds no free record runs
-without turns and says so in its log.
+one forward or one step runs at a time across all of them, in one order (`_place`): the decode
+instances that have not stepped since the last forward began, by when they asked; then the
+prefill forwards, by when the oldest request of each forward's batch reached its instance
+(`prefill_forward(since_ns)`); then the decode instances that have stepped since. So each busy
+decode steps once between two forwards (a stream waits for one forward a token, however many
+prefills are busy), and the prompts of all the prefill instances on these cores are computed
+first come first served, as one engine's waiting queue is (vLLM's and SGLang's schedulers take
+waiting prefills in arrival order), not a forward of each instance in turn: a prompt waits for
+the work routed to these cores before it, never for what is routed after it, which is what the
+gateway's TTFT prediction counts (kvmesh.gateway.prefill_queues). Each side has one place in one
+order, so no two ever wait for each other. Two forwards of two prefill instances side by side
+would stall at each other's barriers as prefill and decode do. An instance that finds no free
+record runs without turns and says so in its log.
 """
 
 from __future__ import annotations
@@ -48,24 +56,25 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
 MAX_PARTIES = 16
 """Records in a file: the instances that can take turns through it."""
-_OWNER, _PID, _ROLE, _ASK, _RUN = range(5)
-_FIELDS = 5
+_OWNER, _PID, _ROLE, _ASK, _RUN, _ORDER, _BEGAN = range(7)
+_FIELDS = 7
 _PREFILL, _DECODE = 1, 2
-_TIE_RANK = {_DECODE: 0, _PREFILL: 1}
-"""Who goes first when two asked at the same nanosecond: decode (a token waits on its step)."""
-_DECODE_DONE, _LAST_ROLE = 0, 1
-"""The header's slots: when a decode step last ended; the role of the turn that began last."""
+_DECODE_DONE, _FORWARD_BEGAN = 0, 1
+"""The header's slots: when a decode step last ended; when a prefill forward last began."""
 _HEADER = 2
 _RECORDS = f"{MAX_PARTIES * _FIELDS}q"  # int64s, native order: written and read on one host
 _SIZE = 8 * (_HEADER + MAX_PARTIES * _FIELDS)
 POLL_S = 0.0002
 """How often a waiting side looks at the file, in seconds: its turn starts at most this late."""
+MAX_TURN_WAIT_S = 300.0
+"""The most seconds a turn waits in all, whatever live marks hold it back (a bound on the queue of
+work ahead of it that no peer's heartbeat can stretch)."""
 BUSY_WINDOW_S = 0.05
 """Decode counts as busy this long after its last step ended, in seconds: its loop spends ~1 ms
 between steps (sampling's hand-off, admissions), and a step it is about to run shows as asking."""
@@ -125,6 +134,8 @@ class CpuShare:
                     base = _HEADER + record * _FIELDS
                     for field, value in ((_OWNER, self._owner), (_PID, os.getpid()), (_ROLE, 0), (_ASK, 0), (_RUN, 0)):
                         self._write(base + field, value)
+                    self._write(base + _ORDER, 0)
+                    self._write(base + _BEGAN, 0)
                     return record
             return None
         finally:
@@ -155,59 +166,72 @@ class CpuShare:
         return self._mark(_RUN) != 0
 
     def _records(self) -> list[tuple[int, ...]]:
-        """Every record's fields (owner, pid, role, ask, run), read at once."""
+        """Every record's fields (owner, pid, role, ask, run, order, began), read at once."""
         flat = struct.unpack_from(_RECORDS, self._map, 8 * _HEADER)
         return [flat[base : base + _FIELDS] for base in range(0, len(flat), _FIELDS)]
 
-    def _others(self) -> Iterator[tuple[int, int, int, int]]:
-        """(record, role, ask, run) of every other held record."""
+    def _others(self) -> Iterator[tuple[int, ...]]:
+        """(record, role, ask, run, order, began) of every other held record."""
         for record, fields in enumerate(self._records()):
             if record != self.record and fields[_OWNER] != 0:
-                yield record, fields[_ROLE], fields[_ASK], fields[_RUN]
+                yield record, fields[_ROLE], fields[_ASK], fields[_RUN], fields[_ORDER], fields[_BEGAN]
 
     def _live(self, mark: int, now_ns: int) -> bool:
         """A mark that is set and younger than the bound."""
         return mark != 0 and now_ns - mark < self._max_wait_ns
 
-    def _take_turn(self, role: int) -> float:
-        """Ask, wait while another instance runs or asked first (bounded), then mark our run;
-        seconds waited."""
+    def _take_turn(
+        self, role: int, order_ns: int | None = None, while_waiting: Callable[[], object] | None = None
+    ) -> float:
+        """Ask, wait while a live peer runs or comes before us (`_place`; `order_ns`: our place
+        among the prefill forwards, else when we asked), re-stamping our ask mark and calling
+        `while_waiting` every poll as we wait, then mark our run; seconds waited."""
         if self.record is None:
             return 0.0
         asked = time.monotonic_ns()
         self._set(_ROLE, role)
+        self._set(_ORDER, asked if order_ns is None else min(order_ns, asked))
         self._set(_ASK, asked)
         start = time.monotonic()
-        key = (asked, _TIE_RANK[role], self.record)
-
-        def held_back(now_ns: int) -> bool:
-            after_forward = self._read(_LAST_ROLE) == _PREFILL
-            for record, other_role, other_ask, other_run in self._others():
-                if self._live(other_run, now_ns):
-                    return True
-                if not self._live(other_ask, now_ns):
-                    continue
-                if after_forward and other_role != role:  # a decode step between two forwards
-                    if role == _PREFILL:
-                        return True
-                    continue
-                if (other_ask, _TIE_RANK.get(other_role, 1), record) < key:
-                    return True
-            return False
-
-        now = time.monotonic_ns()
-        # never past max_wait_s in all, whatever marks come and go meanwhile
-        while held_back(now) and now - asked < self._max_wait_ns:
+        bound_ns = int(MAX_TURN_WAIT_S * 1e9)
+        now = asked
+        while now - asked < bound_ns and self._held_back(now):
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(POLL_S)
             now = time.monotonic_ns()
-        self._set(_RUN, time.monotonic_ns())
-        self._write(_LAST_ROLE, role)
+            self._set(_ASK, now)  # the heartbeat: still waiting, still alive
+        began = time.monotonic_ns()
+        self._set(_RUN, began)
+        self._set(_BEGAN, began)
+        if role == _PREFILL:
+            self._write(_FORWARD_BEGAN, began)
         self._set(_ASK, 0)
         return time.monotonic() - start
 
+    def _held_back(self, now_ns: int) -> bool:
+        """Whether a live peer runs, or asks and comes before this instance (`_place`)."""
+        forward_began = self._read(_FORWARD_BEGAN)
+        records = self._records()
+        assert self.record is not None
+        mine = records[self.record]
+        place = _place(mine[_ROLE], mine[_ORDER], mine[_BEGAN], forward_began, self.record)
+        for record, fields in enumerate(records):
+            if record == self.record or fields[_OWNER] == 0:
+                continue
+            if self._live(fields[_RUN], now_ns):
+                return True
+            if self._live(fields[_ASK], now_ns) and (
+                _place(fields[_ROLE], fields[_ORDER], fields[_BEGAN], forward_began, record) < place
+            ):
+                return True
+        return False
+
     @contextlib.contextmanager
-    def _turn(self, role: int) -> Iterator[float]:
-        waited = self._take_turn(role)
+    def _turn(
+        self, role: int, order_ns: int | None = None, while_waiting: Callable[[], object] | None = None
+    ) -> Iterator[float]:
+        waited = self._take_turn(role, order_ns, while_waiting)
         try:
             yield waited
         finally:
@@ -215,10 +239,16 @@ class CpuShare:
                 self._write(_DECODE_DONE, time.monotonic_ns())
             self._set(_RUN, 0)
 
-    def prefill_forward(self) -> contextlib.AbstractContextManager[float]:
-        """Around each prefill forward: waits for the forward or step under way and those asked
-        first, then marks the forward while the block runs; yields the seconds waited."""
-        return self._turn(_PREFILL)
+    def prefill_forward(
+        self, since_ns: int | None = None, while_waiting: Callable[[], object] | None = None
+    ) -> contextlib.AbstractContextManager[float]:
+        """Around each prefill forward: waits for the forward or step under way and those before
+        it in the order, then marks the forward while the block runs; yields the seconds waited.
+        since_ns: when the oldest request of the forward's batch reached this instance
+        (time.monotonic_ns()), its place among the prefill instances' forwards; None: now.
+        while_waiting: called every poll while it waits (the engine's worker calls, which must
+        not wait for the forwards of the prompts ahead)."""
+        return self._turn(_PREFILL, since_ns, while_waiting)
 
     def decode_step(self) -> contextlib.AbstractContextManager[float]:
         """Around each decode step: waits for the forward or step under way and those asked
@@ -230,7 +260,7 @@ class CpuShare:
         """Whether a decode instance on the file is stepping: a step under way or asked for
         (marks younger than the bound), or one that ended within BUSY_WINDOW_S."""
         now = time.monotonic_ns()
-        for _, role, ask, run in self._others():
+        for _, role, ask, run, *_ in self._others():
             if role == _DECODE and (self._live(run, now) or self._live(ask, now)):
                 return True
         return now - self._read(_DECODE_DONE) < BUSY_WINDOW_S * 1e9
@@ -240,6 +270,17 @@ class CpuShare:
         if self.record is not None and self._mark(_OWNER) == self._owner:
             self._set(_OWNER, 0)
         self._map.close()
+
+
+def _place(role: int, order: int, began: int, forward_began: int, record: int) -> tuple[int, int, int]:
+    """Where a side that asks stands in the order of turns (lowest first): decode instances that
+    have not stepped since the last forward began (by when they asked), then prefill forwards (by
+    their oldest request), then decode instances that have (by when they asked). One key a side,
+    read from one snapshot, so no two sides ever wait for each other: between two forwards each
+    decode that asks steps once."""
+    if role == _PREFILL:
+        return (1, order, record)
+    return (0 if began < forward_began else 2, order, record)
 
 
 def _alive(pid: int) -> bool:
@@ -263,7 +304,9 @@ class NoCpuShare:
     group = ""
     shared = False
 
-    def prefill_forward(self) -> contextlib.AbstractContextManager[float]:
+    def prefill_forward(
+        self, since_ns: int | None = None, while_waiting: Callable[[], object] | None = None
+    ) -> contextlib.AbstractContextManager[float]:
         return contextlib.nullcontext(0.0)
 
     def decode_step(self) -> contextlib.AbstractContextManager[float]:

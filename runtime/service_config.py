@@ -134,7 +134,8 @@ class ModelServiceConfig:
     cpu_share_max_wait_s: float = setting(
         2.0,
         "--cpu-share-max-wait",
-        "seconds a prefill forward or a decode step waits for its turn at most (with --cpu-share)",
+        "seconds a peer's turn or ask holds a prefill forward or a decode step back at most: a longer forward or "
+        "step, or a peer that stopped asking (dead or frozen), is passed over (with --cpu-share)",
         ge=0,
     )
     kv_digest: bool = setting(

@@ -13,8 +13,9 @@ The mesh as kvmesh runs it:
 - A decode instance runs steps while it has requests: every request in a step gets one token.
 
 Cores: with `shared_cores` every instance runs on one host's cores and they take turns (the
-launcher's --cpu-share: with both roles waiting, a decode step, then a prefill forward, each role's
-instances in turn); otherwise each instance has its own device and runs beside the others.
+launcher's --cpu-share: with both roles waiting, a decode step, then a prefill forward; the prefill
+instances' forwards first come first served by their oldest request, the decode instances' steps
+each in turn); otherwise each instance has its own device and runs beside the others.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class _Request:
     done: int = 0
     """Prompt tokens in its KV so far (cached + computed)."""
     decode: int = -1
+    routed_s: float = 0.0
     first_token_s: float = 0.0
     tokens: int = 0
     last_token_s: float = 0.0
@@ -100,7 +102,7 @@ class _Sim:
         self.idle = [True] * num_groups
         self.last_side = ["decode"] * num_groups
         self.turn: dict[tuple[int, str], int] = {}
-        """(group, role) -> the actor from which that role's next turn is looked for."""
+        """(group, "decode") -> the actor from which the next decode step is looked for."""
         self.events: list[tuple[float, int, str, int]] = []
         self.seq = 0
         self.now = 0.0
@@ -137,7 +139,7 @@ class _Sim:
                 return
             r = self.requests[self.waiting.popleft()]
             self.decodes[d].reserved += 1
-            r.decode = d
+            r.decode, r.routed_s = d, self.now
             p = self.route(r)
             self.prefill_queues[p].append(r.index)
             self.kick(self.group_of[p])
@@ -179,17 +181,20 @@ class _Sim:
 
     def next_actor(self, group: int) -> int | None:
         """The group's next actor with work: the other role than the last one first (shared cores
-        take turns), each role's instances round robin."""
+        take turns); of the prefill instances, the one whose next forward's oldest request was
+        routed first (their prompts first come first served: kvmesh.runtime.cpu_share), of the
+        decode instances each in turn."""
         members = [a for a, g in enumerate(self.group_of) if g == group]
         ready = [a for a in members if self.has_work(a)]
         if not ready:
             return None
         other = [a for a in ready if (a < self.shape.num_prefill) != (self.last_side[group] == "prefill")]
         pool = other or ready
-        side = "prefill" if pool[0] < self.shape.num_prefill else "decode"
-        start = self.turn.get((group, side), 0)  # each role's instances take turns among themselves
+        if pool[0] < self.shape.num_prefill:  # the forward whose oldest request was routed first
+            return min(pool, key=lambda p: (self.requests[self.prefill_queues[p][0]].routed_s, p))
+        start = self.turn.get((group, "decode"), 0)  # decode instances take turns among themselves
         actor = min(pool, key=lambda a: (a - start) % len(self.group_of))
-        self.turn[(group, side)] = actor + 1
+        self.turn[(group, "decode")] = actor + 1
         return actor
 
     def has_work(self, actor: int) -> bool:

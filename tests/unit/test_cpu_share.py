@@ -174,6 +174,99 @@ def test_a_decode_step_goes_between_two_forwards(tmp_path):
     assert order == ["second", "first"]
 
 
+def test_prefill_forwards_go_by_their_oldest_request_not_by_when_they_asked(tmp_path):
+    # a forward runs; a prefill asks for a batch that arrived just now, then another for one that
+    # arrived a second ago: the older batch goes first (the prompts of the prefill instances on
+    # these cores first come first served, as one engine's queue)
+    path = str(tmp_path / "cpu-share")
+    running, newer, older = CpuShare(path), CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    a_second_ago = time.monotonic_ns() - 10**9
+    order = _order_after(
+        running.prefill_forward,
+        lambda: newer.prefill_forward(time.monotonic_ns()),
+        lambda: older.prefill_forward(a_second_ago),
+        newer,
+        older,
+    )
+    assert order == ["second", "first"]
+
+
+def test_each_decode_steps_once_between_forwards_taken_oldest_first(tmp_path):
+    # a forward ran, then both decodes stepped; while one steps again, a prefill asks for a new
+    # batch, then another for an older one. After the step: the older batch's forward, then the
+    # other decode (due again after a forward), then the newer batch's forward. Every side has
+    # one place in one order, so no two ever wait for each other
+    path = str(tmp_path / "cpu-share")
+    newer, older = CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    decode, other_decode = CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    with older.prefill_forward():
+        pass
+    with other_decode.decode_step():
+        pass
+    order: list[str] = []
+
+    def take(turn, name: str) -> threading.Thread:
+        def run() -> None:
+            with turn():
+                order.append(name)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    a_second_ago = time.monotonic_ns() - 10**9
+    with decode.decode_step():
+        threads = [take(lambda: newer.prefill_forward(time.monotonic_ns()), "newer")]
+        _until(newer.asking)
+        threads.append(take(lambda: older.prefill_forward(a_second_ago), "older"))
+        _until(older.asking)
+        threads.append(take(other_decode.decode_step, "other decode"))
+        _until(other_decode.asking)
+    for thread in threads:
+        thread.join(10)
+    assert order == ["older", "other decode", "newer"]
+
+
+def _until(state, timeout_s: float = 30.0) -> None:
+    """Wait for `state()` to be true (at most timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not state():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_a_side_waiting_longer_than_the_bound_keeps_its_place(tmp_path):
+    # `waiting` waits behind a long forward (its bound is 5 s); `late`, whose bound is 0.3 s,
+    # asks for a newer batch once `waiting` has waited past 0.3 s. `late` takes the forward's mark
+    # as stale, but not `waiting`'s ask, which it re-stamps as it waits: `late` goes after it
+    path = str(tmp_path / "cpu-share")
+    running, waiting = CpuShare(path), CpuShare(path, max_wait_s=5.0)
+    late = CpuShare(path, max_wait_s=0.3)
+    order: list[str] = []
+
+    def take(share: CpuShare, since_ns: int, name: str) -> threading.Thread:
+        def run() -> None:
+            with share.prefill_forward(since_ns):
+                order.append(name)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    with running.prefill_forward():
+        threads = [take(waiting, time.monotonic_ns(), "waiting")]
+        _until(waiting.asking)
+        asked_ns = waiting._read(cpu_share._HEADER + waiting.record * cpu_share._FIELDS + cpu_share._ORDER)
+        _until(lambda: time.monotonic_ns() - asked_ns > 0.5e9)  # past late's bound
+        threads.append(take(late, time.monotonic_ns(), "late"))
+        _until(lambda: late.asking() or bool(order))
+        time.sleep(0.05)  # ample polls for late to run, were it not held back
+        assert order == []
+    for thread in threads:
+        thread.join(10)
+    assert order == ["waiting", "late"]
+
+
 def test_records_are_given_back_and_taken_over_from_dead_processes(tmp_path):
     path = str(tmp_path / "cpu-share")
     held = [CpuShare(path) for _ in range(cpu_share.MAX_PARTIES)]
@@ -334,3 +427,22 @@ def test_no_path_means_no_sharing():
         assert waited_forward == waited_step == 0.0
     with pytest.raises(ValueError):
         CpuShare("/nonexistent", max_wait_s=-1)
+
+
+def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_worker(tmp_path):
+    # an older prompt's forward runs at another prefill; the engine's batch waits for its turn,
+    # and a call on its worker (a pull's allocation, a hold, the stats) runs meanwhile
+    path = str(tmp_path / "cpu-share")
+    share, other = CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    engine = PrefillEngine(ArgmaxRunner(), 4, 16, enable_prefix_caching=False, cpu_share=share, chunked_prefill_size=4)
+    try:
+        with other.prefill_forward(time.monotonic_ns() - 10**9):
+            result = engine.submit(_job("a", list(range(10, 22))))
+            _until(share.asking)
+            assert engine.call(lambda: "ran").result(timeout=30) == "ran"
+            assert share.asking() and not result.done()  # the call ran while the batch waited
+        assert result.result(timeout=30).first_token == 22
+    finally:
+        engine.shutdown()
+        share.close()
+        other.close()

@@ -196,7 +196,7 @@ class WaitingShare:
     group = "host:/dev/shm/kvmesh-test-share"
 
     @contextlib.contextmanager
-    def prefill_forward(self):
+    def prefill_forward(self, since_ns=None, while_waiting=None):
         time.sleep(self.WAIT_S)
         yield self.WAIT_S
 

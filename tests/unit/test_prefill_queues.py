@@ -1,7 +1,7 @@
 """The gateway's fluid model of the prefill work it routed (kvmesh.gateway.prefill_queues): a
-queue first come first served on cores of its own, instances of one core group taking turns
-with each other and with their decode steps, first tokens setting the model right. The
-expected finish times are worked out by hand from the processor-sharing rule in the module's
+queue first come first served on cores of its own, instances of one core group computing their
+jobs in the order they were routed, between their decode steps, first tokens setting the model
+right. The expected finish times are worked out by hand from the rule in the module's
 docstring."""
 
 from __future__ import annotations
@@ -40,21 +40,25 @@ def test_on_cores_of_its_own_a_queue_is_first_come_first_served_and_drains_with_
     assert queues.finish_s(a, 0.5) == pytest.approx((0.5, 1.0))
 
 
-def test_instances_of_one_core_group_share_its_cores_while_both_have_work():
+def test_instances_of_one_core_group_compute_their_jobs_in_the_order_they_were_routed():
     clock = Clock()
     a, b = _prefill("a", "host:/share"), _prefill("b", "host:/share")
     queues = PrefillQueues([a, b], [], clock)
     queues.add(a, 2.0)
+    clock.now += 0.5  # a's job computes alone: 1.5 s left
     queues.add(b, 1.0)
-    # a's 3 s (2 queued + 1 new) and b's 1 s at half speed each until b is done (t = 2, a has
-    # 2 s left), then a alone: 4 s
-    assert queues.finish_s(a, 1.0) == pytest.approx((4.0, 0.5))
-    clock.now += 1.0  # both served 0.5 s
-    assert queues.finish_s(b, 0.0) == pytest.approx((1.0, 0.5))  # b's 0.5 s left at half speed
+    # b's job waits for a's (routed first) to end at 1.5 s, then computes: 2.5 s. Sharing the
+    # cores a forward each in turn, it would end at 2 s (1 s at half speed) and a's at 2.5 s
+    assert queues.finish_s(b, 0.0) == pytest.approx((2.5, 1.0))
+    # a new job at a goes after b's, though a's queue is empty once its job ends: 3.5 s
+    assert queues.finish_s(a, 1.0) == pytest.approx((3.5, 1.0))
+    clock.now += 2.0  # a's job done at 1.5 s, b's computed 0.5 s since
+    assert queues.finish_s(a, 1.0) == pytest.approx((1.5, 1.0))
     other = PrefillQueues([a, _prefill("b", "other:/share")], [], clock)
     other.add(a, 2.0)
     other.add(other.prefills[1], 1.0)
-    assert other.finish_s(a, 1.0) == pytest.approx((3.0, 1.0))  # another host's cores
+    assert other.finish_s(a, 1.0) == pytest.approx((3.0, 1.0))  # another host's cores: beside it
+    assert other.finish_s(other.prefills[1], 1.0) == pytest.approx((2.0, 1.0))
 
 
 def test_decode_steps_of_the_group_take_their_share_between_forwards():
