@@ -236,11 +236,11 @@ def _until(state, timeout_s: float = 30.0) -> None:
 
 
 def test_a_side_waiting_longer_than_the_bound_keeps_its_place(tmp_path):
-    # `waiting` waits behind a long forward (its bound is 5 s); `late`, whose bound is 0.3 s,
+    # `waiting` waits behind a long forward (its bound is 30 s); `late`, whose bound is 0.3 s,
     # asks for a newer batch once `waiting` has waited past 0.3 s. `late` takes the forward's mark
     # as stale, but not `waiting`'s ask, which it re-stamps as it waits: `late` goes after it
     path = str(tmp_path / "cpu-share")
-    running, waiting = CpuShare(path), CpuShare(path, max_wait_s=5.0)
+    running, waiting = CpuShare(path), CpuShare(path, max_wait_s=30.0)
     late = CpuShare(path, max_wait_s=0.3)
     order: list[str] = []
 
@@ -433,7 +433,7 @@ def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_
     # an older prompt's forward runs at another prefill; the engine's batch waits for its turn,
     # and a call on its worker (a pull's allocation, a hold, the stats) runs meanwhile
     path = str(tmp_path / "cpu-share")
-    share, other = CpuShare(path, max_wait_s=5.0), CpuShare(path, max_wait_s=5.0)
+    share, other = CpuShare(path, max_wait_s=30.0), CpuShare(path, max_wait_s=30.0)
     engine = PrefillEngine(ArgmaxRunner(), 4, 16, enable_prefix_caching=False, cpu_share=share, chunked_prefill_size=4)
     try:
         with other.prefill_forward(time.monotonic_ns() - 10**9):
