@@ -10,8 +10,9 @@ TTFT at a prefill instance, from the moment the request is routed (seconds):
              still waiting there: kvmesh.gateway.prefill_queues)
     queue    the wait for the work ahead of it and the cores' turns while it computes: when the
              fluid model of the routed work (kvmesh.gateway.prefill_queues: each instance's queue
-             first come first served, instances that share cores taking turns with each other and
-             with their decode steps) would serve it out, less its compute; where the instance
+             first come first served, and the queues of instances that share cores first come
+             first served together, between their decode steps) would serve it out, less its
+             compute; where the instance
              reports requests this gateway did not send (other gateways'), at least its reported
              queue by its profile
     push     the pages decode does not hold: push_fit . [1, pages]
@@ -61,8 +62,8 @@ class TtftPrediction:
     compute_s: float
     push_s: float
     share: float = 1.0
-    """The share of its cores the instance's forwards get now, this request queued (1 on cores
-    of its own; less where instances take turns: kvmesh.gateway.prefill_queues)."""
+    """The share of its cores the instance's forwards get in their turns (1 on cores of its own;
+    less where decode steps take turns with them: kvmesh.gateway.prefill_queues)."""
     rows: int = 0
     """The requests the decode instances of its core group stream (0 on cores of its own)."""
     tokens: int = 0

@@ -251,9 +251,9 @@ class CpuShare:
         return self._turn(_PREFILL, since_ns, while_waiting)
 
     def decode_step(self) -> contextlib.AbstractContextManager[float]:
-        """Around each decode step: waits for the forward or step under way and those asked
-        first, then marks the step while the block runs, and when it ended; yields the seconds
-        waited."""
+        """Around each decode step: waits for the forward or step under way and those before it
+        in the order, then marks the step while the block runs, and when it ended; yields the
+        seconds waited."""
         return self._turn(_DECODE)
 
     def decode_busy(self) -> bool:

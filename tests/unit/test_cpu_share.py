@@ -4,6 +4,7 @@ take turns with each other too, in the order they asked; the prefill engine mark
 CpuShare objects on one file stand for the processes: they map the same page, as prefill and
 decode do."""
 
+import functools
 import subprocess
 import sys
 import threading
@@ -132,18 +133,22 @@ def test_two_prefill_instances_take_turns_with_each_other(tmp_path):
     assert not thread.is_alive() and waited[0] > 0
 
 
+def _take(order: list[str], turn, name: str) -> threading.Thread:
+    """On a new thread: enter `turn` (a CpuShare side's context), append `name` to `order` once in."""
+
+    def run() -> None:
+        with turn():
+            order.append(name)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def _order_after(running_turn, first_turn, second_turn, first: CpuShare, second: CpuShare) -> list[str]:
     """While `running_turn` runs, `first_turn` asks, then `second_turn`: the order the two ran in."""
     order: list[str] = []
-
-    def take(turn, name: str) -> threading.Thread:
-        def run() -> None:
-            with turn():
-                order.append(name)
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
+    take = functools.partial(_take, order)
 
     with running_turn():
         threads = [take(first_turn, "first")]
@@ -204,16 +209,7 @@ def test_each_decode_steps_once_between_forwards_taken_oldest_first(tmp_path):
     with other_decode.decode_step():
         pass
     order: list[str] = []
-
-    def take(turn, name: str) -> threading.Thread:
-        def run() -> None:
-            with turn():
-                order.append(name)
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
-
+    take = functools.partial(_take, order)
     a_second_ago = time.monotonic_ns() - 10**9
     with decode.decode_step():
         threads = [take(lambda: newer.prefill_forward(time.monotonic_ns()), "newer")]
@@ -245,13 +241,7 @@ def test_a_side_waiting_longer_than_the_bound_keeps_its_place(tmp_path):
     order: list[str] = []
 
     def take(share: CpuShare, since_ns: int, name: str) -> threading.Thread:
-        def run() -> None:
-            with share.prefill_forward(since_ns):
-                order.append(name)
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
+        return _take(order, lambda: share.prefill_forward(since_ns), name)
 
     with running.prefill_forward():
         threads = [take(waiting, time.monotonic_ns(), "waiting")]
