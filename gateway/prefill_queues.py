@@ -243,10 +243,7 @@ class PrefillQueues:
         """The share of its cores the instance at `address` computes at in its turns: F / (F + S)
         in a core group, 1 on cores of its own (or gone from the pool)."""
         inst = next((p for p in self.prefills if p.address == address), None)
-        if inst is None or not inst.core_group:
-            return 1.0
-        forward_s = _forward_s(inst)
-        return forward_s / (forward_s + _decode_steps_s(self.decodes, inst.core_group)) if forward_s > 0 else 1.0
+        return turn_share(inst, self.decodes) if inst is not None else 1.0
 
 
 def cores_shares(busy: Sequence[InstanceLoad], decodes: Sequence[InstanceLoad]) -> dict[str, float]:
@@ -256,14 +253,16 @@ def cores_shares(busy: Sequence[InstanceLoad], decodes: Sequence[InstanceLoad]) 
     groups: dict[str, list[InstanceLoad]] = {}
     for inst in busy:
         groups.setdefault(inst.core_group or f"own:{inst.address}", []).append(inst)
-    shares = {}
-    for group, members in groups.items():
-        steps_s = _decode_steps_s(decodes, group)
-        for inst in members:
-            forward_s = _forward_s(inst)
-            share = forward_s / (forward_s + steps_s) if forward_s > 0 else 1.0
-            shares[inst.address] = share / len(members)
-    return shares
+    return {inst.address: turn_share(inst, decodes) / len(members) for members in groups.values() for inst in members}
+
+
+def turn_share(prefill: InstanceLoad, decodes: Sequence[InstanceLoad]) -> float:
+    """The share of its cores `prefill`'s forwards get in its turns: F / (F + S) in a core group
+    (the module's rule), 1 on cores of its own or without a profile."""
+    if not prefill.core_group:
+        return 1.0
+    forward_s = _forward_s(prefill)
+    return forward_s / (forward_s + _decode_steps_s(decodes, prefill.core_group)) if forward_s > 0 else 1.0
 
 
 def _decode_steps_s(decodes: Sequence[InstanceLoad], group: str) -> float:

@@ -170,11 +170,11 @@ class CpuShare:
         flat = struct.unpack_from(_RECORDS, self._map, 8 * _HEADER)
         return [flat[base : base + _FIELDS] for base in range(0, len(flat), _FIELDS)]
 
-    def _others(self) -> Iterator[tuple[int, ...]]:
-        """(record, role, ask, run, order, began) of every other held record."""
+    def _others(self) -> Iterator[tuple[int, int, int, int]]:
+        """(record, role, ask, run) of every other held record."""
         for record, fields in enumerate(self._records()):
             if record != self.record and fields[_OWNER] != 0:
-                yield record, fields[_ROLE], fields[_ASK], fields[_RUN], fields[_ORDER], fields[_BEGAN]
+                yield record, fields[_ROLE], fields[_ASK], fields[_RUN]
 
     def _live(self, mark: int, now_ns: int) -> bool:
         """A mark that is set and younger than the bound."""
@@ -260,7 +260,7 @@ class CpuShare:
         """Whether a decode instance on the file is stepping: a step under way or asked for
         (marks younger than the bound), or one that ended within BUSY_WINDOW_S."""
         now = time.monotonic_ns()
-        for _, role, ask, run, *_ in self._others():
+        for _, role, ask, run in self._others():
             if role == _DECODE and (self._live(run, now) or self._live(ask, now)):
                 return True
         return now - self._read(_DECODE_DONE) < BUSY_WINDOW_S * 1e9
