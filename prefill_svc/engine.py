@@ -164,6 +164,7 @@ class PrefillEngine:
         (kvmesh.prefill_svc.worker_calls). fn must not compute a batch."""
         future = self.calls.put(fn, *args)
         self._executor.submit(self.calls.run)
+        self.turns.cpu_share.wake()  # a forward waiting for its turn runs the calls meanwhile
         return future
 
     def shutdown(self) -> None:

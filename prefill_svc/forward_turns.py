@@ -34,7 +34,8 @@ class ForwardTurns:
         """Around each forward: its turn on shared cores, counted. since: when the oldest request
         of the forward's batch arrived (time.perf_counter() seconds), its place in the order of
         the forwards of the prefill instances on these cores (kvmesh.runtime.cpu_share); None:
-        now. while_waiting: called every poll while the turn is waited for."""
+        now. while_waiting: called each time the wait wakes (`CpuShare.wake`, a peer's turn ending, a
+        heartbeat) while the turn is waited for."""
         since_ns = None if since is None else time.monotonic_ns() - int((time.perf_counter() - since) * 1e9)
         with self.cpu_share.prefill_forward(since_ns, while_waiting) as waited:
             started = time.perf_counter()

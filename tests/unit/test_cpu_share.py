@@ -250,7 +250,7 @@ def test_a_side_waiting_longer_than_the_bound_keeps_its_place(tmp_path):
         _until(lambda: time.monotonic_ns() - asked_ns > 0.5e9)  # past late's bound
         threads.append(take(late, time.monotonic_ns(), "late"))
         _until(lambda: late.asking() or bool(order))
-        time.sleep(0.05)  # ample polls for late to run, were it not held back
+        time.sleep(0.05)  # ample heartbeats for late to run, were it not held back
         assert order == []
     for thread in threads:
         thread.join(10)
@@ -276,18 +276,17 @@ def test_records_are_given_back_and_taken_over_from_dead_processes(tmp_path):
     assert CpuShare(path).record is None
 
 
-class _CountingClock:
-    """kvmesh.runtime.cpu_share's `time`, counting the polls a wait sleeps through."""
+def _count_sleeps(monkeypatch) -> list[int]:
+    """Counts (in a one-item list) the times a wait for a turn goes to sleep."""
+    sleeps = [0]
+    sleep = CpuShare._sleep
 
-    def __init__(self) -> None:
-        self.sleeps = 0
+    def counted(self: CpuShare) -> None:
+        sleeps[0] += 1
+        sleep(self)
 
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps += 1
-        time.sleep(seconds)
+    monkeypatch.setattr(CpuShare, "_sleep", counted)
+    return sleeps
 
 
 def test_a_forward_that_never_ends_holds_decode_back_only_max_wait_s(tmp_path, monkeypatch):
@@ -307,22 +306,20 @@ def test_a_forward_that_never_ends_holds_decode_back_only_max_wait_s(tmp_path, m
         thread.join(30)
         # it waited max_wait_s, then stepped
         assert not thread.is_alive() and ended_ns[0] - began_ns >= 0.3e9
-        clock = _CountingClock()
-        monkeypatch.setattr(cpu_share, "time", clock)
+        sleeps = _count_sleeps(monkeypatch)
         with decode.decode_step():
             pass
-        assert clock.sleeps == 0  # the mark is older than the bound: stale, no more waits
+        assert sleeps == [0]  # the mark is older than the bound: stale, no more waits
 
 
 def test_a_side_that_died_asking_holds_the_other_back_only_max_wait_s(tmp_path, monkeypatch):
     path = str(tmp_path / "cpu-share")
     prefill, decode = CpuShare(path, max_wait_s=0.3), CpuShare(path)
     decode._set(cpu_share._ASK, time.monotonic_ns() - 10**9)  # asked a second ago, then died
-    clock = _CountingClock()
-    monkeypatch.setattr(cpu_share, "time", clock)
+    sleeps = _count_sleeps(monkeypatch)
     with prefill.prefill_forward():
         pass
-    assert clock.sleeps == 0
+    assert sleeps == [0]
 
 
 def test_the_prefill_engine_marks_each_forward(pair):
@@ -419,11 +416,18 @@ def test_no_path_means_no_sharing():
         CpuShare("/nonexistent", max_wait_s=-1)
 
 
-def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_worker(tmp_path):
+def _sleepy(path: str, monkeypatch) -> tuple[CpuShare, CpuShare]:
+    """A prefill and a decode side whose waits look at the file by themselves once a minute:
+    sooner only when woken."""
+    monkeypatch.setattr(cpu_share, "HEARTBEAT_S", 60.0)
+    return CpuShare(path, max_wait_s=300.0), CpuShare(path, max_wait_s=300.0)
+
+
+def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_worker(tmp_path, monkeypatch):
     # an older prompt's forward runs at another prefill; the engine's batch waits for its turn,
-    # and a call on its worker (a pull's allocation, a hold, the stats) runs meanwhile
-    path = str(tmp_path / "cpu-share")
-    share, other = CpuShare(path, max_wait_s=30.0), CpuShare(path, max_wait_s=30.0)
+    # and a call on its worker (a pull's allocation, a hold, the stats) wakes it and runs
+    # meanwhile (its heartbeat is a minute away)
+    share, other = _sleepy(str(tmp_path / "cpu-share"), monkeypatch)
     engine = PrefillEngine(ArgmaxRunner(), 4, 16, enable_prefix_caching=False, cpu_share=share, chunked_prefill_size=4)
     try:
         with other.prefill_forward(time.monotonic_ns() - 10**9):
@@ -436,3 +440,57 @@ def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_
         engine.shutdown()
         share.close()
         other.close()
+
+
+def test_a_waiting_side_sleeps_until_the_turn_before_it_ends(tmp_path, monkeypatch):
+    # no polls: the waiting forward looks at the file once, then sleeps until the step ends and
+    # wakes it (its heartbeat is a minute away). Polling every 0.2 ms cost the side that runs
+    # 30% of its speed (runtime/cpu_share.py)
+    prefill, decode = _sleepy(str(tmp_path / "cpu-share"), monkeypatch)
+    looks: list[float] = []
+    try:
+        with decode.decode_step():
+            forward, _ = _in_turn(functools.partial(prefill.prefill_forward, while_waiting=lambda: looks.append(1)))
+            _until(lambda: looks)
+            forward.join(0.3)
+            assert forward.is_alive() and len(looks) == 1  # asleep: a poll loop looks ~1,000 times
+        forward.join(30)
+        assert not forward.is_alive() and len(looks) == 1  # woken by the step's end
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_wake_runs_a_waiting_forward_s_calls_at_once(tmp_path, monkeypatch):
+    # the prefill engine's worker calls: queued from another thread, run by the forward that
+    # waits for its turn, once `wake` wakes it
+    prefill, decode = _sleepy(str(tmp_path / "cpu-share"), monkeypatch)
+    looks: list[float] = []
+    try:
+        with decode.decode_step():
+            forward, _ = _in_turn(functools.partial(prefill.prefill_forward, while_waiting=lambda: looks.append(1)))
+            _until(lambda: looks)
+            prefill.wake()
+            _until(lambda: len(looks) == 2)
+            assert forward.is_alive() and not prefill.running()  # still waiting: the step runs
+        forward.join(30)
+        assert not forward.is_alive()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_side_no_wake_reaches_looks_again_at_its_heartbeat(tmp_path):
+    # a peer that cannot wake it (another network namespace, a socket that could not be bound)
+    path = str(tmp_path / "cpu-share")
+    prefill, decode = CpuShare(path), CpuShare(path)
+    prefill._wakeable = False
+    try:
+        with decode.decode_step():
+            forward, waited = _in_turn(prefill.prefill_forward)
+            _until(prefill.asking)
+        forward.join(30)
+        assert not forward.is_alive() and waited[0] > 0
+    finally:
+        prefill.close()
+        decode.close()

@@ -203,6 +203,9 @@ class WaitingShare:
     def decode_busy(self):
         return True
 
+    def wake(self):
+        pass
+
     def close(self):
         pass
 
