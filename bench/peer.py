@@ -199,7 +199,7 @@ def _wait_addresses(log_path: Path, proc: subprocess.Popen, timeout_s: float = 3
             time.sleep(0.2)
 
 
-def _stats(prefill: list[str], decode: list[str]) -> dict[str, float]:
+def work_counters(prefill: list[str], decode: list[str]) -> dict[str, float]:
     """The counters `where` compares, summed over the instances (GetStats, 10 s deadline)."""
     import grpc
 
@@ -227,7 +227,7 @@ WHERE_FIELDS = {
 
 def where(before: dict[str, float], after: dict[str, float], wall_s: float) -> str:
     """One line: where a run's `wall_s` seconds went, from the counters before and after it
-    (`_stats`): decode's steps (count, seconds and share of the wall, mean batch, mean step),
+    (`work_counters`): decode's steps (count, seconds and share of the wall, mean batch, mean step),
     prefill's forwards (count, seconds and share, tokens a forward, tokens per second of
     forward), each side's waits for the other on shared cores, and the rest (neither computing:
     hand-offs, hops, idle; negative when the two computed at once)."""
@@ -294,10 +294,10 @@ def run(args: argparse.Namespace) -> int:
                         # new prompts for every run (both servers get the same ones in a round):
                         # with one seed, the later runs' prompts were all in the prefix caches
                         seed = 1000 * rnd + k
-                        before = _stats(*instances) if instances else {}
+                        before = work_counters(*instances) if instances else {}
                         got = _client(vllm, args.port, model, checkpoint, workload, c, args.num_prompts, out, seed)
                         if instances:
-                            got["where"] = where(before, _stats(*instances), got["duration"])
+                            got["where"] = where(before, work_counters(*instances), got["duration"])
                         results[server.name].setdefault(f"{workload} c={c}", []).append(got)
                         print(
                             f"  {server.name} {workload} c={c}: {got['output_throughput']:.1f} out tok/s, "

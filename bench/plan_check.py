@@ -71,10 +71,14 @@ async def replay(address: str, workload: Workload, prompts: list[list[int]]) -> 
 
 def _by_length(workload: Workload, predicted: SimResult, measured: SimResult, finals: list) -> None:
     """Median TTFT predicted and measured by prompt length, with the measured wait for a decode
-    slot (Final.queue_s) and cached tokens: where a miss comes from."""
+    slot (Final.queue_s) and cached tokens, and median ITL (a request's mean) predicted and
+    measured: where a miss comes from."""
     import statistics
 
-    print(f"\n{'prompt':>7} {'n':>3} {'TTFT pred':>10} {'measured':>9} {'slot wait':>9} {'cached':>7}")
+    print(
+        f"\n{'prompt':>7} {'n':>3} {'TTFT pred':>10} {'measured':>9} {'slot wait':>9} {'cached':>7} "
+        f"{'ITL pred':>9} {'measured':>9}"
+    )
     for length in sorted({r.input_tokens for r in workload.requests}):
         idx = [i for i, r in enumerate(workload.requests) if r.input_tokens == length and finals[i] is not None]
         if not idx:
@@ -83,8 +87,34 @@ def _by_length(workload: Workload, predicted: SimResult, measured: SimResult, fi
         print(
             f"{length:>7} {len(idx):>3} {med(predicted.ttft_s[i] for i in idx) * 1000:>8.0f}ms "
             f"{med(measured.ttft_s[i] for i in idx) * 1000:>7.0f}ms {med(finals[i].queue_s for i in idx) * 1000:>7.0f}ms "
-            f"{med(finals[i].cached_tokens for i in idx):>7.0f}"
+            f"{med(finals[i].cached_tokens for i in idx):>7.0f} {med(predicted.itl_s[i] for i in idx) * 1000:>7.0f}ms "
+            f"{med(measured.itl_s[i] for i in idx) * 1000:>7.0f}ms"
         )
+
+
+def _work(predicted: dict[str, float], measured: dict[str, float]) -> None:
+    """The work predicted and the instances' counters of it over the replay (GetStats): a miss
+    in the percentiles comes from the forwards' and steps' cost under load, or from the order the
+    simulation gives them."""
+    print(f"\n{'work':<22} {'predicted':>10} {'measured':>10} {'ratio':>7}")
+    for role, runs, seconds, tokens in (
+        ("prefill", "num_forwards", "forward_seconds", "num_prompt_tokens_computed"),
+        ("decode", "num_steps", "step_seconds", "num_generated_tokens"),
+    ):
+        rows = []
+        for d in (predicted, measured):
+            n = max(d[f"{role}.{runs}"], 1)
+            rows.append(
+                (
+                    d[f"{role}.{runs}"],
+                    d[f"{role}.{seconds}"],
+                    d[f"{role}.{tokens}"] / n,
+                    1000 * d[f"{role}.{seconds}"] / n,
+                )
+            )
+        for i, name in enumerate((runs.removeprefix("num_"), f"{role} seconds", "tokens each", "ms each")):
+            p, m = rows[0][i], rows[1][i]
+            print(f"{role[0]} {name:<20} {p:>10.1f} {m:>10.1f} {m / p if p else float('nan'):>7.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    from kvmesh.bench.peer import work_counters
     from kvmesh.launcher import SHARED_CORES_FORWARD_TOKENS, start_mesh
     from kvmesh.planner.command import up_command
     from kvmesh.planner.measure import measure
@@ -130,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             best.shape.num_prefill, best.shape.num_decode, port=free_port(), log=log, env={"REDIS_URL": "", **env}
         )
         try:
+            instances = (mesh.prefill_addresses, mesh.decode_addresses)
+            before = work_counters(*instances)
             measured, failed, finals = asyncio.run(
                 replay(mesh.gateway_address, workload, prompts_of(workload, args.seed))
             )
+            after = work_counters(*instances)
         finally:
             mesh.stop()
     print(f"\nmeasured on the planned mesh ({failed} failed)")
@@ -148,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"{within} of 6 within 25%")
     _by_length(workload, best.result, measured, finals)
+    _work(best.result.work, {k: after[k] - before.get(k, 0.0) for k in after})
     return 0
 
 

@@ -28,6 +28,16 @@ from dataclasses import dataclass, field
 from kvmesh.planner.profile import Profile
 from kvmesh.planner.workload import Workload
 
+WORK_COUNTERS = (
+    "prefill.num_forwards",
+    "prefill.forward_seconds",
+    "prefill.num_prompt_tokens_computed",
+    "decode.num_steps",
+    "decode.step_seconds",
+    "decode.num_generated_tokens",
+)
+"""The role and GetStats field of each count of the work a simulation did (SimResult.work)."""
+
 
 @dataclass(frozen=True)
 class MeshShape:
@@ -52,6 +62,9 @@ class SimResult:
     """Each request's mean ITL over its answer (seconds; 0 for answers of one token)."""
     end_s: float
     """When the last request finished (seconds from the workload's start)."""
+    work: dict[str, float] = field(default_factory=dict)
+    """What the instances computed (WORK_COUNTERS, summed over each role's instances): what the
+    plan check compares with the mesh's own counters."""
 
     def percentile(self, which: str, q: float) -> float:
         """The q-th percentile (0-100, nearest rank) of "ttft" or "itl" (requests with an ITL)."""
@@ -106,6 +119,7 @@ class _Sim:
         self.events: list[tuple[float, int, str, int]] = []
         self.seq = 0
         self.now = 0.0
+        self.work = dict.fromkeys(WORK_COUNTERS, 0.0)
 
     def push(self, t: float, kind: str, arg: int) -> None:
         self.seq += 1
@@ -128,7 +142,7 @@ class _Sim:
                 self.kick(arg)
         ttft = [r.first_token_s - r.arrival_s for r in self.requests]
         itl = [(r.last_token_s - r.first_token_s) / (r.tokens - 1) if r.tokens > 1 else 0.0 for r in self.requests]
-        return SimResult(ttft, itl, self.now)
+        return SimResult(ttft, itl, self.now, self.work)
 
     def admit(self) -> None:
         """Reserve a decode place for waiting requests, first come first served, and route each
@@ -216,6 +230,9 @@ class _Sim:
             if r.done >= r.prompt:
                 finished.append(queue.popleft())
         seconds = self.p.forward_s(tokens, attention)
+        self.work["prefill.num_forwards"] += 1
+        self.work["prefill.forward_seconds"] += seconds
+        self.work["prefill.num_prompt_tokens_computed"] += tokens
         for i in finished:
             r = self.requests[i]
             r.first_token_s = r.last_token_s = self.now + seconds + self.p.first_token_s
@@ -236,6 +253,9 @@ class _Sim:
             dec.running.append(heapq.heappop(dec.landing)[1])
         context = sum(self.requests[i].prompt + self.requests[i].tokens for i in dec.running)
         seconds = self.p.decode_step_s(len(dec.running), context)
+        self.work["decode.num_steps"] += 1
+        self.work["decode.step_seconds"] += seconds
+        self.work["decode.num_generated_tokens"] += len(dec.running)
         end = self.now + seconds
         still = []
         for i in dec.running:

@@ -30,6 +30,15 @@ def test_one_request_is_its_chunked_forwards_then_its_steps():
     assert result.ttft_s == [pytest.approx(0.68)]
     assert result.itl_s == [pytest.approx(0.025)]
     assert result.end_s == pytest.approx(0.755)
+    # the work, as the instances count it in GetStats (what the plan check compares)
+    assert result.work == {
+        "prefill.num_forwards": 3,
+        "prefill.forward_seconds": pytest.approx(0.63),
+        "prefill.num_prompt_tokens_computed": 600,
+        "decode.num_steps": 3,
+        "decode.step_seconds": pytest.approx(0.075),
+        "decode.num_generated_tokens": 3,
+    }
 
 
 def test_on_shared_cores_a_decode_step_waits_for_the_forward_beside_it():
