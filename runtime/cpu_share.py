@@ -130,6 +130,8 @@ class CpuShare:
         """The same for every process that maps this file, even after the launcher unlinks it."""
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setblocking(False)
+        self._poll = select.poll()  # not select.select: a service's sockets may number past 1,024
+        self._poll.register(self._socket, select.POLLIN)
         self._wakeable = False
         """Whether peers' wakes reach this instance (its record's socket is bound)."""
         if self.record is None:
@@ -203,7 +205,7 @@ class CpuShare:
         if not self._wakeable:
             time.sleep(self._heartbeat_s)
             return
-        select.select([self._socket], [], [], self._heartbeat_s)
+        self._poll.poll(self._heartbeat_s * 1000)
         self._drop_wakes()
 
     def _drop_wakes(self) -> None:
