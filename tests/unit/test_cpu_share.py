@@ -416,18 +416,32 @@ def test_no_path_means_no_sharing():
         CpuShare("/nonexistent", max_wait_s=-1)
 
 
-def _sleepy(path: str, monkeypatch) -> tuple[CpuShare, CpuShare]:
+@pytest.fixture
+def sleepy(tmp_path, monkeypatch):
     """A prefill and a decode side whose waits look at the file by themselves once a minute:
     sooner only when woken."""
     monkeypatch.setattr(cpu_share, "HEARTBEAT_S", 60.0)
-    return CpuShare(path, max_wait_s=300.0), CpuShare(path, max_wait_s=300.0)
+    path = str(tmp_path / "cpu-share")
+    prefill, decode = CpuShare(path, max_wait_s=300.0), CpuShare(path, max_wait_s=300.0)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
 
 
-def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_worker(tmp_path, monkeypatch):
+def _waiting_forward(prefill: CpuShare) -> tuple[threading.Thread, list[int]]:
+    """A forward of `prefill` asking for its turn on a thread, once it has looked at the file;
+    the list grows by one each time its wait wakes (`while_waiting`)."""
+    looks: list[int] = []
+    forward, _ = _in_turn(functools.partial(prefill.prefill_forward, while_waiting=lambda: looks.append(1)))
+    _until(lambda: looks)
+    return forward, looks
+
+
+def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_worker(sleepy):
     # an older prompt's forward runs at another prefill; the engine's batch waits for its turn,
     # and a call on its worker (a pull's allocation, a hold, the stats) wakes it and runs
     # meanwhile (its heartbeat is a minute away)
-    share, other = _sleepy(str(tmp_path / "cpu-share"), monkeypatch)
+    share, other = sleepy
     engine = PrefillEngine(ArgmaxRunner(), 4, 16, enable_prefix_caching=False, cpu_share=share, chunked_prefill_size=4)
     try:
         with other.prefill_forward(time.monotonic_ns() - 10**9):
@@ -438,46 +452,32 @@ def test_a_prefill_engine_waiting_for_its_turn_still_runs_the_calls_made_on_its_
         assert result.result(timeout=30).first_token == 22
     finally:
         engine.shutdown()
-        share.close()
-        other.close()
 
 
-def test_a_waiting_side_sleeps_until_the_turn_before_it_ends(tmp_path, monkeypatch):
+def test_a_waiting_side_sleeps_until_the_turn_before_it_ends(sleepy):
     # no polls: the waiting forward looks at the file once, then sleeps until the step ends and
     # wakes it (its heartbeat is a minute away). Polling every 0.2 ms cost the side that runs
     # 30% of its speed (runtime/cpu_share.py)
-    prefill, decode = _sleepy(str(tmp_path / "cpu-share"), monkeypatch)
-    looks: list[float] = []
-    try:
-        with decode.decode_step():
-            forward, _ = _in_turn(functools.partial(prefill.prefill_forward, while_waiting=lambda: looks.append(1)))
-            _until(lambda: looks)
-            forward.join(0.3)
-            assert forward.is_alive() and len(looks) == 1  # asleep: a poll loop looks ~1,000 times
-        forward.join(30)
-        assert not forward.is_alive() and len(looks) == 1  # woken by the step's end
-    finally:
-        prefill.close()
-        decode.close()
+    prefill, decode = sleepy
+    with decode.decode_step():
+        forward, looks = _waiting_forward(prefill)
+        forward.join(0.3)
+        assert forward.is_alive() and len(looks) == 1  # asleep: a poll loop looks ~1,000 times
+    forward.join(30)
+    assert not forward.is_alive() and len(looks) == 1  # woken by the step's end
 
 
-def test_wake_runs_a_waiting_forward_s_calls_at_once(tmp_path, monkeypatch):
+def test_wake_runs_a_waiting_forward_s_calls_at_once(sleepy):
     # the prefill engine's worker calls: queued from another thread, run by the forward that
     # waits for its turn, once `wake` wakes it
-    prefill, decode = _sleepy(str(tmp_path / "cpu-share"), monkeypatch)
-    looks: list[float] = []
-    try:
-        with decode.decode_step():
-            forward, _ = _in_turn(functools.partial(prefill.prefill_forward, while_waiting=lambda: looks.append(1)))
-            _until(lambda: looks)
-            prefill.wake()
-            _until(lambda: len(looks) == 2)
-            assert forward.is_alive() and not prefill.running()  # still waiting: the step runs
-        forward.join(30)
-        assert not forward.is_alive()
-    finally:
-        prefill.close()
-        decode.close()
+    prefill, decode = sleepy
+    with decode.decode_step():
+        forward, looks = _waiting_forward(prefill)
+        prefill.wake()
+        _until(lambda: len(looks) == 2)
+        assert forward.is_alive() and not prefill.running()  # still waiting: the step runs
+    forward.join(30)
+    assert not forward.is_alive()
 
 
 def test_a_side_no_wake_reaches_looks_again_at_its_heartbeat(tmp_path):
