@@ -18,16 +18,12 @@ runs one very long forward, holds the others back by that bound at most. A side 
 re-stamps its ask mark every HEARTBEAT_S (a waiting process is alive), so a prompt that waits
 long behind others keeps its place; no wait lasts past MAX_TURN_WAIT_S in all.
 
-A waiting side sleeps: it does not poll. A side whose turn ends wakes every side that asks, with
-a datagram to the socket each record binds (an abstract Unix socket named by the file's inode and
-the record: nothing on disk, gone with its process), and a waiter that gets none (a peer that
-died, one in another network namespace) looks again at its heartbeat. Polling every 0.2 ms, as
-this did before, cost the side that runs 30% of its speed: 120 fp32 matmuls of 512x896x4864 on
-two threads took 2.39 s beside one waiting side against 1.75-1.88 s alone (2 cores, Intel Xeon
-with AMX, 2026-12-07; polls every 1 ms cost 6%, every 20 ms nothing measurable). Each wake-up
-of the waiter takes a core from the OpenMP team for a moment, and the team's other thread
-spins at its barrier meanwhile. The file
-holds int64s: when decode's last step ended and when a prefill forward last began
+A waiting side sleeps: the side whose turn ends wakes every side that asks
+(kvmesh.runtime.turn_wakes), and a waiter that no wake reaches looks again at its heartbeat. Each
+poll of a waiting side would take a core from the running side's OpenMP team: polls every 0.2 ms
+cost it 30% of its speed.
+
+The file holds int64s: when decode's last step ended and when a prefill forward last began
 (CLOCK_MONOTONIC nanoseconds, one clock for every process of a host), then one record per
 instance: an owner token, its pid, its role (prefill or decode), when it was last seen asking
 for a turn (the heartbeat), when its turn under way began, its place (below) and when its last
@@ -63,11 +59,12 @@ import logging
 import mmap
 import os
 import secrets
-import select
 import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+
+from kvmesh.runtime.turn_wakes import TurnWakes
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +113,6 @@ class CpuShare:
         self.max_wait_s = max_wait_s
         self._max_wait_ns = int(max_wait_s * 1e9)
         self._owner = secrets.randbits(62) + 1
-        self._heartbeat_s = min(HEARTBEAT_S, max_wait_s / 4)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             stat = os.fstat(fd)
@@ -126,28 +122,10 @@ class CpuShare:
             self.record = self._claim(fd)
         finally:
             os.close(fd)
-        self._file_id = f"{stat.st_dev}-{stat.st_ino}"
-        """The same for every process that maps this file, even after the launcher unlinks it."""
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._socket.setblocking(False)
-        self._poll = select.poll()  # not select.select: a service's sockets may number past 1,024
-        self._poll.register(self._socket, select.POLLIN)
-        self._wakeable = False
-        """Whether peers' wakes reach this instance (its record's socket is bound)."""
+        self._wakes = TurnWakes(path, f"{stat.st_dev}-{stat.st_ino}", self.record, min(HEARTBEAT_S, max_wait_s / 4))
         if self.record is None:
             log.warning(
                 "cpu share %s: all %d records held by live instances; this one runs without turns", path, MAX_PARTIES
-            )
-            return
-        try:
-            self._socket.bind(self._wake_address(self.record))
-            self._wakeable = True
-        except OSError as exc:
-            log.warning(
-                "cpu share %s: no wake-up socket (%s); a turn starts within %.0f ms of the one before",
-                path,
-                exc,
-                self._heartbeat_s * 1000,
             )
 
     def _claim(self, fd: int) -> int | None:
@@ -177,43 +155,17 @@ class CpuShare:
             if locked:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _wake_address(self, record: int) -> bytes:
-        """The abstract Unix socket name of `record`'s wake-ups."""
-        return f"\0kvmesh-cpu-share-{self._file_id}-{record}".encode()
-
     def wake(self) -> None:
         """Wake this instance's own wait for its turn, so that it calls `while_waiting` now (the
         prefill engine's worker calls, queued from other threads)."""
-        if self._wakeable and self.record is not None:
-            self._send_wake(self.record)
-
-    def _send_wake(self, record: int) -> None:
-        try:
-            self._socket.sendto(b"\0", self._wake_address(record))
-        except OSError:  # gone, or its queue full of wakes: it looks again at its heartbeat
-            pass
+        self._wakes.wake_self()
 
     def _wake_asking(self) -> None:
         """Wake every other side whose ask mark is live (after this one's turn ended)."""
         now = time.monotonic_ns()
         for record, _, ask, _ in self._others():
             if self._live(ask, now):
-                self._send_wake(record)
-
-    def _sleep(self) -> None:
-        """Until a peer wakes this side or HEARTBEAT_S passes; the wakes queued are dropped."""
-        if not self._wakeable:
-            time.sleep(self._heartbeat_s)
-            return
-        self._poll.poll(self._heartbeat_s * 1000)
-        self._drop_wakes()
-
-    def _drop_wakes(self) -> None:
-        try:
-            while self._socket.recv(16):
-                pass
-        except OSError:  # BlockingIOError: none left
-            pass
+                self._wakes.send(record)
 
     def _read(self, slot: int) -> int:
         return struct.unpack_from("q", self._map, 8 * slot)[0]
@@ -266,14 +218,14 @@ class CpuShare:
         self._set(_ROLE, role)
         self._set(_ORDER, asked if order_ns is None else min(order_ns, asked))
         self._set(_ASK, asked)
-        self._drop_wakes()  # a turn that ends from here on sees our mark and wakes us
+        self._wakes.drop()  # a turn that ends from here on sees our mark and wakes us
         start = time.monotonic()
         bound_ns = int(MAX_TURN_WAIT_S * 1e9)
         now = asked
         while now - asked < bound_ns and self._held_back(now):
             if while_waiting is not None:
                 while_waiting()
-            self._sleep()
+            self._wakes.sleep()
             now = time.monotonic_ns()
             self._set(_ASK, now)  # the heartbeat: still waiting, still alive
         began = time.monotonic_ns()
@@ -345,7 +297,7 @@ class CpuShare:
         """Gives the record back (if it is still this instance's) and unmaps the file."""
         if self.record is not None and self._mark(_OWNER) == self._owner:
             self._set(_OWNER, 0)
-        self._socket.close()
+        self._wakes.close()
         self._map.close()
 
 

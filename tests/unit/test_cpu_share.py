@@ -5,6 +5,8 @@ CpuShare objects on one file stand for the processes: they map the same page, as
 decode do."""
 
 import functools
+import os
+import resource
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ from kvmesh.engine.forward import chunk_ends
 from kvmesh.prefill_svc.engine import PrefillEngine
 from kvmesh.runtime import cpu_share
 from kvmesh.runtime.cpu_share import CpuShare, NoCpuShare, open_cpu_share
+from kvmesh.runtime.turn_wakes import TurnWakes
 from tests.unit.test_prefill_engine import ArgmaxRunner, _job
 
 
@@ -279,13 +282,13 @@ def test_records_are_given_back_and_taken_over_from_dead_processes(tmp_path):
 def _count_sleeps(monkeypatch) -> list[int]:
     """Counts (in a one-item list) the times a wait for a turn goes to sleep."""
     sleeps = [0]
-    sleep = CpuShare._sleep
+    sleep = TurnWakes.sleep
 
-    def counted(self: CpuShare) -> None:
+    def counted(self: TurnWakes) -> None:
         sleeps[0] += 1
         sleep(self)
 
-    monkeypatch.setattr(CpuShare, "_sleep", counted)
+    monkeypatch.setattr(TurnWakes, "sleep", counted)
     return sleeps
 
 
@@ -484,7 +487,7 @@ def test_a_side_no_wake_reaches_looks_again_at_its_heartbeat(tmp_path):
     # a peer that cannot wake it (another network namespace, a socket that could not be bound)
     path = str(tmp_path / "cpu-share")
     prefill, decode = CpuShare(path), CpuShare(path)
-    prefill._wakeable = False
+    prefill._wakes.wakeable = False
     try:
         with decode.decode_step():
             forward, waited = _in_turn(prefill.prefill_forward)
@@ -494,3 +497,25 @@ def test_a_side_no_wake_reaches_looks_again_at_its_heartbeat(tmp_path):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_wait_sleeps_on_a_socket_numbered_past_1024(tmp_path):
+    # a service holds many sockets (gRPC, UCX): select.select refuses descriptors past 1,023
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, 2048), hard), hard))
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(max(0, 1100 - len(os.listdir("/proc/self/fd"))))]
+    path = str(tmp_path / "cpu-share")
+    try:
+        prefill, decode = CpuShare(path), CpuShare(path)
+        assert prefill._wakes._socket.fileno() > 1024
+        with decode.decode_step():
+            forward, waited = _in_turn(prefill.prefill_forward)
+            _until(prefill.asking)
+        forward.join(30)
+        assert not forward.is_alive() and waited[0] > 0
+        prefill.close()
+        decode.close()
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
