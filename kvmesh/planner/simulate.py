@@ -6,8 +6,9 @@ The mesh as kvmesh runs it:
   requests (`max_batch_size` each: when every decode is full the request waits, first come first
   served) and routes the prompt to the prefill instance holding its longest cached prefix, then
   the one with the fewest queued tokens.
-- A prefill instance computes its queue first come first served in forwards of at most
-  `chunk_tokens` tokens (requests packed, a long prompt over several forwards: chunked prefill);
+- A prefill instance computes its queue first come first served, in batches of the whole prompts
+  that fit `chunk_tokens` together (a longer prompt alone, over several forwards of at most
+  `chunk_tokens`: chunked prefill), a batch at a time, as its engine does;
   a prompt's full blocks stay cached there (no eviction is modelled). Its first token comes
   `first_token_s` after its last forward, and it then joins its decode's batch.
 - A decode instance runs steps while it has requests: every request in a step gets one token.
@@ -106,6 +107,8 @@ class _Sim:
         ]
         self.prefill_queues: list[deque[int]] = [deque() for _ in range(shape.num_prefill)]
         self.prefill_cached: list[set[int]] = [set() for _ in range(shape.num_prefill)]
+        self.batch = [0] * shape.num_prefill
+        """How many requests at the head of each prefill's queue are the batch it computes."""
         self.decodes = [_Decode() for _ in range(shape.num_decode)]
         self.waiting: deque[int] = deque()
         # actors: prefill 0..P-1, then decode P..P+D-1; each in one core group
@@ -218,17 +221,29 @@ class _Sim:
         return bool(d.running) or bool(d.landing and d.landing[0][0] <= self.now)  # a heap: its first lands first
 
     def forward(self, p: int) -> float:
-        """Prefill p's next forward; its finished prompts' first tokens are scheduled. Seconds."""
-        queue, budget, tokens, attention, finished = self.prefill_queues[p], self.shape.chunk_tokens, 0, 0.0, []
-        while queue and budget:
-            r = self.requests[queue[0]]
-            n = min(budget, r.prompt - r.done)
+        """Prefill p's next forward; its finished prompts' first tokens are scheduled. Seconds.
+
+        As the engine computes (kvmesh.prefill_svc.engine, PendingRequests.take): a batch is the
+        whole prompts at the queue's head whose prompts fit the chunk together (the first one
+        always), and each forward computes a chunk of every prompt of the batch still computing;
+        the next batch is taken once this one is done."""
+        queue, chunk, tokens, attention, finished = self.prefill_queues[p], self.shape.chunk_tokens, 0, 0.0, []
+        if not self.batch[p]:
+            total = 0
+            while self.batch[p] < len(queue) and (
+                not self.batch[p] or total + self.requests[queue[self.batch[p]]].prompt <= chunk
+            ):
+                total += self.requests[queue[self.batch[p]]].prompt
+                self.batch[p] += 1
+        for i in list(queue)[: self.batch[p]]:
+            r = self.requests[i]
+            n = min(chunk, r.prompt - r.done)
             attention += n * (r.done + n / 2)
             r.done += n
             tokens += n
-            budget -= n
-            if r.done >= r.prompt:
-                finished.append(queue.popleft())
+        if all(self.requests[i].done >= self.requests[i].prompt for i in list(queue)[: self.batch[p]]):
+            finished = [queue.popleft() for _ in range(self.batch[p])]
+            self.batch[p] = 0
         seconds = self.p.forward_s(tokens, attention)
         self.work["prefill.num_forwards"] += 1
         self.work["prefill.forward_seconds"] += seconds

@@ -61,6 +61,18 @@ def test_a_full_decode_holds_the_next_request_before_its_prefill():
     assert result.ttft_s == [pytest.approx(0.16), pytest.approx(0.37)]
 
 
+def test_a_batch_is_the_whole_prompts_that_fit_the_chunk_together():
+    # as the prefill engine takes them (PendingRequests.take), once X's forward (0.266 s) is
+    # done: 150 + 100 tokens fit a chunk of 256, one forward of 250 tokens; 200 + 100 do not, so
+    # the 100-token prompt waits for the 200-token one's forward instead of filling its chunk
+    together = simulate(workload((0.0, 256, 1), (0.01, 150, 1), (0.01, 100, 1)), MeshShape(1, 1, 256, 8), PROFILE)
+    assert together.ttft_s[1:] == [pytest.approx(0.266 + 0.26 + 0.05 - 0.01)] * 2
+    assert together.work["prefill.num_forwards"] == 2
+    apart = simulate(workload((0.0, 256, 1), (0.01, 200, 1), (0.01, 100, 1)), MeshShape(1, 1, 256, 8), PROFILE)
+    assert apart.ttft_s[1:] == [pytest.approx(0.266 + 0.21 + 0.04), pytest.approx(0.266 + 0.21 + 0.11 + 0.04)]
+    assert apart.work["prefill.num_forwards"] == 3
+
+
 def test_a_cached_prefix_is_not_computed_again():
     # B shares A's first two blocks (32 tokens) and arrives after A is done: it computes 16 tokens
     w = workload((0.0, 48, 1), (1.0, 48, 1), ids=[(1, 2, 3), (1, 2, 4)])
