@@ -22,6 +22,7 @@ each in turn); otherwise each instance has its own device and runs beside the ot
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -235,14 +236,14 @@ class _Sim:
             ):
                 total += self.requests[queue[self.batch[p]]].prompt
                 self.batch[p] += 1
-        for i in list(queue)[: self.batch[p]]:
-            r = self.requests[i]
+        batch = [self.requests[i] for i in itertools.islice(queue, self.batch[p])]
+        for r in batch:
             n = min(chunk, r.prompt - r.done)
             attention += n * (r.done + n / 2)
             r.done += n
             tokens += n
-        if all(self.requests[i].done >= self.requests[i].prompt for i in list(queue)[: self.batch[p]]):
-            finished = [queue.popleft() for _ in range(self.batch[p])]
+        if all(r.done >= r.prompt for r in batch):
+            finished = [queue.popleft() for _ in batch]
             self.batch[p] = 0
         seconds = self.p.forward_s(tokens, attention)
         self.work["prefill.num_forwards"] += 1
