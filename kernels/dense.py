@@ -57,17 +57,18 @@ def onednn_weight(w: torch.Tensor) -> torch.Tensor | None:
         or w.device.type != "cpu"
     ):
         return None
-    return w.t().contiguous().to_mkldnn()
+    return w.t().contiguous().to_mkldnn()  # .contiguous() copies nothing when w is the view .t() of [N, K]
 
 
 def prefill_copy(w: torch.Tensor, bf16_native: bool = True) -> torch.Tensor | None:
-    """The copy of an input-major weight w [K, N] that `dense_matmul` computes with: oneDNN's for
+    """The copy of an input-major weight w [K, N] (contiguous, or the view .t() of an [N, K]
+    tensor, which spares oneDNN's copy a transpose) that `dense_matmul` computes with: oneDNN's for
     an fp32 w (`onednn_weight`); w in fp32 ([K, N], K*N*4 bytes more) for a bf16 w on a CPU that
     only emulates bf16 (bf16_native False: no AVX-512 BF16 or AMX, `kvmesh.engine.precision.native_bf16`);
     else None. Emulated, torch's bf16 GEMM ran 90x slower than its fp32 one (`x @ w`, [160, 576] @
     [576, 1536], 251 against 2.8 ms; 27 ms with w [N, K]; AMD EPYC Zen 3, AVX2, 2 cores)."""
     if w.dtype == torch.bfloat16 and w.device.type == "cpu" and not bf16_native:
-        return w.float()
+        return w.float().contiguous()  # [K, N] in rows, whatever w's strides
     return onednn_weight(w)
 
 

@@ -86,13 +86,16 @@ def take_layer(take: TensorTaker, c: ModelConfig, p: str, blocks: dict[str, GGUF
     H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
     input_norm = take(p + "input_layernorm.weight", (H,))
-    qkv = [take(p + f"self_attn.{x}_proj.weight", (q_out if x == "q" else kv_out, H)) for x in "qkv"]
-    w_qkv = torch.cat(qkv).t().contiguous()
-    w_o = take(p + "self_attn.o_proj.weight", (H, q_out)).t().contiguous()
+    # each matrix output-major ([out, in], as the file), then input-major: oneDNN's copy is made
+    # from the first, so that no matrix is transposed twice
+    out_major = [
+        torch.cat([take(p + f"self_attn.{x}_proj.weight", (q_out if x == "q" else kv_out, H)) for x in "qkv"]),
+        take(p + "self_attn.o_proj.weight", (H, q_out)),
+        torch.cat([take(p + "mlp.gate_proj.weight", (I, H)), take(p + "mlp.up_proj.weight", (I, H))]),
+        take(p + "mlp.down_proj.weight", (H, I)),
+    ]
+    w_qkv, w_o, w_gate_up, w_down = (w.t().contiguous() for w in out_major)
     post_norm = take(p + "post_attention_layernorm.weight", (H,))
-    gate_up = [take(p + "mlp.gate_proj.weight", (I, H)), take(p + "mlp.up_proj.weight", (I, H))]
-    w_gate_up = torch.cat(gate_up).t().contiguous()
-    w_down = take(p + "mlp.down_proj.weight", (H, I)).t().contiguous()
     native = _bf16_native(w_qkv)  # the CPU's flags, read once a layer and only for bf16
     return LlamaLayer(
         input_norm=input_norm,
@@ -105,7 +108,7 @@ def take_layer(take: TensorTaker, c: ModelConfig, p: str, blocks: dict[str, GGUF
         q_o=pack_blocks(blocks, [p + "self_attn.o_proj.weight"]) if blocks else None,
         q_gate_up=pack_blocks(blocks, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) if blocks else None,
         q_down=pack_blocks(blocks, [p + "mlp.down_proj.weight"]) if blocks else None,
-        dnn=tuple(prefill_copy(x, native) for x in (w_qkv, w_o, w_gate_up, w_down)),
+        dnn=tuple(prefill_copy(x.t(), native) for x in out_major),
     )
 
 
