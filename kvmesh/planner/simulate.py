@@ -230,12 +230,7 @@ class _Sim:
         the next batch is taken once this one is done."""
         queue, chunk, tokens, attention, finished = self.prefill_queues[p], self.shape.chunk_tokens, 0, 0.0, []
         if not self.batch[p]:
-            total = 0
-            while self.batch[p] < len(queue) and (
-                not self.batch[p] or total + self.requests[queue[self.batch[p]]].prompt <= chunk
-            ):
-                total += self.requests[queue[self.batch[p]]].prompt
-                self.batch[p] += 1
+            self.batch[p] = self.batch_size(queue, chunk)
         batch = [self.requests[i] for i in itertools.islice(queue, self.batch[p])]
         for r in batch:
             n = min(chunk, r.prompt - r.done)
@@ -261,6 +256,17 @@ class _Sim:
                 heapq.heappush(self.decodes[r.decode].landing, (r.first_token_s, i))
                 self.push(r.first_token_s, "land", r.decode)
         return seconds
+
+    def batch_size(self, queue: deque[int], chunk: int) -> int:
+        """How many requests at the head of `queue` the next batch takes: those whose prompts fit
+        `chunk` tokens together, the first one always (PendingRequests.take's rule)."""
+        size, total = 0, 0
+        for i in queue:
+            total += self.requests[i].prompt
+            if size and total > chunk:
+                break
+            size += 1
+        return size
 
     def step(self, d: int) -> float:
         """Decode d's next step over the requests that have landed; seconds."""
